@@ -1,0 +1,88 @@
+"""Paged attention in plain PyTorch: the CPU path, and the reference every fused kernel is tested against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs for a batch of sequences whose new tokens are concatenated."""
+
+    slot_mapping: Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) of each new token
+    query_start: list[int]  # B+1 cumulative offsets of each sequence's new tokens in the T dimension
+    context_lens: list[int]  # B: each sequence's KV length after this step (cached + new tokens)
+    block_tables: list[list[int]]  # B: block ids of each sequence, in order
+    block_size: int
+    # Built on first use and shared by all layers of the step: the same for every layer.
+    _gather: _KVGather | None = field(default=None, init=False, repr=False, compare=False)
+
+    def kv_gather(self, device: torch.device) -> _KVGather:
+        """The blocks holding every sequence's context, and its causal masks; built once per step."""
+        if self._gather is None:
+            self._gather = _KVGather.build(self, device)
+        return self._gather
+
+
+@dataclass
+class _KVGather:
+    blocks: Tensor  # the blocks covering each sequence's context, sequences concatenated
+    kv_start: list[int]  # B: row of each sequence's first key among the gathered blocks' slots
+    masks: list[Tensor | None]  # None: no mask needed (decode, or full prefill which uses is_causal)
+
+    @staticmethod
+    def build(meta: AttentionMetadata, device: torch.device) -> _KVGather:
+        bs = meta.block_size
+        blocks: list[int] = []
+        kv_start: list[int] = []
+        masks: list[Tensor | None] = []
+        for i, (table, ctx) in enumerate(zip(meta.block_tables, meta.context_lens)):
+            used = -(-ctx // bs)
+            assert len(table) >= used, "block table shorter than context"
+            kv_start.append(len(blocks) * bs)
+            blocks += table[:used]
+            n = meta.query_start[i + 1] - meta.query_start[i]
+            if n == 1 or n == ctx:
+                masks.append(None)
+            else:
+                # New query j sits at absolute position ctx - n + j and sees keys 0..that position.
+                q_pos = torch.arange(ctx - n, ctx, device=device)
+                masks.append(torch.arange(ctx, device=device)[None, :] <= q_pos[:, None])
+        return _KVGather(torch.tensor(blocks, device=device), kv_start, masks)
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
+    """q [T,H,D], k/v [T,Hkv,D]; k_cache/v_cache [num_blocks*block_size, Hkv, D] (flat-slot views of one layer's pool).
+    Writes k, v at meta.slot_mapping, then for each sequence attends its new queries over all its KV
+    (gathered through its block table up to context_len) with a causal mask: the query at absolute position p
+    sees keys 0..p. GQA by head groups. Returns [T, H, D]."""
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    gather = meta.kv_gather(q.device)
+    # One gather of whole blocks per layer for all sequences (a few large row copies), then per-sequence views.
+    num_slots, hkv, d = k_cache.shape
+    bs = meta.block_size
+    keys = k_cache.view(num_slots // bs, -1).index_select(0, gather.blocks).view(-1, hkv, d).to(q.dtype)
+    values = v_cache.view(num_slots // bs, -1).index_select(0, gather.blocks).view(-1, hkv, d).to(q.dtype)
+    out = []
+    for i, mask in enumerate(gather.masks):
+        qs, qe = meta.query_start[i], meta.query_start[i + 1]
+        ks, ke = gather.kv_start[i], gather.kv_start[i] + meta.context_lens[i]
+        # 4-D [1, heads, len, D]: with 3-D inputs PyTorch falls back to its slow math kernel on CPU.
+        o = F.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1)[None],
+            keys[ks:ke].transpose(0, 1)[None],
+            values[ks:ke].transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None and qe - qs > 1,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)

@@ -1,0 +1,201 @@
+"""Paged KV block allocator with prefix caching; the decode worker is its only owner.
+
+A block is in exactly one state: free (in the free list), referenced (by at
+least one live sequence's table) or evictable (cached, unreferenced, in the
+LRU). A cached block has a chain hash, its token ids and the serial of the
+cached block before it; a prefix matches only if all three agree, so neither a
+hash collision nor a parent block evicted and reused for other tokens can ever
+serve wrong KV.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.prefix_hash import chain_hash
+
+_ROOT = 0  # parent serial of a sequence's first block; real serials start at 1
+
+
+class Block:
+    """One KV block: reference count and, once cached, its hash, token ids, serial and parent's serial."""
+
+    __slots__ = ("block_id", "hash", "parent", "ref_count", "serial", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+        # A fresh serial per registration: a child records its parent's serial, so reusing the
+        # parent's block for other tokens breaks the link even if the new content hashes the same.
+        self.serial = _ROOT
+        self.parent = _ROOT
+
+
+@dataclass(slots=True)
+class _Seq:
+    table: list[int]
+    num_hashed: int  # leading blocks already matched or registered in the cache
+    last_hash: int | None
+    last_serial: int
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences and keeps finished prefixes cached (ref-counted, LRU-evicted)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self._hash_to_block: dict[int, int] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self._serials = itertools.count(_ROOT + 1)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: never-used/freed ones plus cached blocks no live sequence references."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one live sequence (vLLM's kv_cache_usage_perc)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_extra_slots: int = 0) -> int | None:
+        """Pin the longest cached prefix of token_ids and allocate blocks for the rest plus num_extra_slots slots.
+
+        Returns the number of cached tokens (always < len(token_ids) when token_ids is non-empty), or None,
+        changing nothing, if there are not enough free blocks.
+        """
+        assert seq_id not in self._seqs, f"sequence {seq_id!r} is already allocated"
+        matched = self._match(token_ids)
+        if matched and len(matched) * self.block_size == len(token_ids):
+            # At least one token must run to produce logits; recomputing the whole last block into a fresh
+            # one keeps cached blocks immutable.
+            matched.pop()
+        num_new = self._num_blocks_for(len(token_ids) + num_extra_slots) - len(matched)
+        num_revived = sum(1 for block in matched if block.ref_count == 0)
+        if num_new > self.num_free_blocks - num_revived:
+            return None
+        for block in matched:
+            if block.ref_count == 0:
+                del self._evictable[block.block_id]
+            block.ref_count += 1
+        table = [block.block_id for block in matched] + [self._take() for _ in range(num_new)]
+        last = matched[-1] if matched else None
+        self._seqs[seq_id] = _Seq(table, len(matched), last.hash if last else None, last.serial if last else _ROOT)
+        return len(matched) * self.block_size
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """A copy of the sequence's block ids, in token order."""
+        return list(self._seqs[seq_id].table)
+
+    def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
+        """Grow the sequence's table to cover num_tokens slots; False (and no change) if not enough blocks are free."""
+        table = self._seqs[seq_id].table
+        num_new = self._num_blocks_for(num_tokens) - len(table)
+        if num_new > self.num_free_blocks:
+            return False
+        table.extend(self._take() for _ in range(num_new))
+        return True
+
+    def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register as cached every full block among the first num_computed of token_ids (prompt + generated ids).
+
+        Idempotent and incremental. If an equal block is already cached (the same prefix computed
+        concurrently), that entry stays and this sequence's block stays private, freed normally.
+        """
+        seq = self._seqs[seq_id]
+        bs = self.block_size
+        num_full = min(num_computed, len(token_ids)) // bs
+        assert num_full <= len(seq.table), "KV written beyond the sequence's blocks"
+        for i in range(seq.num_hashed, num_full):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            h = chain_hash(seq.last_hash, tokens)
+            existing = self._hash_to_block.get(h)
+            if existing is not None:
+                other = self._blocks[existing]
+                if other.token_ids == tokens and other.parent == seq.last_serial:
+                    seq.last_hash, seq.last_serial = h, other.serial
+                    continue
+                # A collision, or an orphan whose parent was evicted: neither can ever match, so make way.
+                self._uncache(other)
+            block = self._blocks[seq.table[i]]
+            assert block.hash is None and block.ref_count > 0
+            block.hash, block.token_ids, block.parent = h, tokens, seq.last_serial
+            block.serial = next(self._serials)
+            self._hash_to_block[h] = block.block_id
+            seq.last_hash, seq.last_serial = h, block.serial
+        seq.num_hashed = max(seq.num_hashed, num_full)
+
+    def free(self, seq_id: str) -> None:
+        """Drop the sequence's references; unreferenced cached blocks become evictable, others free."""
+        # Tail first, so the LRU evicts a prefix's tail before its head (the head is likelier to be shared).
+        for block_id in reversed(self._seqs.pop(seq_id).table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self._free.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+
+    def peek_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens allocate() would report as cached right now, without pinning."""
+        num_matched = len(self._match(token_ids))
+        if num_matched and num_matched * self.block_size == len(token_ids):
+            num_matched -= 1
+        return num_matched * self.block_size
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _match(self, token_ids: Sequence[int]) -> list[Block]:
+        matched: list[Block] = []
+        h, parent = None, _ROOT
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            tokens = tuple(token_ids[start : start + bs])
+            h = chain_hash(h, tokens)
+            block_id = self._hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self._blocks[block_id]
+            if block.token_ids != tokens or block.parent != parent:
+                break
+            matched.append(block)
+            parent = block.serial
+        return matched
+
+    def _take(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._forget(self._blocks[block_id])
+        self._blocks[block_id].ref_count = 1
+        return block_id
+
+    def _forget(self, block: Block) -> None:
+        assert block.hash is not None and self._hash_to_block[block.hash] == block.block_id
+        del self._hash_to_block[block.hash]
+        block.reset()
+
+    def _uncache(self, block: Block) -> None:
+        self._forget(block)
+        if block.ref_count == 0:
+            del self._evictable[block.block_id]
+            self._free.append(block.block_id)

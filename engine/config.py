@@ -1,0 +1,230 @@
+"""The model folder's config.json, read into one dataclass, and every check that needs no weights loaded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+class ModelError(ValueError):
+    """A problem with the user's model folder; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs from a Hugging Face decoder checkpoint, normalised across config.json versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    dtype: torch.dtype
+    sliding_window: int | None
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> ModelConfig:
+        """Read path/config.json (and generation_config.json if present); ModelError if unsupported or malformed."""
+        folder = Path(path)
+        raw = _read_json(folder / "config.json", required=True)
+        gen = _read_json(folder / "generation_config.json", required=False)
+        arch = raw.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise ModelError(f"model folder {folder} has model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+        if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias", False):
+            raise ModelError(
+                f"model folder {folder}: only a bias-free SiLU MLP is supported (hidden_act silu, mlp_bias false)"
+            )
+
+        def need(key: str) -> Any:
+            if raw.get(key) is None:
+                raise ModelError(f"config.json in {folder} lacks {key!r} (is the file complete?)")
+            return raw[key]
+
+        num_heads = need("num_attention_heads")
+        rope_theta, rope_scaling = _rope(raw, folder)
+        max_pos = need("max_position_embeddings")
+        # Qwen configs carry a sliding_window that is only in effect with use_sliding_window.
+        windowed = arch == "mistral" or (arch in ("qwen2", "qwen3") and raw.get("use_sliding_window", False))
+        sliding_window = raw.get("sliding_window") if windowed else None
+        if sliding_window is not None:
+            # Windowed attention is not implemented: capping the context at the window makes every
+            # key fall inside it, so full attention gives exactly the windowed result.
+            max_pos = min(max_pos, sliding_window)
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or need("hidden_size") // num_heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bool(raw.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
+            bos_token_id=raw["bos_token_id"] if raw.get("bos_token_id") is not None else gen.get("bos_token_id"),
+            dtype=_checkpoint_dtype(raw, folder),
+            sliding_window=sliding_window,
+        )
+
+
+def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
+    """'auto' -> the checkpoint's dtype; 'float32'|'bfloat16'|'float16' -> that; else ModelError."""
+    if name == "auto":
+        return cfg.dtype
+    if name not in DTYPES:
+        raise ModelError(f"unknown dtype {name!r}; use one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the checkpoint tensors the model needs, in Hugging Face naming."""
+    h, d, vocab = cfg.hidden_size, cfg.head_dim, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        for name, rows in (("q", cfg.num_heads * d), ("k", cfg.num_kv_heads * d), ("v", cfg.num_kv_heads * d)):
+            shapes[p + f"self_attn.{name}_proj.weight"] = (rows, h)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def safetensors_index(folder: str | Path) -> dict[str, Path]:
+    """Map each tensor name in folder/*.safetensors to its file, reading only the headers."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelError(
+            f"no *.safetensors files in {folder}; convert the checkpoint to safetensors, "
+            "or use --load-format dummy for random weights"
+        )
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            index.update((name, file) for name in f.keys())  # noqa: SIM118 (safe_open is not a dict)
+    return index
+
+
+def missing_tensors_error(folder: str | Path, missing: list[str]) -> ModelError:
+    """The error for a checkpoint that lacks tensors the config requires."""
+    shown = ", ".join(missing[:8]) + (f", ... ({len(missing)} in all)" if len(missing) > 8 else "")
+    return ModelError(f"missing tensors in {folder}: {shown} (is the checkpoint complete?)")
+
+
+def check_model_folder(path: str | Path, load_format: str = "auto") -> ModelConfig:
+    """Check everything possible before any process starts (folder, config, tensor names and shapes
+    from the safetensors headers); returns the config or raises ModelError with a clear message."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelError(f"model folder {folder} does not exist (pass --model a local Hugging Face model folder)")
+    cfg = ModelConfig.from_folder(folder)
+    if load_format not in LOAD_FORMATS:
+        raise ModelError(f"unknown load format {load_format!r}; use one of: {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return cfg
+    index = safetensors_index(folder)
+    expected = weight_shapes(cfg)
+    missing = [name for name in expected if name not in index]
+    if missing:
+        raise missing_tensors_error(folder, missing)
+    for file in sorted({index[name] for name in expected}):
+        with safe_open(file, framework="pt") as f:
+            for name in (n for n in expected if index[n] == file):
+                found = tuple(f.get_slice(name).get_shape())
+                if found != expected[name]:
+                    raise ModelError(
+                        f"tensor {name} in {file} has shape {found} but config.json implies {expected[name]} "
+                        "(config.json does not match the weights)"
+                    )
+    return cfg
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ModelError(f"no {path.name} in {path.parent} (is this a Hugging Face model folder?)")
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path}: {e} (fix or re-download the file)") from e
+    if not isinstance(data, dict):
+        raise ModelError(f"{path} is not a JSON object (fix or re-download the file)")
+    return data
+
+
+def _rope(raw: dict[str, Any], folder: Path) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, llama3 scaling or None) from either transformers 5's `rope_parameters`
+    or the older top-level `rope_theta` + `rope_scaling` that hub checkpoints carry."""
+    params = raw.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ModelError(f"model folder {folder}: per-layer-type rope_parameters are not supported")
+    scaling = dict(params) if params else dict(raw.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelError(f"model folder {folder} uses RoPE scaling {rope_type!r}; supported: default, llama3")
+    absent = [k for k in LLAMA3_ROPE_KEYS[:3] if k not in scaling]
+    if absent:
+        raise ModelError(f"llama3 RoPE scaling in {folder}/config.json lacks {', '.join(absent)}")
+    # Like transformers, fall back to the configured context when the pretraining length is not given.
+    scaling.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
+    return theta, {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_ROPE_KEYS}}
+
+
+def _eos_ids(*values: int | list[int] | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for v in values:
+        for i in [v] if isinstance(v, int) else (v or []):
+            if i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+def _checkpoint_dtype(raw: dict[str, Any], folder: Path) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    if name not in DTYPES:
+        raise ModelError(f"model folder {folder} stores dtype {name!r}; supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
