@@ -1,0 +1,116 @@
+"""The decode worker process: owns the weights, the KV pool and its blocks; decodes in continuous batches.
+
+Its loop is the request lifecycle of DESIGN.md: take requests and prefill
+notifications, schedule (admit, hand prefills off, preempt), run one step of
+decodes plus inline prefill chunks, sample, stream the tokens out.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import zmq
+
+from engine.block_manager import BlockManager
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.shared_tensor import unlink_shared
+from scheduler.config import UnitConfig
+from scheduler.decode_scheduler import DecodeScheduler
+from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
+                                RequestOutput, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
+from scheduler.worker_setup import create_unit_memory, init_worker_process, socket
+
+STATS_INTERVAL_S = 0.25
+
+
+class DecodeWorker:
+    def __init__(self, cfg: UnitConfig) -> None:
+        self.cfg = cfg
+        model, mcfg, kv_pool, self.weights_handle, self.kv_handle, num_blocks = create_unit_memory(cfg)
+        self.runner = ModelRunner(model, kv_pool, cfg.block_size)
+        self.sampler = Sampler(mcfg.eos_token_ids)
+        self.scheduler = DecodeScheduler(BlockManager(num_blocks, cfg.block_size), mcfg.eos_token_ids, cfg.max_model_len,
+                                         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.aggregated)
+        self.ctx = zmq.Context()
+        self.requests = socket(self.ctx, zmq.PULL, cfg.requests_address)
+        self.out = socket(self.ctx, zmq.PUSH, cfg.outputs_address)
+        self.poller = zmq.Poller()
+        self.poller.register(self.requests, zmq.POLLIN)
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode_request = msgspec.msgpack.Decoder(ToDecode).decode
+        self.decode_notify = msgspec.msgpack.Decoder(FromPrefill).decode
+        if cfg.aggregated:
+            self._release_names()
+        else:
+            self.jobs = socket(self.ctx, zmq.PUSH, cfg.jobs_address, bind=True)
+            self.notify = socket(self.ctx, zmq.PULL, cfg.notify_address, bind=True)
+            self.poller.register(self.notify, zmq.POLLIN)
+            self.jobs.send(self.encode(UnitSetup(self.weights_handle, self.kv_handle, num_blocks)))
+        self.pending: list[RequestOutput] = []
+        self.last_stats = 0.0
+        self.send(ready=WorkerReady("decode", os.getpid(), num_blocks))
+
+    def run(self) -> None:
+        while True:
+            self.receive(block=not self.scheduler.has_step_work)
+            step = self.scheduler.schedule()
+            for job in step.jobs:
+                self.jobs.send(self.encode(job))
+            if step.inputs:
+                logits = self.runner.forward(step.inputs)
+                seqs = step.sampling_seqs
+                tokens = self.sampler(logits, [s.sampling for s in seqs], [s.num_output for s in seqs])
+                self.pending += self.scheduler.postprocess(step, tokens)
+            self.send()
+
+    def receive(self, block: bool) -> None:
+        """Take every message waiting; when idle, wait for one (waking up now and then to report stats)."""
+        events = dict(self.poller.poll(STATS_INTERVAL_S * 1000 if block else 0))
+        if self.requests in events:
+            while (raw := _recv_nowait(self.requests)) is not None:
+                self.handle_request(self.decode_request(raw))
+        if not self.cfg.aggregated and self.notify in events:
+            while (raw := _recv_nowait(self.notify)) is not None:
+                msg = self.decode_notify(raw)
+                if isinstance(msg, PrefillDone):
+                    self.pending += self.scheduler.prefill_done(msg)
+                elif isinstance(msg, PrefillReady):
+                    self._release_names()
+
+    def handle_request(self, msg: GenerateRequest | AbortRequest) -> None:
+        if isinstance(msg, GenerateRequest):
+            if (error := self.scheduler.add(msg)) is not None:
+                self.pending.append(error)
+        elif self.scheduler.abort(msg.request_id):
+            self.jobs.send(self.encode(AbortPrefill(msg.request_id)))
+
+    def send(self, ready: WorkerReady | None = None) -> None:
+        """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
+        now = time.monotonic()
+        if not self.pending and ready is None and now - self.last_stats < STATS_INTERVAL_S:
+            return
+        self.last_stats = now
+        msg = WorkerOutput(self.cfg.unit, self.pending, self.scheduler.stats(), ready)
+        self.out.send(self.encode(msg))
+        self.pending = []
+
+    def _release_names(self) -> None:
+        """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the workers."""
+        unlink_shared(self.weights_handle)
+        unlink_shared(self.kv_handle)
+
+
+def _recv_nowait(sock: zmq.Socket) -> bytes | None:
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
+def run_decode_worker(cfg: UnitConfig) -> None:
+    """Process entry point."""
+    init_worker_process(cfg.decode_cores)
+    DecodeWorker(cfg).run()

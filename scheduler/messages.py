@@ -1,0 +1,125 @@
+"""Every message that crosses a process boundary, in one place.
+
+    API server --GenerateRequest/AbortRequest--> decode worker
+    decode worker --UnitSetup/PrefillJob/AbortPrefill--> prefill worker
+    prefill worker --PrefillReady/PrefillDone--> decode worker
+    both workers --WorkerOutput--> API server
+
+A request's generated tokens reach the API server from up to two senders (the
+prefill worker samples the first token, the decode worker the rest), so each
+RequestOutput carries the output index of its first token and the API server
+puts them in order.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+from engine.shared_tensor import SharedTensorHandle
+
+Route = Literal["prefill", "decode"]
+
+
+class GenerateRequest(msgspec.Struct, tag=True):
+    """A new request for a unit. `route` is where the router wants the prefill to run when the unit has
+    part of the prompt cached; a prompt with no cached prefix always goes to the prefill worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    route: Route
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    """The client went away or a stop string matched: stop the request and free its blocks."""
+
+    request_id: str
+
+
+class UnitSetup(msgspec.Struct, tag=True):
+    """The decode worker's shared memory, for the prefill worker to map."""
+
+    weights: SharedTensorHandle
+    kv_pool: SharedTensorHandle
+    num_blocks: int
+
+
+class PrefillJob(msgspec.Struct, tag=True):
+    """Compute token_ids[num_cached:] into block_table (the cached prefix is read in place), sample the
+    token at output index `output_index`, report it to the API server and notify the decode worker."""
+
+    request_id: str
+    token_ids: list[int]
+    num_cached: int
+    block_table: list[int]
+    sampling: SamplingParams
+    output_index: int
+
+
+class AbortPrefill(msgspec.Struct, tag=True):
+    """Drop a queued or running prefill job; the prefill worker still answers with PrefillDone."""
+
+    request_id: str
+
+
+class PrefillReady(msgspec.Struct, tag=True):
+    """The prefill worker has mapped the unit's shared memory."""
+
+    pid: int
+
+
+class PrefillDone(msgspec.Struct, tag=True):
+    """The job's KV is complete on the device; token_id is None when the job was aborted or failed."""
+
+    request_id: str
+    token_id: int | None
+    error: str | None = None
+
+
+class RequestOutput(msgspec.Struct):
+    """New tokens of one request, starting at output index `index`. The first output of a request also
+    says where its prefill ran and how many prompt tokens were cached. A set finish_reason or error ends it."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    route: Route | None = None
+    num_cached_tokens: int | None = None
+    error: str | None = None
+
+
+class WorkerStats(msgspec.Struct):
+    """A decode worker's gauges and counters (counters are cumulative since the worker started)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+    num_preemptions: int
+
+
+class WorkerReady(msgspec.Struct):
+    """A worker finished starting; the unit is ready when both of its workers are (or the decode worker alone, aggregated)."""
+
+    role: Literal["prefill", "decode"]
+    pid: int
+    num_blocks: int = 0
+
+
+class WorkerOutput(msgspec.Struct, tag=True):
+    """One message per worker step to the API server."""
+
+    unit: int
+    outputs: list[RequestOutput] = []
+    stats: WorkerStats | None = None
+    ready: WorkerReady | None = None
+
+
+ToDecode = GenerateRequest | AbortRequest
+ToPrefill = UnitSetup | PrefillJob | AbortPrefill
+FromPrefill = PrefillReady | PrefillDone
