@@ -1,0 +1,294 @@
+"""The OpenAI-compatible HTTP API: chat and text completions, models, health, metrics.
+
+A request is tokenized here (chat template), checked against the model, split
+into its n choices, and each choice streamed from the engine client through an
+incremental detokenizer. Every response says where its prefill ran
+(x-ppd-route). A client that disconnects aborts its choices, which frees their
+KV blocks in the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.sampling_params import SamplingParams
+from server.detokenizer import IncrementalDetokenizer
+from server.engine_client import EngineClient, EngineError
+from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
+                             error_type, validation_error_message)
+
+ROUTE_HEADER = "x-ppd-route"
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class ServedModel:
+    """What the API needs to know of the model it serves."""
+
+    name: str
+    path: str
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Choice:
+    """One of a request's n answers, as it accumulates."""
+
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    route: str | None = None
+    num_cached: int = 0
+
+
+@dataclass
+class Event:
+    """New text (and ids) of one choice; finish_reason set on its last event."""
+
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type(status), param, status), status_code=status)
+
+
+def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dict], lifespan=None) -> FastAPI:
+    """The FastAPI app. health() returns the units' worker states for GET /health."""
+    app = FastAPI(title="ppd-serve", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_error_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(RequestError)
+    async def _bad_request(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return error_response(exc.status, exc.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    async def get_health() -> JSONResponse:
+        units = health()
+        ok = bool(units) and all(u["ready"] for u in units)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "units": units}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(client.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
+                                            "owned_by": "ppd-serve", "root": model.path, "max_model_len": model.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        try:
+            text = model.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
+            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        prompt_ids = model.tokenizer.encode(text, add_special_tokens=False)
+        return await respond(body, prompt_ids, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt_ids = model.tokenizer.encode(body.prompt)
+        else:
+            prompt_ids = body.prompt
+            if (bad := max(prompt_ids)) >= model.vocab_size:
+                raise RequestError(f"token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
+                                   f"tokens (ids 0..{model.vocab_size - 1})", param="prompt")
+        return await respond(body, prompt_ids, request, chat=False)
+
+    def check_model(name: str) -> None:
+        if name not in (model.name, model.path):
+            raise RequestError(f"The model `{name}` does not exist; this server serves `{model.name}`", status=404,
+                               param="model")
+
+    def resolve_max_tokens(body: SamplingRequest, num_prompt: int) -> int:
+        room = model.max_model_len - num_prompt
+        requested = body.requested_max_tokens
+        if room < 1 or (requested is not None and requested > room):
+            asked = f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in the completion)" \
+                if requested is not None else f"{num_prompt} tokens in the prompt, leaving no room for the completion"
+            raise RequestError(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
+                               f"requested {asked}. Shorten the prompt or lower max_tokens.", param="max_tokens")
+        return requested if requested is not None else room
+
+    async def respond(body: SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
+        sampling = body.sampling_params(resolve_max_tokens(body, len(prompt_ids)), model.eos_token_ids)
+        choices = [Choice(i, IncrementalDetokenizer(model.tokenizer, body.stop_strings)) for i in range(body.n)]
+        seeds = [sampling.seed + i if sampling.seed is not None and body.n > 1 else sampling.seed for i in range(body.n)]
+        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s)) for c, s in zip(choices, seeds)])
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            first = await anext(events, None)  # before the headers go out: errors get a status, the route is known
+            headers = {ROUTE_HEADER: choices[0].route or "prefill"}
+            sse = stream_events(response_id, body, chat, choices, prompt_ids, events, first)
+            return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
+        async with aclosing(events):
+            collect = asyncio.ensure_future(drain(events))
+            gone = asyncio.ensure_future(wait_disconnect(request))
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not collect.done():
+                # The client left: cancelling the drain closes the choices' streams, which aborts their requests.
+                collect.cancel()
+                with suppress(asyncio.CancelledError):
+                    await collect
+                return Response(status_code=499)
+            collect.result()
+        result = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                  "model": model.name, "choices": [choice_body(c, chat, body.return_token_ids) for c in choices],
+                  "usage": usage(prompt_ids, choices)}
+        if body.return_token_ids:
+            result["prompt_token_ids"] = prompt_ids
+        return Response(_json.encode(result), media_type="application/json", headers={ROUTE_HEADER: choices[0].route or "prefill"})
+
+    async def run_choice(choice: Choice, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Event]:
+        async with aclosing(client.generate(prompt_ids, sampling)) as deltas:
+            async for delta in deltas:
+                if delta.route is not None:
+                    choice.route, choice.num_cached = delta.route, delta.num_cached_tokens or 0
+                choice.token_ids += delta.token_ids
+                text = choice.detok.add(delta.token_ids)
+                if choice.detok.stopped:
+                    choice.finish_reason = "stop"
+                elif delta.finish_reason:
+                    text += choice.detok.flush()
+                    choice.finish_reason = delta.finish_reason
+                yield Event(choice, text, delta.token_ids, choice.finish_reason)
+                if choice.finish_reason:
+                    return  # leaving the loop closes `deltas`, which aborts the request after a stop string
+
+    return app
+
+
+async def merge(streams: list[AsyncIterator[Event]]) -> AsyncIterator[Event]:
+    """Interleave the choices' events as they come; closing this closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for event in only:
+                yield event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[Event]) -> None:
+        try:
+            async with aclosing(stream):
+                async for event in stream:
+                    await queue.put(event)
+        except BaseException as exc:  # delivered to the consumer, re-raised there
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def drain(events: AsyncIterator[Event]) -> None:
+    async for _ in events:
+        pass
+
+
+async def wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage(prompt_ids: list[int], choices: list[Choice]) -> dict:
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion, "total_tokens": len(prompt_ids) + completion,
+            "prompt_tokens_details": {"cached_tokens": choices[0].num_cached}}
+
+
+def choice_body(c: Choice, chat: bool, with_ids: bool) -> dict:
+    body: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
+    if chat:
+        body["message"] = {"role": "assistant", "content": c.detok.text}
+    else:
+        body["text"] = c.detok.text
+    if with_ids:
+        body["token_ids"] = c.token_ids
+    return body
+
+
+async def stream_events(response_id: str, body: SamplingRequest, chat: bool, choices: list[Choice],
+                        prompt_ids: list[int], events: AsyncIterator[Event], first: Event | None) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per event, then a usage-only chunk if asked, then [DONE]; an error ends it early."""
+    created = int(time.time())
+    kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice_bodies: list[dict], **extra: Any) -> bytes:
+        obj = {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": choice_bodies, **extra}
+        return b"data: " + _json.encode(obj) + b"\n\n"
+
+    async with aclosing(events):
+        try:
+            if chat:
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for c in choices])
+            event = first
+            while event is not None:
+                if not (event.text or event.finish_reason or body.return_token_ids):
+                    event = await anext(events, None)  # e.g. half a UTF-8 character, held back
+                    continue
+                part: dict[str, Any] = {"index": event.choice.index, "logprobs": None, "finish_reason": event.finish_reason}
+                if chat:
+                    part["delta"] = {"content": event.text} if event.text else {}
+                else:
+                    part["text"] = event.text
+                if body.return_token_ids:
+                    part["token_ids"] = event.token_ids
+                yield chunk([part])
+                event = await anext(events, None)
+            if body.include_usage:
+                yield chunk([], usage=usage(prompt_ids, choices))
+        except (EngineError, RequestError) as exc:
+            status = exc.status
+            yield b"data: " + _json.encode(error_body(exc.message, error_type(status), None, status)) + b"\n\n"
+        yield b"data: [DONE]\n\n"

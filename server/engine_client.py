@@ -1,0 +1,203 @@
+"""The API server's side of the units: sends requests, streams their tokens back, tracks unit health.
+
+Lives in the main process, talks to workers only by messages. A request's
+tokens may arrive from two workers (the prefill worker sends the first one), so
+outputs are put back in order by their index before a caller sees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.sampling_params import SamplingParams
+from scheduler.config import UnitConfig
+from scheduler.messages import AbortRequest, GenerateRequest, RequestOutput, Route, WorkerOutput, WorkerStats
+from scheduler.router import Router
+from server.metrics import Metrics
+
+
+class EngineError(Exception):
+    """A request could not be completed; status is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Delta:
+    """New tokens of one request, in order. route and num_cached_tokens are set on the first delta."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    route: Route | None = None
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    unit: int
+    prompt_ids: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_index: int = 0
+    early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs that arrived before their predecessors
+    output_ids: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float = 0.0
+    route: Route | None = None
+    done: bool = False
+
+
+@dataclass
+class UnitState:
+    ready_roles: set[str] = field(default_factory=set)
+    pids: dict[str, int] = field(default_factory=dict)
+    stats: WorkerStats | None = None
+    num_blocks: int = 0
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class EngineClient:
+    def __init__(self, units: list[UnitConfig], router: Router, metrics: Metrics) -> None:
+        self.units = units
+        self.router = router
+        self.metrics = metrics
+        self.state = [UnitState() for _ in units]
+        self.requests: dict[str, _Request] = {}
+        self.ctx = zmq.asyncio.Context()
+        self.outputs = self.ctx.socket(zmq.PULL)
+        self.outputs.bind(units[0].outputs_address)
+        self.to_units = []
+        for cfg in units:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(cfg.requests_address)
+            self.to_units.append(sock)
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode = msgspec.msgpack.Decoder(WorkerOutput).decode
+        self.reader: asyncio.Task | None = None
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        self.reader = asyncio.get_running_loop().create_task(self._read_outputs())
+
+    def close(self) -> None:
+        if self.reader:
+            self.reader.cancel()
+        self.ctx.destroy(linger=0)
+
+    # ---- units ---------------------------------------------------------------------------------------
+
+    def unit_ready(self, unit: int) -> bool:
+        needed = {"decode"} if self.units[unit].aggregated else {"decode", "prefill"}
+        return needed <= self.state[unit].ready_roles
+
+    @property
+    def all_ready(self) -> bool:
+        return all(self.unit_ready(u) for u in range(len(self.units)))
+
+    def reset_unit(self, unit: int, message: str) -> None:
+        """The unit's workers are gone: end its requests with a 503 and forget its state until it is ready again."""
+        for req in [r for r in self.requests.values() if r.unit == unit]:
+            self._end(req, EngineError(503, message), finished=False)
+        self.state[unit] = UnitState()
+        self.router.forget_unit(unit)
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Delta]:
+        """Stream a request's tokens. Raises EngineError on failure; closing the iterator early aborts the request."""
+        available = [u for u in range(len(self.units)) if self.unit_ready(u)]
+        if not available:
+            raise EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
+        decision = self.router.route(prompt_ids, available)
+        req = _Request(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", decision.unit, prompt_ids)
+        self.requests[req.request_id] = req
+        await self.to_units[req.unit].send(self.encode(
+            GenerateRequest(req.request_id, prompt_ids, sampling, decision.route)))
+        try:
+            while True:
+                item = await req.queue.get()
+                while not req.queue.empty() and isinstance(item, Delta) and not item.finish_reason:
+                    nxt = req.queue.get_nowait()  # coalesce what piled up while the caller was busy
+                    if isinstance(nxt, EngineError):
+                        item = nxt
+                        break
+                    item = Delta(item.token_ids + nxt.token_ids, nxt.finish_reason,
+                                 item.route or nxt.route, item.num_cached_tokens if item.route else nxt.num_cached_tokens)
+                if isinstance(item, EngineError):
+                    raise item
+                yield item
+                if item.finish_reason:
+                    return
+        finally:
+            if not req.done:
+                self._end(req, None, finished=False)
+                await self.to_units[req.unit].send(self.encode(AbortRequest(req.request_id)))
+
+    # ---- outputs from the workers ----------------------------------------------------------------------
+
+    async def _read_outputs(self) -> None:
+        while True:
+            msg = self.decode(await self.outputs.recv())
+            state = self.state[msg.unit]
+            if msg.ready is not None:
+                state.ready_roles.add(msg.ready.role)
+                state.pids[msg.ready.role] = msg.ready.pid
+                state.num_blocks = msg.ready.num_blocks or state.num_blocks
+                if self.unit_ready(msg.unit):
+                    state.ready_event.set()
+            if msg.stats is not None:
+                self.metrics.worker_stats(msg.unit, state.stats, msg.stats)
+                state.stats = msg.stats
+            now = time.monotonic()
+            for out in msg.outputs:
+                req = self.requests.get(out.request_id)
+                if req is None:
+                    continue  # aborted or failed already
+                if out.error is not None:
+                    self._end(req, EngineError(500, out.error), finished=False)
+                    continue
+                req.early[out.index] = out
+                while (nxt := req.early.pop(req.next_index, None)) is not None:
+                    self._deliver(req, nxt, now)
+                    if req.done:
+                        break
+
+    def _deliver(self, req: _Request, out: RequestOutput, now: float) -> None:
+        if out.route is not None and req.route is None:
+            req.route = out.route
+            self.metrics.prefill_routed(out.route)
+        if out.token_ids:
+            if not req.output_ids:
+                self.metrics.first_token(now - req.arrival)
+            else:
+                self.metrics.inter_token(now - req.last_token, len(out.token_ids))
+            req.last_token = now
+            req.output_ids += out.token_ids
+        req.next_index += len(out.token_ids)
+        req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens))
+        if out.finish_reason:
+            self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
+            self._end(req, None, finished=True)
+
+    def _end(self, req: _Request, error: EngineError | None, finished: bool) -> None:
+        """Forget a request; when it finished normally its unit's router index learns the answer too."""
+        if req.done:
+            return
+        req.done = True
+        self.requests.pop(req.request_id, None)
+        self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids)
+        if error is not None:
+            req.queue.put_nowait(error)

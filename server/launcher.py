@@ -1,0 +1,106 @@
+"""Starts the units' worker processes, watches them, and restarts a unit whose worker dies.
+
+The two workers of a unit share memory (and on the GPU one fault reaches every
+process of the device), so a unit is restarted whole: its in-flight requests end
+at once with a 503, both processes go, a fresh pair comes up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import time
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from scheduler.config import UnitConfig
+from scheduler.decode_worker import run_decode_worker
+from scheduler.prefill_worker import run_prefill_worker
+from server.engine_client import EngineClient
+
+log = logging.getLogger("ppd.launcher")
+
+WATCH_INTERVAL_S = 0.1
+MAX_RESTART_DELAY_S = 10.0
+
+
+class Launcher:
+    def __init__(self, units: list[UnitConfig], client: EngineClient) -> None:
+        self.units = units
+        self.client = client
+        self.ctx = mp.get_context("spawn")  # fork would copy the server's threads and event loop into the workers
+        self.procs: list[dict[str, BaseProcess]] = [{} for _ in units]
+        self.restarts = [0] * len(units)
+        self.watcher: asyncio.Task | None = None
+        self.stopping = False
+
+    async def start(self) -> None:
+        """Start every unit, then watch them; returns once all are ready."""
+        for unit in range(len(self.units)):
+            self._spawn(unit)
+        self.watcher = asyncio.get_running_loop().create_task(self._watch())
+        await asyncio.gather(*(self.client.state[u].ready_event.wait() for u in range(len(self.units))))
+        log.info("all %d unit(s) ready", len(self.units))
+
+    def pids(self, unit: int) -> dict[str, tuple[int | None, bool]]:
+        """role -> (pid, alive) of the unit's worker processes."""
+        return {role: (p.pid, p.is_alive()) for role, p in self.procs[unit].items()}
+
+    def shutdown(self) -> None:
+        """Stop every worker, leaving no process and no shared-memory file behind."""
+        self.stopping = True
+        if self.watcher:
+            self.watcher.cancel()
+        for unit in range(len(self.units)):
+            self._stop(unit)
+
+    def _spawn(self, unit: int) -> None:
+        cfg = self.units[unit]
+        roles = {"decode": run_decode_worker} if cfg.aggregated else {"decode": run_decode_worker, "prefill": run_prefill_worker}
+        for role, target in roles.items():
+            proc = self.ctx.Process(target=target, args=(cfg,), name=f"ppd-u{unit}-{role}", daemon=True)
+            proc.start()
+            self.procs[unit][role] = proc
+
+    def _stop(self, unit: int) -> None:
+        procs = list(self.procs[unit].values())
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=5)
+        self.procs[unit] = {}
+        cfg = self.units[unit]
+        for name in ("weights", "kv"):
+            Path(f"/dev/shm/{cfg.shm_prefix}-u{cfg.unit}-{name}").unlink(missing_ok=True)
+
+    async def _watch(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for unit, procs in enumerate(self.procs):
+                if self.stopping:
+                    return
+                dead = [(role, p.exitcode) for role, p in procs.items() if not p.is_alive()]
+                if dead:
+                    await self._restart(unit, dead)
+
+    async def _restart(self, unit: int, dead: list[tuple[str, int | None]]) -> None:
+        what = ", ".join(f"{role} worker (exit code {code})" for role, code in dead)
+        log.error("unit %d: %s died; failing its requests and restarting the unit", unit, what)
+        self.client.reset_unit(unit, f"the worker serving this request died ({what}); the server is restarting it, retry")
+        self._stop(unit)
+        # Back off when a unit keeps dying at start, instead of spinning.
+        delay = min(MAX_RESTART_DELAY_S, 0.5 * (2 ** self.restarts[unit]) - 0.5)
+        self.restarts[unit] += 1
+        if delay:
+            await asyncio.sleep(delay)
+        started = time.monotonic()
+        self._spawn(unit)
+        ready = self.client.state[unit].ready_event
+        while not ready.is_set():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            if any(not p.is_alive() for p in self.procs[unit].values()):
+                return  # died while starting: the watcher restarts it again
+        self.restarts[unit] = 0
+        log.info("unit %d restarted in %.1fs", unit, time.monotonic() - started)

@@ -1,0 +1,75 @@
+"""Prometheus metrics under vLLM's names (so existing routers and dashboards work), plus ppd: additions."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from scheduler.messages import WorkerStats
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
+
+
+class Metrics:
+    """Observations from the API server and the workers' stats, rendered as Prometheus text."""
+
+    def __init__(self, model_name: str) -> None:
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self.model = model_name
+        labels = ["model_name", "engine"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests in the model's batches (decoding or prefilling).", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for KV blocks.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", labels, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels, registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.", labels, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", ["model_name"],
+                             buckets=ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", ["model_name"],
+                             buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", ["model_name"], registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.", ["model_name"], registry=r).labels(model_name)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
+        self.prefills = Counter("ppd:prefills", "Prefills by where they ran (prefill worker or inline on the decode worker).",
+                                ["model_name", "route"], registry=r)
+
+    def worker_stats(self, unit: int, old: WorkerStats | None, new: WorkerStats) -> None:
+        labels = (self.model, str(unit))
+        self.running.labels(*labels).set(new.num_running)
+        self.waiting.labels(*labels).set(new.num_waiting)
+        self.kv_usage.labels(*labels).set(new.kv_usage)
+        # Worker counters restart from zero with the worker; Prometheus counters must not go down.
+        for counter, now, before in ((self.prefix_queries, new.prefix_queries, old and old.prefix_queries),
+                                     (self.prefix_hits, new.prefix_hits, old and old.prefix_hits),
+                                     (self.preemptions, new.num_preemptions, old and old.num_preemptions)):
+            delta = now - (before or 0)
+            if delta > 0:
+                counter.labels(*labels).inc(delta)
+
+    def prefill_routed(self, route: str) -> None:
+        self.prefills.labels(self.model, route).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, num_tokens: int) -> None:
+        """num_tokens arrived together after `seconds`: each is counted at an equal share of the gap."""
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
+
+    def request_finished(self, e2e_seconds: float, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated_tokens)
+        self.success.labels(self.model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

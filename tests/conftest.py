@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+# The test process runs tiny models (the transformers oracle, engine units) next to the servers' workers;
+# on a 2-core machine extra intra-op threads only spin-wait, which made those tests several times slower.
+torch.set_num_threads(1)
+
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One demo-model cache for the whole session, so the demo folder is built once."""
+    return tmp_path_factory.mktemp("ppd-cache")
+
+
+@pytest.fixture(scope="module")
+def start_server(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """start_server(*args) -> a running ServerProcess, stopped at the end of the module."""
+    servers: list[ServerProcess] = []
+
+    def start(*args: str) -> ServerProcess:
+        server = ServerProcess(*args, cache_dir=cache_dir, log_path=tmp_path_factory.mktemp("serve") / "serve.log")
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+    # A worker that crashed between requests would otherwise go unnoticed: the launcher restarts it.
+    for server in servers:
+        log = server.log_path.read_text()
+        assert "Traceback" not in log, f"ppd serve logged an exception:\n{log}"

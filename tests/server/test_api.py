@@ -1,0 +1,156 @@
+"""The HTTP API through the official openai client, against `ppd serve` with the demo model."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(start_server) -> ServerProcess:
+    return start_server("--policy", "dlocal")
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client: openai.OpenAI, messages: list[dict], **kw):
+    raw = client.chat.completions.with_raw_response.create(model="demo", messages=messages, **kw)
+    return raw.parse(), raw.headers
+
+
+def test_models_and_health(client: openai.OpenAI, server: ServerProcess) -> None:
+    assert [m.id for m in client.models.list().data] == ["demo"]
+    health = server.health()
+    assert health["status"] == "ok"
+    roles = {w["role"]: w for w in health["units"][0]["workers"]}
+    assert set(roles) == {"decode", "prefill"}
+    assert all(w["alive"] and w["pid"] > 0 for w in roles.values())
+
+
+def test_chat_answers_with_route_and_usage(client: openai.OpenAI) -> None:
+    resp, headers = chat(client, [{"role": "user", "content": "Hello!"}], max_tokens=12, temperature=0,
+                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 12
+    assert len(choice.model_extra["token_ids"]) == 12
+    assert resp.usage.prompt_tokens == len(resp.model_extra["prompt_token_ids"])
+    assert headers["x-ppd-route"] == "prefill"  # turn 1 always prefills on the prefill worker
+
+
+def test_turn_two_reuses_cached_prefix_on_decode_route(client: openai.OpenAI) -> None:
+    history = [{"role": "user", "content": "Tell me about caching. " * 8}]
+    first, headers1 = chat(client, history, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+    second, headers2 = chat(client, history, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # The first turn's prompt is a prefix of the second's; whole blocks of it are reused.
+    assert cached >= (first.usage.prompt_tokens // 16) * 16 > 0
+    assert headers1["x-ppd-route"] == "prefill" and headers2["x-ppd-route"] == "decode"
+
+
+def test_stream_with_usage_ends_with_usage_only_chunk(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Stream please"}],
+                                            max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    full, _ = chat(client, [{"role": "user", "content": "Stream please"}], max_tokens=10, temperature=0,
+                   extra_body={"ignore_eos": True})
+    assert streamed == full.choices[0].message.content
+
+
+def test_completions_with_text_and_token_ids(client: openai.OpenAI) -> None:
+    by_text = client.completions.create(model="demo", prompt="abc", max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = by_text.choices[0].model_extra["token_ids"]
+    by_ids = client.completions.create(model="demo", prompt=[97, 98, 99], max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert by_ids.choices[0].model_extra["token_ids"] == ids  # the byte tokenizer maps "abc" to 97, 98, 99
+    assert by_text.usage.prompt_tokens == 3 and by_text.choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_n_choices(client: openai.OpenAI) -> None:
+    kw = dict(max_tokens=16, temperature=1.0, seed=1234, extra_body={"ignore_eos": True, "return_token_ids": True})
+    a, _ = chat(client, [{"role": "user", "content": "random"}], **kw)
+    b, _ = chat(client, [{"role": "user", "content": "random"}], **kw)
+    assert a.choices[0].model_extra["token_ids"] == b.choices[0].model_extra["token_ids"]
+    many, _ = chat(client, [{"role": "user", "content": "random"}], n=3, **kw)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    assert many.usage.completion_tokens == 48
+    assert len({tuple(c.model_extra["token_ids"]) for c in many.choices}) > 1
+
+
+def test_stop_string_ends_answer_before_it(client: openai.OpenAI) -> None:
+    free, _ = chat(client, [{"role": "user", "content": "stop test"}], max_tokens=24, temperature=0,
+                   extra_body={"ignore_eos": True})
+    text = free.choices[0].message.content
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    stopped, _ = chat(client, [{"role": "user", "content": "stop test"}], max_tokens=24, temperature=0, stop=[stop],
+                      extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, 400, "temperature"),
+    ({"model": "demo"}, 400, "messages"),
+    ({"model": "demo", "messages": "hello"}, 400, "messages"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400, "maximum context length"),
+])
+def test_chat_errors_use_openai_error_body(server: ServerProcess, body: dict, status: int, needle: str) -> None:
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert needle in error["message"] + str(error["param"])
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_is_400(server: ServerProcess) -> None:
+    resp = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json", timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert "JSON" in resp.json()["error"]["message"]
+
+
+def test_context_error_names_the_numbers(server: ServerProcess) -> None:
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={"model": "demo", "prompt": [1] * 100, "max_tokens": 5000})
+    msg = resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "4096" in msg and "100" in msg and "5000" in msg
+
+
+def test_token_id_out_of_vocabulary_is_400(server: ServerProcess) -> None:
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={"model": "demo", "prompt": [1, 99999]})
+    assert resp.status_code == 400 and "99999" in resp.json()["error"]["message"]
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], top_p=0)
+
+
+def test_metrics_use_vllm_names(server: ServerProcess, client: openai.OpenAI) -> None:
+    chat(client, [{"role": "user", "content": "metrics"}], max_tokens=4)
+    m = server.metrics()
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "ppd:prefills_total"):
+        assert name in m, name
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 1 and m["vllm:prefix_cache_queries_total"] > 0

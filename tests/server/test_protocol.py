@@ -1,0 +1,273 @@
+"""Request validation: what parses, what is refused, and with which message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    error_body,
+    validation_error_message,
+)
+
+EOS = (261, 257)
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], **fields}
+    return ChatCompletionRequest.model_validate(body)
+
+
+def completion(**fields: Any) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "demo", "prompt": "Once upon", **fields})
+
+
+def chat_error(**fields: Any) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        chat(**fields)
+    return validation_error_message(info.value)
+
+
+def completion_error(**fields: Any) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        completion(**fields)
+    return validation_error_message(info.value)
+
+
+def test_minimal_chat_request_has_openai_defaults() -> None:
+    request = chat()
+    assert request.n == 1 and request.stream is False and not request.include_usage
+    assert request.stop_strings == () and request.requested_max_tokens is None
+    params = request.sampling_params(max_tokens=100, eos_token_ids=EOS)
+    assert params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == 0
+    assert params.max_tokens == 100 and params.min_tokens == 0 and params.seed is None
+    assert set(params.stop_token_ids) == set(EOS) and not params.ignore_eos
+
+
+def test_full_chat_request_parses() -> None:
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": "Hello", "name": "bot"},
+            {"role": "user", "content": "Bye"},
+        ],
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        max_tokens=50,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        stop=["\n\n", "END"],
+        seed=7,
+        min_tokens=2,
+        return_token_ids=True,
+        user="someone",
+        some_future_field={"ignored": True},
+    )
+    assert request.include_usage and request.return_token_ids
+    assert request.stop_strings == ("\n\n", "END")
+    assert request.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi\nthere"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    params = request.sampling_params(max_tokens=50, eos_token_ids=EOS)
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 40, 7)
+    assert params.min_tokens == 2
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted() -> None:
+    chat(
+        logprobs=False,
+        top_logprobs=0,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        repetition_penalty=1,
+        logit_bias={},
+        tools=[],
+        tool_choice="none",
+        response_format={"type": "text"},
+        echo=False,
+    )
+    completion(echo=False, suffix="", best_of=1, logprobs=None)
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    assert chat(max_tokens=10, max_completion_tokens=20).requested_max_tokens == 20
+    assert chat(max_tokens=10).requested_max_tokens == 10
+
+
+def test_completions_default_to_16_tokens_like_openai() -> None:
+    assert completion().requested_max_tokens == 16
+    assert completion(max_tokens=None).requested_max_tokens is None
+
+
+def test_temperature_zero_is_greedy_and_drops_top_p_top_k() -> None:
+    params = chat(temperature=0, top_p=0.5, top_k=5).sampling_params(max_tokens=8, eos_token_ids=EOS)
+    assert params.greedy and params.top_p == 1.0 and params.top_k == 0
+
+
+def test_top_k_minus_one_means_off() -> None:
+    assert chat(top_k=-1).sampling_params(max_tokens=8, eos_token_ids=EOS).top_k == 0
+
+
+def test_stop_token_ids_join_eos_unless_ignore_eos() -> None:
+    params = chat(stop_token_ids=[5, 6]).sampling_params(max_tokens=8, eos_token_ids=EOS)
+    assert set(params.stop_token_ids) == {5, 6, *EOS}
+    ignoring = chat(stop_token_ids=[5], ignore_eos=True).sampling_params(max_tokens=8, eos_token_ids=EOS)
+    assert ignoring.stop_token_ids == (5,) and ignoring.ignore_eos
+    # An id given twice is listed once.
+    assert len(chat(stop_token_ids=[261]).sampling_params(8, EOS).stop_token_ids) == 2
+
+
+def test_min_tokens_above_the_resolved_budget_is_refused() -> None:
+    with pytest.raises(RequestError) as info:
+        chat(min_tokens=10).sampling_params(max_tokens=5, eos_token_ids=EOS)
+    assert info.value.status == 400 and info.value.param == "min_tokens"
+    assert "min_tokens" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 0}, "n"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop": 5}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop_token_ids": [1, -3]}, "stop_token_ids.1"),
+        ({"seed": 2**64}, "seed"),
+        ({"stream": "sometimes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": None}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ],
+)
+def test_invalid_field_is_named(fields: dict[str, Any], param: str) -> None:
+    message, got_param = chat_error(**fields)
+    assert got_param == param
+    assert message.startswith(f"{param}: ")
+
+
+def test_n_is_capped_with_a_hint() -> None:
+    message, param = chat_error(n=1000)
+    assert param == "n" and "at most 16" in message
+
+
+def test_non_text_content_is_refused_clearly() -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    message, param = chat_error(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, image]}])
+    assert param == "messages.0.content"
+    assert "only text content is supported" in message and "image_url" in message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"logprobs": True},
+        {"top_logprobs": 3},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": -1},
+        {"repetition_penalty": 1.2},
+        {"min_p": 0.1},
+        {"logit_bias": {"50": 10}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"tool_choice": "required"},
+        {"response_format": {"type": "json_object"}},
+        {"echo": True},
+        {"use_beam_search": True},
+        {"chat_template": "{{ messages }}"},
+    ],
+)
+def test_unsupported_chat_features_are_refused_by_name(fields: dict[str, Any]) -> None:
+    (name,) = fields
+    message, param = chat_error(**fields)
+    assert param == name
+    assert message.startswith(f"{name}: ") and "not supported" in message
+
+
+def test_tool_calls_in_history_are_refused() -> None:
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    message, param = chat_error(messages=[{"role": "assistant", "content": "", "tool_calls": [call]}])
+    assert param == "messages.0.tool_calls" and "not supported" in message
+
+
+@pytest.mark.parametrize("fields", [{"logprobs": 0}, {"echo": True}, {"suffix": "end"}, {"best_of": 3}])
+def test_unsupported_completion_features_are_refused_by_name(fields: dict[str, Any]) -> None:
+    (name,) = fields
+    message, param = completion_error(**fields)
+    assert param == name and "not supported" in message
+
+
+def test_completion_prompt_is_text_or_token_ids() -> None:
+    assert completion(prompt="abc").prompt == "abc"
+    assert completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
+    assert completion(prompt=["abc"]).prompt == "abc"  # a batch of one is one prompt
+    assert completion(prompt=[[4, 5]]).prompt == [4, 5]
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], [""]])
+def test_empty_prompt_is_refused(prompt: Any) -> None:
+    message, param = completion_error(prompt=prompt)
+    assert param == "prompt" and "empty" in message
+
+
+@pytest.mark.parametrize("prompt", [["a", "b"], [[1], [2, 3]]])
+def test_batched_prompts_are_refused_with_a_hint(prompt: Any) -> None:
+    message, param = completion_error(prompt=prompt)
+    assert param == "prompt" and "one prompt per request" in message
+
+
+@pytest.mark.parametrize("prompt", [[1, -2], [1, 2.5], [True, 1], 42])
+def test_bad_token_id_prompts_are_refused(prompt: Any) -> None:
+    _, param = completion_error(prompt=prompt)
+    assert param == "prompt"
+
+
+def test_several_errors_are_reported_together() -> None:
+    message, param = chat_error(temperature=5, top_p=0)
+    assert param == "temperature"
+    assert "temperature: " in message and "top_p: " in message
+
+
+def test_fastapi_errors_lose_their_body_prefix() -> None:
+    exc = RequestValidationError(
+        [{"type": "missing", "loc": ("body", "messages"), "msg": "Field required", "input": {}}]
+    )
+    assert validation_error_message(exc) == ("messages: Field required", "messages")
+    bad_json = RequestValidationError(
+        [{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error", "ctx": {"error": "Expecting value"}}]
+    )
+    message, param = validation_error_message(bad_json)
+    assert "not valid JSON" in message and "Expecting value" in message and param is None
+    no_body = RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    message, param = validation_error_message(no_body)
+    assert "JSON body" in message and param is None
+
+
+def test_error_body_and_request_error_follow_vllm() -> None:
+    assert error_body("boom", "BadRequestError", "n", 400) == {
+        "error": {"message": "boom", "type": "BadRequestError", "param": "n", "code": 400}
+    }
+    for status, kind in [(400, "BadRequestError"), (404, "NotFoundError"), (503, "ServiceUnavailableError")]:
+        error = RequestError("x", status=status)
+        assert (error.type, error.code, error.status) == (kind, status, status)
+        assert error.body()["error"]["type"] == kind
