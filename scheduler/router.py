@@ -3,7 +3,7 @@
 A conversation's later turns go to the unit that holds its prefix. The router
 keeps, per unit, an LRU index of the chained block hashes it sent there (prompts
 when sent, prompt + answer when finished); the longest match wins, ties and
-misses go to the least-loaded unit. The index is only a guess (the unit may
+misses go to the least-loaded unit (then the one given fewest requests). The index is only a guess (the unit may
 have evicted the blocks): the unit's own prefix cache decides, by tokens, what
 is really reused, so an edited history gets a correct answer, only a slower one.
 """
@@ -33,14 +33,16 @@ class Router:
         self.capacity = capacity_blocks
         self.index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_units)]
         self.load = [0] * num_units
+        self.assigned = [0] * num_units  # breaks load ties, so sequential new conversations still spread
 
     def route(self, token_ids: list[int], available: Sequence[int]) -> Decision:
         """Choose one of the available units and a route for a new request, and count it in that unit's load."""
         hashes = block_hashes(token_ids, self.block_size)
         matches = {u: self._match(self.index[u], hashes) for u in available}
-        unit = min(available, key=lambda u: (-matches[u], self.load[u], u))
+        unit = min(available, key=lambda u: (-matches[u], self.load[u], self.assigned[u], u))
         cached = matches[unit] * self.block_size
         self.load[unit] += 1
+        self.assigned[unit] += 1
         self.remember(unit, token_ids, hashes)
         return Decision(unit, self.policy.route(cached, len(token_ids) - cached), cached)
 

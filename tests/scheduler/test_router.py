@@ -59,3 +59,13 @@ def test_index_is_bounded_lru() -> None:
     router.route(list(range(8)), available=[0])            # 2 blocks
     router.route(list(range(100, 108)), available=[0])     # 2 more: the oldest block goes
     assert router.route(list(range(8)), available=[0]).est_cached_tokens == 0
+
+
+def test_sequential_new_conversations_spread_over_units() -> None:
+    router = Router(num_units=2, block_size=BS, policy=Policy("ppd"), capacity_blocks=100)
+    units = []
+    for i in range(4):
+        decision = router.route([1000 * (i + 1) + t for t in range(8)], available=[0, 1])
+        router.finished(decision.unit, [])
+        units.append(decision.unit)
+    assert sorted(units) == [0, 0, 1, 1]

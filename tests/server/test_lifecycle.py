@@ -97,6 +97,15 @@ def test_workers_map_one_copy_of_weights_and_kv(server: ServerProcess) -> None:
     assert not list(Path("/dev/shm").glob(f"ppd-{server.proc.pid}-*"))
 
 
+def test_pd_policy_prefills_turn_two_on_prefill_worker_reusing_cache(server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "pd routing " * 12}]
+    first = httpx.post(server.url + CHAT, json={"model": "demo", "messages": messages, "max_tokens": 4}, timeout=60).json()
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}, {"role": "user", "content": "and?"}]
+    resp = httpx.post(server.url + CHAT, json={"model": "demo", "messages": messages, "max_tokens": 4}, timeout=60)
+    assert resp.headers["x-ppd-route"] == "prefill"
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
+
+
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_killed_worker_fails_requests_fast_and_unit_restarts(server: ServerProcess, role: str) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)

@@ -70,3 +70,19 @@ def test_concurrent_mixed_batches(arch_server) -> None:
     for prompt, (out, _, _) in zip(prompts, results):
         assert out == hf_greedy(folder, prompt, NEW_TOKENS)
     assert {route for _, route, _ in results} == {"prefill", "decode"}
+
+
+def test_aggregated_baseline_matches_hf(start_server, tmp_path_factory) -> None:
+    """One worker per unit, chunked prefill for everything: the vLLM-default baseline, same greedy ids."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("aggregated"), "qwen3")
+    write_byte_tokenizer(folder)
+    server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "aggregated",
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+    assert [w["role"] for w in server.health()["units"][0]["workers"]] == ["decode"]
+    rng = random.Random(2)
+    prompt = ids(rng, 50)
+    out1, route1, _ = complete(server, prompt)
+    turn2 = prompt + out1 + ids(rng, 40)
+    out2, route2, cached2 = complete(server, turn2)
+    assert out1 == hf_greedy(folder, prompt, NEW_TOKENS) and out2 == hf_greedy(folder, turn2, NEW_TOKENS)
+    assert route1 == route2 == "decode" and cached2 > 0

@@ -1,0 +1,62 @@
+"""`ppd serve` refuses bad input with a clear message before starting any process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import write_tiny_model
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def test_missing_folder(tmp_path: Path) -> None:
+    result = serve("--model", str(tmp_path / "nowhere"))
+    assert result.returncode == 2
+    assert "nowhere" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unsupported_architecture(tmp_path: Path, tiny: Path) -> None:
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    config = json.loads((tiny / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    result = serve("--model", str(folder))
+    assert result.returncode == 2 and "gpt2" in result.stderr and "llama" in result.stderr
+
+
+def test_missing_tensors_named(tmp_path: Path, tiny: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny / "config.json").read_text())
+    tensors = load_file(tiny / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, folder / "model.safetensors")
+    started = time.monotonic()
+    result = serve("--model", str(folder))
+    assert result.returncode == 2 and "model.layers.1.mlp.down_proj.weight" in result.stderr
+    assert time.monotonic() - started < 60  # refused up front, not after starting workers
+
+
+def test_context_longer_than_model(tiny: Path) -> None:
+    result = serve("--model", str(tiny), "--max-model-len", "100000")
+    assert result.returncode == 2 and "--max-model-len" in result.stderr
+
+
+def test_token_budget_below_batch_size() -> None:
+    result = serve("--max-num-seqs", "64", "--max-num-batched-tokens", "32")
+    assert result.returncode == 2 and "--max-num-batched-tokens" in result.stderr

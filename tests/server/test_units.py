@@ -1,0 +1,62 @@
+"""Several units on one machine: later turns follow their prefix, new conversations spread, workers are pinned."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import httpx
+import pytest
+
+from partition.cpu import available_cores, split_cores
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(start_server) -> ServerProcess:
+    return start_server("--units", "2", "--policy", "dlocal")
+
+
+def chat(server: ServerProcess, messages: list[dict]) -> tuple[dict, str]:
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "demo", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json(), resp.headers["x-ppd-route"]
+
+
+def per_engine(server: ServerProcess, name: str) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{re.escape(name)}{{engine="(\d+)"[^}}]*}} (\S+)$', text, re.M)}
+
+
+def test_later_turns_hit_their_unit_and_load_spreads(server: ServerProcess) -> None:
+    assert len(server.health()["units"]) == 2
+    conversations = [[{"role": "user", "content": f"conversation {i}: " + "tell me something " * 6}] for i in range(6)]
+    for conv in conversations:
+        answer, route = chat(server, conv)
+        assert route == "prefill"
+        conv += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]}, {"role": "user", "content": "more"}]
+    for conv in conversations:
+        answer, route = chat(server, conv)
+        # Cached on the unit it was sent to: only possible if turn 2 found turn 1's unit.
+        assert route == "decode" and answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+    queries = per_engine(server, "vllm:prefix_cache_queries_total")
+    assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values())
+
+
+def allowed_cores(pid: int) -> set[int]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    spec = re.search(r"^Cpus_allowed_list:\s*(\S+)$", text, re.M).group(1)
+    cores: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def test_workers_are_pinned_to_their_share(server: ServerProcess) -> None:
+    expected = split_cores(available_cores(), 2, with_prefill=True)
+    for unit, (decode, prefill) in zip(server.health()["units"], expected):
+        pids = {w["role"]: w["pid"] for w in unit["workers"]}
+        assert allowed_cores(pids["decode"]) == set(decode)
+        assert allowed_cores(pids["prefill"]) == set(prefill)
