@@ -103,25 +103,28 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
 
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
-    import uvicorn
-    from transformers import AutoTokenizer
-
-    from server.api import ServedModel, build_app
     from server.engine_client import EngineClient
     from server.launcher import Launcher
     from server.metrics import Metrics
 
     plan = plan_serve(args)
+    router = Router(len(plan.units), args.block_size, Policy(args.policy, args.ppd_max_append), plan.num_blocks)
+    client = EngineClient(plan.units, router, Metrics(plan.model_name))
+    launcher = Launcher(plan.units, client)
+    launcher.spawn_all()  # the workers load the model while this process loads the tokenizer and the web stack
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from server.api import ServedModel, build_app
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(plan.model_path)
     except Exception as exc:
+        launcher.shutdown()
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
         raise UsageError(f"cannot load the tokenizer from {plan.model_path}: {exc}") from exc
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
                         plan.mcfg.eos_token_ids)
-    router = Router(len(plan.units), args.block_size, Policy(args.policy, args.ppd_max_append), plan.num_blocks)
-    client = EngineClient(plan.units, router, Metrics(plan.model_name))
-    launcher = Launcher(plan.units, client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

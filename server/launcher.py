@@ -35,10 +35,15 @@ class Launcher:
         self.watcher: asyncio.Task | None = None
         self.stopping = False
 
-    async def start(self) -> None:
-        """Start every unit, then watch them; returns once all are ready."""
+    def spawn_all(self) -> None:
+        """Start every unit's processes; they load while the API server sets itself up."""
         for unit in range(len(self.units)):
             self._spawn(unit)
+
+    async def start(self) -> None:
+        """Watch the units (spawning them first if spawn_all was not called); returns once all are ready."""
+        if not any(self.procs):
+            self.spawn_all()
         self.watcher = asyncio.get_running_loop().create_task(self._watch())
         await asyncio.gather(*(self.client.state[u].ready_event.wait() for u in range(len(self.units))))
         log.info("all %d unit(s) ready", len(self.units))
