@@ -154,3 +154,25 @@ def test_metrics_use_vllm_names(server: ServerProcess, client: openai.OpenAI) ->
                  "vllm:e2e_request_latency_seconds_count", "ppd:prefills_total"):
         assert name in m, name
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1 and m["vllm:prefix_cache_queries_total"] > 0
+
+
+def test_stream_with_several_choices_interleaves_them(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "two"}], n=2,
+                                            max_tokens=6, temperature=1.0, seed=7, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    finished = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids[choice.index] += choice.model_extra.get("token_ids") or []
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert len(ids[0]) == len(ids[1]) == 6
+
+
+def test_completions_stream_matches_non_stream(client: openai.OpenAI) -> None:
+    kw = dict(model="demo", prompt="The sea", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == full.choices[0].text and full.choices[0].finish_reason == "length"
