@@ -161,12 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
+    from bench.cli import BenchError, add_bench_args
+    add_bench_args(sub.add_parser("bench", help="load an OpenAI-compatible server with multi-turn conversations "
+                                                "(`ppd bench compare`: policies and peers side by side)"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     try:
         if args.command == "serve":
             serve(args)
-    except UsageError as exc:
+        elif args.command == "bench":
+            from bench.cli import main as bench_main
+            bench_main(args)
+    except (UsageError, BenchError) as exc:
         print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
         return 2
     return 0

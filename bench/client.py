@@ -1,0 +1,382 @@
+"""The load generator of `ppd bench`: multi-turn conversations against any OpenAI-compatible server.
+
+Each turn resends the whole history with the server's own earlier answers (as vLLM's multi-turn
+benchmark does), so a server with a prefix cache sees the growing prefix it produced. Only standard
+OpenAI fields are sent, plus vLLM's `ignore_eos` / `return_token_ids` where needed; ppd's extras
+(`x-ppd-route`, `usage.prompt_tokens_details.cached_tokens`) are read when present.
+
+The client must not be what is measured: one aiohttp session whose pool holds `concurrency`
+connections, one task per closed-loop slot (per conversation in an open loop, none per request),
+the time taken as a read returns and before its lines are parsed, msgspec decoding only the fields
+read. Against `bench.stub_server` it drives 300+ requests/s on a 2-core machine with its timing
+overhead (TTFT beyond the server's own) well under 1 ms; see tests/bench/test_client.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from dataclasses import dataclass, field
+from itertools import count
+from time import perf_counter
+from typing import Any, Iterator
+
+import aiohttp
+import msgspec
+from tqdm import tqdm
+from yarl import URL
+
+NEEDS_TOKEN_IDS = "completions API multi-turn needs return_token_ids support"
+
+
+@dataclass
+class Turn:
+    user: str | list[int]   # new user input: text (chat API) or token ids (completions API)
+    max_tokens: int         # output budget; exact output length when the conversation has ignore_eos
+
+
+@dataclass
+class Conversation:
+    id: str
+    turns: list[Turn]
+    system: str | None = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times in seconds (perf_counter)."""
+
+    conversation: str
+    turn: int               # 0-based turn index within the conversation
+    start: float            # time.perf_counter() when the request was sent
+    ttft: float | None      # seconds to the first streamed token (first chunk carrying text or token ids)
+    itl: list[float]        # gaps between consecutive token-bearing chunks, seconds
+    latency: float | None   # seconds from send to the end of the stream (to the failure, for a failed one)
+    prompt_tokens: int      # from usage (0 if the server gave none)
+    output_tokens: int      # from usage; if absent, the number of token-bearing chunks
+    cached_tokens: int | None   # usage.prompt_tokens_details.cached_tokens when present
+    route: str | None       # the x-ppd-route response header when present
+    error: str | None = None    # None on success; timeouts, HTTP errors, stream errors give a short reason
+
+    @property
+    def success(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first: (latency - ttft) / (output_tokens - 1)."""
+        if self.error is not None or self.output_tokens < 2 or self.ttft is None or self.latency is None:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+@dataclass
+class LoadConfig:
+    base_url: str            # e.g. http://127.0.0.1:8000 (no /v1)
+    model: str
+    api: str = "chat"        # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids
+    qps: float | None = None         # conversation arrival rate (Poisson); exactly one of qps / concurrency is set
+    concurrency: int | None = None   # closed loop: this many conversations in flight; a finished one is replaced
+    duration: float = 60.0   # seconds: no new conversation starts and no new turn is sent after this
+    timeout: float = 300.0   # seconds per request; a request past it counts as failed (error="timeout")
+    seed: int = 0            # Poisson arrival times are reproducible
+    temperature: float = 0.0
+    extra_body: dict = field(default_factory=dict)   # merged into every request body
+
+
+# Only the fields the client reads; msgspec skips the rest without building them.
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None  # reasoning models' thinking (vLLM, SGLang): tokens, not history
+    reasoning: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_encode = msgspec.json.Encoder().encode
+_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+
+
+def poisson_arrivals(qps: float, seed: int) -> Iterator[float]:
+    """Arrival offsets in seconds from the start: 0, then exponential gaps of mean 1/qps."""
+    rng = random.Random(seed)
+    t = 0.0
+    while True:
+        yield t
+        t += rng.expovariate(qps)
+
+
+def _error_message(err: Any) -> str:
+    if isinstance(err, dict):
+        err = err.get("error", err)
+    if isinstance(err, dict):
+        err = err.get("message", err)
+    return str(err)[:300]
+
+
+def _http_error(status: int, body: bytes) -> str:
+    try:
+        message = _error_message(msgspec.json.decode(body))
+    except msgspec.DecodeError:
+        message = body.decode(errors="replace").strip()[:300]
+    return f"HTTP {status}: {message}"
+
+
+def _check(cfg: LoadConfig, conversations: list[Conversation]) -> None:
+    if (cfg.qps is None) == (cfg.concurrency is None):
+        raise ValueError("set exactly one of qps (open loop) or concurrency (closed loop)")
+    if cfg.qps is not None and cfg.qps <= 0 or cfg.concurrency is not None and cfg.concurrency < 1:
+        raise ValueError("qps must be > 0 and concurrency >= 1")
+    if cfg.api not in ("chat", "completions"):
+        raise ValueError(f"api must be 'chat' or 'completions', not {cfg.api!r}")
+    if not conversations or any(not conv.turns for conv in conversations):
+        raise ValueError("no conversations to send, or one without turns")
+    want = str if cfg.api == "chat" else list
+    for conv in conversations:
+        if any(not isinstance(t.user, want) for t in conv.turns):
+            raise ValueError(f"conversation {conv.id}: the {cfg.api} API needs turns of "
+                             f"{'text' if want is str else 'token ids'}; use the other --api or workload")
+        if cfg.api == "completions" and conv.system is not None:
+            raise ValueError(f"conversation {conv.id}: a system prompt needs the chat API")
+
+
+def _cycle(conversations: list[Conversation]) -> Iterator[tuple[str, Conversation]]:
+    """The conversations in order, again and again; later rounds get ids like 'c12#2'."""
+    for round_ in count(1):
+        for conv in conversations:
+            yield (conv.id if round_ == 1 else f"{conv.id}#{round_}"), conv
+
+
+class _Load:
+    """One run: the session, the deadline, the records and the progress bar."""
+
+    def __init__(self, cfg: LoadConfig, session: aiohttp.ClientSession, records: list[RequestRecord],
+                 bar: tqdm) -> None:
+        self.cfg, self.session, self.records, self.bar = cfg, session, records, bar
+        self.t0 = perf_counter()
+        self.deadline = self.t0 + cfg.duration
+        base = cfg.base_url.rstrip("/").removesuffix("/v1")
+        self.url = URL(base + ("/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"))
+        self.failed = 0
+
+    def add(self, record: RequestRecord) -> None:
+        self.records.append(record)
+        self.bar.update(1)
+        if record.error is not None:
+            self.failed += 1
+            self.bar.set_postfix_str(f"failed={self.failed}", refresh=False)
+
+    async def closed_loop(self, source: Iterator[tuple[str, Conversation]]) -> None:
+        """One of `concurrency` slots: run conversations back to back until the deadline."""
+        while perf_counter() < self.deadline:
+            await self.conversation(*next(source))
+
+    async def open_loop(self, source: Iterator[tuple[str, Conversation]]) -> None:
+        """Start conversations at Poisson arrival times until the deadline, then wait for them."""
+        loop = asyncio.get_running_loop()
+        tasks: set[asyncio.Task] = set()
+        try:
+            for offset in poisson_arrivals(self.cfg.qps, self.cfg.seed):
+                if offset >= self.cfg.duration:
+                    break
+                delay = self.t0 + offset - perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = loop.create_task(self.conversation(*next(source)))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        finally:
+            await _cancel(tasks)
+
+    async def conversation(self, cid: str, conv: Conversation) -> None:
+        """Send the turns in order, each with the whole history; stop at the first failure or the deadline."""
+        cfg, chat = self.cfg, self.cfg.api == "chat"
+        base = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
+                "temperature": cfg.temperature}
+        if conv.ignore_eos:
+            base["ignore_eos"] = True
+        if not chat and len(conv.turns) > 1:
+            base["return_token_ids"] = True
+        history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system is not None else []
+        prompt_ids: list[int] = []
+        for i, turn in enumerate(conv.turns):
+            if i and perf_counter() >= self.deadline:
+                return
+            if chat:
+                history.append({"role": "user", "content": turn.user})
+                body = {**base, "messages": history, "max_tokens": turn.max_tokens, **cfg.extra_body}
+            else:
+                prompt_ids += turn.user
+                body = {**base, "prompt": prompt_ids, "max_tokens": turn.max_tokens, **cfg.extra_body}
+            record, text, ids = await self.request(_encode(body), cid, i)
+            self.add(record)
+            if record.error is not None:
+                return  # later turns would carry a wrong history
+            if chat:
+                history.append({"role": "assistant", "content": text})
+            elif ids is not None:
+                prompt_ids += ids
+            elif i + 1 < len(conv.turns):
+                self.add(RequestRecord(cid, i + 1, start=perf_counter(), ttft=None, itl=[], latency=None,
+                                       prompt_tokens=0, output_tokens=0, cached_tokens=None, route=None,
+                                       error=NEEDS_TOKEN_IDS))
+                return
+
+    async def request(self, body: bytes, cid: str, turn: int) -> tuple[RequestRecord, str, list[int] | None]:
+        """Send one streamed request; the record, the streamed text and token ids (None if none came)."""
+        route = None
+        start = perf_counter()
+        stream = _Stream(start)
+        try:
+            async with self.session.post(self.url, data=body, headers=_HEADERS) as resp:
+                route = resp.headers.get("x-ppd-route")
+                if resp.status >= 400:
+                    stream.error = _http_error(resp.status, await resp.read())
+                else:
+                    read = resp.content.readany
+                    while data := await read():
+                        if stream.feed(data, perf_counter()):  # the time is taken before any parsing
+                            break
+                    if stream.done:
+                        while await read():
+                            pass  # to the end, so that the connection goes back to the pool
+                    elif stream.error is None:
+                        stream.error = "stream ended before [DONE]"
+        except asyncio.TimeoutError:  # aiohttp's total timeout, which covers reading the stream
+            stream.error = "timeout"
+        except aiohttp.ClientError as exc:
+            stream.error = f"{type(exc).__name__}: {exc}"[:300]
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            stream.error = f"bad stream chunk: {exc}"[:300]
+        return stream.record(cid, turn, route), "".join(stream.texts), stream.ids
+
+
+class _Stream:
+    """What one SSE response has carried so far, with the arrival time of each token-bearing chunk."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.texts: list[str] = []
+        self.ids: list[int] | None = None
+        self.itl: list[float] = []
+        self.ttft: float | None = None
+        self.last = self.end = 0.0
+        self.chunks = 0
+        self.usage: _Usage | None = None
+        self.error: str | None = None
+        self.done = False
+        self.pending = b""  # a line split across reads
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Take the bytes of one read, which arrived by `now`; True once [DONE] or an error event came."""
+        lines = (self.pending + data).split(b"\n") if self.pending else data.split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, SSE comments and keep-alives
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done, self.end = True, now
+                return True
+            chunk = _decode_chunk(payload)
+            if chunk.error is not None:
+                self.error = _error_message(chunk.error)
+                return True
+            bearing = False
+            for choice in chunk.choices or ():
+                delta = choice.delta
+                piece = delta.content if delta is not None else choice.text
+                if piece:
+                    self.texts.append(piece)
+                    bearing = True
+                elif delta is not None and (delta.reasoning_content or delta.reasoning):
+                    bearing = True
+                if choice.token_ids is not None:
+                    if self.ids is None:
+                        self.ids = []
+                    if choice.token_ids:
+                        self.ids += choice.token_ids
+                        bearing = True
+            if bearing:
+                if self.ttft is None:
+                    self.ttft = now - self.start
+                else:
+                    self.itl.append(now - self.last)
+                self.last = now
+                self.chunks += 1
+            if chunk.usage is not None:
+                self.usage = chunk.usage
+        return False
+
+    def record(self, cid: str, turn: int, route: str | None) -> RequestRecord:
+        end = perf_counter() if self.error is not None else self.end
+        usage = self.usage or _Usage()
+        details = usage.prompt_tokens_details
+        return RequestRecord(
+            conversation=cid, turn=turn, start=self.start, ttft=self.ttft, itl=self.itl, latency=end - self.start,
+            prompt_tokens=usage.prompt_tokens or 0,
+            output_tokens=usage.completion_tokens if usage.completion_tokens is not None else self.chunks,
+            cached_tokens=details.cached_tokens if details is not None else None, route=route, error=self.error)
+
+
+async def _cancel(tasks: set[asyncio.Task] | list[asyncio.Task]) -> None:
+    """Cancel the tasks and wait until they have unwound (closing their connections)."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_load(cfg: LoadConfig, conversations: list[Conversation], progress: bool = True,
+                   records: list[RequestRecord] | None = None) -> list[RequestRecord]:
+    """Drive the conversations against the server and return one record per request sent.
+
+    Records are appended to `records` (when given) as each request completes, so a caller that
+    cancels the run (Ctrl-C) keeps what was measured; in-flight requests are then abandoned.
+    """
+    _check(cfg, conversations)
+    records = [] if records is None else records
+    source = _cycle(conversations)
+    # Closed loop: a pool of exactly `concurrency` connections. Open loop: unbounded, since waiting for a
+    # connection inside the client would hide the server's queueing from the measured TTFT.
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout)
+    bar = tqdm(desc="requests", unit=" req", file=sys.stderr, disable=not progress, postfix="failed=0")
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
+                                     trust_env=False) as session:
+        load = _Load(cfg, session, records, bar)
+        tasks: list[asyncio.Task] = []
+        try:
+            if cfg.concurrency is not None:
+                tasks = [asyncio.create_task(load.closed_loop(source)) for _ in range(cfg.concurrency)]
+                await asyncio.gather(*tasks)
+            else:
+                await load.open_loop(source)
+        finally:
+            await _cancel(tasks)
+            bar.close()
+    return records

@@ -1,0 +1,289 @@
+"""Summaries of `ppd bench` runs: one JSON-ready dict per run, a markdown table, plots.
+
+Times in a summary are milliseconds (keys say `_ms`); throughputs are per second of the run's wall
+duration. Latency statistics cover successful requests only; failed ones count in success_rate.
+matplotlib is imported inside the plot functions: the CLI imports this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bench.client import RequestRecord
+
+log = logging.getLogger("ppd.bench")
+
+GOODPUT_KEYS = ("ttft", "tpot", "e2e")
+X_KEYS = ("qps", "concurrency")  # label keys that are the load of a run, not the series it belongs to
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation, numpy's default); None for no values."""
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _ms(values: Sequence[float], name: str, qs: Sequence[int]) -> dict[str, float | None]:
+    return {f"{name}_ms_p{q}": None if (p := percentile(values, q)) is None else p * 1000 for q in qs}
+
+
+def _meets(record: RequestRecord, slos: dict[str, float]) -> bool:
+    """Whether a request met every SLO (seconds); one with under 2 output tokens has no TPOT to miss."""
+    if not record.success:
+        return False
+    checks = {
+        "ttft": record.ttft,
+        "tpot": 0.0 if record.tpot is None else record.tpot,
+        "e2e": record.latency,
+    }
+    return all(checks[k] is not None and checks[k] <= slo for k, slo in slos.items())
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, goodput: dict[str, float] | None = None,
+              label: dict | None = None) -> dict[str, Any]:
+    """One run's statistics as a JSON-serializable dict; goodput holds SLOs in seconds (see parse_goodput)."""
+    ok = [r for r in records if r.success]
+    n = len(records)
+
+    def per_s(amount: float) -> float | None:
+        return amount / duration_s if duration_s > 0 else None
+
+    prompt = sum(r.prompt_tokens for r in ok)
+    output = sum(r.output_tokens for r in ok)
+    summary: dict[str, Any] = {
+        "label": dict(label or {}),
+        "duration_s": duration_s,
+        "requests": n,
+        "succeeded": len(ok),
+        "failed": n - len(ok),
+        "success_rate": len(ok) / n if n else None,
+        "conversations": len({r.conversation for r in records}),
+        **_ms([r.ttft for r in ok if r.turn == 0 and r.ttft is not None], "ttft_turn1", (50, 90, 99)),
+        **_ms([r.ttft for r in ok if r.turn >= 1 and r.ttft is not None], "ttft_turn2plus", (50, 90, 99)),
+        **_ms([r.tpot for r in ok if r.tpot is not None], "tpot", (50, 99)),
+        **_ms([gap for r in ok for gap in r.itl], "itl", (99,)),
+        **_ms([r.latency for r in ok if r.latency is not None], "e2e", (50, 99)),
+        "output_tokens_per_s": per_s(output),
+        "total_tokens_per_s": per_s(prompt + output),
+        "requests_per_s": per_s(len(ok)),
+        "goodput_slo_ms": {k: v * 1000 for k, v in (goodput or {}).items()},
+        "goodput_requests_per_s": None,
+        "goodput_fraction": None,
+        "prefix_cache_hit_fraction": _hit_fraction(ok),
+        "prefix_cache_hit_fraction_turn2plus": _hit_fraction([r for r in ok if r.turn >= 1]),
+        "routes": dict(Counter(r.route for r in records if r.route is not None)),
+        "errors": dict(Counter((r.error or "")[:200] for r in records if not r.success).most_common(5)),
+    }
+    if goodput:
+        met = sum(_meets(r, goodput) for r in records)
+        summary["goodput_requests_per_s"] = per_s(met)
+        summary["goodput_fraction"] = met / n if n else None
+    return summary
+
+
+def _hit_fraction(records: Sequence[RequestRecord]) -> float | None:
+    """Cached over prompt tokens, over the requests whose server reported cached tokens."""
+    reporting = [r for r in records if r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens for r in reporting)
+    return sum(r.cached_tokens for r in reporting) / prompt if prompt else None
+
+
+def median_of_runs(runs: Sequence[dict]) -> dict:
+    """One summary for repeated runs of the same point: each rate, latency and fraction is the median over the runs
+    that have it, counts (requests, routes, errors) are summed, and the runs themselves are kept under "runs"."""
+    first = runs[0]
+    combined: dict[str, Any] = {"label": first["label"], "repeats": len(runs)}
+    for key, value in first.items():
+        if key in ("label", "goodput_slo_ms"):
+            combined[key] = value
+        elif isinstance(value, dict):
+            total: Counter = Counter()
+            for run in runs:
+                total.update(run.get(key) or {})
+            combined[key] = dict(total)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            combined[key] = sum(run.get(key) or 0 for run in runs)  # counts add up over the runs
+        elif isinstance(value, float) or value is None:
+            values = [run[key] for run in runs if isinstance(run.get(key), (int, float))]
+            combined[key] = float(np.median(values)) if values else None
+    if any(run.get("interrupted") for run in runs):
+        combined["interrupted"] = True
+    combined["runs"] = list(runs)
+    return combined
+
+
+def parse_goodput(items: Sequence[str]) -> dict[str, float]:
+    """['ttft:500', 'tpot:50'] (milliseconds) -> {'ttft': 0.5, 'tpot': 0.05} (seconds)."""
+    slos: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if not sep or key not in GOODPUT_KEYS or not 0 < ms < float("inf"):
+            raise ValueError(f"bad goodput SLO {item!r}: expected KEY:MS with KEY one of {', '.join(GOODPUT_KEYS)} "
+                             f"and MS a positive number of milliseconds, e.g. ttft:500 tpot:50")
+        if key in slos:
+            raise ValueError(f"goodput SLO {key!r} given twice")
+        slos[key] = ms / 1000
+    return slos
+
+
+# --- table --------------------------------------------------------------------------------------
+
+def _num(value: float | None, fmt: str = ".1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _pair(s: dict, name: str, lo: str = "p50", hi: str = "p99") -> str:
+    return f"{_num(s.get(f'{name}_ms_{lo}'))} / {_num(s.get(f'{name}_ms_{hi}'))}"
+
+
+def _label_keys(summaries: Sequence[dict]) -> list[str]:
+    """Label keys in first-seen order, leaving out those that are None in every run."""
+    keys: dict[str, None] = {}
+    for s in summaries:
+        keys.update({k: None for k, v in s.get("label", {}).items() if v is not None})
+    return list(keys)
+
+
+METRIC_COLUMNS = [
+    ("ok / requests", lambda s: f"{s['succeeded']} / {s['requests']}"),
+    ("TTFT turn 1 p50 / p99 (ms)", lambda s: _pair(s, "ttft_turn1")),
+    ("TTFT turn 2+ p50 / p99 (ms)", lambda s: _pair(s, "ttft_turn2plus")),
+    ("TPOT p50 / p99 (ms)", lambda s: _pair(s, "tpot")),
+    ("ITL p99 (ms)", lambda s: _num(s.get("itl_ms_p99"))),
+    ("E2E p50 / p99 (ms)", lambda s: _pair(s, "e2e")),
+    ("output tok/s", lambda s: _num(s.get("output_tokens_per_s"))),
+    ("req/s", lambda s: _num(s.get("requests_per_s"), ".2f")),
+    ("goodput req/s (share)", lambda s: "-" if s.get("goodput_fraction") is None
+     else f"{s['goodput_requests_per_s']:.2f} ({s['goodput_fraction']:.0%})"),
+    ("prefix cache hit", lambda s: "-" if s.get("prefix_cache_hit_fraction") is None
+     else f"{s['prefix_cache_hit_fraction']:.0%}"),
+    ("routes", lambda s: ", ".join(f"{k} {v}" for k, v in sorted(s.get("routes", {}).items())) or "-"),
+]
+
+
+def markdown_table(summaries: Sequence[dict]) -> str:
+    """One row per run: its label columns, then the key metrics."""
+    keys = _label_keys(summaries)
+    header = keys + [name for name, _ in METRIC_COLUMNS]
+    rows = [[_cell(s.get("label", {}).get(k)) for k in keys] + [cell(s) for _, cell in METRIC_COLUMNS]
+            for s in summaries]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value).replace("|", "\\|")
+
+
+# --- files --------------------------------------------------------------------------------------
+
+def write_report(summaries: Sequence[dict], out_dir: Path, records_by_run: dict[str, list] | None = None) -> list[Path]:
+    """Write summary.json, report.md, the plots (with matplotlib) and RUN/records.jsonl; return the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "summary.json"]
+    written[0].write_text(json.dumps(list(summaries), indent=2, default=str) + "\n")
+    plots = []
+    try:
+        for name, plot in (("latency_vs_qps.png", plot_latency_vs_qps), ("ttft_pareto.png", plot_ttft_pareto)):
+            plot(summaries, out_dir / name)
+            plots.append(out_dir / name)
+    except ImportError:
+        log.warning("no plots: matplotlib is not installed (pip install matplotlib)")
+    report = out_dir / "report.md"
+    report.write_text("# ppd bench\n\n" + markdown_table(summaries) + "\n\n"
+                      + "".join(f"![{p.stem}]({p.name})\n\n" for p in plots)
+                      + "TTFT turn 2+: every turn after the first. TPOT: (latency - TTFT) / (output tokens - 1). "
+                        "Goodput: requests meeting every SLO in goodput_slo_ms, per second and as a share of all.\n")
+    written += [report, *plots]
+    used: set[str] = set()
+    for run, records in (records_by_run or {}).items():
+        folder = re.sub(r"[^\w.=-]+", "_", run) or "run"
+        while folder in used:
+            folder += "_"
+        used.add(folder)
+        path = out_dir / folder / "records.jsonl"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(dataclasses.asdict(r), default=str) + "\n" for r in records))
+        written.append(path)
+    return written
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+def _series(summaries: Sequence[dict]) -> tuple[str, dict[str, list[tuple[float, dict]]]]:
+    """(the x key, {series name: [(x, summary)] sorted by x}): a series is a label minus the load keys."""
+    x_key = next((k for k in X_KEYS if any(s.get("label", {}).get(k) is not None for s in summaries)), X_KEYS[0])
+    series: dict[str, list[tuple[float, dict]]] = {}
+    for s in summaries:
+        label = s.get("label", {})
+        if label.get(x_key) is None:
+            continue
+        name = " / ".join(str(v) for k, v in label.items() if k not in X_KEYS and v is not None) or "run"
+        series.setdefault(name, []).append((float(label[x_key]), s))
+    return x_key, {name: sorted(points, key=lambda p: p[0]) for name, points in series.items()}
+
+
+X_AXIS = {"qps": "offered load (conversations/s)", "concurrency": "concurrency (conversations in flight)"}
+
+
+def plot_latency_vs_qps(summaries: Sequence[dict], path: Path) -> None:
+    """Turn-2+ TTFT p50 and p99 and TPOT p50 against the offered load, one line per policy/server."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    x_key, series = _series(summaries)
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    panels = [("ttft_turn2plus_ms_p50", "TTFT turn 2+ p50 (ms)"), ("ttft_turn2plus_ms_p99", "TTFT turn 2+ p99 (ms)"),
+              ("tpot_ms_p50", "TPOT p50 (ms)")]
+    for ax, (key, title) in zip(fig.subplots(1, len(panels)), panels):
+        for name, points in series.items():
+            xy = [(x, s[key]) for x, s in points if s.get(key) is not None]
+            ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=name)
+        ax.set(title=title, xlabel=X_AXIS[x_key], ylabel="ms")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    _legend_or_note(fig, series)
+    fig.savefig(path, dpi=110)
+
+
+def plot_ttft_pareto(summaries: Sequence[dict], path: Path) -> None:
+    """Turn-2+ TTFT p50 against output throughput, one line per policy/server, points labelled by load."""
+    from matplotlib.figure import Figure
+
+    x_key, series = _series(summaries)
+    fig = Figure(figsize=(7, 5), layout="constrained")
+    ax = fig.subplots()
+    unit = " qps" if x_key == "qps" else " conc."
+    for name, points in series.items():
+        xy = [(s["output_tokens_per_s"], s["ttft_turn2plus_ms_p50"], load) for load, s in points
+              if s.get("output_tokens_per_s") is not None and s.get("ttft_turn2plus_ms_p50") is not None]
+        ax.plot([x for x, _, _ in xy], [y for _, y, _ in xy], marker="o", label=name)
+        for x, y, load in xy:
+            ax.annotate(f"{load:g}{unit}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(title="TTFT turn 2+ vs throughput (lower right is better)", xlabel="output throughput (tokens/s)",
+           ylabel="TTFT turn 2+ p50 (ms)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    _legend_or_note(fig, series)
+    fig.savefig(path, dpi=110)
+
+
+def _legend_or_note(fig: Any, series: dict) -> None:
+    if series:
+        fig.axes[0].legend(fontsize=8)
+    else:
+        fig.text(0.5, 0.5, "no run has a load (qps or concurrency) in its label", ha="center", va="center")

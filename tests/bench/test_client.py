@@ -1,0 +1,245 @@
+"""The `ppd bench` load generator against the stub server (a subprocess: its own event loop and GIL)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import statistics
+import time
+import urllib.request
+import warnings
+from itertools import islice
+
+import pytest
+
+from bench.client import (NEEDS_TOKEN_IDS, Conversation, LoadConfig, RequestRecord, Turn, _Stream, poisson_arrivals,
+                          run_load)
+from bench.stub_server import start_stub
+
+TTFT_MS, ITL_MS = 20.0, 2.0
+FAST = {"stub": {"ttft_ms": 2, "itl_ms": 1}}  # for tests about content, not timing
+
+
+@pytest.fixture(scope="module")
+def stub():
+    with start_stub(ttft_ms=TTFT_MS, itl_ms=ITL_MS) as server:
+        yield server
+
+
+def call(stub, path: str, method: str = "GET") -> dict | list:
+    with urllib.request.urlopen(urllib.request.Request(stub.url + path, method=method), timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def run(stub, conversations: list[Conversation], **kw) -> list[RequestRecord]:
+    """run_load with a fresh stub log; progress off."""
+    call(stub, "/stub/reset", "POST")
+    return asyncio.run(run_load(LoadConfig(stub.url, "stub", **kw), conversations, progress=False))
+
+
+def once(stub, conversation: Conversation, **kw) -> list[RequestRecord]:
+    """Run one conversation once: an open loop whose second arrival is due long after the end."""
+    return run(stub, [conversation], qps=1e-9, duration=30.0, **kw)
+
+
+def test_chat_sends_the_full_history_with_the_servers_answers(stub):
+    conv = Conversation("c0", [Turn("hello there", 3), Turn("tell me more", 2), Turn("thanks", 1)],
+                        system="be brief", ignore_eos=True)
+    records = once(stub, conv, extra_body=FAST)
+    assert [(r.turn, r.error) for r in records] == [(0, None), (1, None), (2, None)]
+    bodies = [entry["body"] for entry in call(stub, "/stub/log")]
+    assert [b["messages"] for b in bodies] == [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+         {"role": "assistant", "content": " w0 w1 w2"}, {"role": "user", "content": "tell me more"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+         {"role": "assistant", "content": " w0 w1 w2"}, {"role": "user", "content": "tell me more"},
+         {"role": "assistant", "content": " w0 w1"}, {"role": "user", "content": "thanks"}],
+    ]
+    for body, max_tokens in zip(bodies, (3, 2, 1)):
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+        assert body["max_tokens"] == max_tokens and body["temperature"] == 0.0 and body["ignore_eos"] is True
+        assert body["model"] == "stub" and body["stub"] == FAST["stub"]  # extra_body merged in
+        assert "return_token_ids" not in body
+
+
+def test_completions_sends_prompt_plus_generated_plus_new_ids(stub):
+    conv = Conversation("c0", [Turn([1, 2, 3], 3), Turn([4, 5], 2), Turn([6], 1)])
+    records = once(stub, conv, api="completions", extra_body=FAST)
+    assert [r.error for r in records] == [None, None, None]
+    bodies = [entry["body"] for entry in call(stub, "/stub/log")]
+    assert [b["prompt"] for b in bodies] == [[1, 2, 3], [1, 2, 3, 1000, 1001, 1002, 4, 5],
+                                             [1, 2, 3, 1000, 1001, 1002, 4, 5, 1000, 1001, 6]]
+    assert all(b["return_token_ids"] is True and "ignore_eos" not in b for b in bodies)
+    assert [r.prompt_tokens for r in records] == [3, 8, 11] and [r.output_tokens for r in records] == [3, 2, 1]
+
+
+def test_completions_multi_turn_without_token_ids_fails_clearly(stub):
+    conv = Conversation("c0", [Turn([1, 2], 2), Turn([3], 2), Turn([4], 2)])
+    records = once(stub, conv, api="completions", extra_body={"stub": {"token_ids": False, "ttft_ms": 2}})
+    assert [(r.turn, r.error) for r in records] == [(0, None), (1, NEEDS_TOKEN_IDS)]
+    assert len(call(stub, "/stub/log")) == 1  # the later turns were never sent
+
+
+def test_record_timing_usage_route_and_cache(stub):
+    records = once(stub, Conversation("c0", [Turn(f"turn {k}", 8) for k in range(15)]))
+    stub_first_token = [entry["first_token_s"] for entry in call(stub, "/stub/log")]
+    assert len(records) == len(stub_first_token) == 15 and all(r.success for r in records)
+    for k, (r, first_token) in enumerate(zip(records, stub_first_token)):
+        assert r.output_tokens == 8 and len(r.itl) == 7 and r.route == "decode"
+        assert (r.prompt_tokens, r.cached_tokens) == (2 * (k + 1) + 8 * k, 10 * k)  # words; all but the new turn
+        # Never early: the stub writes the first token TTFT_MS or later after the request arrived,
+        # and the client sent it before that and reads the token after.
+        assert TTFT_MS / 1000 <= first_token <= r.ttft
+        assert r.latency >= r.ttft + sum(r.itl) - 1e-9  # [DONE] comes after the last token
+    # A single request on a shared 2-core VM may see a scheduling hiccup of a few ms; medians do not.
+    assert statistics.median(r.ttft - first_token for r, first_token in zip(records, stub_first_token)) < 0.002
+    assert statistics.median(r.ttft for r in records) == pytest.approx(TTFT_MS / 1000, abs=0.003)
+    assert statistics.median(r.tpot for r in records) == pytest.approx(ITL_MS / 1000, abs=0.0005)
+
+
+def test_timeout_fails_the_request_and_stops_its_conversation(stub):
+    conv = Conversation("c0", [Turn("a", 2), Turn("b [stub:sleep=5]", 2), Turn("c", 2)])
+    records = once(stub, conv, timeout=0.3, extra_body=FAST)
+    assert [(r.turn, r.error) for r in records] == [(0, None), (1, "timeout")]
+    assert records[1].latency == pytest.approx(0.3, abs=0.1) and records[1].tpot is None and not records[1].success
+    assert len(call(stub, "/stub/log")) == 2  # turn 2 was never sent
+    deadline = time.monotonic() + 5
+    while call(stub, "/stub/stats")["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # the stub notices the closed connection
+    assert call(stub, "/stub/stats")["in_flight"] == 0
+
+
+def test_http_error_and_stream_error_are_failures_with_the_servers_message(stub):
+    bad = Conversation("bad", [Turn("x [stub:http400]", 2), Turn("never", 2)])
+    broken = Conversation("broken", [Turn("x [stub:sse-error]", 4), Turn("never", 2)])
+    records = run(stub, [bad, broken], concurrency=2, duration=0.05, extra_body=FAST)
+    assert records and all(r.turn == 0 and not r.success for r in records)  # no second turn after a failure
+    errors = {r.conversation.split("#")[0]: r.error for r in records}
+    assert errors == {"bad": "HTTP 400: stub: bad request as asked", "broken": "stub: stream error as asked"}
+    assert all(r.ttft is not None for r in records if r.conversation.startswith("broken"))  # a token came first
+
+
+def test_stream_parsing_takes_any_servers_chunks():
+    stream = _Stream(start=0.0)
+    role = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}'
+    assert not stream.feed(b": keep-alive\n\n" + role + b"\n\nda", 1.0)  # a comment, a line split across reads
+    assert not stream.feed(b'ta: {"choices":[{"delta":{"reasoning_content":"hmm"},"x":1}]}\r\n\r\n', 2.0)
+    assert not stream.feed(b'data:{"choices":[{"delta":{"content":"Hi"}}],"usage":null}\n\n', 3.5)
+    assert stream.feed(b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,'
+                       b'"prompt_tokens_details":null}}\n\ndata: [DONE]\n\n', 4.0)
+    record = stream.record("c", 0, None)
+    assert (record.ttft, record.itl, record.latency) == (2.0, [1.5], 4.0)  # the role chunk is no token
+    assert (record.prompt_tokens, record.output_tokens, record.cached_tokens, record.success) == (5, 2, None, True)
+    assert "".join(stream.texts) == "Hi" and stream.ids is None  # reasoning is no part of the history
+
+    no_usage = _Stream(start=0.0)
+    no_usage.feed(b'data: {"choices":[{"text":"a","token_ids":[7]}]}\n\ndata: {"choices":[{"text":"","token_ids":[8]}]}'
+                  b'\n\ndata: [DONE]\n\n', 1.0)
+    assert no_usage.record("c", 0, None).output_tokens == 2 and no_usage.ids == [7, 8]
+
+
+def test_poisson_arrivals_are_reproducible_with_the_right_rate():
+    first = list(islice(poisson_arrivals(50.0, seed=1), 20_000))
+    assert first == list(islice(poisson_arrivals(50.0, seed=1), 20_000))
+    assert first[:10] != list(islice(poisson_arrivals(50.0, seed=2), 10))
+    assert first[0] == 0.0 and all(b > a for a, b in zip(first, first[1:]))
+    assert first[-1] / (len(first) - 1) == pytest.approx(1 / 50, rel=0.02)
+
+
+def test_open_loop_starts_conversations_on_the_poisson_schedule(stub):
+    qps, duration = 40.0, 1.0
+    conversations = [Conversation(f"c{i}", [Turn("hi", 2), Turn("more", 2)]) for i in range(5)]
+    records = run(stub, conversations, qps=qps, seed=7, duration=duration, extra_body=FAST)
+    due = [t for t in islice(poisson_arrivals(qps, seed=7), 1000) if t < duration]
+    starts = sorted(r.start for r in records if r.turn == 0)
+    assert len(starts) == len(due) > 20
+    lateness = [(s - starts[0]) - t for s, t in zip(starts, due)]
+    assert statistics.median(lateness) < 0.005 and max(map(abs, lateness)) < 0.05
+    # The list is cycled with distinct ids, each conversation runs both turns.
+    assert {r.conversation for r in records} >= {"c0", "c4", "c0#2"}
+    assert all(r.success for r in records)
+
+
+def test_closed_loop_keeps_exactly_concurrency_in_flight(stub):
+    conversations = [Conversation(f"c{i}", [Turn("a b", 5), Turn("c", 3)]) for i in range(4)]
+    records = run(stub, conversations, concurrency=3, duration=0.5, extra_body={"stub": {"ttft_ms": 5, "itl_ms": 1}})
+    assert call(stub, "/stub/stats")["max_in_flight"] == 3
+    events = sorted([(r.start, 1) for r in records] + [(r.start + r.latency, -1) for r in records])
+    in_flight = peak = 0
+    for _, step in events:
+        in_flight += step
+        peak = max(peak, in_flight)
+    assert peak <= 3 and all(r.success for r in records) and len(records) > 30
+
+
+def test_bad_configs_are_refused_with_a_reason():
+    conv = [Conversation("c0", [Turn("hi", 1)])]
+    with pytest.raises(ValueError, match="exactly one of qps"):
+        asyncio.run(run_load(LoadConfig("http://127.0.0.1:1", "m", qps=1.0, concurrency=2), conv, progress=False))
+    with pytest.raises(ValueError, match="token ids"):
+        asyncio.run(run_load(LoadConfig("http://127.0.0.1:1", "m", api="completions", concurrency=1), conv,
+                             progress=False))
+
+
+def test_capacity_200_requests_per_second_with_under_1ms_overhead():
+    """The issue's bar: 200+ requests/s from one client process, its timing overhead under 1 ms (median).
+
+    Overhead = the client's TTFT minus the stub's own measured time from a request's arrival (its
+    bytes read from the socket) to just before it writes the first token. That leaves out the stub's
+    timer lateness but counts, besides the client's request building and stream parsing, both
+    loopback trips (send syscalls included) and both processes' wake-ups: an upper bound.
+    """
+    # 6 slots x (10 ms + 3 x 2 ms) per request: about 350 requests/s offered, well above the bar
+    # without saturating 2 cores. Unique texts (no list cycling) let each record find its stub entry.
+    conversations = [Conversation(f"c{i}", [Turn(f"c{i} turn {j}", 4) for j in range(5)]) for i in range(3000)]
+    with start_stub(ttft_ms=10, itl_ms=2) as server:
+        cfg = LoadConfig(server.url, "stub", concurrency=6, duration=4.0)
+        records = asyncio.run(run_load(cfg, conversations, progress=False))
+        stub_first_token = {e["body"]["messages"][-1]["content"]: e["first_token_s"] for e in call(server, "/stub/log")}
+    assert records and all(r.success for r in records), {r.error for r in records}
+    span = max(r.start + r.latency for r in records) - min(r.start for r in records)
+    rate = len(records) / span
+    overhead = sorted(r.ttft - stub_first_token[f"{r.conversation} turn {r.turn}"] for r in records)
+    p50, p90 = overhead[len(overhead) // 2], overhead[int(0.9 * len(overhead))]
+    print(f"\n{len(records)} requests, {rate:.0f} requests/s; client overhead p50 {p50 * 1e3:.3f} ms, "
+          f"p90 {p90 * 1e3:.3f} ms")
+    assert rate >= 200, f"{rate:.0f} requests/s"
+    assert p50 < 0.001, f"median overhead {p50 * 1e3:.3f} ms"
+
+
+def test_cancel_keeps_completed_records_and_leaves_nothing_open(stub, caplog):
+    conversations = [Conversation(f"c{i}", [Turn("a", 10), Turn("b", 10)]) for i in range(4)]
+    cfg = LoadConfig(stub.url, "stub", concurrency=4, duration=30.0)
+    records: list[RequestRecord] = []
+
+    async def main() -> None:
+        task = asyncio.create_task(run_load(cfg, conversations, progress=False, records=records))
+        while len(records) < 8:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    call(stub, "/stub/reset", "POST")
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        asyncio.run(main())
+        gc.collect()
+    assert not [str(w.message) for w in caught]
+    assert not [r.getMessage() for r in caplog.records]  # e.g. "Task was destroyed", "Unclosed client session"
+    assert len(records) >= 8 and all(r.success and r.output_tokens == 10 for r in records)
+    deadline = time.monotonic() + 5
+    while call(stub, "/stub/stats")["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert call(stub, "/stub/stats")["in_flight"] == 0  # the abandoned requests' connections were closed
+
+
+def test_progress_bar_goes_to_stderr(stub, capsys):
+    conversations = [Conversation("bad", [Turn("x [stub:http400]", 1)]), Conversation("ok", [Turn("y", 1)])]
+    cfg = LoadConfig(stub.url, "stub", concurrency=1, duration=0.1, extra_body=FAST)
+    records = asyncio.run(run_load(cfg, conversations, progress=True))
+    err = capsys.readouterr().err
+    assert "requests" in err and f"failed={sum(not r.success for r in records)}" in err
