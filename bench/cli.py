@@ -41,6 +41,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--turns", type=int, default=2, help="synthetic: turns per conversation")
     g.add_argument("--scale", type=float, default=1.0, help="synthetic: multiply every length (e.g. 0.0625 for the CPU demo)")
     g.add_argument("--dataset", default=None, help="sharegpt / mt-bench: a file (default: the packaged one)")
+    g.add_argument("--max-input-tokens", type=int, default=None,
+                   help="sharegpt: end a conversation before a turn whose prompt would pass this (default: fits the "
+                        "server's max_model_len)")
+    g.add_argument("--max-output-tokens", type=int, default=1024, help="sharegpt: cap on each answer's max_tokens")
     g.add_argument("--num-conversations", type=int, default=200, help="distinct conversations (cycled if the run is longer)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for exact text lengths (default: the served model's folder when it is local)")
@@ -95,8 +99,8 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         raise BenchError("give the load: --qps RATE (Poisson conversation arrivals) or --concurrency N (closed loop)")
     from bench.report import markdown_table, write_report
 
-    model, root = _server_model(args.url, args.model)
-    conversations = _workload(args, root, args.seed)
+    model, served = _server_model(args.url, args.model)
+    conversations = _workload(args, served, args.seed)
     out = Path(args.out or _default_out("bench"))
     summary, records = _measure(args, args.url, model, conversations, args.qps, args.concurrency, goodput,
                                 {"server": args.url, "qps": args.qps, "concurrency": args.concurrency})
@@ -129,13 +133,13 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
             proc = _start_server(server, args.serve_args, out / f"serve-{server}.log") if server else None
             try:
                 base = proc[1] if proc else url
-                model, root = _server_model(base, args.model)
+                model, served = _server_model(base, args.model)
                 for i, (qps, concurrency) in enumerate(points):
                     label = {"server": name, "qps": qps, "concurrency": concurrency}
                     runs = []
                     for r in range(args.repeat):
                         # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
-                        conversations = _workload(args, root, args.seed + 1000 * i + r)
+                        conversations = _workload(args, served, args.seed + 1000 * i + r)
                         summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput, label)
                         runs.append(summary)
                         records[f"{name}-{qps or concurrency}-run{r}"] = recs
@@ -184,10 +188,11 @@ def _sweep(args: argparse.Namespace) -> list[tuple[float | None, int | None]]:
         raise BenchError(f"bad sweep list: {exc}; expected e.g. --qps 0.5,1,2") from exc
 
 
-def _workload(args: argparse.Namespace, root: str | None, seed: int) -> list[Conversation]:
+def _workload(args: argparse.Namespace, served: dict, seed: int) -> list[Conversation]:
     from bench.workloads import load_workload
 
     tokenizer = None
+    root = served.get("root")
     folder = args.tokenizer or (root if root and os.path.isdir(root) else None)
     needs_tokenizer = args.workload == "synthetic" and args.api == "chat"
     if folder:
@@ -197,6 +202,12 @@ def _workload(args: argparse.Namespace, root: str | None, seed: int) -> list[Con
         raise BenchError("exact prompt lengths need the model's tokenizer: pass --tokenizer FOLDER (or --api completions)")
     if args.workload == "synthetic":
         options = dict(profile=args.profile, turn1=args.turn1, turns=args.turns, scale=args.scale, api=args.api)
+    elif args.workload == "sharegpt":
+        max_input = args.max_input_tokens
+        if max_input is None and served.get("max_model_len"):
+            # Room for the answer and for chat-template tokens, which the workload does not count.
+            max_input = int(0.9 * served["max_model_len"]) - args.max_output_tokens
+        options = dict(path=args.dataset, max_input_tokens=max_input, max_output_tokens=args.max_output_tokens)
     else:
         options = dict(path=args.dataset)
     try:
@@ -205,13 +216,13 @@ def _workload(args: argparse.Namespace, root: str | None, seed: int) -> list[Con
         raise BenchError(str(exc)) from exc
 
 
-def _server_model(url: str, model: str | None) -> tuple[str, str | None]:
-    """(model name, its 'root' when the server reports one) from /v1/models."""
+def _server_model(url: str, model: str | None) -> tuple[str, dict]:
+    """(model name, its /v1/models entry: 'root' and 'max_model_len' when the server reports them)."""
     try:
         data = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         raise BenchError(f"cannot list models at {url}/v1/models ({exc}); is the server running?") from exc
-    by_id = {m["id"]: m.get("root") for m in data}
+    by_id = {m["id"]: m for m in data}
     if model is None:
         if not data:
             raise BenchError(f"{url} serves no model")
