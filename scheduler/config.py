@@ -13,12 +13,11 @@ class UnitConfig:
     """Settings shared by the decode and prefill worker of one unit."""
 
     model: str                      # a model folder (the launcher resolves "demo")
+    num_kv_blocks: int              # the KV pool, sized by the launcher (it checks max_model_len fits)
     unit: int = 0
     dtype: str = "auto"
     load_format: str = "auto"
     block_size: int = 16
-    num_kv_blocks: int | None = None      # overrides kv_cache_memory
-    kv_cache_memory: float = 0.5          # GiB for the KV pool when num_kv_blocks is None
     max_model_len: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -35,6 +34,10 @@ class UnitConfig:
     def address(self, name: str) -> str:
         """A ZeroMQ ipc:// endpoint of this unit (or shared by all units when name has no unit suffix)."""
         return f"ipc://{Path(self.ipc_dir) / name}"
+
+    def shm_name(self, kind: str) -> str:
+        """The /dev/shm file name of this unit's shared "weights" or "kv"."""
+        return f"{self.shm_prefix}-u{self.unit}-{kind}"
 
     @property
     def requests_address(self) -> str:

@@ -179,10 +179,6 @@ class DecodeScheduler:
     def has_step_work(self) -> bool:
         return bool(self.running or self.prefilling)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.by_id)
-
     def stats(self) -> WorkerStats:
         return WorkerStats(num_running=len(self.running) + len(self.prefilling) + len(self.remote),
                            num_waiting=len(self.waiting), kv_usage=self.blocks.usage,

@@ -29,10 +29,10 @@ STATS_INTERVAL_S = 0.25
 class DecodeWorker:
     def __init__(self, cfg: UnitConfig) -> None:
         self.cfg = cfg
-        model, mcfg, kv_pool, self.weights_handle, self.kv_handle, num_blocks = create_unit_memory(cfg)
+        model, mcfg, kv_pool, self.weights_handle, self.kv_handle = create_unit_memory(cfg)
         self.runner = ModelRunner(model, kv_pool, cfg.block_size)
         self.sampler = Sampler(mcfg.eos_token_ids)
-        self.scheduler = DecodeScheduler(BlockManager(num_blocks, cfg.block_size), mcfg.eos_token_ids, cfg.max_model_len,
+        self.scheduler = DecodeScheduler(BlockManager(cfg.num_kv_blocks, cfg.block_size), mcfg.eos_token_ids, cfg.max_model_len,
                                          cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.aggregated)
         self.ctx = zmq.Context()
         self.requests = socket(self.ctx, zmq.PULL, cfg.requests_address)
@@ -48,10 +48,10 @@ class DecodeWorker:
             self.jobs = socket(self.ctx, zmq.PUSH, cfg.jobs_address, bind=True)
             self.notify = socket(self.ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
-            self.jobs.send(self.encode(UnitSetup(self.weights_handle, self.kv_handle, num_blocks)))
+            self.jobs.send(self.encode(UnitSetup(self.weights_handle, self.kv_handle)))
         self.pending: list[RequestOutput] = []
         self.last_stats = 0.0
-        self.send(ready=WorkerReady("decode", os.getpid(), num_blocks))
+        self.send(ready=WorkerReady("decode", os.getpid()))
 
     def run(self) -> None:
         while True:

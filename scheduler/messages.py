@@ -44,7 +44,6 @@ class UnitSetup(msgspec.Struct, tag=True):
 
     weights: SharedTensorHandle
     kv_pool: SharedTensorHandle
-    num_blocks: int
 
 
 class PrefillJob(msgspec.Struct, tag=True):
@@ -108,7 +107,6 @@ class WorkerReady(msgspec.Struct):
 
     role: Literal["prefill", "decode"]
     pid: int
-    num_blocks: int = 0
 
 
 class WorkerOutput(msgspec.Struct, tag=True):

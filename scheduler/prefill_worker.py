@@ -47,7 +47,7 @@ class PrefillWorker:
         self.sampler = Sampler(mcfg.eos_token_ids)
         self.queue: deque[ActiveJob] = deque()
         self.notify.send(self.encode(PrefillReady(os.getpid())))
-        self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), setup.num_blocks))))
+        self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid()))))
 
     def run(self) -> None:
         while True:

@@ -7,13 +7,12 @@ import os
 import signal
 import sys
 
-import msgspec
 import torch
 import zmq
 
 from engine.config import ModelConfig, resolve_dtype
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
-from engine.model import Model, kv_block_nbytes, kv_pool_shape
+from engine.model import Model, kv_pool_shape
 from engine.shared_tensor import SharedTensorHandle, create_shared, open_shared
 from partition.cpu import pin_to_cores
 from scheduler.config import UnitConfig
@@ -42,21 +41,18 @@ def socket(ctx: zmq.Context, kind: int, address: str, bind: bool = False) -> zmq
     return sock
 
 
-def create_unit_memory(cfg: UnitConfig) -> tuple[Model, ModelConfig, torch.Tensor, SharedTensorHandle, SharedTensorHandle, int]:
+def create_unit_memory(cfg: UnitConfig) -> tuple[Model, ModelConfig, torch.Tensor, SharedTensorHandle, SharedTensorHandle]:
     """Decode worker: load the weights into a shared arena and allocate the shared KV pool.
-    Returns (model, model config, kv pool, weights handle, kv handle, number of blocks)."""
+    Returns (model, model config, kv pool, weights handle, kv handle)."""
     mcfg = ModelConfig.from_folder(cfg.model)
     dtype = resolve_dtype(cfg.dtype, mcfg)
     model = build_model(mcfg, dtype)
-    arena, weights = create_shared(f"{cfg.shm_prefix}-u{cfg.unit}-weights", (arena_nbytes(model),), torch.uint8)
+    arena, weights = create_shared(cfg.shm_name("weights"), (arena_nbytes(model),), torch.uint8)
     bind_arena(model, arena)
     load_weights(model, cfg.model, cfg.load_format)
-    num_blocks = cfg.num_kv_blocks or int(cfg.kv_cache_memory * 2**30) // kv_block_nbytes(mcfg, cfg.block_size, dtype)
-    if num_blocks * cfg.block_size < cfg.max_model_len:
-        raise ValueError(f"the KV pool holds {num_blocks * cfg.block_size} tokens, fewer than --max-model-len "
-                         f"{cfg.max_model_len}; raise --kv-cache-memory or lower --max-model-len")
-    kv_pool, kv = create_shared(f"{cfg.shm_prefix}-u{cfg.unit}-kv", kv_pool_shape(mcfg, num_blocks, cfg.block_size), dtype)
-    return model, mcfg, kv_pool, weights, kv, num_blocks
+    assert cfg.num_kv_blocks * cfg.block_size >= cfg.max_model_len, "the launcher sizes the pool to hold max_model_len"
+    kv_pool, kv = create_shared(cfg.shm_name("kv"), kv_pool_shape(mcfg, cfg.num_kv_blocks, cfg.block_size), dtype)
+    return model, mcfg, kv_pool, weights, kv
 
 
 def map_unit_memory(cfg: UnitConfig, weights: SharedTensorHandle, kv: SharedTensorHandle) -> tuple[Model, ModelConfig, torch.Tensor]:
@@ -65,7 +61,3 @@ def map_unit_memory(cfg: UnitConfig, weights: SharedTensorHandle, kv: SharedTens
     model = build_model(mcfg, resolve_dtype(cfg.dtype, mcfg))
     bind_arena(model, open_shared(weights))
     return model, mcfg, open_shared(kv)
-
-
-def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()

@@ -62,9 +62,7 @@ class _Request:
 @dataclass
 class UnitState:
     ready_roles: set[str] = field(default_factory=set)
-    pids: dict[str, int] = field(default_factory=dict)
     stats: WorkerStats | None = None
-    num_blocks: int = 0
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -102,10 +100,6 @@ class EngineClient:
     def unit_ready(self, unit: int) -> bool:
         needed = {"decode"} if self.units[unit].aggregated else {"decode", "prefill"}
         return needed <= self.state[unit].ready_roles
-
-    @property
-    def all_ready(self) -> bool:
-        return all(self.unit_ready(u) for u in range(len(self.units)))
 
     def reset_unit(self, unit: int, message: str) -> None:
         """The unit's workers are gone: end its requests with a 503 and forget its state until it is ready again."""
@@ -154,8 +148,6 @@ class EngineClient:
             state = self.state[msg.unit]
             if msg.ready is not None:
                 state.ready_roles.add(msg.ready.role)
-                state.pids[msg.ready.role] = msg.ready.pid
-                state.num_blocks = msg.ready.num_blocks or state.num_blocks
                 if self.unit_ready(msg.unit):
                     state.ready_event.set()
             if msg.stats is not None:

@@ -12,8 +12,8 @@ import logging
 import multiprocessing as mp
 import time
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 
+from engine.shared_tensor import SHM_DIR
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import run_decode_worker
 from scheduler.prefill_worker import run_prefill_worker
@@ -76,9 +76,8 @@ class Launcher:
         for p in procs:
             p.join(timeout=5)
         self.procs[unit] = {}
-        cfg = self.units[unit]
-        for name in ("weights", "kv"):
-            Path(f"/dev/shm/{cfg.shm_prefix}-u{cfg.unit}-{name}").unlink(missing_ok=True)
+        for kind in ("weights", "kv"):
+            (SHM_DIR / self.units[unit].shm_name(kind)).unlink(missing_ok=True)
 
     async def _watch(self) -> None:
         while not self.stopping:
