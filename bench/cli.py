@@ -130,7 +130,10 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     summaries, records = [], {}
     try:
         for name, url, server in [(f"ppd:{p}", None, p) for p in policies] + [(n, u, None) for n, u in peers]:
-            proc = _start_server(server, args.serve_args, out / f"serve-{server}.log") if server else None
+            proc = None
+            if server:
+                proc = start_server(["--policy", server, *shlex.split(args.serve_args)], out / f"serve-{server}.log")
+                print(f"started {server}: {proc[1]}", file=sys.stderr)
             try:
                 base = proc[1] if proc else url
                 model, served = _server_model(base, args.model)
@@ -149,7 +152,7 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
                     summaries.append(median_of_runs(runs))
             finally:
                 if proc:
-                    _stop_server(proc[0])
+                    stop_server(proc[0])
     except KeyboardInterrupt:
         print("\ninterrupted: reporting what was measured", file=sys.stderr)
     if summaries:
@@ -232,29 +235,30 @@ def _server_model(url: str, model: str | None) -> tuple[str, dict]:
     return model, by_id[model]
 
 
-def _start_server(policy: str, serve_args: str, log: Path) -> tuple[subprocess.Popen, str]:
-    """`ppd serve --policy POLICY` on a free port, once /health says ready; its output goes to log."""
+def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = None,
+                 timeout: float = SERVER_START_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
+    """`ppd serve <serve_args>` on a free port, returned once /health says ready; its output goes to log."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--policy", policy, *shlex.split(serve_args)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *serve_args]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BenchError(f"`{shlex.join(cmd)}` exited with {proc.returncode}; see {log}")
+            raise BenchError(f"`{shlex.join(cmd)}` exited with {proc.returncode}:\n{log.read_text()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                print(f"started {policy}: {url}", file=sys.stderr)
                 return proc, url
-        time.sleep(0.2)
-    _stop_server(proc)
-    raise BenchError(f"`{shlex.join(cmd)}` not ready after {SERVER_START_TIMEOUT_S}s; see {log}")
+        time.sleep(0.1)
+    stop_server(proc)
+    raise BenchError(f"`{shlex.join(cmd)}` not ready after {timeout}s:\n{log.read_text()}")
 
 
-def _stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=30)

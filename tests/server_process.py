@@ -3,49 +3,20 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 
-START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.cli import start_server, stop_server
 
 
 class ServerProcess:
-    """`ppd serve <args>` on a free port; `stop()` sends SIGTERM and checks that it exits cleanly."""
+    """`ppd serve <args>` on a free port, ready; `stop()` sends SIGTERM and returns the exit status."""
 
     def __init__(self, *args: str, cache_dir: Path, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
         self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(self.port), *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.wait_ready()
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ppd serve exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"ppd serve not ready after {timeout}s:\n{self.log_path.read_text()}")
+        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        self.proc, self.url = start_server(list(args), log_path, env=env, timeout=120)
 
     def health(self) -> dict:
         return httpx.get(f"{self.url}/health", timeout=5).json()
@@ -65,11 +36,5 @@ class ServerProcess:
 
     def stop(self) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+            stop_server(self.proc)
         return self.proc.returncode
