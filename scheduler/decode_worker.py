@@ -21,7 +21,7 @@ from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
                                 RequestOutput, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
-from scheduler.worker_setup import create_unit_memory, init_worker_process, socket
+from scheduler.worker_setup import create_unit_memory, init_worker_process, recv_nowait, socket
 
 STATS_INTERVAL_S = 0.25
 
@@ -70,10 +70,10 @@ class DecodeWorker:
         """Take every message waiting; when idle, wait for one (waking up now and then to report stats)."""
         events = dict(self.poller.poll(STATS_INTERVAL_S * 1000 if block else 0))
         if self.requests in events:
-            while (raw := _recv_nowait(self.requests)) is not None:
+            while (raw := recv_nowait(self.requests)) is not None:
                 self.handle_request(self.decode_request(raw))
         if not self.cfg.aggregated and self.notify in events:
-            while (raw := _recv_nowait(self.notify)) is not None:
+            while (raw := recv_nowait(self.notify)) is not None:
                 msg = self.decode_notify(raw)
                 if isinstance(msg, PrefillDone):
                     self.pending += self.scheduler.prefill_done(msg)
@@ -101,13 +101,6 @@ class DecodeWorker:
         """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the workers."""
         unlink_shared(self.weights_handle)
         unlink_shared(self.kv_handle)
-
-
-def _recv_nowait(sock: zmq.Socket) -> bytes | None:
-    try:
-        return sock.recv(zmq.NOBLOCK)
-    except zmq.Again:
-        return None
 
 
 def run_decode_worker(cfg: UnitConfig) -> None:

@@ -22,7 +22,7 @@ from engine.sampler import Sampler
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, RequestOutput, ToPrefill, UnitSetup,
                                 WorkerOutput, WorkerReady)
-from scheduler.worker_setup import init_worker_process, map_unit_memory, socket
+from scheduler.worker_setup import init_worker_process, map_unit_memory, recv_nowait, socket
 
 
 @dataclass
@@ -65,11 +65,8 @@ class PrefillWorker:
     def receive(self, block: bool) -> None:
         if block:
             self.handle(self.decode(self.jobs.recv()))
-        while True:
-            try:
-                self.handle(self.decode(self.jobs.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return
+        while (raw := recv_nowait(self.jobs)) is not None:
+            self.handle(self.decode(raw))
 
     def handle(self, msg: PrefillJob | AbortPrefill | UnitSetup) -> None:
         if isinstance(msg, PrefillJob):

@@ -41,6 +41,14 @@ def socket(ctx: zmq.Context, kind: int, address: str, bind: bool = False) -> zmq
     return sock
 
 
+def recv_nowait(sock: zmq.Socket) -> bytes | None:
+    """The next message waiting on sock, or None if there is none."""
+    try:
+        return sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
 def create_unit_memory(cfg: UnitConfig) -> tuple[Model, ModelConfig, torch.Tensor, SharedTensorHandle, SharedTensorHandle]:
     """Decode worker: load the weights into a shared arena and allocate the shared KV pool.
     Returns (model, model config, kv pool, weights handle, kv handle)."""
