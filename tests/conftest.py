@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# triton.jit reads TRITON_INTERPRET when a kernel is decorated (at import): set it before any kernel module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The test process runs tiny models (the transformers oracle, engine units) next to the servers' workers;
 # on a 2-core machine extra intra-op threads only spin-wait, which made those tests several times slower.

@@ -1,0 +1,284 @@
+"""`python -m bench.kernels [--out DIR] [--quick] [--only NAME ...]`: time the Triton kernels on a GPU.
+
+Every kernel runs at Llama-3.1-8B sizes (H=32, Hkv=8, D=128, hidden 4096, intermediate 14336, bf16, KV block 16)
+over a small grid of launch configs, and once with the config the code picks today (`default`). Times are
+medians of triton.testing.do_bench (warm-up first, L2 flushed between runs). Bandwidth counts the bytes a kernel
+must read and write once; attention also reports TFLOP/s. Both are set against this GPU's measured copy
+bandwidth (read + write of a 1 GiB device-to-device copy) and bf16 matmul rate (8192^3), measured in the same run.
+Before timing, each config's output is checked against the default's, so a fast but wrong config cannot win.
+Prints one markdown row per shape (default vs best config); --out writes every measurement as JSON.
+Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+
+import torch
+
+H, HKV, D, BS = 32, 8, 128, 16
+HIDDEN, INTER = 4096, 14336
+DT = torch.bfloat16
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    config: str
+    ms: float | None  # None: the config failed to compile or disagreed with the default's output
+    gbps: float | None
+    tflops: float | None
+    note: str = ""
+
+
+@dataclass
+class Case:
+    """One shape of one kernel: run(config) launches it; configs are the sweep (None = the code's default)."""
+
+    kernel: str
+    shape: str
+    run: Callable[[object], torch.Tensor]
+    configs: list[object]
+    nbytes: int
+    flops: int = 0
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def label(config: object) -> str:
+    """"default", "num_warps=4", or "block_m=128 tile_n=64 num_warps=8 num_stages=3"."""
+    if config is None:
+        return "default"
+    if is_dataclass(config):
+        return " ".join(f"{k}={v}" for k, v in asdict(config).items())
+    return f"num_warps={config}"
+
+
+def measure_one(case: Case, config: object, reference: torch.Tensor | None) -> Row:
+    name = label(config)
+    try:
+        out = case.run(config)
+        torch.cuda.synchronize()
+        if reference is not None and not torch.allclose(out.float(), reference.float(), rtol=2e-2, atol=2e-2):
+            return Row(case.kernel, case.shape, name, None, None, None, "output differs from the default config")
+        ms = time_ms(lambda: case.run(config))
+    except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers) is skipped
+        return Row(case.kernel, case.shape, name, None, None, None, f"{type(e).__name__}: {str(e)[:80]}")
+    return Row(case.kernel, case.shape, name, ms, case.nbytes / ms / 1e6, case.flops / ms / 1e9 if case.flops else None)
+
+
+def sweep(case: Case) -> list[Row]:
+    reference = case.run(None).clone()
+    rows = [measure_one(case, None, None)]
+    rows += [measure_one(case, c, reference) for c in case.configs]
+    return rows
+
+
+# ---- cases ---------------------------------------------------------------------------------------------------
+
+
+def attention_configs(decode: bool, quick: bool) -> list[object]:
+    from engine.kernels.attention import AttentionConfig
+
+    if quick:
+        return []
+    if decode:
+        return [AttentionConfig(16, n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    return [AttentionConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+class Paged:
+    """One KV cache sized for the largest case, with random contents and block tables in a random block order."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.num_blocks = max_tokens // BS + 1
+        self.k = torch.randn(self.num_blocks * BS, HKV, D, dtype=DT, device="cuda")
+        self.v = torch.randn_like(self.k)
+        self.order = torch.randperm(self.num_blocks, device="cuda").to(torch.int32)
+
+    def tables(self, batch: int, ctx: int) -> torch.Tensor:
+        width = -(-ctx // BS)
+        return self.order[: batch * width].view(batch, width)
+
+
+def decode_cases(paged: Paged, quick: bool) -> Iterator[Case]:
+    from engine.kernels.attention import choose_num_splits, paged_attention, workspace_for
+
+    for ctx in (1024, 4096, 16384):
+        for batch in (1, 8, 32, 128, 256):
+            q = torch.randn(batch, H, D, dtype=DT, device="cuda")
+            out = torch.empty_like(q)
+            qs = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+            lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            tables = paged.tables(batch, ctx)
+            best = choose_num_splits(batch, HKV, ctx)
+            workspaces = {s: workspace_for(batch, H, D, s, "cuda") for s in {1, 2, 4, 8, 16, 32, best}}
+
+            def run(cfg: object, splits: int | None = None, q=q, out=out, qs=qs, lens=lens, tables=tables,
+                    best=best, workspaces=workspaces) -> torch.Tensor:
+                n = best if splits is None else splits
+                return paged_attention(q, paged.k, paged.v, tables, qs, lens, block_size=BS, scale=D**-0.5,
+                                       max_query_len=1, out=out, num_splits=n, workspace=workspaces[n], config=cfg)
+
+            nbytes = batch * ctx * HKV * D * 2 * DT.itemsize + 2 * q.numel() * DT.itemsize
+            shape = f"decode b={batch} ctx={ctx}"
+            yield Case("attention", shape + f" splits={best}", run, attention_configs(True, quick), nbytes,
+                       4 * batch * H * ctx * D)
+            if not quick:
+                for s in sorted({1, 2, 4, 8, 16, 32} - {best}):
+                    yield Case("attention", shape + f" splits={s}", lambda cfg, s=s, run=run: run(cfg, s), [],
+                               nbytes, 4 * batch * H * ctx * D)
+
+
+def prefill_cases(paged: Paged, quick: bool) -> Iterator[Case]:
+    from engine.kernels.attention import paged_attention
+
+    shapes = [(0, 512), (0, 2048), (0, 8192), (4096, 256), (16384, 256)]
+    for cached, new in shapes:
+        q = torch.randn(new, H, D, dtype=DT, device="cuda")
+        out = torch.empty_like(q)
+        qs = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([cached + new], dtype=torch.int32, device="cuda")
+        tables = paged.tables(1, cached + new)
+
+        def run(cfg: object, q=q, out=out, qs=qs, lens=lens, tables=tables, new=new) -> torch.Tensor:
+            return paged_attention(q, paged.k, paged.v, tables, qs, lens, block_size=BS, scale=D**-0.5,
+                                   max_query_len=new, out=out, config=cfg)
+
+        pairs = new * cached + new * (new + 1) // 2  # (query, key) pairs under the causal mask
+        nbytes = (cached + new) * HKV * D * 2 * DT.itemsize + 2 * q.numel() * DT.itemsize
+        kind = "prefill" if cached == 0 else f"append over {cached}"
+        yield Case("attention", f"{kind} n={new}", run, attention_configs(False, quick), nbytes, 4 * H * D * pairs)
+
+
+def elementwise_cases(quick: bool) -> Iterator[Case]:
+    from engine.kernels import add_rms_norm, apply_rope, rms_norm, silu_and_mul, store_kv
+
+    warps = [] if quick else [1, 2, 4, 8, 16]
+    b = DT.itemsize
+    cos = torch.randn(65536, D // 2, device="cuda")
+    sin = torch.randn_like(cos)
+    for t in (1, 256, 8192):
+        x, r = (torch.randn(t, HIDDEN, dtype=DT, device="cuda") for _ in range(2))
+        w = torch.randn(HIDDEN, dtype=DT, device="cuda")
+        yield Case("rms_norm", f"t={t}", lambda nw, x=x, w=w: rms_norm(x, w, 1e-5, num_warps=nw), warps,
+                   2 * x.numel() * b)
+        yield Case("add_rms_norm", f"t={t}", lambda nw, x=x, r=r, w=w: add_rms_norm(x, r, w, 1e-5, num_warps=nw)[0],
+                   warps, 4 * x.numel() * b)
+        qkv = torch.randn(t, (H + 2 * HKV) * D, dtype=DT, device="cuda")
+        q, k = qkv[:, : H * D].view(t, H, D), qkv[:, H * D : (H + HKV) * D].view(t, HKV, D)
+        v = qkv[:, (H + HKV) * D :].view(t, HKV, D)
+        pos = torch.randint(0, 65536, (t,), device="cuda")
+        yield Case("apply_rope", f"t={t}",
+                   lambda nw, q=q, k=k, pos=pos: apply_rope(q, k, pos, cos, sin, num_warps=nw)[0],
+                   warps, 2 * (q.numel() + k.numel()) * b + t * D * 4)
+        kc = torch.zeros(t * 4, HKV, D, dtype=DT, device="cuda")
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(t * 4, device="cuda")[:t]
+
+        def store(nw: object, k=k, v=v, kc=kc, vc=vc, slots=slots) -> torch.Tensor:
+            store_kv(k, v, kc, vc, slots, num_warps=nw)
+            return kc
+
+        yield Case("store_kv", f"t={t}", store, warps, 4 * k.numel() * b)
+        gate_up = torch.randn(t, 2 * INTER, dtype=DT, device="cuda")
+        yield Case("silu_and_mul", f"t={t}", lambda nw, x=gate_up: silu_and_mul(x, num_warps=nw), warps,
+                   3 * t * INTER * b)
+
+
+# ---- baselines, report ---------------------------------------------------------------------------------------
+
+
+def copy_gbps() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / time_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def matmul_tflops() -> float:
+    n = 8192
+    a, b = (torch.randn(n, n, dtype=DT, device="cuda") for _ in range(2))
+    c = torch.empty(n, n, dtype=DT, device="cuda")
+    return 2 * n**3 / time_ms(lambda: torch.matmul(a, b, out=c)) / 1e9
+
+
+def markdown(rows: list[Row], copy: float, mm: float) -> str:
+    lines = [
+        f"copy {copy:,.0f} GB/s, bf16 matmul {mm:,.0f} TFLOP/s",
+        "",
+        "| kernel | shape | default ms | best ms | best config | GB/s | % copy | TFLOP/s | % matmul |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.kernel, r.shape), []).append(r)
+    for (kernel, shape), group in groups.items():
+        ok = [r for r in group if r.ms is not None]
+        if not ok:
+            lines.append(f"| {kernel} | {shape} | failed: {group[0].note} | | | | | | |")
+            continue
+        default = next((r for r in ok if r.config == "default"), None)
+        best = min(ok, key=lambda r: r.ms)
+        tf = f"{best.tflops:.1f} | {100 * best.tflops / mm:.0f}%" if best.tflops else "| "
+        lines.append(f"| {kernel} | {shape} | {default.ms if default else float('nan'):.4f} | {best.ms:.4f} | "
+                     f"{best.config} | {best.gbps:,.0f} | {100 * best.gbps / copy:.0f}% | {tf} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="folder for the JSON of every measurement")
+    p.add_argument("--quick", action="store_true", help="time the default configs only (no sweep)")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="kernels to run: attention, rms_norm, add_rms_norm, apply_rope, store_kv, silu_and_mul")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench.kernels needs a CUDA GPU; none is visible, nothing to measure.")
+        return 0
+    torch.manual_seed(0)
+    copy, mm = copy_gbps(), matmul_tflops()
+    print(f"# {torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, bf16 matmul {mm:,.0f} TFLOP/s", flush=True)
+
+    def wanted(name: str) -> bool:
+        return args.only is None or name in args.only
+
+    rows: list[Row] = []
+    cases: list[Iterator[Case]] = [elementwise_cases(args.quick)]
+    if wanted("attention"):
+        paged = Paged(256 * 16384)
+        cases = [decode_cases(paged, args.quick), prefill_cases(paged, args.quick)] + cases
+    for case in (c for gen in cases for c in gen):
+        if not wanted(case.kernel):
+            continue
+        start = time.monotonic()
+        group = sweep(case)
+        rows += group
+        ok = [r.ms for r in group if r.ms is not None]
+        print(f"{case.kernel:13s} {case.shape:40s} best {min(ok) if ok else float('nan'):.4f} ms "
+              f"({len(group)} configs, {time.monotonic() - start:.0f} s)", flush=True)
+    table = markdown(rows, copy, mm)
+    print("\n" + table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "triton": __import__("triton").__version__, "copy_GBps": copy, "matmul_TFLOPs": mm}
+        path.write_text(json.dumps({**meta, "results": [asdict(r) for r in rows]}, indent=1))
+        (args.out / path.name.replace(".json", ".md")).write_text(table + "\n")
+        print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""Triton kernels of the GPU path: everything in a forward pass except the GEMMs, which go through torch (cuBLAS).
+
+- store_kv: write the step's new K/V into the paged cache (store_kv.py)
+- paged_attention: one causal attention kernel for prefill, append-prefill and decode over the paged cache, with
+  split-KV for small decode batches (attention.py; choose_num_splits and workspace_for size the split)
+- rms_norm, add_rms_norm (norm.py), apply_rope (rope.py), silu_and_mul (activation.py): fused elementwise ops
+
+Each kernel computes in float32 and rounds once to the output dtype. Tests run them on the CPU under
+TRITON_INTERPRET=1, which must be set before this package is imported (triton.jit reads it at decoration).
+"""
+
+from engine.kernels.activation import silu_and_mul
+from engine.kernels.attention import choose_num_splits, paged_attention, workspace_for
+from engine.kernels.norm import add_rms_norm, rms_norm
+from engine.kernels.rope import apply_rope
+from engine.kernels.store_kv import store_kv
+
+__all__ = [
+    "add_rms_norm",
+    "apply_rope",
+    "choose_num_splits",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "store_kv",
+    "workspace_for",
+]

@@ -1,0 +1,293 @@
+"""One paged-attention kernel for mixed batches: full prefill, append-prefill over a cached prefix, and decode.
+
+Contract: new token j of sequence b (n_b = query_start[b+1] - query_start[b] new tokens) sits at absolute
+position seq_lens[b] - n_b + j and attends keys 0..that position, read from the paged cache through
+block_tables (key p lives at slot block_tables[b, p // block_size] * block_size + p % block_size). Query head h
+reads KV head h // (H // Hkv). A sequence with seq_lens[b] == 0 (a padding row) gets zeros. Every row of `out`
+is written; no key at or past seq_lens[b] is read, and no block-table entry past its last used block.
+
+Layout of a program's tile (GQA packing, as vLLM's unified attention): BLOCK_M rows = BLOCK_Q query tokens x the
+G query heads sharing one KV head, so each K/V tile is loaded once per KV head and tl.dot runs even in decode.
+Grids depend only on shapes and host ints, never on seq_lens values, so a captured CUDA graph stays valid:
+- general path: (T // BLOCK_Q + B, Hkv); a program finds its sequence by binary search over query_start.
+- decode (max_query_len == 1): (B, Hkv, num_splits); with num_splits > 1 each sequence's keys are split across
+  programs (the split count per sequence is derived on the device from its seq_len) and a second kernel merges
+  the partial results by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: kernels may read only constexpr globals
+MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in merge traffic and launch than it saves
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shape and launch knobs of one attention launch (bench/kernels.py sweeps them)."""
+
+    block_m: int  # rows of a program's tile (query tokens x query heads per KV head); power of two >= 16
+    tile_n: int  # keys per inner-loop step; power of two >= 16
+    num_warps: int
+    num_stages: int
+
+
+# Not yet tuned on the H100: run `python -m bench.kernels` there and write the winners here. Compiled for sm_90
+# (bf16, head_dim 128) every entry fits without register spills.
+# Decode is bandwidth-bound: one 16-row tile per (sequence, KV head), 64-key steps, loads pipelined over 3 stages.
+# Prefill is compute-bound: the smallest tile that holds the longest query (short appends waste fewer rows), up to
+# 128 rows with 8 warps (two Hopper warpgroups), 64-key steps as in FlashAttention-2's Triton port for head_dim 128.
+DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIGS = (
+    AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3),
+    AttentionConfig(block_m=32, tile_n=64, num_warps=4, num_stages=3),
+    AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3),
+    AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3),
+)
+
+
+@triton.jit
+def _find_seq(query_start_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning global query tile tile_idx: sequence b's tiles start at query_start[b] // BLOCK_Q + b."""
+    # Annotated: the JIT may specialize num_seqs == 1 to a constant, and loop-carried values need one type.
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_ptr + mid) // BLOCK_Q + mid <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, q_abs, k_cache_ptr, v_cache_ptr, table_ptr, head_offset, stride_slot,
+                  kv_len, tile_lo, tile_hi, qk_scale, offs_d, d_ok,
+                  TILE_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax over key tiles [tile_lo, tile_hi); scores are kept in log2 units (exp2 is one instruction)."""
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * TILE_N + offs_n
+        in_kv = pos < kv_len
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_kv, other=0).to(tl.int64)
+        base = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_slot + head_offset
+        k = tl.load(k_cache_ptr + base[None, :] + offs_d[:, None], mask=d_ok[:, None] & in_kv[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=in_kv[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        if CAUSAL_MASK:
+            s = tl.where(pos[None, :] <= q_abs[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; exponentiate against 0 so it yields 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    part_out_ptr, part_lse_ptr,
+    num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kv_head, stride_table,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    DECODE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    if DECODE:
+        seq = tl.program_id(0)
+        q_tile = 0
+    else:
+        seq = _find_seq(query_start_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+        q_tile = tl.program_id(0) - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(query_start_ptr + seq)
+    n_new = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= n_new:  # the grid's upper bound overshoots by up to one tile per sequence
+        return
+    kv_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // G
+    head = kv_head * G + rows % G
+    row_ok = (rows < BLOCK_Q * G) & (q_idx < n_new)
+    q_abs = kv_len - n_new + q_idx
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+
+    # Keys [0, first_abs] are visible to every row (no mask); keys up to the last row's position need the mask.
+    first_abs = kv_len - n_new + q_tile * BLOCK_Q
+    kv_end = tl.maximum(kv_len - n_new + tl.minimum((q_tile + 1) * BLOCK_Q, n_new), 0)
+    num_tiles = tl.cdiv(kv_end, TILE_N)
+    full_tiles = tl.maximum(first_abs + 1, 0) // TILE_N
+    if NUM_SPLITS > 1:
+        per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), 1)
+        tile_lo = tl.program_id(2) * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_tiles
+    tile_mid = tl.minimum(tl.maximum(full_tiles, tile_lo), tile_hi)
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    head_offset = kv_head * stride_kv_head
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_abs, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+                                  stride_slot, kv_len, tile_lo, tile_mid, qk_scale, offs_d, d_ok,
+                                  TILE_N, BLOCK_SIZE, False, DOT_DTYPE, DOT_PRECISION)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_abs, k_cache_ptr, v_cache_ptr, table_ptr, head_offset,
+                                  stride_slot, kv_len, tile_mid, tile_hi, qk_scale, offs_d, d_ok,
+                                  TILE_N, BLOCK_SIZE, True, DOT_DTYPE, DOT_PRECISION)
+
+    # l == 0 only for a row that saw no key (padding row, empty split): it yields zeros and lse = -inf.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS > 1:
+        part = part_out_ptr + token[:, None] * stride_pt + head[:, None] * stride_ph + tl.program_id(2) * stride_ps
+        tl.store(part + offs_d[None, :], o, mask=mask)
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        tl.store(part_lse_ptr + token * stride_lt + head * stride_lh + tl.program_id(2), lse, mask=row_ok)
+    else:
+        o_ptr = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr,
+    stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    """out[t, h] = sum_s exp(lse_s) * o_s / sum_s exp(lse_s) over the non-empty splits (lse_s > -inf)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    lse = tl.load(part_lse_ptr + token * stride_lt + head * stride_lh + offs_s, mask=offs_s < NUM_SPLITS,
+                  other=float("-inf"))
+    live = lse > float("-inf")
+    lse_max = tl.max(lse, 0)
+    weight = tl.exp(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    # Empty splits' partial rows are never read: the workspace is not cleared between steps.
+    part = tl.load(part_out_ptr + token * stride_pt + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    o = tl.sum(part * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      max_splits: int = 16) -> int:
+    """KV splits per sequence for a decode step: a power of two <= max_splits.
+
+    Without splits a decode step runs batch_size * num_kv_heads programs; split until there are about two
+    programs per SM (so every SM streams KV and the tail wave is short), but never into splits shorter than
+    MIN_KEYS_PER_SPLIT keys, where the extra partial-result traffic and merge launch outweigh the gain. Big
+    batches and short contexts get 1. Powers of two bound the number of compiled kernel variants.
+    """
+    programs = max(batch_size * num_kv_heads, 1)
+    wanted = math.ceil(2 * num_sms / programs)
+    affordable = max_seq_len // MIN_KEYS_PER_SPLIT
+    splits = max(min(wanted, affordable, max_splits), 1)
+    return 1 << (splits.bit_length() - 1)
+
+
+def workspace_for(max_tokens: int, num_heads: int, head_dim: int, num_splits: int,
+                  device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """Split-KV partial outputs [max_tokens, H, num_splits, D] and their log-sum-exps [max_tokens, H, num_splits]."""
+    out = torch.empty(max_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(max_tokens, num_heads, num_splits, dtype=torch.float32, device=device)
+    return out, lse
+
+
+def default_config(max_query_len: int, group: int) -> AttentionConfig:
+    """The config table's entry for a batch: decode, else the smallest prefill tile holding the longest query."""
+    if max_query_len == 1:
+        return DECODE_CONFIG
+    rows = max_query_len * group
+    return next((c for c in PREFILL_CONFIGS if c.block_m >= rows), PREFILL_CONFIGS[-1])
+
+
+def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+    """tl.dot operand type and precision: tensor cores in the input dtype on a GPU; float32 under the interpreter,
+    whose bf16 dot is wrong; IEEE float32 (not TF32) for float32 inputs so they match a float32 reference."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32:
+        return tl.float32, "ieee"
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype], "tf32"
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start: Tensor,
+                    seq_lens: Tensor, *, block_size: int, scale: float, max_query_len: int, out: Tensor | None = None,
+                    num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
+                    config: AttentionConfig | None = None) -> Tensor:
+    """Causal attention of q [T, H, D] over each sequence's paged KV (see the module docstring); returns out [T, H, D].
+
+    max_query_len must be >= every sequence's new-token count; 1 selects the decode grid, where num_splits > 1
+    splits each sequence's keys (workspace: preallocated partials from workspace_for, else allocated here).
+    config overrides the tile table (benchmarks).
+    """
+    t, h, d = q.shape
+    b, hkv = seq_lens.shape[0], k_cache.shape[1]
+    assert h % hkv == 0 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and block_tables.stride(1) == 1, "last dims must be contiguous"
+    assert query_start.shape[0] == b + 1 and block_tables.shape[0] == b
+    group = h // hkv
+    if out is None:
+        out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.stride(2) == 1
+    decode = max_query_len == 1
+    cfg = config or default_config(max_query_len, group)
+    block_m = max(cfg.block_m, triton.next_power_of_2(group))
+    block_q = 1 if decode else block_m // group
+    splits = num_splits if decode else 1
+    if splits > 1:
+        part_out, part_lse = workspace or workspace_for(t, h, d, splits, q.device)
+        assert part_out.shape[0] >= t and part_out.shape[1:] == (h, splits, d) and part_out.stride(3) == 1
+        assert part_lse.shape[0] >= t and part_lse.shape[1:] == (h, splits) and part_lse.stride(2) == 1
+    else:
+        part_out, part_lse = out, out  # unused: the kernel writes `out` directly
+    grid = (b, hkv, splits) if decode else (t // block_q + b, hkv)
+    dot_dtype, dot_precision = _dot_types(q.dtype)
+    _attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start, seq_lens, part_out, part_lse,
+        b, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if splits > 1 else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        G=group, HEAD_DIM=d, D_PAD=max(triton.next_power_of_2(d), 16), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
+        DECODE=decode, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(t, h)](
+            out, part_out, part_lse,
+            out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
+            num_warps=4 if d >= 128 else 1,
+        )
+    return out

@@ -1,0 +1,78 @@
+"""RMSNorm, and RMSNorm fused with the residual add, as one kernel each.
+
+Contract (engine/model.py's RMSNorm): h = s.float(); h = h * rsqrt(mean(h^2) + eps); out = weight * h.to(dtype),
+with s = x (rms_norm) or s = x + residual rounded to x's dtype (add_rms_norm, which also returns s as the new
+residual stream). Reductions and products run in float32; the same roundings as the reference are applied, so
+float32 inputs match it to float32 rounding and low-precision inputs to about one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ROW_BLOCK_ELEMENTS = 2048  # elements one program normalises: several short rows (per-head q/k norm) or one long one
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    n_rows, heads, stride_x0, stride_x1, stride_r0, eps,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    # Rows of a 3-D input [N, heads, D] are (token, head) pairs with two strides; 2-D inputs have heads == 1.
+    x_off = (rows // heads * stride_x0 + rows % heads * stride_x1)[:, None] + cols[None, :]
+    s = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        r = tl.load(res_ptr + rows[:, None] * stride_r0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The reference adds in the model dtype: round the sum before normalising it.
+        s = (s + r).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + rows[:, None] * D + cols[None, :], s, mask=mask)
+        s = s.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(s * s, 1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    h = (s * inv_rms[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out: Tensor, s: Tensor,
+            num_warps: int | None) -> None:
+    d = x.shape[-1]
+    assert x.stride(-1) == 1 and weight.shape == (d,) and weight.is_contiguous(), "last dim must be contiguous"
+    heads = x.shape[1] if x.dim() == 3 else 1
+    n_rows = x.shape[0] * heads
+    if n_rows == 0:
+        return
+    block_d = triton.next_power_of_2(d)
+    block_n = min(max(ROW_BLOCK_ELEMENTS // block_d, 1), triton.next_power_of_2(n_rows))
+    warps = num_warps or min(max(block_n * block_d // 512, 1), 16)
+    _rms_norm_kernel[(triton.cdiv(n_rows, block_n),)](
+        x, residual if residual is not None else x, weight, out, s,
+        n_rows, heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+        residual.stride(0) if residual is not None else 0, eps,
+        D=d, BLOCK_N=block_n, BLOCK_D=block_d, ADD=residual is not None, num_warps=warps,
+    )
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, num_warps: int | None = None) -> Tensor:
+    """RMSNorm over the last dim of x [N, D] or [N, heads, D] (leading strides arbitrary, last dim contiguous);
+    returns a new contiguous tensor of x's shape and dtype."""
+    assert x.dim() in (2, 3), "x must be [N, D] or [N, heads, D]"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, None, weight, eps, out, out, num_warps)
+    return out
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *,
+                 num_warps: int | None = None) -> tuple[Tensor, Tensor]:
+    """(rms_norm(s), s) with s = x + residual ([N, D], stored in x's dtype): one read of each input, one launch."""
+    assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, residual, weight, eps, out, s, num_warps)
+    return out, s

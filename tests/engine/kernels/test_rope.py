@@ -1,0 +1,62 @@
+"""apply_rope against a float64 rotate_half reference, q and k strided views of a fused qkv output."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from engine.kernels.rope import apply_rope
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_empty() -> Iterator[None]:
+    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the kernel never
+    writes fails the test instead of passing on stale memory."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def reference(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = cos[positions].double()[:, None, :], sin[positions].double()[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def check(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
+          device: str = DEVICE) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    max_pos = 4096
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos().float().to(device), freqs.sin().float().to(device)
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=gen).to(device, dtype)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    positions = torch.randint(0, max_pos, (t,), generator=gen).to(device)
+    q_out, k_out = apply_rope(q, k, positions, cos, sin)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    for out, x in ((q_out, q), (k_out, k)):
+        assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+        ref = reference(x, positions, cos, sin)
+        err = (out.double() - ref).abs()
+        assert (err <= tol * (1 + ref.abs())).all(), f"max error {err.max().item():.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "heads", "kv_heads", "head_dim"), [(1, 4, 2, 16), (9, 6, 2, 24), (5, 3, 1, 64)])
+def test_apply_rope(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    check(t, heads, kv_heads, head_dim, dtype, seed=t * head_dim)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("t", [1, 256, 8192])
+def test_gpu_rope_llama(t: int) -> None:
+    check(t, 32, 8, 128, torch.bfloat16, seed=t, device="cuda")
