@@ -1,0 +1,187 @@
+"""`ppd probe`: what this host offers for splitting one GPU between a prefill and a decode worker, measured.
+
+Issue 9 chooses the partition design (two MPS processes, green contexts, both, or plain time-slicing) from this
+report. `ppd probe [--out FILE.json] [--skip-mps] [--quick] [--device N]` prints a table, writes the JSON
+(default ./probe.json) and exits 0 whenever the probe ran to its end: a failed check is a finding, not an error
+(1 only if the JSON cannot be written). Without a CUDA device it says "no CUDA device: nothing to probe", reports
+the host, and writes the JSON with "gpus": [] and the verdict "cpu". --quick: shorter kernels and a 64 MiB
+IPC tensor instead of 1 GiB (for tests).
+
+Every check runs in spawned processes with timeouts (probe_child), so none can crash or hang the probe, and
+the probe's own process never initialises CUDA. The checks, in order:
+  gpus            NVML facts + torch's device properties                     probe_gpus.py
+  ipc             CUDA IPC round trip of one tensor via engine/shared_memory  probe_ipc.py
+  overlap         do two processes' kernels run at once (no MPS)             probe_overlap.py, probe_kernels.py
+  green_contexts  SM partitions inside one process (driver API)             probe_green.py
+  mps             our own MPS daemon and its clients; ipc, overlap and green_contexts again under it  probe_mps.py
+  verdict         which partition modes look usable, each with a reason      probe_report.py
+
+JSON schema 1. Times in seconds, sizes in bytes. Every finding is a dict with "ok": bool and "error": str|None
+(a check that was not run: ok false, error null, "skipped": the reason).
+  {"schema": 1,
+   "host": {time_utc, hostname, platform, python, cpu_count, affinity_cpus, is_root, torch, torch_cuda, triton,
+            cuda_bindings, nvidia_ml_py, cuda_visible_devices, nvml: finding, torch_devices: finding},
+   "gpus": [{index (torch's), nvml_index, name, uuid, sm_count, compute_capability, memory_total_bytes,
+             memory_used_bytes, l2_cache_bytes, driver_version, cuda_driver_version, mig_mode, compute_mode,
+             cuda_visible_devices}],
+   "ipc": {bytes, export_s, open_s, verify_a_s, write_b_s, verify_b_s, verified_a, verified_b, mps_enabled,
+           importer_allocated_delta_bytes, importer_free_delta_bytes, importer_nvml_used_bytes,
+           mapped_not_copied, importer: finding},
+   "overlap": {verdict: concurrent|time-sliced|inconclusive, ratio, target_ms,
+               spin: {ratio, verdict, reason, solo_s, span_s, start_skew_s}, sleep: {the same},
+               sides: [{pid, sm_count, mps_enabled, spin: {solo_s, units, start, end}, sleep: {...}}]},
+   "green_contexts": {torch_api: {present, create_signature, has_stream, public}, mps_enabled, device_sm_count,
+                      split_rounding: {requested: granted}, groups: {small|pair_a|pair_b: {requested, granted}},
+                      matmul: {n, iters, full_s, group_s, slowdowns, small_slowdown, small_granted},
+                      pair_overlap: {sequential_s, parallel_s, ratio},
+                      graph: {matches_eager, max_abs_diff, green_replay_s, full_replay_s, slowdown,
+                              keeps_partition, replayed_on_ordinary_stream: {replay_s, slowdown, partition_in_graph}},
+                      context_restored, cleanup_errors},
+   "mps": {control_binary, existing: {running, processes, pipe_directory, pipe_directory_exists, control_pid_file},
+           static_partitioning: {offered, usage, version}, daemon: {pid, pipe_directory, servers},
+           client: {is_mps_client, mps_enabled, in_daemon_client_list, in_nvml_mps_list, sm_count, ...},
+           thread_percentage_50: {the same, under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50},
+           under_mps: {ipc, overlap, green_contexts}, stop: {stopped, quit, signalled, still_running}, logs},
+   "verdict": {preferred: green_in_mps|mps_processes|green_in_process|time_sliced_only|none|cpu,
+               modes: {green_in_mps|mps_processes|green_in_process|time_sliced_only: {usable, reason}}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from partition.probe_child import Env, Finding, failed, guarded, run_in_child, skipped
+from partition.probe_gpus import list_gpus, nvml_inventory
+from partition.probe_green import green_context_check
+from partition.probe_ipc import ipc_round_trip
+from partition.probe_mps import probe_mps
+from partition.probe_overlap import measure_overlap
+from partition.probe_report import partition_verdict, render_table
+
+SCHEMA_VERSION = 1
+SCHEMA_KEYS = ("schema", "host", "gpus", "ipc", "overlap", "green_contexts", "mps", "verdict")
+NO_CUDA = "no CUDA device: nothing to probe"
+CHECKS = ("ipc", "overlap", "green_contexts", "mps")
+STEP_TIMEOUT_S = 180.0
+
+
+def add_probe_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="probe.json", help="where to write the JSON report (default: ./probe.json)")
+    parser.add_argument("--skip-mps", action="store_true", help="do not start an MPS daemon or probe anything under it")
+    parser.add_argument("--quick", action="store_true", help="shorter kernels and a 64 MiB IPC tensor (for tests)")
+    parser.add_argument("--device", type=int, default=0, help="the CUDA device (torch's index) to probe (default: 0)")
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """Probe, write the JSON, print the table; 0 once the probe ran (findings may be failures), 1 if unwritable."""
+    report = collect(device=args.device, quick=args.quick, skip_mps=args.skip_mps)
+    if report["verdict"]["preferred"] == "cpu":
+        print(NO_CUDA)
+    print(render_table(report))
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    except OSError as exc:
+        print(f"ppd probe: error: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def collect(device: int = 0, quick: bool = False, skip_mps: bool = False) -> dict[str, Any]:
+    """The whole report (see the module docstring); never raises for a failed check."""
+    report: dict[str, Any] = {"schema": SCHEMA_VERSION, "host": host_facts(), "gpus": [],
+                              **{check: skipped(NO_CUDA) for check in CHECKS}}
+    workdir = Path(tempfile.mkdtemp(prefix="ppd-probe-"))
+    try:
+        _probe(report, workdir, device, quick, skip_mps)
+    finally:
+        # An MPS daemon that would not stop keeps its pipe and logs, for whoever cleans up after it.
+        if report["mps"].get("stop", {}).get("stopped", True):
+            shutil.rmtree(workdir, ignore_errors=True)
+    report["verdict"] = partition_verdict(report)
+    return report
+
+
+def _probe(report: dict[str, Any], workdir: Path, device: int, quick: bool, skip_mps: bool) -> None:
+    import torch
+
+    if torch.version.cuda is None:
+        report["host"]["nvml"] = guarded(nvml_inventory)  # NVML may see a GPU this torch cannot use
+        report["host"]["torch_devices"] = skipped("this torch has no CUDA")
+        return
+    # Children outside the MPS part get an empty pipe directory: a daemon someone else runs cannot adopt them.
+    (workdir / "no-mps").mkdir()
+    no_mps: Env = {"CUDA_MPS_PIPE_DIRECTORY": str(workdir / "no-mps"), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": None}
+    _progress("reading the GPUs")
+    report["gpus"], report["host"]["nvml"], report["host"]["torch_devices"] = list_gpus(no_mps, STEP_TIMEOUT_S)
+    if not report["gpus"]:
+        return
+    chosen = next((gpu for gpu in report["gpus"] if gpu["index"] == device), None)
+    if chosen is None:
+        missing = failed(f"--device {device}: torch sees {len(report['gpus'])} device(s)")
+        report.update({check: missing for check in CHECKS})
+        return
+    report.update(_workloads(no_mps, device, chosen["nvml_index"], quick, "without MPS"))
+    if skip_mps:
+        report["mps"] = skipped("--skip-mps")
+        return
+    _progress("MPS: our own daemon")
+    report["mps"] = guarded(probe_mps, device, chosen["nvml_index"], workdir,
+                            lambda env: _workloads(env, device, chosen["nvml_index"], quick, "under our MPS daemon"))
+
+
+def _workloads(env: Env, device: int, nvml_index: int | None, quick: bool, where: str) -> Finding:
+    """The IPC, overlap and green-context checks, each in its own children with env."""
+    ipc_bytes = (64 if quick else 1024) * 2**20
+    _progress(f"CUDA IPC of {ipc_bytes >> 20} MiB between two processes, {where}")
+    ipc = run_in_child(ipc_round_trip, (device, ipc_bytes, nvml_index, STEP_TIMEOUT_S), env, 2 * STEP_TIMEOUT_S)
+    _progress(f"overlap of two processes' kernels, {where}")
+    overlap = guarded(measure_overlap, device, 50.0 if quick else 200.0, env, STEP_TIMEOUT_S)
+    _progress(f"green contexts, {where}")
+    green = run_in_child(green_context_check, (device, quick), env, STEP_TIMEOUT_S)
+    return {"ipc": ipc, "overlap": overlap, "green_contexts": green}
+
+
+def host_facts() -> dict[str, Any]:
+    """What can be read without a GPU: the machine, the Python stack's versions, CUDA_VISIBLE_DEVICES."""
+    import torch
+
+    return {
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "is_root": os.geteuid() == 0,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "cuda_bindings": _version("cuda-bindings"),
+        "nvidia_ml_py": _version("nvidia-ml-py"),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _progress(step: str) -> None:
+    print(f"ppd probe: {step} ...", file=sys.stderr, flush=True)
