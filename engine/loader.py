@@ -31,30 +31,75 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype) -> Model:
         return Model(cfg, dtype)
 
 
+def _fused_groups(model: Model) -> list[tuple[nn.Module, str, list[str]]]:
+    """(module, attribute, full parameter names) for every group of parameters the model reads as one tensor."""
+    groups = []
+    for module_name, module in model.named_modules():
+        if hasattr(module, "fused_groups"):
+            for attr, names in module.fused_groups().items():
+                groups.append((module, attr, [f"{module_name}.{n}" for n in names]))
+    return groups
+
+
+def _nbytes(p: Tensor) -> int:
+    return p.numel() * p.element_size()
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _layout(model: Model) -> list[tuple[str, nn.Parameter, int]]:
-    """(name, parameter, byte offset) for every parameter, in registration order."""
+    """(name, parameter, byte offset) for every parameter: registration order, 64-byte aligned, except that the
+    members of a fused group (q/k/v, gate/up) follow each other with no gap, so one view spans them."""
+    params = dict(model.named_parameters())
+    follows: dict[str, list[str]] = {}  # first member of a group -> the rest, placed right after it
+    for _, _, names in _fused_groups(model):
+        # Adjacent members keep every parameter 64-byte aligned only if the leading ones are whole multiples.
+        if all(_nbytes(params[n]) % ALIGN == 0 for n in names[:-1]):
+            follows[names[0]] = names[1:]
+    placed: set[str] = set()
     out, offset = [], 0
-    for name, p in model.named_parameters():
-        out.append((name, p, offset))
-        offset += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+    for name, p in params.items():
+        if name in placed:
+            continue
+        for member in [name, *follows.get(name, [])]:
+            out.append((member, params[member], offset))
+            placed.add(member)
+            offset += _nbytes(params[member])
+        offset = _padded(offset)
     return out
 
 
 def arena_nbytes(model: Model) -> int:
     """Size in bytes of the arena that holds all of model's parameters."""
-    return sum(-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in model.parameters())
+    _, p, offset = _layout(model)[-1]
+    return _padded(offset + _nbytes(p))
 
 
 def bind_arena(model: Model, arena: Tensor) -> None:
-    """Make every parameter a view into arena (1-D uint8 tensor of arena_nbytes(model) bytes, on the model's target device),
-    at deterministic, 64-byte aligned offsets from the parameter order, so two processes binding the same arena see the same weights."""
+    """Make every parameter a view into arena (1-D uint8 tensor of arena_nbytes(model) bytes, on the model's target
+    device), at deterministic offsets from the parameter order, so two processes binding the same arena see the
+    same weights; then give each fused group its one view (or None where the layout could not make it adjacent)."""
     assert arena.dtype == torch.uint8 and arena.dim() == 1, "arena must be a 1-D uint8 tensor"
     assert arena.numel() >= arena_nbytes(model), "arena smaller than arena_nbytes(model)"
     assert arena.data_ptr() % ALIGN == 0, "arena must start 64-byte aligned"
-    for name, p, offset in _layout(model):
-        view = arena[offset : offset + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+    layout = _layout(model)
+    for name, p, offset in layout:
+        view = arena[offset : offset + _nbytes(p)].view(p.dtype).view(p.shape)
         module_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(module_name), leaf, nn.Parameter(view, requires_grad=False))
+    offsets = {name: offset for name, _, offset in layout}
+    params = dict(model.named_parameters())
+    for module, attr, names in _fused_groups(model):
+        first, last = names[0], names[-1]
+        end = offsets[last] + _nbytes(params[last])
+        if end - offsets[first] != sum(_nbytes(params[n]) for n in names):
+            setattr(module, attr, None)
+            continue
+        p0 = params[first]
+        rows = sum(params[n].shape[0] for n in names)
+        setattr(module, attr, arena[offsets[first] : end].view(p0.dtype).view(rows, *p0.shape[1:]))
     model.init_rope(arena.device)
 
 

@@ -7,12 +7,13 @@ One code path covers the four architectures; they differ only in q/k/v bias (Qwe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.attention import AttentionMetadata, reference_attention
+from engine.attention.base import AttentionBackend, Ops
 from engine.config import ModelConfig
 
 
@@ -43,26 +44,27 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [T, heads, D] by position, pairing dimension i with i + D/2 (Hugging Face's rotate_half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+class StepContext:
+    """What every layer of one forward pass shares: the attention backend, its metadata for this step, positions."""
+
+    __slots__ = ("backend", "meta", "positions", "cos", "sin")
+
+    def __init__(self, backend: AttentionBackend, meta: Any, positions: Tensor, cos: Tensor, sin: Tensor) -> None:
+        self.backend, self.meta, self.positions, self.cos, self.sin = backend, meta, positions, cos, sin
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dimension."""
+    """x / rms(x) * weight over the last dimension; given a residual, adds it first and returns the sum too."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32, as the reference does, so low-precision models match it.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def forward(self, x: Tensor, ops: Ops, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -79,19 +81,35 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.split = [q_dim, kv_dim, kv_dim]
+        # One GEMM for q, k and v: views over the three checkpoint tensors, which the arena lays out adjacent.
+        self.qkv_weight: Tensor | None = None
+        self.qkv_bias: Tensor | None = None
         self.k_cache: Tensor | None = None  # [num_blocks * block_size, Hkv, D], a view of the shared pool
         self.v_cache: Tensor | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+    def fused_groups(self) -> dict[str, list[str]]:
+        """Attributes that bind_arena sets to one view over several adjacent parameters (names relative to self)."""
+        groups = {"qkv_weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"]}
+        if self.q_proj.bias is not None:
+            groups["qkv_bias"] = ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        return groups
+
+    def forward(self, x: Tensor, step: StepContext) -> Tensor:
         assert self.k_cache is not None and self.v_cache is not None, "call Model.bind_kv_cache first"
+        ops = step.backend.ops
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = reference_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        if self.qkv_weight is not None:
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, over the last dimension
+            q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
+        q, k = ops.apply_rope(q, k, step.positions, step.cos, step.sin)
+        o = step.backend.forward(q, k, v, self.k_cache, self.v_cache, step.meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -103,13 +121,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_weight: Tensor | None = None  # one GEMM for gate and up, as for Attention.qkv_weight
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fused_groups(self) -> dict[str, list[str]]:
+        return {"gate_up_weight": ["gate_proj.weight", "up_proj.weight"]}
+
+    def forward(self, x: Tensor, ops: Ops) -> Tensor:
+        if self.gate_up_weight is not None:
+            return self.down_proj(ops.silu_and_mul(F.linear(x, self.gate_up_weight)))
+        return self.down_proj(ops.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm transformer block. The residual stream travels beside the hidden state, so that each
+    residual add fuses with the RMSNorm that follows it: (h, residual) -> (next sublayer input, new residual)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -118,9 +143,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, residual: Tensor | None, step: StepContext) -> tuple[Tensor, Tensor]:
+        ops = step.backend.ops
+        x, residual = self.input_layernorm(h, ops, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, step), ops, residual)
+        return self.mlp(x, ops), residual
 
 
 class Decoder(nn.Module):
@@ -166,13 +193,18 @@ class Model(nn.Module):
             attn.k_cache = kv_pool[i, 0].flatten(0, 1)
             attn.v_cache = kv_pool[i, 1].flatten(0, 1)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
-        """input_ids, positions [T] int64 -> final-norm hidden states [T, hidden]."""
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+    def unbind_kv_cache(self) -> None:
+        """Drop the references to the bound pool, so that its memory can be freed."""
+        for attn in (m for m in self.modules() if isinstance(m, Attention)):
+            attn.k_cache = attn.v_cache = None
+
+    def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
+        """input_ids, positions [T] int64; meta from backend.prepare for this step -> final-norm hidden states [T, hidden]."""
+        step = StepContext(backend, meta, positions, self.rope_cos, self.rope_sin)
+        h, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, step)
+        return self.model.norm(h, backend.ops, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionBackend, AttentionShape, StepBatch, create_backend
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import Model
 
 
@@ -22,42 +23,73 @@ class StepInput:
 
 
 class ModelRunner:
-    """Runs one step of the model over a batch of StepInputs against a paged KV pool."""
+    """Runs one step of the model over a batch of StepInputs against a paged KV pool.
 
-    def __init__(self, model: Model, kv_pool: Tensor, block_size: int) -> None:
+    Decode steps replay CUDA graphs once capture_graphs has run; everything else runs eagerly.
+    """
+
+    def __init__(self, model: Model, kv_pool: Tensor, block_size: int, backend: str | AttentionBackend = "auto",
+                 max_model_len: int | None = None) -> None:
         assert kv_pool.shape[3] == block_size, "kv_pool was built for another block size"
         self.model, self.block_size, self.device = model, block_size, kv_pool.device
-        model.bind_kv_cache(kv_pool)
+        self.max_model_len = max_model_len or model.cfg.max_position_embeddings
+        if isinstance(backend, str):
+            cfg = model.cfg
+            shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size,
+                                   -(-self.max_model_len // block_size))
+            backend = create_backend(backend, shape, self.device)
+        self.backend = backend
+        self.graphs: DecodeGraphs | None = None
+        self.bind_kv_cache(kv_pool)
+
+    def bind_kv_cache(self, kv_pool: Tensor) -> None:
+        """Point the model at a pool (start-up measures on a scratch pool first, then binds the real one)."""
+        assert self.graphs is None, "captured graphs keep the pool they were captured with"
+        self.kv_pool = kv_pool
+        self.model.bind_kv_cache(kv_pool)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture decode steps of up to max_batch sequences (CUDA, and a backend that supports it)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, max_batch)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> Tensor:
         """float32 logits [number of inputs with sample=True, vocab], in input order."""
+        batch = self.make_batch(inputs)
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
+        meta = self.backend.prepare(batch)
+        ids_pos = torch.tensor([batch.token_ids, batch.positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(ids_pos[0], ids_pos[1], self.backend, meta)
+        if len(batch.sample_rows) < len(batch.token_ids):
+            hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)]
+        return self.model.compute_logits(hidden)
+
+    def make_batch(self, inputs: list[StepInput]) -> StepBatch:
+        """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets)."""
         assert inputs, "a step needs at least one input"
-        bs, max_len = self.block_size, self.model.cfg.max_position_embeddings
+        bs, max_len = self.block_size, self.max_model_len
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start, context_lens, sample_rows = [0], [], []
+        query_start, seq_lens, sample_rows = [0], [], []
         for inp in inputs:
             end = inp.start_pos + len(inp.token_ids)
             assert inp.token_ids and len(inp.block_table) * bs >= end, "empty input or block table too short"
-            assert end <= max_len, f"sequence longer than max_position_embeddings ({max_len})"
+            assert end <= max_len, f"sequence longer than max_model_len ({max_len})"
             token_ids += inp.token_ids
-            positions += range(inp.start_pos, end)
-            slots += [inp.block_table[p // bs] * bs + p % bs for p in range(inp.start_pos, end)]
+            table = inp.block_table
+            if len(inp.token_ids) == 1:  # decode: skip the range machinery
+                p = inp.start_pos
+                positions.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            else:
+                positions += range(inp.start_pos, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(inp.start_pos, end)]
             query_start.append(len(token_ids))
-            context_lens.append(end)
+            seq_lens.append(end)
             if inp.sample:
                 sample_rows.append(len(token_ids) - 1)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=[inp.block_table for inp in inputs],
-            block_size=bs,
-        )
-        hidden = self.model(self._tensor(token_ids), self._tensor(positions), meta)
-        return self.model.compute_logits(hidden[self._tensor(sample_rows)])
-
-    def _tensor(self, values: list[int]) -> Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return StepBatch(token_ids, positions, slots, query_start, seq_lens, [inp.block_table for inp in inputs],
+                         sample_rows, bs)

@@ -5,27 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.engine import EngineConfig
+
 POLICIES = ("pd", "dlocal", "ppd", "aggregated")
 
 
 @dataclass(frozen=True)
 class UnitConfig:
-    """Settings shared by the decode and prefill worker of one unit."""
+    """Settings shared by the decode and prefill worker of one unit (one GPU, or a share of the CPU's cores)."""
 
-    model: str                      # a model folder (the launcher resolves "demo")
-    num_kv_blocks: int              # the KV pool, sized by the launcher (it checks max_model_len fits)
+    engine: EngineConfig
     unit: int = 0
-    dtype: str = "auto"
-    load_format: str = "auto"
-    block_size: int = 16
-    max_model_len: int = 4096
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
     policy: str = "ppd"
     ipc_dir: str = "/tmp"
     shm_prefix: str = "ppd"
-    decode_cores: tuple[int, ...] = ()     # empty: no pinning
+    gpu: str | None = None  # this unit's GPU as a CUDA_VISIBLE_DEVICES entry; None on the CPU
+    decode_cores: tuple[int, ...] = ()  # empty: no pinning
     prefill_cores: tuple[int, ...] = ()
+    log_level: str = "info"
 
     @property
     def aggregated(self) -> bool:
@@ -36,7 +33,7 @@ class UnitConfig:
         return f"ipc://{Path(self.ipc_dir) / name}"
 
     def shm_name(self, kind: str) -> str:
-        """The /dev/shm file name of this unit's shared "weights" or "kv"."""
+        """The host name of this unit's shared "weights" or "kv" memory (a /dev/shm file on the CPU)."""
         return f"{self.shm_prefix}-u{self.unit}-{kind}"
 
     @property

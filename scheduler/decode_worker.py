@@ -11,32 +11,30 @@ import os
 import time
 
 import msgspec
+import torch
 import zmq
 
 from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
-from engine.shared_tensor import unlink_shared
+from engine.engine import Engine, device_info
+from engine.shared_memory import release_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
                                 RequestOutput, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
-from scheduler.worker_setup import create_unit_memory, init_worker_process, recv_nowait, socket
+from scheduler.worker_setup import init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 STATS_INTERVAL_S = 0.25
 
 
 class DecodeWorker:
-    def __init__(self, cfg: UnitConfig) -> None:
-        self.cfg = cfg
-        model, mcfg, kv_pool, self.weights_handle, self.kv_handle = create_unit_memory(cfg)
-        self.runner = ModelRunner(model, kv_pool, cfg.block_size)
-        self.sampler = Sampler(mcfg.eos_token_ids)
-        self.scheduler = DecodeScheduler(BlockManager(cfg.num_kv_blocks, cfg.block_size), mcfg.eos_token_ids, cfg.max_model_len,
-                                         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.aggregated)
-        self.ctx = zmq.Context()
-        self.requests = socket(self.ctx, zmq.PULL, cfg.requests_address)
-        self.out = socket(self.ctx, zmq.PUSH, cfg.outputs_address)
+    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context) -> None:
+        self.cfg, self.out, self.ctx = cfg, out, ctx
+        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")))
+        plan = self.engine.plan
+        self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size), self.engine.mcfg.eos_token_ids,
+                                         plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
+                                         cfg.aggregated)
+        self.requests = zmq_socket(ctx, zmq.PULL, cfg.requests_address)
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
         self.encode = msgspec.msgpack.Encoder().encode
@@ -45,13 +43,17 @@ class DecodeWorker:
         if cfg.aggregated:
             self._release_names()
         else:
-            self.jobs = socket(self.ctx, zmq.PUSH, cfg.jobs_address, bind=True)
-            self.notify = socket(self.ctx, zmq.PULL, cfg.notify_address, bind=True)
+            self.jobs = zmq_socket(ctx, zmq.PUSH, cfg.jobs_address, bind=True)
+            self.notify = zmq_socket(ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
-            self.jobs.send(self.encode(UnitSetup(self.weights_handle, self.kv_handle)))
+            self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
+                                                 plan.num_blocks, plan.max_model_len)))
         self.pending: list[RequestOutput] = []
-        self.last_stats = 0.0
-        self.send(ready=WorkerReady("decode", os.getpid()))
+        self.last_stats = self.memory_read = 0.0
+        self.memory_used = 0
+        info = device_info(self.engine.device)
+        self.send(ready=WorkerReady("decode", os.getpid(), info.name, info.total_memory, plan.num_blocks,
+                                    plan.max_model_len))
 
     def run(self) -> None:
         while True:
@@ -60,9 +62,8 @@ class DecodeWorker:
             for job in step.jobs:
                 self.jobs.send(self.encode(job))
             if step.inputs:
-                logits = self.runner.forward(step.inputs)
                 seqs = step.sampling_seqs
-                tokens = self.sampler(logits, [s.sampling for s in seqs], [s.num_output for s in seqs])
+                tokens = self.engine.step(step.inputs, [s.sampling for s in seqs], [s.num_output for s in seqs])
                 self.pending += self.scheduler.postprocess(step, tokens)
             self.send()
 
@@ -93,17 +94,24 @@ class DecodeWorker:
         if not self.pending and ready is None and now - self.last_stats < STATS_INTERVAL_S:
             return
         self.last_stats = now
-        msg = WorkerOutput(self.cfg.unit, self.pending, self.scheduler.stats(), ready)
-        self.out.send(self.encode(msg))
+        stats = self.scheduler.stats()
+        if self.engine.device.type == "cuda":
+            if now - self.memory_read >= STATS_INTERVAL_S:  # a driver call: not on every step
+                free, total = torch.cuda.mem_get_info()
+                self.memory_used, self.memory_read = total - free, now
+            stats.device_memory_used = self.memory_used
+        self.out.send(self.encode(WorkerOutput(self.cfg.unit, self.pending, stats, ready)))
         self.pending = []
 
     def _release_names(self) -> None:
         """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the workers."""
-        unlink_shared(self.weights_handle)
-        unlink_shared(self.kv_handle)
+        release_name(self.engine.weights_handle)
+        release_name(self.engine.kv_handle)
 
 
 def run_decode_worker(cfg: UnitConfig) -> None:
     """Process entry point."""
-    init_worker_process(cfg.decode_cores)
-    DecodeWorker(cfg).run()
+    init_worker_process(cfg, cfg.decode_cores)
+    ctx = zmq.Context()
+    out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
+    run_or_report(cfg.unit, out, lambda: DecodeWorker(cfg, out, ctx).run())

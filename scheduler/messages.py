@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 
 from engine.sampling_params import SamplingParams
-from engine.shared_tensor import SharedTensorHandle
+from engine.shared_memory import SharedHandle
 
 Route = Literal["prefill", "decode"]
 
@@ -40,10 +40,12 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class UnitSetup(msgspec.Struct, tag=True):
-    """The decode worker's shared memory, for the prefill worker to map."""
+    """The decode worker's shared memory, for the prefill worker to map, and the pool it sized."""
 
-    weights: SharedTensorHandle
-    kv_pool: SharedTensorHandle
+    weights: SharedHandle
+    kv_pool: SharedHandle
+    num_kv_blocks: int
+    max_model_len: int
 
 
 class PrefillJob(msgspec.Struct, tag=True):
@@ -100,6 +102,7 @@ class WorkerStats(msgspec.Struct):
     prefix_queries: int
     prefix_hits: int
     num_preemptions: int
+    device_memory_used: int = 0  # bytes in use on the unit's GPU, by every process (0 on the CPU)
 
 
 class WorkerReady(msgspec.Struct):
@@ -107,6 +110,10 @@ class WorkerReady(msgspec.Struct):
 
     role: Literal["prefill", "decode"]
     pid: int
+    device: str = "cpu"  # the device's name, e.g. "NVIDIA H100 80GB HBM3"
+    device_memory_total: int = 0  # bytes (0 on the CPU)
+    num_kv_blocks: int | None = None  # the decode worker's pool, as it sized it
+    max_model_len: int | None = None
 
 
 class WorkerOutput(msgspec.Struct, tag=True):
@@ -116,6 +123,7 @@ class WorkerOutput(msgspec.Struct, tag=True):
     outputs: list[RequestOutput] = []
     stats: WorkerStats | None = None
     ready: WorkerReady | None = None
+    fatal: str | None = None  # the worker cannot start (e.g. the model does not fit): the server stops with this
 
 
 ToDecode = GenerateRequest | AbortRequest

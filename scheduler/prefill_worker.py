@@ -17,12 +17,12 @@ import msgspec
 import torch
 import zmq
 
-from engine.model_runner import ModelRunner, StepInput
-from engine.sampler import Sampler
+from engine.engine import Engine, device_info
+from engine.model_runner import StepInput
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, RequestOutput, ToPrefill, UnitSetup,
                                 WorkerOutput, WorkerReady)
-from scheduler.worker_setup import init_worker_process, map_unit_memory, recv_nowait, socket
+from scheduler.worker_setup import init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 
 @dataclass
@@ -32,22 +32,20 @@ class ActiveJob:
 
 
 class PrefillWorker:
-    def __init__(self, cfg: UnitConfig) -> None:
-        self.cfg = cfg
-        self.ctx = zmq.Context()
-        self.jobs = socket(self.ctx, zmq.PULL, cfg.jobs_address)
-        self.notify = socket(self.ctx, zmq.PUSH, cfg.notify_address)
-        self.out = socket(self.ctx, zmq.PUSH, cfg.outputs_address)
+    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context) -> None:
+        self.cfg, self.out = cfg, out
+        self.jobs = zmq_socket(ctx, zmq.PULL, cfg.jobs_address)
+        self.notify = zmq_socket(ctx, zmq.PUSH, cfg.notify_address)
         self.encode = msgspec.msgpack.Encoder().encode
-        self.decode = msgspec.msgpack.Decoder(ToPrefill).decode
-        setup = self.decode(self.jobs.recv())
+        self.decode_job = msgspec.msgpack.Decoder(ToPrefill).decode
+        setup = self.decode_job(self.jobs.recv())
         assert isinstance(setup, UnitSetup), f"expected UnitSetup first, got {type(setup).__name__}"
-        model, mcfg, kv_pool = map_unit_memory(cfg, setup.weights, setup.kv_pool)
-        self.runner = ModelRunner(model, kv_pool, cfg.block_size)
-        self.sampler = Sampler(mcfg.eos_token_ids)
+        self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
         self.queue: deque[ActiveJob] = deque()
         self.notify.send(self.encode(PrefillReady(os.getpid())))
-        self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid()))))
+        info = device_info(self.engine.device)
+        self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), info.name,
+                                                                           info.total_memory))))
 
     def run(self) -> None:
         while True:
@@ -55,18 +53,17 @@ class PrefillWorker:
             if not self.queue:
                 continue  # an abort for a job that had already finished
             inputs, active = self.pack()
-            logits = self.runner.forward(inputs)
             done = [a for a, i in zip(active, inputs) if i.sample]
-            tokens = self.sampler(logits, [a.job.sampling for a in done], [a.job.output_index for a in done])
-            if logits.is_cuda:
-                torch.cuda.current_stream().synchronize()  # the KV must be on the device before the decode worker reads it
+            # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
+            # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
+            tokens = self.engine.step(inputs, [a.job.sampling for a in done], [a.job.output_index for a in done])
             self.finish(done, tokens)
 
     def receive(self, block: bool) -> None:
         if block:
-            self.handle(self.decode(self.jobs.recv()))
+            self.handle(self.decode_job(self.jobs.recv()))
         while (raw := recv_nowait(self.jobs)) is not None:
-            self.handle(self.decode(raw))
+            self.handle(self.decode_job(raw))
 
     def handle(self, msg: PrefillJob | AbortPrefill | UnitSetup) -> None:
         if isinstance(msg, PrefillJob):
@@ -80,7 +77,7 @@ class PrefillWorker:
 
     def pack(self) -> tuple[list[StepInput], list[ActiveJob]]:
         """The next forward pass: chunks of queued jobs, oldest first, up to the token budget."""
-        budget = self.cfg.max_num_batched_tokens
+        budget = self.cfg.engine.max_num_batched_tokens
         inputs, active = [], []
         for a in self.queue:
             if budget <= 0:
@@ -108,5 +105,11 @@ class PrefillWorker:
 
 def run_prefill_worker(cfg: UnitConfig) -> None:
     """Process entry point."""
-    init_worker_process(cfg.prefill_cores)
-    PrefillWorker(cfg).run()
+    init_worker_process(cfg, cfg.prefill_cores)
+    if cfg.gpu is not None:
+        # Make this process's CUDA context now, while the decode worker loads the weights: its memory
+        # measurement then sees the context as in use.
+        torch.zeros(1, device="cuda")
+    ctx = zmq.Context()
+    out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
+    run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx).run())

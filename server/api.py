@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import SamplingParams
-from server.detokenizer import IncrementalDetokenizer
+from server.detokenizer import Detokenizer, make_detokenizer
 from server.engine_client import EngineClient, EngineError
 from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
                              error_type, validation_error_message)
@@ -51,7 +51,7 @@ class Choice:
     """One of a request's n answers, as it accumulates."""
 
     index: int
-    detok: IncrementalDetokenizer
+    detok: Detokenizer
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     route: str | None = None
@@ -111,6 +111,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        need_tokenizer("messages")
         try:
             text = model.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
@@ -122,6 +123,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if isinstance(body.prompt, str):
+            need_tokenizer("prompt")
             prompt_ids = model.tokenizer.encode(body.prompt)
         else:
             prompt_ids = body.prompt
@@ -129,6 +131,11 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 raise RequestError(f"token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
                                    f"tokens (ids 0..{model.vocab_size - 1})", param="prompt")
         return await respond(body, prompt_ids, request, chat=False)
+
+    def need_tokenizer(param: str) -> None:
+        if model.tokenizer is None:
+            raise RequestError("this server runs without a tokenizer (--skip-tokenizer-init): send the prompt as a "
+                               "list of token ids to /v1/completions", param=param)
 
     def check_model(name: str) -> None:
         if name not in (model.name, model.path):
@@ -147,7 +154,13 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
 
     async def respond(body: SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
         sampling = body.sampling_params(resolve_max_tokens(body, len(prompt_ids)), model.eos_token_ids)
-        choices = [Choice(i, IncrementalDetokenizer(model.tokenizer, body.stop_strings)) for i in range(body.n)]
+        if model.tokenizer is None:
+            if body.stop_strings:
+                raise RequestError("stop strings need a tokenizer, and this server runs without one "
+                                   "(--skip-tokenizer-init): use stop_token_ids", param="stop")
+            # Without text, the token ids are the answer.
+            body = body.model_copy(update={"return_token_ids": True})
+        choices = [Choice(i, make_detokenizer(model.tokenizer, body.stop_strings)) for i in range(body.n)]
         seeds = [sampling.seed + i if sampling.seed is not None and body.n > 1 else sampling.seed for i in range(body.n)]
         events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s)) for c, s in zip(choices, seeds)])
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

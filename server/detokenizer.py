@@ -10,7 +10,7 @@ token is therefore O(1) amortized, whatever the output length.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # Valid text reaches a character boundary within a few tokens (a UTF-8 character
@@ -119,3 +119,30 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return length
         return 0
+
+
+class Detokenizer(Protocol):
+    stopped: bool
+    stop_string: str | None
+    text: str
+
+    def add(self, token_ids: Sequence[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class NoDetokenizer:
+    """Stands in when the server runs without a tokenizer (--skip-tokenizer-init): answers are token ids only."""
+
+    stopped = False
+    stop_string = None
+    text = ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def make_detokenizer(tokenizer: Any, stop: Sequence[str] = ()) -> Detokenizer:
+    return NoDetokenizer() if tokenizer is None else IncrementalDetokenizer(tokenizer, stop)

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -20,7 +20,8 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
 from scheduler.config import UnitConfig
-from scheduler.messages import AbortRequest, GenerateRequest, RequestOutput, Route, WorkerOutput, WorkerStats
+from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, WorkerOutput, WorkerReady,
+                                WorkerStats)
 from scheduler.router import Router
 from server.metrics import Metrics
 
@@ -63,7 +64,12 @@ class _Request:
 class UnitState:
     ready_roles: set[str] = field(default_factory=set)
     stats: WorkerStats | None = None
-    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)  # set when ready, or when it cannot start
+    fatal: str | None = None  # why the unit cannot start
+    device_name: str | None = None
+    device_memory_total: int = 0
+    num_kv_blocks: int | None = None
+    max_model_len: int | None = None
 
 
 class EngineClient:
@@ -86,6 +92,7 @@ class EngineClient:
         self.decode = msgspec.msgpack.Decoder(WorkerOutput).decode
         self.reader: asyncio.Task | None = None
         self._ids = itertools.count()
+        self.on_ready: Callable[[], None] | None = None  # called whenever a unit becomes ready
 
     def start(self) -> None:
         self.reader = asyncio.get_running_loop().create_task(self._read_outputs())
@@ -100,6 +107,11 @@ class EngineClient:
     def unit_ready(self, unit: int) -> bool:
         needed = {"decode"} if self.units[unit].aggregated else {"decode", "prefill"}
         return needed <= self.state[unit].ready_roles
+
+    def max_model_len(self) -> int | None:
+        """The context every ready unit can hold (GPU units size their pools themselves)."""
+        lens = [s.max_model_len for s in self.state if s.max_model_len is not None]
+        return min(lens) if lens else None
 
     def reset_unit(self, unit: int, message: str) -> None:
         """The unit's workers are gone: end its requests with a 503 and forget its state until it is ready again."""
@@ -146,10 +158,11 @@ class EngineClient:
         while True:
             msg = self.decode(await self.outputs.recv())
             state = self.state[msg.unit]
+            if msg.fatal is not None:
+                state.fatal = msg.fatal
+                state.ready_event.set()
             if msg.ready is not None:
-                state.ready_roles.add(msg.ready.role)
-                if self.unit_ready(msg.unit):
-                    state.ready_event.set()
+                self._worker_ready(msg.unit, msg.ready)
             if msg.stats is not None:
                 self.metrics.worker_stats(msg.unit, state.stats, msg.stats)
                 state.stats = msg.stats
@@ -166,6 +179,19 @@ class EngineClient:
                     self._deliver(req, nxt, now)
                     if req.done:
                         break
+
+    def _worker_ready(self, unit: int, ready: WorkerReady) -> None:
+        state = self.state[unit]
+        state.ready_roles.add(ready.role)
+        state.device_name, state.device_memory_total = ready.device, ready.device_memory_total
+        if ready.num_kv_blocks is not None:
+            state.num_kv_blocks, state.max_model_len = ready.num_kv_blocks, ready.max_model_len
+            # The router's guess of what a unit caches cannot exceed the smallest pool.
+            self.router.capacity = min(s.num_kv_blocks for s in self.state if s.num_kv_blocks is not None)
+        if self.unit_ready(unit):
+            state.ready_event.set()
+            if self.on_ready is not None:
+                self.on_ready()
 
     def _deliver(self, req: _Request, out: RequestOutput, now: float) -> None:
         if out.route is not None and req.route is None:

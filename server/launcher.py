@@ -13,7 +13,7 @@ import multiprocessing as mp
 import time
 from multiprocessing.process import BaseProcess
 
-from engine.shared_tensor import SHM_DIR
+from engine.shared_memory import remove_leftover
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import run_decode_worker
 from scheduler.prefill_worker import run_prefill_worker
@@ -23,6 +23,10 @@ log = logging.getLogger("ppd.launcher")
 
 WATCH_INTERVAL_S = 0.1
 MAX_RESTART_DELAY_S = 10.0
+
+
+class StartupFailed(RuntimeError):
+    """A unit cannot start for a reason the operator must fix; the message says which and how."""
 
 
 class Launcher:
@@ -41,11 +45,16 @@ class Launcher:
             self._spawn(unit)
 
     async def start(self) -> None:
-        """Watch the units (spawning them first if spawn_all was not called); returns once all are ready."""
+        """Watch the units (spawning them first if spawn_all was not called); returns once all are ready, or
+        raises StartupFailed when a unit reports that it cannot start (the model does not fit, ...)."""
         if not any(self.procs):
             self.spawn_all()
         self.watcher = asyncio.get_running_loop().create_task(self._watch())
         await asyncio.gather(*(self.client.state[u].ready_event.wait() for u in range(len(self.units))))
+        for unit, state in enumerate(self.client.state):
+            if state.fatal is not None:
+                self.stopping = True
+                raise StartupFailed(f"unit {unit} cannot start: {state.fatal}")
         log.info("all %d unit(s) ready", len(self.units))
 
     def pids(self, unit: int) -> dict[str, tuple[int | None, bool]]:
@@ -77,7 +86,7 @@ class Launcher:
             p.join(timeout=5)
         self.procs[unit] = {}
         for kind in ("weights", "kv"):
-            (SHM_DIR / self.units[unit].shm_name(kind)).unlink(missing_ok=True)
+            remove_leftover(self.units[unit].shm_name(kind))
 
     async def _watch(self) -> None:
         while not self.stopping:
@@ -101,10 +110,14 @@ class Launcher:
             await asyncio.sleep(delay)
         started = time.monotonic()
         self._spawn(unit)
-        ready = self.client.state[unit].ready_event
-        while not ready.is_set():
+        state = self.client.state[unit]
+        while not state.ready_event.is_set():
             await asyncio.sleep(WATCH_INTERVAL_S)
-            if any(not p.is_alive() for p in self.procs[unit].values()):
+            if any(not p.is_alive() for p in self.procs[unit].values()) and state.fatal is None:
                 return  # died while starting: the watcher restarts it again
+        if state.fatal is not None:
+            log.error("unit %d cannot start again and stays down: %s", unit, state.fatal)
+            self._stop(unit)  # no processes left: the watcher has nothing to restart
+            return
         self.restarts[unit] = 0
         log.info("unit %d restarted in %.1fs", unit, time.monotonic() - started)

@@ -39,12 +39,13 @@ class Seq:
 class Engine:
     """A minimal scheduler for tests: shuffled free blocks, so tables are never contiguous."""
 
-    def __init__(self, model: Model, block_size: int = 16, num_blocks: int = 96, device: str = "cpu") -> None:
+    def __init__(self, model: Model, block_size: int = 16, num_blocks: int = 96, device: str = "cpu",
+                 backend: str = "torch") -> None:
         # NaN in unwritten slots makes any read of KV that was never written poison the output.
         pool = torch.full(
             kv_pool_shape(model.cfg, num_blocks, block_size), float("nan"), dtype=model.dtype, device=device
         )
-        self.runner = ModelRunner(model, pool, block_size)
+        self.runner = ModelRunner(model, pool, block_size, backend)
         self.block_size = block_size
         self.free = list(range(num_blocks))
         random.Random(block_size).shuffle(self.free)
@@ -77,10 +78,15 @@ class Engine:
         return seq.tokens[start:]
 
 
-def test_turn1_prefill_then_decode_matches_hf(tiny: tuple[Path, Model]) -> None:
+# The Triton backend runs its kernels here in Triton's interpreter (tests/conftest.py), the GPU's code path.
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"])
+
+
+@BACKENDS
+def test_turn1_prefill_then_decode_matches_hf(tiny: tuple[Path, Model], backend: str) -> None:
     folder, model = tiny
     prompt = random_ids(23, seed=1)
-    engine, seq = Engine(model), Seq(list(prompt))
+    engine, seq = Engine(model, backend=backend), Seq(list(prompt))
     logits = [engine.step([seq])[0]]
     while len(seq.tokens) < len(prompt) + NEW_TOKENS:
         logits.append(engine.step([seq])[0])
@@ -91,11 +97,12 @@ def test_turn1_prefill_then_decode_matches_hf(tiny: tuple[Path, Model]) -> None:
     torch.testing.assert_close(torch.stack(logits), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_size", [16, 8])
-def test_turn2_append_prefill_over_cached_prefix_matches_hf(tiny: tuple[Path, Model], block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "backend"), [(16, "torch"), (8, "torch"), (8, "triton")])
+def test_turn2_append_prefill_over_cached_prefix_matches_hf(tiny: tuple[Path, Model], block_size: int,
+                                                            backend: str) -> None:
     folder, model = tiny
     prompt = random_ids(21, seed=2)
-    engine, seq = Engine(model, block_size), Seq(list(prompt))
+    engine, seq = Engine(model, block_size, backend=backend), Seq(list(prompt))
     answer = engine.generate(seq, NEW_TOKENS)
     user2 = random_ids(17, seed=3)
     seq.tokens += user2
@@ -130,10 +137,11 @@ def test_non_final_chunk_returns_no_logits(tiny: tuple[Path, Model]) -> None:
     assert logits.shape == (0, model.cfg.vocab_size) and len(seq.tokens) == 30
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_decode_prefill_and_append_prefill_match_hf(tiny: tuple[Path, Model], block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "backend"), [(4, "torch"), (16, "torch"), (16, "triton")])
+def test_mixed_batch_decode_prefill_and_append_prefill_match_hf(tiny: tuple[Path, Model], block_size: int,
+                                                                backend: str) -> None:
     folder, model = tiny
-    engine = Engine(model, block_size)
+    engine = Engine(model, block_size, backend=backend)
     a_prompt, b_prompt, c_prompt, c_user2 = (random_ids(n, seed=s) for n, s in ((19, 6), (33, 7), (12, 8), (9, 9)))
     a, b, c = Seq(list(a_prompt)), Seq(list(b_prompt)), Seq(list(c_prompt))
     # a and c prefill together and decode a few steps, so their blocks interleave.

@@ -60,3 +60,18 @@ def test_context_longer_than_model(tiny: Path) -> None:
 def test_token_budget_below_batch_size() -> None:
     result = serve("--max-num-seqs", "64", "--max-num-batched-tokens", "32")
     assert result.returncode == 2 and "--max-num-batched-tokens" in result.stderr
+
+
+def test_cuda_without_a_gpu_is_refused() -> None:
+    result = serve("--device", "cuda")
+    assert result.returncode == 2 and "no CUDA device" in result.stderr and "--device cpu" in result.stderr
+
+
+def test_triton_backend_on_the_cpu_is_refused() -> None:
+    result = serve("--attention-backend", "triton", "--device", "cpu")
+    assert result.returncode == 2 and "--attention-backend torch" in result.stderr
+
+
+def test_bad_memory_utilization_is_refused() -> None:
+    result = serve("--gpu-memory-utilization", "1.5")
+    assert result.returncode == 2 and "--gpu-memory-utilization" in result.stderr

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.attention.base import AttentionBackend, StepBatch
+from engine.ops import TorchOps
+
 
 @dataclass
 class AttentionMetadata:
@@ -86,3 +89,23 @@ def reference_attention(
         )
         out.append(o[0].transpose(0, 1))
     return torch.cat(out)
+
+
+class TorchBackend(AttentionBackend):
+    """Gathers each sequence's blocks and runs PyTorch's SDPA per sequence; runs anywhere, captures no graphs."""
+
+    name = "torch"
+    ops = TorchOps()
+
+    def prepare(self, batch: StepBatch) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=self.device),
+            query_start=batch.query_start,
+            context_lens=batch.seq_lens,
+            block_tables=batch.block_tables,
+            block_size=batch.block_size,
+        )
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                scale: float) -> Tensor:
+        return reference_attention(q, k, v, k_cache, v_cache, meta, scale)

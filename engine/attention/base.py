@@ -1,0 +1,102 @@
+"""What an attention backend is: the step's metadata prepared once, then attention run layer by layer.
+
+The model runner describes each forward pass as a StepBatch (host-side lists);
+the backend turns it into whatever its kernels need (prepare, once per step), and
+every layer calls forward with that metadata. A backend that supports CUDA
+graphs also keeps static metadata buffers that a captured decode graph reads,
+refilled in place before each replay.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class StepBatch:
+    """One forward pass over B sequences whose new tokens are concatenated (T tokens in all)."""
+
+    token_ids: list[int]           # [T]
+    positions: list[int]           # [T] absolute position of each new token
+    slot_mapping: list[int]        # [T] flat KV slot (block_id * block_size + offset) of each new token
+    query_start: list[int]         # [B+1] offsets of each sequence's new tokens in T
+    seq_lens: list[int]            # [B] each sequence's KV length after this step (cached + new)
+    block_tables: list[list[int]]  # [B] block ids of each sequence, covering seq_lens
+    sample_rows: list[int]         # rows of T whose logits are returned (a sequence's last new token)
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:]))
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token and samples it: the shape CUDA graphs capture."""
+        return len(self.token_ids) == self.num_seqs == len(self.sample_rows)
+
+
+class Ops(Protocol):
+    """The elementwise operations a backend provides (engine/ops.py is the reference)."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]: ...
+    def apply_rope(self, q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]: ...
+    def silu_and_mul(self, x: Tensor) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend needs to know of the model and the KV pool."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    max_blocks_per_seq: int  # the longest block table (max_model_len / block_size, rounded up)
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one device. forward() writes the new tokens' K/V into the pool, then attends."""
+
+    name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool] = False
+    ops: Ops
+
+    def __init__(self, shape: AttentionShape, device: torch.device) -> None:
+        self.shape = shape
+        self.device = device
+
+    @abstractmethod
+    def prepare(self, batch: StepBatch) -> Any:
+        """The metadata every layer of this step shares, built once."""
+
+    @abstractmethod
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Any,
+                scale: float) -> Tensor:
+        """q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_slots, Hkv, D], one layer's view of the pool.
+        Stores k, v at the step's slots, then each new query at position p attends keys 0..p of its sequence.
+        Returns [T, H, D]."""
+
+    # ---- CUDA graphs (backends with supports_cuda_graphs) -----------------------------------------------
+
+    def graph_metadata(self, max_batch: int) -> Any:
+        """Static metadata buffers for decode batches of up to max_batch sequences, allocated once."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
+
+    def graph_view(self, static: Any, batch_size: int) -> Any:
+        """The metadata a graph of batch_size rows is captured with: views of the static buffers."""
+        raise NotImplementedError
+
+    def fill_graph_metadata(self, static: Any, batch: StepBatch, batch_size: int) -> None:
+        """Copy batch's metadata into the static buffers in place; rows past batch.num_seqs up to batch_size
+        become padding that reads nothing and writes no KV."""
+        raise NotImplementedError

@@ -1,0 +1,224 @@
+"""A device's engine: the model, its weights and KV pool, the step runner and the sampler, started in order.
+
+The decode worker (or a single process) creates one: load the weights into a
+shareable arena, measure memory, size the KV pool, allocate and bind it, warm
+up, capture the decode graphs. The prefill worker attaches to it: it maps the
+same arena and pool (nothing is copied or loaded) and warms up on a scratch
+pool of its own, so that compiling its kernels never writes into shared blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig, resolve_dtype
+from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
+from engine.memory_plan import GiB, KVPlan, MemoryMeasurement, plan_from_measurement, plan_from_request
+from engine.model import kv_block_nbytes, kv_pool_shape
+from engine.model_runner import ModelRunner, StepInput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.shared_memory import SharedHandle, create_shared, open_shared
+
+log = logging.getLogger("ppd.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a device's start-up needs; the launcher builds it from the command line."""
+
+    model: str  # a model folder
+    dtype: str = "auto"
+    load_format: str = "auto"
+    device: str = "cpu"  # "cpu", or "cuda" (the process's one visible GPU)
+    attention_backend: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # the pool, when the operator fixed it
+    kv_cache_memory: float | None = None  # GiB, when the operator fixed it
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's, capped by the pool
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enforce_eager: bool = False
+    shares_device: bool = True  # a prefill worker runs on the same device (reserve its activations)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    kind: str  # "cpu" or "cuda"
+    name: str
+    total_memory: int  # bytes (0 on the CPU: the host's memory is not ours to plan)
+
+
+class Engine:
+    """Runs steps: forward over a batch of StepInputs, then one sampled token per sampling input."""
+
+    def __init__(self, cfg: EngineConfig, mcfg: ModelConfig, runner: ModelRunner, plan: KVPlan,
+                 handles: tuple[SharedHandle, SharedHandle]) -> None:
+        self.cfg, self.mcfg, self.runner, self.plan = cfg, mcfg, runner, plan
+        self.weights_handle, self.kv_handle = handles
+        self.device = runner.device
+        self.sampler = Sampler(mcfg.eos_token_ids)
+
+    # ---- start-up ----------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, cfg: EngineConfig, names: tuple[str, str] = ("ppd-weights", "ppd-kv")) -> Engine:
+        """Owner start-up (the decode worker): names are the host names of the weights and KV memory on the CPU."""
+        started = time.monotonic()
+        device = torch.device(cfg.device)
+        mcfg = ModelConfig.from_folder(cfg.model)
+        dtype = resolve_dtype(cfg.dtype, mcfg)
+        model = build_model(mcfg, dtype)
+        arena, weights_handle = create_shared(names[0], (arena_nbytes(model),), torch.uint8, device)
+        bind_arena(model, arena)
+        load_weights(model, cfg.model, cfg.load_format)
+        log.info("weights: %.2f GiB on %s in %.1fs", arena.numel() / GiB, device_info(device).name,
+                 time.monotonic() - started)
+
+        block_bytes = kv_block_nbytes(mcfg, cfg.block_size, dtype)
+        max_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if device.type == "cuda":
+            # Measure and warm up on a private scratch pool, then free it before the real pool is made.
+            scratch = _scratch_pool(mcfg, cfg, dtype, device)
+            runner = ModelRunner(model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_len)
+            if cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
+                measured = _measure(runner, cfg, arena.numel(), scratch.numel() * scratch.element_size())
+                plan = plan_from_measurement(measured, cfg.gpu_memory_utilization, block_bytes, cfg.block_size,
+                                             mcfg.max_position_embeddings, cfg.max_model_len, device_info(device).name)
+            else:
+                _warm_up(runner, cfg)
+                plan = plan_from_request(cfg.num_kv_blocks, cfg.kv_cache_memory, block_bytes, cfg.block_size,
+                                         mcfg.max_position_embeddings, cfg.max_model_len)
+            model.unbind_kv_cache()
+            del scratch, runner.kv_pool
+            torch.cuda.empty_cache()
+        else:
+            plan = plan_from_request(cfg.num_kv_blocks, cfg.kv_cache_memory, block_bytes, cfg.block_size,
+                                     mcfg.max_position_embeddings, cfg.max_model_len)
+        log.info("%s; max_model_len %d", plan.summary, plan.max_model_len)
+
+        kv_pool, kv_handle = create_shared(names[1], kv_pool_shape(mcfg, plan.num_blocks, cfg.block_size), dtype, device)
+        if device.type == "cuda":
+            runner.max_model_len = plan.max_model_len
+            runner.bind_kv_cache(kv_pool)
+            if not cfg.enforce_eager and runner.backend.supports_cuda_graphs:
+                runner.capture_graphs(cfg.max_num_seqs)
+        else:
+            runner = ModelRunner(model, kv_pool, cfg.block_size, cfg.attention_backend, max_model_len=plan.max_model_len)
+        log.info("engine ready in %.1fs", time.monotonic() - started)
+        return cls(cfg, mcfg, runner, plan, (weights_handle, kv_handle))
+
+    @classmethod
+    def attach(cls, cfg: EngineConfig, weights: SharedHandle, kv: SharedHandle, num_kv_blocks: int,
+               max_model_len: int) -> Engine:
+        """Peer start-up (the prefill worker): map the owner's weights and pool (of num_kv_blocks blocks, sized for
+        max_model_len); warm up on a private scratch pool."""
+        device = torch.device(cfg.device)
+        mcfg = ModelConfig.from_folder(cfg.model)
+        dtype = resolve_dtype(cfg.dtype, mcfg)
+        block_bytes = kv_block_nbytes(mcfg, cfg.block_size, dtype)
+        plan = KVPlan(num_kv_blocks, block_bytes, cfg.block_size, max_model_len,
+                      f"KV cache: {num_kv_blocks} blocks mapped from the decode worker")
+        model = build_model(mcfg, dtype)
+        bind_arena(model, open_shared(weights))
+        if device.type == "cuda":
+            runner = ModelRunner(model, _scratch_pool(mcfg, cfg, dtype, device), cfg.block_size, cfg.attention_backend,
+                                 max_model_len=plan.max_model_len)
+            _warm_up(runner, cfg)
+            model.unbind_kv_cache()
+            del runner.kv_pool
+            torch.cuda.empty_cache()
+            runner.bind_kv_cache(open_shared(kv))
+        else:
+            runner = ModelRunner(model, open_shared(kv), cfg.block_size, cfg.attention_backend,
+                                 max_model_len=plan.max_model_len)
+        return cls(cfg, mcfg, runner, plan, (weights, kv))
+
+    # ---- steps -------------------------------------------------------------------------------------
+
+    def step(self, inputs: list[StepInput], params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+        """Run one forward pass and sample a token for each input with sample=True (params/indices in that order).
+        The sampled ids are the step's one copy to the host, so when this returns the step's KV is written."""
+        logits = self.runner.forward(inputs)
+        if not params:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            return []
+        return self.sampler(logits, params, output_indices)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.plan.num_blocks
+
+
+def device_info(device: torch.device) -> DeviceInfo:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceInfo("cuda", props.name, props.total_memory)
+    return DeviceInfo("cpu", "cpu", 0)
+
+
+def _dummy_inputs(num_tokens: int, num_seqs: int, block_size: int) -> list[StepInput]:
+    """num_seqs sequences sharing num_tokens new tokens, each sampling, over consecutive scratch blocks."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    inputs, next_block = [], 0
+    for i in range(num_seqs):
+        n = num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0)
+        blocks = -(-n // block_size)
+        inputs.append(StepInput([1] * n, 0, list(range(next_block, next_block + blocks))))
+        next_block += blocks
+    return inputs
+
+
+def _scratch_pool(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A private pool big enough for the dummy steps of start-up (the largest step, as sequences of one block or more)."""
+    num_blocks = -(-cfg.max_num_batched_tokens // cfg.block_size) + min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+    return torch.zeros(kv_pool_shape(mcfg, num_blocks, cfg.block_size), dtype=dtype, device=device)
+
+
+def _largest_step(runner: ModelRunner, cfg: EngineConfig) -> None:
+    """The step that needs the most activation memory: the whole token budget, the most sampled rows, sampled
+    with top-p (which sorts the logits)."""
+    inputs = _dummy_inputs(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size)
+    logits = runner.forward(inputs)
+    sampler = Sampler(runner.model.cfg.eos_token_ids)
+    sampler(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * len(inputs), [0] * len(inputs))
+
+
+def _largest_decode(runner: ModelRunner, cfg: EngineConfig) -> None:
+    runner.forward(_dummy_inputs(cfg.max_num_seqs, cfg.max_num_seqs, cfg.block_size))
+
+
+def _warm_up(runner: ModelRunner, cfg: EngineConfig) -> None:
+    """Run the shapes a worker will see once, so kernels compile now rather than on the first request."""
+    _largest_step(runner, cfg)
+    _largest_decode(runner, cfg)
+    torch.cuda.synchronize()
+
+
+def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int) -> MemoryMeasurement:
+    """Run the largest step and the largest decode step, measuring the memory each needs above what is allocated."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    _largest_step(runner, cfg)
+    torch.cuda.synchronize()
+    activation = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    _largest_decode(runner, cfg)
+    torch.cuda.synchronize()
+    graphs = 0 if cfg.enforce_eager else torch.cuda.max_memory_allocated() - base
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # The scratch pool is still allocated here, and freed before the real pool is made: it is not in use after.
+    return MemoryMeasurement(total=total, in_use=total - free - scratch, weights=weights, activation_peak=activation,
+                             graph_peak=graphs, peer_activation_peak=activation if cfg.shares_device else 0)

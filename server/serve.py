@@ -1,0 +1,232 @@
+"""`ppd serve`: check the command line, plan the units (one per GPU, or shares of the CPU), start them and the API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
+from engine.demo import DEMO_MODEL, demo_model_path
+from engine.engine import EngineConfig
+from engine.memory_plan import StartupError, plan_from_request
+from engine.model import kv_block_nbytes
+from partition.cpu import available_cores, split_cores
+from scheduler.config import UnitConfig
+
+log = logging.getLogger("ppd")
+
+
+class UsageError(Exception):
+    """A bad command line or model folder: printed, exit code 2."""
+
+
+@dataclass
+class ServePlan:
+    units: list[UnitConfig]
+    model_name: str
+    model_path: str
+    tokenizer_path: str | None  # None: --skip-tokenizer-init
+    mcfg: ModelConfig
+    max_model_len: int  # the configured or planned context; GPU units may report a smaller one when ready
+    ipc_dir: str
+    device: str
+    partition: str
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices this process may use, as CUDA_VISIBLE_DEVICES entries (honouring the variable)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [n.strip() for n in listed.split(",")] if listed else [str(i) for i in range(count)]
+    return names[:count]
+
+
+def choose_gpus(args: argparse.Namespace, gpus: list[str]) -> list[str]:
+    """The GPUs to serve on: --gpus (indices into the visible ones), else all; --units takes the first N."""
+    chosen = gpus
+    if args.gpus:
+        try:
+            picks = [int(i) for i in args.gpus.split(",")]
+        except ValueError as exc:
+            raise UsageError(f"--gpus {args.gpus!r}: expected comma-separated indices, e.g. --gpus 0,1") from exc
+        if bad := [i for i in picks if not 0 <= i < len(gpus)]:
+            raise UsageError(f"--gpus {args.gpus}: no GPU {bad[0]} among the {len(gpus)} visible "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        if len(set(picks)) != len(picks):
+            raise UsageError(f"--gpus {args.gpus}: each GPU at most once (one unit per GPU)")
+        chosen = [gpus[i] for i in picks]
+    if args.units is not None:
+        if args.units > len(chosen):
+            raise UsageError(f"--units {args.units}: only {len(chosen)} GPU(s) to serve on, and a unit is one GPU")
+        chosen = chosen[: args.units]
+    return chosen
+
+
+def plan_serve(args: argparse.Namespace) -> ServePlan:
+    """Resolve and check everything that can be checked before any process starts."""
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ppd_max_append"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.units is not None and args.units < 1:
+        raise UsageError("--units must be at least 1")
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise UsageError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least --max-num-seqs "
+                         f"({args.max_num_seqs}): every running sequence decodes one token per step")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    path = str(demo_model_path()) if args.model == DEMO_MODEL else os.path.abspath(args.model)
+    try:
+        mcfg = check_model_folder(path, args.load_format)
+        dtype = resolve_dtype(args.dtype, mcfg)
+    except ModelError as exc:
+        raise UsageError(str(exc)) from exc
+    if args.max_model_len is not None and args.max_model_len > mcfg.max_position_embeddings:
+        raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's {mcfg.max_position_embeddings} positions")
+
+    gpus = visible_gpus()
+    device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
+    if device == "cuda" and not gpus:
+        raise UsageError("--device cuda: no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES), "
+                         "or serve on the CPU with --device cpu")
+    if args.attention_backend == "triton" and device == "cpu":
+        raise UsageError("--attention-backend triton runs on CUDA; on the CPU use --attention-backend torch (or auto)")
+    partition = args.partition if args.partition != "auto" else ("cpu" if device == "cpu" else "none")
+    with_prefill = args.policy != "aggregated"
+    # On the CPU the pool is sized here, as the engine will size it, so a bad size is refused before any process
+    # starts; on a GPU only the worker can measure what is left, and reports the size when ready.
+    max_model_len = args.max_model_len or mcfg.max_position_embeddings
+    num_blocks = args.num_kv_blocks
+    if device == "cpu":
+        try:
+            kv = plan_from_request(args.num_kv_blocks, args.kv_cache_memory, kv_block_nbytes(mcfg, args.block_size, dtype),
+                                   args.block_size, mcfg.max_position_embeddings, args.max_model_len)
+        except StartupError as exc:
+            raise UsageError(str(exc)) from exc
+        num_blocks, max_model_len = kv.num_blocks, kv.max_model_len
+        num_units = args.units or 1
+        unit_gpus: list[str | None] = [None] * num_units
+    else:
+        unit_gpus = list(choose_gpus(args, gpus))
+        num_units = len(unit_gpus)
+    shares = split_cores(available_cores(), num_units, with_prefill) if partition == "cpu" else [((), ())] * num_units
+    engine = EngineConfig(
+        model=path, dtype=args.dtype, load_format=args.load_format, device=device,
+        attention_backend=args.attention_backend, block_size=args.block_size, num_kv_blocks=num_blocks,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill)
+    ipc_dir = tempfile.mkdtemp(prefix="ppd-")
+    units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
+                        gpu=gpu, decode_cores=decode, prefill_cores=prefill, log_level=args.log_level)
+             for u, (gpu, (decode, prefill)) in enumerate(zip(unit_gpus, shares))]
+    name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
+    tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
+    return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition)
+
+
+def load_tokenizer(path: str | None):
+    """The tokenizer the API uses (None with --skip-tokenizer-init: prompts and answers are token ids)."""
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises many kinds for a folder without a usable tokenizer
+        raise UsageError(f"cannot load the tokenizer from {path}: {exc} (pass --tokenizer FOLDER with the model's "
+                         "tokenizer files, or --skip-tokenizer-init to serve token ids only)") from exc
+
+
+def serve(args: argparse.Namespace) -> None:
+    # Imported here so `ppd --help` and bad command lines answer fast.
+    from scheduler.policy import Policy
+    from scheduler.router import Router
+    from server.engine_client import EngineClient
+    from server.launcher import Launcher
+    from server.metrics import Metrics
+
+    plan = plan_serve(args)
+    capacity = plan.units[0].engine.num_kv_blocks or 0
+    router = Router(len(plan.units), args.block_size, Policy(args.policy, args.ppd_max_append), capacity)
+    client = EngineClient(plan.units, router, Metrics(plan.model_name))
+    launcher = Launcher(plan.units, client)
+    log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
+             plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
+             len(plan.units), plan.partition if plan.partition != "none" else "none (workers time-share the device)",
+             args.policy)
+    launcher.spawn_all()  # the workers load the model while this process loads the tokenizer and the web stack
+    import uvicorn
+
+    from server.api import ServedModel, build_app
+
+    try:
+        tokenizer = load_tokenizer(plan.tokenizer_path)
+    except UsageError:
+        launcher.shutdown()
+        shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+        raise
+    model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
+                        plan.mcfg.eos_token_ids)
+    client.on_ready = lambda: setattr(model, "max_model_len", client.max_model_len() or model.max_model_len)
+
+    fatal: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        client.start()
+        starting = asyncio.get_running_loop().create_task(launcher.start())
+
+        def started(task: asyncio.Task) -> None:
+            if task.cancelled():
+                return
+            if (exc := task.exception()) is not None:
+                fatal.append(str(exc))  # a unit cannot start: stop serving, then report it as the exit
+                server.should_exit = True
+                return
+            log.info("ready: %s on http://%s:%d (policy %s, %d unit(s), max_model_len %d)", plan.model_name, args.host,
+                     args.port, args.policy, len(plan.units), model.max_model_len)
+
+        starting.add_done_callback(started)
+        try:
+            yield
+        finally:
+            starting.cancel()
+            launcher.shutdown()
+            client.close()
+            shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # A signal to the whole process group reaches the workers too: they are not to be restarted.
+            launcher.stopping = True
+            super().handle_exit(sig, frame)
+
+    app = build_app(model, client, lambda: health(plan, client, launcher), lifespan)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=5))
+    server.run()
+    if fatal:
+        raise UsageError(fatal[0])
+
+
+def health(plan: ServePlan, client, launcher) -> list[dict]:
+    """Each unit's readiness, device and workers, for GET /health."""
+    units = []
+    for u, cfg in enumerate(plan.units):
+        state = client.state[u]
+        device: dict = {"kind": plan.device}
+        if cfg.gpu is not None:
+            device.update(index=cfg.gpu, name=state.device_name, memory_total_bytes=state.device_memory_total,
+                          memory_used_bytes=state.stats.device_memory_used if state.stats else None)
+        units.append({"unit": u, "ready": client.unit_ready(u), "device": device,
+                      "workers": [{"role": role, "pid": pid, "alive": alive}
+                                  for role, (pid, alive) in launcher.pids(u).items()]})
+    return units

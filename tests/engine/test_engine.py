@@ -1,0 +1,143 @@
+"""The engine object: a device's start-up (create, attach), and greedy output equal to transformers on every path
+the GPU adds (Triton kernels, CUDA graphs for decode, split-KV, padding rows)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.model_runner import StepInput
+from engine.sampling_params import SamplingParams
+from engine.shared_memory import release_name
+from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
+
+GREEDY = SamplingParams(temperature=0.0)
+NEW_TOKENS = 10
+
+
+def random_ids(n: int, seed: int, vocab_size: int = 320) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab_size) for _ in range(n)]
+
+
+class Conversation:
+    """One sequence driven through an engine: its tokens and its block table (blocks handed out from a shuffled list)."""
+
+    def __init__(self, engine: Engine, free: list[int], prompt: list[int]) -> None:
+        self.engine, self.free, self.tokens, self.cached, self.table = engine, free, list(prompt), 0, []
+
+    def next_input(self) -> StepInput:
+        end = len(self.tokens)
+        while len(self.table) * self.engine.plan.block_size < end + 1:
+            self.table.append(self.free.pop())
+        inp = StepInput(self.tokens[self.cached:end], self.cached, list(self.table))
+        self.cached = end
+        return inp
+
+
+def run_together(engine: Engine, convs: list[Conversation], steps: int) -> None:
+    """steps forward passes over all conversations at once; each appends its greedy token."""
+    for _ in range(steps):
+        inputs = [c.next_input() for c in convs]
+        tokens = engine.step(inputs, [GREEDY] * len(convs), [0] * len(convs))
+        for c, t in zip(convs, tokens):
+            c.tokens.append(t)
+
+
+def free_blocks(engine: Engine, seed: int = 0) -> list[int]:
+    free = list(range(engine.num_kv_blocks))
+    random.Random(seed).shuffle(free)  # tables are never contiguous
+    return free
+
+
+def names(tag: str) -> tuple[str, str]:
+    return f"ppd-test-{os.getpid()}-{tag}-weights", f"ppd-test-{os.getpid()}-{tag}-kv"
+
+
+def test_cpu_engine_and_an_attached_peer_share_memory_and_agree(tmp_path: Path) -> None:
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    owner = Engine.create(cfg, names("cpu"))
+    peer = Engine.attach(cfg, owner.weights_handle, owner.kv_handle, owner.num_kv_blocks, owner.max_model_len)
+    try:
+        assert owner.plan.num_blocks == 32 and peer.max_model_len == owner.max_model_len
+        prompt = random_ids(21, seed=1)
+        # The peer prefills (writing KV into the shared pool), the owner decodes on top of that KV.
+        conv = Conversation(owner, free_blocks(owner), prompt)
+        conv.tokens.append(peer.step([conv.next_input()], [GREEDY], [0])[0])
+        run_together(owner, [conv], NEW_TOKENS - 1)
+        assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
+    finally:
+        release_name(owner.weights_handle)
+        release_name(owner.kv_handle)
+
+
+# ---- on a GPU: the Triton backend and CUDA graphs against transformers (float32) --------------------------
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def cuda_engine(folder: Path, eager: bool, block_size: int = 16) -> Engine:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = EngineConfig(model=str(folder), dtype="float32", device="cuda", block_size=block_size,
+                       num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, enforce_eager=eager)
+    return Engine.create(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
+    engine = cuda_engine(tiny, eager)
+    assert engine.runner.backend.name == "triton"
+    assert (engine.runner.graphs is None) == eager
+    free = free_blocks(engine)
+    # Three conversations decode together: a batch of 3 replays the graph of 4 with one padding row.
+    prompts = [random_ids(n, seed=s) for n, s in ((23, 1), (40, 2), (7, 3))]
+    convs = [Conversation(engine, free, p) for p in prompts]
+    run_together(engine, convs, NEW_TOKENS)
+    for conv, prompt in zip(convs, prompts):
+        assert conv.tokens[len(prompt):] == hf_greedy(tiny, prompt, NEW_TOKENS)
+    # Turn 2 of the first conversation (an append-prefill over its cached KV) mixed with the others' decodes.
+    first = convs[0]
+    first.tokens += random_ids(19, seed=4)
+    turn2 = list(first.tokens)
+    run_together(engine, convs, NEW_TOKENS)
+    assert first.tokens[len(turn2):] == hf_greedy(tiny, turn2, NEW_TOKENS)
+    for conv, prompt in zip(convs[1:], prompts[1:]):
+        assert conv.tokens[len(prompt):] == hf_greedy(tiny, prompt, 2 * NEW_TOKENS)
+
+
+@pytest.mark.gpu
+def test_cuda_long_context_decode_with_split_kv_matches_hf(tmp_path: Path) -> None:
+    # Long enough that decode splits each sequence's KV across programs (the tiny model allows 256 positions).
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    engine = cuda_engine(folder, eager=True, block_size=4)
+    prompt = random_ids(200, seed=5)
+    conv = Conversation(engine, free_blocks(engine), prompt)
+    run_together(engine, [conv], NEW_TOKENS)
+    assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
+
+
+@pytest.mark.gpu
+def test_cuda_pool_is_sized_from_free_memory(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), dtype="float32", device="cuda", gpu_memory_utilization=0.2,
+                       max_num_seqs=8, max_num_batched_tokens=256)
+    engine = Engine.create(cfg)
+    free, total = torch.cuda.mem_get_info()
+    pool = engine.runner.kv_pool
+    pool_bytes = pool.numel() * pool.element_size()
+    # The pool took most of what 20% of the device allowed, and the device still has the rest.
+    assert 0.1 * total < pool_bytes < 0.2 * total and free > 0.7 * total
+    assert "GiB allowed" in engine.plan.summary

@@ -1,0 +1,49 @@
+"""Serving without the model folder's tokenizer: another folder's (--tokenizer), or none (--skip-tokenizer-init),
+as a configuration with dummy weights needs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.demo import demo_model_path
+from tests.server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def weights_only(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's config and weights without its tokenizer files."""
+    folder = tmp_path_factory.mktemp("weights-only")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (demo_model_path(cache_dir) / name).exists():
+            shutil.copy(demo_model_path(cache_dir) / name, folder / name)
+    return folder
+
+
+def test_skip_tokenizer_init_serves_token_ids(start_server, weights_only: Path) -> None:
+    server: ServerProcess = start_server("--model", str(weights_only), "--skip-tokenizer-init", "--served-model-name", "m")
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": "m", "prompt": [72, 101, 108, 108, 111], "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert len(choice["token_ids"]) == 5 and choice["text"] == ""  # ids are the answer
+    for path, body, param in (("chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
+                              ("completions", {"prompt": "hi"}, "prompt")):
+        resp = httpx.post(f"{server.url}/v1/{path}", timeout=30, json={"model": "m", "max_tokens": 2, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+        assert "--skip-tokenizer-init" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30, json={
+        "model": "m", "prompt": [72, 101], "max_tokens": 2, "stop": ["x"]})
+    assert resp.status_code == 400 and "stop_token_ids" in resp.json()["error"]["message"]
+
+
+def test_tokenizer_from_another_folder(start_server, weights_only: Path, cache_dir: Path) -> None:
+    server: ServerProcess = start_server("--model", str(weights_only), "--tokenizer", str(demo_model_path(cache_dir)),
+                                         "--served-model-name", "m")
+    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 4
