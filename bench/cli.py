@@ -79,9 +79,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     rates.add_argument("--qps", dest="qps_list", default=None, help="comma list of conversation arrival rates")
     rates.add_argument("--concurrency", dest="concurrency_list", default=None, help="comma list of closed-loop concurrencies")
     add_workload_args(compare)
+    from bench.engine import add_engine_args
+    add_engine_args(sub.add_parser("engine", help="the engine alone on one device, every figure beside its hardware floor"))
 
 
 def main(args: argparse.Namespace) -> None:
+    if getattr(args, "bench_command", None) == "engine":
+        from bench.engine import main as engine_main
+        engine_main(args)
+        return
     from bench.report import parse_goodput
 
     try:

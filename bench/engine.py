@@ -1,0 +1,371 @@
+"""`ppd bench engine`: the engine alone against the hardware's floors, on one device.
+
+In one run it measures the device's two ceilings (copy bandwidth, counting bytes
+read plus written; the matmul rate in the model's dtype), then times:
+- decode steps at several batch sizes and contexts, with CUDA graphs on and off,
+  and the host's share of a step (until the step is queued on the device);
+- full prefills at several prompt lengths (prompts batched to about 8K tokens);
+- append-prefills of new tokens over a long cached prefix.
+Each time sits beside its floor, max(bytes / bandwidth, FLOPs / matmul rate),
+and their ratio. Every figure is the median over repeated runs. Results go to
+bench/results/<device>/engine-<model>.{json,md}.
+
+On a GPU the default model is Llama-3.1-8B's configuration with random weights
+(bench/models/llama-3.1-8b); on the CPU the demo model, at small sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig, resolve_dtype
+from engine.demo import DEMO_MODEL, demo_model_path
+from engine.engine import Engine, EngineConfig, device_info
+from engine.model import kv_block_nbytes
+from engine.model_runner import StepInput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("ppd.bench")
+
+LLAMA_8B = Path(__file__).parent / "models" / "llama-3.1-8b"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class Grid:
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    prompts: tuple[int, ...]
+    appends: tuple[tuple[int, int], ...]  # (new tokens, cached tokens)
+    prefill_tokens: int  # prompts are batched up to about this many tokens per forward
+    repeat: int  # timed runs per point (the median is reported)
+
+
+GPU_GRID = Grid((1, 8, 32, 128, 256), (1024, 4096), (512, 2048, 8192), ((256, 4096), (256, 16384)), 8192, 20)
+CPU_GRID = Grid((1, 8, 32), (256, 1024), (128, 512, 2048), ((64, 512), (64, 2048)), 2048, 5)
+QUICK_GRID = Grid((1, 4), (64,), (64,), ((16, 128),), 128, 2)
+
+
+@dataclass
+class Ceilings:
+    copy_gbps: float  # bytes read + written per second / 1e9
+    matmul_tflops: float
+
+
+@dataclass
+class Point:
+    kind: str  # decode | prefill | append
+    label: dict
+    ms: float | None = None  # median wall time of the step
+    host_ms: float | None = None  # decode: median host time until the step was queued
+    floor_ms: float | None = None
+    floor_bound: str | None = None  # "memory" or "compute": which term sets the floor
+    tokens_per_s: float | None = None
+    skipped: str | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.ms is None or not self.floor_ms else self.ms / self.floor_ms
+
+
+@dataclass
+class Report:
+    device: str
+    model: str
+    dtype: str
+    ceilings: Ceilings
+    points: list[Point] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+
+# ---- the device's ceilings ---------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn, device: torch.device, repeat: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> Ceilings:
+    """Copy bandwidth (a large device-to-device copy, bytes read + written) and the matmul rate on random data."""
+    nbytes = (64 if quick else 256) * 2**20 if device.type == "cpu" else 2 * 2**30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), device, repeat=5 if quick else 20)
+    copy_gbps = 2 * nbytes / (ms / 1000) / 1e9
+    del src, dst
+    n = (256 if quick else 1024) if device.type == "cpu" else 8192
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    ms = _median_ms(lambda: a @ b, device, repeat=3 if quick else 10)
+    return Ceilings(copy_gbps=copy_gbps, matmul_tflops=2 * n**3 / (ms / 1000) / 1e12)
+
+
+# ---- floors ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    weight_bytes: int  # every weight read once per step
+    kv_bytes_per_token: int  # K and V of one token, all layers
+    matmul_params: int  # parameters in the per-token GEMMs (all layers' projections; not the embedding)
+    lm_head_params: int
+    attn_flops_per_pair: int  # FLOPs of one (query, key) pair across layers and heads: QK^T and PV
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> ModelCost:
+        h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * inter
+        lm_head = cfg.vocab_size * h
+        weight_bytes = (cfg.num_layers * per_layer + lm_head) * dtype.itemsize  # the embedding is gathered, not read
+        return cls(weight_bytes=weight_bytes, kv_bytes_per_token=kv_block_nbytes(cfg, block_size, dtype) // block_size,
+                   matmul_params=cfg.num_layers * per_layer, lm_head_params=lm_head,
+                   attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d)
+
+    def floor(self, ceil: Ceilings, new_tokens: int, kv_read_tokens: int, attn_pairs: int, sampled: int) -> tuple[float, str]:
+        """(milliseconds, "memory"|"compute") for a step: weights and the KV it reads, against its FLOPs."""
+        mem_ms = (self.weight_bytes + kv_read_tokens * self.kv_bytes_per_token) / (ceil.copy_gbps * 1e9) * 1000
+        flops = 2 * self.matmul_params * new_tokens + 2 * self.lm_head_params * sampled + self.attn_flops_per_pair * attn_pairs
+        compute_ms = flops / (ceil.matmul_tflops * 1e12) * 1000
+        return (mem_ms, "memory") if mem_ms >= compute_ms else (compute_ms, "compute")
+
+
+# ---- the timed steps ---------------------------------------------------------------------------------
+
+
+class Blocks:
+    """Hands out consecutive blocks of the pool to the benchmark's sequences."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks, self.block_size, self.next = num_blocks, block_size, 0
+
+    def fits(self, tokens_per_seq: int, num_seqs: int) -> bool:
+        return num_seqs * -(-tokens_per_seq // self.block_size) <= self.num_blocks
+
+    def table(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.block_size)
+        if self.next + n > self.num_blocks:
+            self.next = 0
+        table = list(range(self.next, self.next + n))
+        self.next += n
+        return table
+
+
+def _step(engine: Engine, inputs: list[StepInput]) -> float:
+    """Run one step with greedy sampling; returns the host time until the step was queued (ms)."""
+    start = time.perf_counter()
+    logits = engine.runner.forward(inputs)
+    queued = time.perf_counter()
+    engine.sampler(logits, [GREEDY] * len(logits), [0] * len(logits))  # its copy to the host waits for the step
+    return (queued - start) * 1000
+
+
+def time_decode(engine: Engine, cost: ModelCost, ceil: Ceilings, batch: int, context: int, graphs: bool,
+                repeat: int) -> Point:
+    label = {"batch": batch, "context": context, "graphs": graphs}
+    runner = engine.runner
+    blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
+    if context + 1 > engine.max_model_len or not blocks.fits(context + 1, batch):
+        need = batch * (context + 1) * cost.kv_bytes_per_token
+        return Point("decode", label, skipped=f"needs {need / 2**30:.1f} GiB of KV; the pool holds "
+                                              f"{engine.num_kv_blocks * engine.plan.block_size} tokens")
+    if graphs and runner.graphs is None:
+        return Point("decode", label, skipped="no CUDA graphs on this device/backend")
+    inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
+    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
+    try:
+        for _ in range(3):
+            _step(engine, inputs)
+        host, wall = [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            host.append(_step(engine, inputs))
+            wall.append((time.perf_counter() - start) * 1000)
+    finally:
+        runner.graphs = saved
+    ms = statistics.median(wall)
+    floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch)
+    return Point("decode", label, ms=ms, host_ms=statistics.median(host), floor_ms=floor, floor_bound=bound,
+                 tokens_per_s=batch / (ms / 1000))
+
+
+def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, total: int, repeat: int) -> Point:
+    num = max(1, total // prompt)
+    label = {"prompt": prompt, "prompts_per_step": num}
+    blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
+    if prompt > engine.max_model_len or not blocks.fits(prompt, num):
+        return Point("prefill", label, skipped=f"{num} x {prompt} tokens do not fit the pool or max_model_len")
+    inputs = [StepInput([1] * prompt, 0, blocks.table(prompt)) for _ in range(num)]
+    ms = _median_ms(lambda: _step(engine, inputs), engine.device, repeat, warmup=2)
+    floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num)
+    return Point("prefill", label, ms=ms, floor_ms=floor, floor_bound=bound, tokens_per_s=num * prompt / (ms / 1000))
+
+
+def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cached: int, repeat: int) -> Point:
+    label = {"new": new, "cached": cached}
+    blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
+    if new + cached > engine.max_model_len or not blocks.fits(new + cached, 1):
+        return Point("append", label, skipped=f"{new + cached} tokens do not fit the pool or max_model_len")
+    inputs = [StepInput([1] * new, cached, blocks.table(new + cached))]
+    ms = _median_ms(lambda: _step(engine, inputs), engine.device, repeat, warmup=2)
+    pairs = new * cached + new * (new + 1) // 2
+    floor, bound = cost.floor(ceil, new, cached, pairs, 1)
+    return Point("append", label, ms=ms, floor_ms=floor, floor_bound=bound, tokens_per_s=new / (ms / 1000))
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def device_slug(device: torch.device) -> str:
+    if device.type == "cuda":
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return f"cpu-{len(os.sched_getaffinity(0))}core"
+
+
+def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick: bool = False,
+        attention_backend: str = "auto") -> Report:
+    folder = str(demo_model_path()) if model == DEMO_MODEL else model
+    mcfg = ModelConfig.from_folder(folder)
+    torch_dtype = resolve_dtype(dtype, mcfg)
+    max_batch = max(grid.batches)
+    longest = max([c + 1 for c in grid.contexts] + list(grid.prompts) + [n + c for n, c in grid.appends])
+    block_size = 16
+    needed_blocks = max([b * -(-(c + 1) // block_size) for b in grid.batches for c in grid.contexts]
+                        + [max(1, grid.prefill_tokens // p) * -(-p // block_size) for p in grid.prompts]
+                        + [-(-(n + c) // block_size) for n, c in grid.appends])
+    cfg = EngineConfig(
+        model=folder, dtype=dtype, load_format="dummy", device=device.type, attention_backend=attention_backend,
+        block_size=block_size, max_model_len=min(longest, mcfg.max_position_embeddings), max_num_seqs=max_batch,
+        max_num_batched_tokens=max(grid.prefill_tokens, max_batch, max(n for n, _ in grid.appends)),
+        # On the CPU the pool is exactly what the grid needs; a GPU's is planned from its free memory.
+        num_kv_blocks=needed_blocks if device.type == "cpu" else None, shares_device=False)
+    ceil = measure_ceilings(device, torch_dtype, quick)
+    log.info("ceilings: copy %.0f GB/s, matmul %.1f TFLOP/s", ceil.copy_gbps, ceil.matmul_tflops)
+    engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"))
+    try:
+        if device.type == "cuda":
+            _fill_random(engine)
+        cost = ModelCost.of(mcfg, torch_dtype, block_size)
+        report = Report(device_info(device).name, os.path.basename(folder.rstrip("/")), str(torch_dtype).split(".")[-1],
+                        ceil, meta=_meta(engine, cfg))
+        for graphs in ([True, False] if engine.runner.graphs is not None else [False]):
+            for context in grid.contexts:
+                for batch in grid.batches:
+                    report.points.append(time_decode(engine, cost, ceil, batch, context, graphs, grid.repeat))
+        for prompt in grid.prompts:
+            report.points.append(time_prefill(engine, cost, ceil, prompt, grid.prefill_tokens, max(3, grid.repeat // 4)))
+        for new, cached in grid.appends:
+            report.points.append(time_append(engine, cost, ceil, new, cached, max(3, grid.repeat // 2)))
+        return report
+    finally:
+        _release(engine)
+
+
+def _fill_random(engine: Engine) -> None:
+    """Random KV (never time on zeros: they can hide unwritten outputs and run faster than data)."""
+    for chunk in engine.runner.kv_pool.view(-1).split(2**28):
+        chunk.normal_(0.0, 1.0)
+
+
+def _release(engine: Engine) -> None:
+    from engine.shared_memory import release_name
+
+    release_name(engine.weights_handle)
+    release_name(engine.kv_handle)
+
+
+def _meta(engine: Engine, cfg: EngineConfig) -> dict:
+    meta = {"torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count(),
+            "attention_backend": engine.runner.backend.name, "kv_blocks": engine.num_kv_blocks,
+            "block_size": cfg.block_size, "kv_plan": engine.plan.summary, "threads": torch.get_num_threads()}
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta
+
+
+# ---- output ------------------------------------------------------------------------------------------
+
+
+def to_json(report: Report) -> dict:
+    data = asdict(report)
+    for point, raw in zip(report.points, data["points"]):
+        raw["ratio"] = point.ratio
+    return data
+
+
+def markdown(report: Report) -> str:
+    c = report.ceilings
+    lines = [f"# Engine benchmark: {report.model} ({report.dtype}) on {report.device}", "",
+             f"Ceilings measured in the same run: copy {c.copy_gbps:.0f} GB/s (read + write), "
+             f"matmul {c.matmul_tflops:.1f} TFLOP/s. Floor = max(bytes / bandwidth, FLOPs / matmul rate); "
+             "every time is the median of repeated runs.", "",
+             "| step | shape | time ms | host ms | floor ms (bound) | time / floor | tokens/s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for p in report.points:
+        shape = ", ".join(f"{k} {v}" for k, v in p.label.items())
+        if p.skipped:
+            lines.append(f"| {p.kind} | {shape} | skipped: {p.skipped} | | | | |")
+            continue
+        host = f"{p.host_ms:.3f}" if p.host_ms is not None else ""
+        lines.append(f"| {p.kind} | {shape} | {p.ms:.3f} | {host} | {p.floor_ms:.3f} ({p.floor_bound}) | "
+                     f"{p.ratio:.2f} | {p.tokens_per_s:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(report: Report, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"engine-{report.model}"
+    json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
+    json_path.write_text(json.dumps(to_json(report), indent=2) + "\n")
+    md_path.write_text(markdown(report))
+    return json_path, md_path
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {LLAMA_8B} with random weights on a GPU, the demo model on the CPU)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
+    p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; what the tests run)")
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    model = args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)
+    grid = QUICK_GRID if args.quick else (GPU_GRID if device.type == "cuda" else CPU_GRID)
+    report = run(model, device, grid, args.dtype, args.quick, args.attention_backend)
+    out = Path(args.out or Path("bench") / "results" / device_slug(device))
+    json_path, md_path = write(report, out)
+    print(markdown(report))
+    print(f"written to {json_path} and {md_path}")
