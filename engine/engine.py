@@ -90,6 +90,7 @@ class Engine:
                 measured = _measure(runner, cfg, arena.numel(), scratch.numel() * scratch.element_size())
                 plan = plan_from_measurement(measured, cfg.gpu_memory_utilization, block_bytes, cfg.block_size,
                                              mcfg.max_position_embeddings, cfg.max_model_len, device_info(device).name)
+                _warm_up_kernels(runner)
             else:
                 _warm_up(runner, cfg)
                 plan = plan_from_request(cfg.num_kv_blocks, cfg.kv_cache_memory, block_bytes, cfg.block_size,
@@ -202,6 +203,23 @@ def _warm_up(runner: ModelRunner, cfg: EngineConfig) -> None:
     """Run the shapes a worker will see once, so kernels compile now rather than on the first request."""
     _largest_step(runner, cfg)
     _largest_decode(runner, cfg)
+    _warm_up_kernels(runner)
+
+
+def _warm_up_kernels(runner: ModelRunner) -> None:
+    """Compile each attention variant a request can select: every prefill tile height, every decode split count
+    (tile heights and split counts are compile-time constants of the kernel)."""
+    cfg = runner.model.cfg
+    group = cfg.num_heads // cfg.num_kv_heads
+    capacity = min(runner.kv_pool.shape[2] * runner.block_size, runner.max_model_len)
+    bs = runner.block_size
+    lengths = {max(2, rows // group) for rows in (16, 32, 64, 128)} | {128 // group + 1}
+    for n in sorted(lengths):
+        if n <= capacity:
+            runner.forward([StepInput([1] * n, 0, list(range(-(-n // bs))))])
+    for context in (256, 512, 1024, 2048, 4096, 8192):
+        if context + 1 <= capacity:
+            runner.forward([StepInput([1], context, list(range(-(-(context + 1) // bs))))])
     torch.cuda.synchronize()
 
 

@@ -98,7 +98,9 @@ def _attend_tiles(acc, l_i, m_i, q, q_abs, k_cache_ptr, v_cache_ptr, table_ptr, 
     return acc, l_i, m_i
 
 
-@triton.jit
+# A batch's size and its block-table width change every step: specializing on them (== 1, divisible by 16) would
+# compile new variants on the request path for no gain.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
     part_out_ptr, part_lse_ptr,

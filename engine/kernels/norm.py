@@ -16,7 +16,7 @@ from torch import Tensor
 ROW_BLOCK_ELEMENTS = 2048  # elements one program normalises: several short rows (per-head q/k norm) or one long one
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the token count changes every step: one compiled variant
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
     n_rows, heads, stride_x0, stride_x1, stride_r0, eps,

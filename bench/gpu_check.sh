@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Validate a GPU host for ppd-serve, writing every raw output and log into OUTDIR.
+#
+#   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine compare kernels (default: the first four)
+#
+#   probe    ppd probe: GPUs, CUDA IPC, MPS, kernel overlap, green contexts        -> probe.json, probe.log
+#   tests    the gpu-marked tests, then the kernel tests (their small cases run on CUDA too) -> tests.log
+#   engine   ppd bench engine on Llama-3.1-8B's config with random weights          -> engine-*.{json,md}, engine.log
+#   compare  a short ppd bench compare of pd, dlocal and aggregated on the same model -> compare/, compare.log
+#   kernels  python -m bench.kernels: each kernel's configs at real sizes (slow)     -> kernels/, kernels.log
+#
+# Run it from the repository root. Python packages the host lacks can come as wheels in .whl/
+# (../shared/device/wheels.sh openai distro jiter): they are installed into /tmp/site first.
+# Each step's exit status is in OUTDIR/status.txt; the script's own status is that of the last step.
+set -uo pipefail
+
+if [ $# -lt 1 ]; then
+  sed -n '2,15p' "$0" >&2
+  exit 2
+fi
+out=$(mkdir -p "$1" && cd "$1" && pwd)
+shift
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(probe tests engine compare)
+cd "$(dirname "$0")/.."
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "error: installing .whl/ failed" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+ppd=(python3 -m server.cli)
+
+{
+  date -u
+  git rev-parse HEAD 2>/dev/null
+  nvidia-smi 2>&1
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)'
+} >"$out/host.txt" 2>&1
+
+run_step() {
+  local name=$1
+  shift
+  echo "== $name: $*" | tee -a "$out/status.txt"
+  local started=$SECONDS
+  "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - started)) s" | tee -a "$out/status.txt"
+  return "$rc"
+}
+
+rc=0
+for step in "${steps[@]}"; do
+  case $step in
+    probe)
+      run_step probe "${ppd[@]}" probe --out "$out/probe.json"; rc=$? ;;
+    tests)
+      run_step tests bash -c "python3 -m pytest -q -rs -m gpu tests; r1=\$?; \
+python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : r2 ))"; rc=$? ;;
+    engine)
+      run_step engine "${ppd[@]}" bench engine --out "$out"; rc=$? ;;
+    compare)
+      run_step compare "${ppd[@]}" bench compare --policies pd,dlocal,aggregated \
+        --serve-args "--model bench/models/llama-3.1-8b --load-format dummy --skip-tokenizer-init" \
+        --api completions --workload synthetic --profile balanced --turn1 short --turns 3 \
+        --qps 2 --duration 40 --timeout 120 --repeat 1 --goodput ttft:500 tpot:50 --no-progress \
+        --out "$out/compare"; rc=$? ;;
+    kernels)
+      run_step kernels python3 -m bench.kernels --out "$out/kernels"; rc=$? ;;
+    *)
+      echo "unknown step $step (probe tests engine compare kernels)" >&2; rc=2 ;;
+  esac
+done
+exit "$rc"
