@@ -250,7 +250,7 @@ def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick
         attention_backend: str = "auto") -> Report:
     folder = str(demo_model_path()) if model == DEMO_MODEL else model
     mcfg = ModelConfig.from_folder(folder)
-    torch_dtype = resolve_dtype(dtype, mcfg)
+    torch_dtype = resolve_dtype(dtype, mcfg, device.type)
     max_batch = max(grid.batches)
     longest = max([c + 1 for c in grid.contexts] + list(grid.prompts) + [n + c for n, c in grid.appends])
     block_size = 16

@@ -96,10 +96,11 @@ class ModelConfig:
         )
 
 
-def resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
-    """'auto' -> the checkpoint's dtype; 'float32'|'bfloat16'|'float16' -> that; else ModelError."""
+def resolve_dtype(name: str, cfg: ModelConfig, device: str = "cpu") -> torch.dtype:
+    """'auto' -> the checkpoint's dtype, except that a float32 checkpoint runs in bfloat16 on a GPU (as vLLM's auto
+    does; pass --dtype float32 to keep it); 'float32'|'bfloat16'|'float16' -> that; else ModelError."""
     if name == "auto":
-        return cfg.dtype
+        return torch.bfloat16 if device.startswith("cuda") and cfg.dtype == torch.float32 else cfg.dtype
     if name not in DTYPES:
         raise ModelError(f"unknown dtype {name!r}; use one of: auto, {', '.join(DTYPES)}")
     return DTYPES[name]

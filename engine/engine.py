@@ -72,7 +72,7 @@ class Engine:
         started = time.monotonic()
         device = torch.device(cfg.device)
         mcfg = ModelConfig.from_folder(cfg.model)
-        dtype = resolve_dtype(cfg.dtype, mcfg)
+        dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
         model = build_model(mcfg, dtype)
         arena, weights_handle = create_shared(names[0], (arena_nbytes(model),), torch.uint8, device)
         bind_arena(model, arena)
@@ -121,7 +121,7 @@ class Engine:
         max_model_len); warm up on a private scratch pool."""
         device = torch.device(cfg.device)
         mcfg = ModelConfig.from_folder(cfg.model)
-        dtype = resolve_dtype(cfg.dtype, mcfg)
+        dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
         block_bytes = kv_block_nbytes(mcfg, cfg.block_size, dtype)
         plan = KVPlan(num_kv_blocks, block_bytes, cfg.block_size, max_model_len,
                       f"KV cache: {num_kv_blocks} blocks mapped from the decode worker")

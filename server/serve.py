@@ -85,7 +85,6 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     path = str(demo_model_path()) if args.model == DEMO_MODEL else os.path.abspath(args.model)
     try:
         mcfg = check_model_folder(path, args.load_format)
-        dtype = resolve_dtype(args.dtype, mcfg)
     except ModelError as exc:
         raise UsageError(str(exc)) from exc
     if args.max_model_len is not None and args.max_model_len > mcfg.max_position_embeddings:
@@ -106,6 +105,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     num_blocks = args.num_kv_blocks
     if device == "cpu":
         try:
+            dtype = resolve_dtype(args.dtype, mcfg, device)
             kv = plan_from_request(args.num_kv_blocks, args.kv_cache_memory, kv_block_nbytes(mcfg, args.block_size, dtype),
                                    args.block_size, mcfg.max_position_embeddings, args.max_model_len)
         except StartupError as exc:

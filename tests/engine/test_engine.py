@@ -118,12 +118,15 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
 
 @pytest.mark.gpu
 def test_cuda_long_context_decode_with_split_kv_matches_hf(tmp_path: Path) -> None:
-    # Long enough that decode splits each sequence's KV across programs (the tiny model allows 256 positions).
-    folder = write_tiny_model(tmp_path / "llama", "llama")
+    # Long enough that an eager decode step splits the sequence's KV across programs.
+    folder = write_tiny_model(tmp_path / "llama", "llama", max_position_embeddings=1024)
     engine = cuda_engine(folder, eager=True, block_size=4)
-    prompt = random_ids(200, seed=5)
+    prompt = random_ids(600, seed=5)
     conv = Conversation(engine, free_blocks(engine), prompt)
-    run_together(engine, [conv], NEW_TOKENS)
+    run_together(engine, [conv], 1)
+    decode = engine.runner.make_batch([StepInput([1], len(prompt), conv.table)])
+    assert engine.runner.backend.prepare(decode).num_splits > 1
+    run_together(engine, [conv], NEW_TOKENS - 1)
     assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
 
 

@@ -94,6 +94,8 @@ def test_shape_mismatch_is_reported(llama_copy: Path) -> None:
 def test_dtype_names(llama_folder: Path) -> None:
     cfg = ModelConfig.from_folder(llama_folder)
     assert resolve_dtype("auto", cfg) == torch.float32
+    assert resolve_dtype("auto", cfg, "cuda") == torch.bfloat16  # a float32 checkpoint runs in bf16 on a GPU
+    assert resolve_dtype("float32", cfg, "cuda") == torch.float32
     assert resolve_dtype("bfloat16", cfg) == torch.bfloat16
     with pytest.raises(ModelError, match="unknown dtype 'float64'"):
         resolve_dtype("float64", cfg)
