@@ -183,7 +183,8 @@ class DecodeScheduler:
         return WorkerStats(num_running=len(self.running) + len(self.prefilling) + len(self.remote),
                            num_waiting=len(self.waiting), kv_usage=self.blocks.usage,
                            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-                           num_preemptions=self.num_preemptions)
+                           num_preemptions=self.num_preemptions,
+                           prefill_queue_tokens=sum(len(s.token_ids) - s.num_computed for s in self.remote.values()))
 
     # ---- internals ---------------------------------------------------------------------------------
 

@@ -16,14 +16,31 @@ import zmq
 
 from engine.block_manager import BlockManager
 from engine.engine import Engine, device_info
+from engine.model_runner import StepInput
 from engine.shared_memory import release_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
                                 RequestOutput, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
-from scheduler.worker_setup import init_worker_process, recv_nowait, run_or_report, zmq_socket
+from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 STATS_INTERVAL_S = 0.25
+
+
+class StepTimes:
+    """Recent step times, split into what a decode step costs and what an inline prefill token adds to one."""
+
+    def __init__(self) -> None:
+        self.decode_step_ms = 0.0
+        self.inline_tokens_per_s = 0.0
+
+    def record(self, inputs: list[StepInput], seconds: float) -> None:
+        prefill_tokens = sum(len(i.token_ids) for i in inputs if len(i.token_ids) > 1 or not i.sample)
+        ms = 1000.0 * seconds
+        if prefill_tokens == 0:
+            self.decode_step_ms = ema(self.decode_step_ms, ms)
+        elif 0.0 < self.decode_step_ms < ms:
+            self.inline_tokens_per_s = ema(self.inline_tokens_per_s, prefill_tokens / ((ms - self.decode_step_ms) / 1000))
 
 
 class DecodeWorker:
@@ -49,6 +66,7 @@ class DecodeWorker:
             self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
                                                  plan.num_blocks, plan.max_model_len)))
         self.pending: list[RequestOutput] = []
+        self.times = StepTimes()
         self.last_stats = self.memory_read = 0.0
         self.memory_used = 0
         info = device_info(self.engine.device)
@@ -63,7 +81,9 @@ class DecodeWorker:
                 self.jobs.send(self.encode(job))
             if step.inputs:
                 seqs = step.sampling_seqs
+                started = time.perf_counter()
                 tokens = self.engine.step(step.inputs, [s.sampling for s in seqs], [s.num_output for s in seqs])
+                self.times.record(step.inputs, time.perf_counter() - started)
                 self.pending += self.scheduler.postprocess(step, tokens)
             self.send()
 
@@ -95,6 +115,7 @@ class DecodeWorker:
             return
         self.last_stats = now
         stats = self.scheduler.stats()
+        stats.decode_step_ms, stats.inline_tokens_per_s = self.times.decode_step_ms, self.times.inline_tokens_per_s
         if self.engine.device.type == "cuda":
             if now - self.memory_read >= STATS_INTERVAL_S:  # a driver call: not on every step
                 free, total = torch.cuda.mem_get_info()

@@ -103,6 +103,15 @@ class WorkerStats(msgspec.Struct):
     prefix_hits: int
     num_preemptions: int
     device_memory_used: int = 0  # bytes in use on the unit's GPU, by every process (0 on the CPU)
+    prefill_queue_tokens: int = 0  # uncached prompt tokens handed to the prefill worker and not yet done
+    decode_step_ms: float = 0.0  # moving average of decode-only steps (0 until one ran)
+    inline_tokens_per_s: float = 0.0  # moving average speed of inline prefill tokens (0 until measured)
+
+
+class PrefillStats(msgspec.Struct):
+    """The prefill worker's measured speed (moving average over its forward passes)."""
+
+    tokens_per_s: float
 
 
 class WorkerReady(msgspec.Struct):
@@ -124,6 +133,7 @@ class WorkerOutput(msgspec.Struct, tag=True):
     stats: WorkerStats | None = None
     ready: WorkerReady | None = None
     fatal: str | None = None  # the worker cannot start (e.g. the model does not fit): the server stops with this
+    prefill_stats: PrefillStats | None = None
 
 
 ToDecode = GenerateRequest | AbortRequest

@@ -1,9 +1,25 @@
 """Where a request's prefill runs: the prefill worker, or inline in the decode worker.
 
-A prompt with no cached prefix (turn 1, or a miss) always goes to the prefill
-worker; only an append-prefill over a cached prefix has a choice. `ppd` here is
-the simple first rule (short appends stay on the decode worker); the profiled
-PPD tables replace it later.
+A prompt with no cached prefix (turn 1, or a miss) always goes to the prefill worker; only an append-prefill
+over a cached prefix has a choice. Static policies: `pd` (always the prefill worker), `dlocal` (always the
+decode worker), `aggregated` (one worker does everything). `ppd` decides per request:
+
+1. With a profiled table (scheduler/policy_table.py), the request's cell gives each route's expected turn-2+
+   TTFT and TPOT at this load. The prefill route's TTFT is corrected by the live state: the prefill worker's
+   queue delay now (queued uncached tokens over its measured rate) against its mean queue delay when the cell
+   was profiled. The decode route's TPOT is the table's measured slowdown at this load.
+2. Without a table (none for this device and model), a cost model stands in, from live rates only:
+     TTFT(prefill) = queue delay + new / prefill rate   (the prefill worker samples the first token itself)
+     TTFT(decode)  = 1.5 decode steps + new / inline rate   (the rest of the step under way, then the step
+                                                             that carries the append)
+     TPOT(prefill) = decode step;  TPOT(decode) = decode step + (new / inline rate) / output tokens
+   i.e. an inline append delays one step of every running sequence, spread over this request's output length.
+3. Route to decode when w_ttft * (TTFT(prefill) - TTFT(decode)) > w_tpot * (TPOT(decode) - TPOT(prefill)).
+4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the prefill route
+   meets --ttft-slo-ms; never send to the prefill worker a request that would miss --ttft-slo-ms there while
+   the decode route meets both.
+Observed TTFT and TPOT of each routed append update its cell's estimates (a bounded moving average: one
+observation moves an estimate by at most OBSERVATION_WEIGHT of itself, so one outlier cannot flip a cell).
 """
 
 from __future__ import annotations
@@ -11,22 +27,127 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.messages import Route
+from scheduler.policy_table import ROUTES, PolicyTable
 
-DEFAULT_PPD_MAX_APPEND = 256
+OBSERVATION_WEIGHT = 0.02  # the most one observation moves a cell's estimate, as a fraction of it
+DEFAULT_W_TTFT = 1.0
+DEFAULT_W_TPOT = 10.0  # a millisecond of TPOT, paid on every output token, weighs as ten of TTFT
 
 
 @dataclass(frozen=True)
+class Objective:
+    """What the operator values: w_ttft * TTFT + w_tpot * TPOT (milliseconds), and optional hard SLOs."""
+
+    w_ttft: float = DEFAULT_W_TTFT
+    w_tpot: float = DEFAULT_W_TPOT
+    ttft_slo_ms: float | None = None
+    itl_slo_ms: float | None = None
+
+
+@dataclass
+class UnitLive:
+    """A unit's live state as its workers last reported it (rates are 0 until measured)."""
+
+    prefill_queue_tokens: int = 0      # uncached tokens waiting on or running in the prefill worker
+    prefill_tokens_per_s: float = 0.0  # the prefill worker's measured speed
+    decode_step_ms: float = 0.0        # the decode worker's recent decode-only step time
+    inline_tokens_per_s: float = 0.0   # the decode worker's speed on inline prefill tokens
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: Route
+    reason: str                                 # miss | static | table | queue | model | itl_slo | ttft_slo | client
+    cell: tuple[int, int, int] | None = None    # the table cell (for the online update)
+    queue_correction_ms: float = 0.0            # added to the table's prefill TTFT by the live state
+
+
 class Policy:
-    """name is one of scheduler.config.POLICIES; ppd_max_append is ppd's threshold in uncached tokens."""
+    """A static policy: `pd`, `dlocal` or `aggregated`."""
 
-    name: str
-    ppd_max_append: int = DEFAULT_PPD_MAX_APPEND
+    def __init__(self, name: str) -> None:
+        self.name = name
 
-    def route(self, num_cached: int, num_new: int) -> Route:
+    def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
+        """Where the prefill of a request with `cached` tokens cached, `new` to compute and `output` to generate
+        runs, with `load` requests in flight on its unit (this one included)."""
         if self.name == "aggregated":
-            return "decode"
-        if num_cached == 0 or self.name == "pd":
-            return "prefill"
-        if self.name == "dlocal":
-            return "decode"
-        return "decode" if num_new <= self.ppd_max_append else "prefill"
+            return Decision("decode", "static")
+        if cached == 0:
+            return Decision("prefill", "miss")
+        return Decision("decode" if self.name == "dlocal" else "prefill", "static")
+
+    def observe(self, decision: Decision, ttft_ms: float, tpot_ms: float | None) -> None:
+        """A routed request finished: its first-token latency and time per output token (None for one token)."""
+
+
+class PPDPolicy(Policy):
+    """Per-request routing from a profiled table (or a cost model), the live state and the operator's weights."""
+
+    def __init__(self, table: PolicyTable | None, objective: Objective) -> None:
+        super().__init__("ppd")
+        self.objective = objective
+        self.table: PolicyTable | None = None
+        self.estimates: dict[tuple[int, int, int], dict[str, list[float]]] = {}
+        if table is not None:
+            self.use_table(table)
+
+    def use_table(self, table: PolicyTable) -> None:
+        self.table = table.with_weights(self.objective.w_ttft, self.objective.w_tpot)
+        # Working copies of each measured (TTFT, TPOT) median, which observations move.
+        self.estimates = {key: {r: [s.ttft_p50_ms, s.tpot_p50_ms] for r, s in cell.routes.items()}
+                          for key, cell in table.cells.items() if all(r in cell.routes for r in ROUTES)}
+
+    def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
+        if cached == 0:
+            return Decision("prefill", "miss")
+        obj, step = self.objective, live.decode_step_ms
+        rate = live.prefill_tokens_per_s
+        queue_ms = 1000.0 * live.prefill_queue_tokens / rate if rate > 0 else 0.0
+        inline_rate = live.inline_tokens_per_s or rate
+        inline_ms = 1000.0 * new / inline_rate if inline_rate > 0 else 0.0
+        key = self.table.key(cached, new, output, load) if self.table is not None else None
+        est = self.estimates.get(key) if key is not None else None
+        correction = 0.0
+        if est is not None:
+            correction = queue_ms - self.table.cells[key].routes["prefill"].queue_delay_ms if rate > 0 else 0.0
+            ttft_p, tpot_p = est["prefill"][0] + correction, est["prefill"][1]
+            ttft_d, tpot_d = est["decode"]
+            reason = "table"
+        else:
+            own_ms = 1000.0 * new / rate if rate > 0 else inline_ms
+            ttft_p, ttft_d = queue_ms + own_ms, 1.5 * step + inline_ms
+            tpot_p, tpot_d = step, step + inline_ms / max(output, 1)
+            reason, key = "model", None
+        tpot_cost = obj.w_tpot * (tpot_d - tpot_p)
+        decode = obj.w_ttft * (ttft_p - ttft_d) > tpot_cost
+        if correction and decode != (obj.w_ttft * (ttft_p - correction - ttft_d) > tpot_cost):
+            reason = "queue"  # the live queue overturned what the cell's estimates alone would choose
+        if obj.itl_slo_ms is not None and decode and step + inline_ms > obj.itl_slo_ms and not (
+                obj.ttft_slo_ms is not None and ttft_p > obj.ttft_slo_ms):
+            decode, reason = False, "itl_slo"
+        elif obj.ttft_slo_ms is not None and not decode and ttft_p > obj.ttft_slo_ms >= ttft_d and not (
+                obj.itl_slo_ms is not None and step + inline_ms > obj.itl_slo_ms):
+            decode, reason = True, "ttft_slo"
+        return Decision("decode" if decode else "prefill", reason, key, correction)
+
+    def observe(self, decision: Decision, ttft_ms: float, tpot_ms: float | None) -> None:
+        est = self.estimates.get(decision.cell) if decision.cell is not None else None
+        if est is None:
+            return
+        route = est[decision.route]
+        # The estimate is the cell's typical latency: remove what the live queue added at decision time.
+        route[0] = _blend(route[0], ttft_ms - (decision.queue_correction_ms if decision.route == "prefill" else 0.0))
+        if tpot_ms is not None:
+            route[1] = _blend(route[1], tpot_ms)
+
+
+def _blend(old: float, observed: float) -> float:
+    """Move old towards observed by at most OBSERVATION_WEIGHT of old."""
+    bound = OBSERVATION_WEIGHT * max(old, 1e-3)
+    return old + max(-bound, min(bound, OBSERVATION_WEIGHT * (observed - old)))
+
+
+def make_policy(name: str, table: PolicyTable | None = None, objective: Objective | None = None) -> Policy:
+    """The policy called name (one of scheduler.config.POLICIES)."""
+    return PPDPolicy(table, objective or Objective()) if name == "ppd" else Policy(name)

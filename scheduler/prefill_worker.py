@@ -10,6 +10,7 @@ max_num_batched_tokens tokens; a long prompt is split into chunks.
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,9 +21,9 @@ import zmq
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
 from scheduler.config import UnitConfig
-from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, RequestOutput, ToPrefill, UnitSetup,
-                                WorkerOutput, WorkerReady)
-from scheduler.worker_setup import init_worker_process, recv_nowait, run_or_report, zmq_socket
+from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
+                                ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
+from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 
 @dataclass
@@ -42,6 +43,7 @@ class PrefillWorker:
         assert isinstance(setup, UnitSetup), f"expected UnitSetup first, got {type(setup).__name__}"
         self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
         self.queue: deque[ActiveJob] = deque()
+        self.tokens_per_s = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
         info = device_info(self.engine.device)
         self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), info.name,
@@ -54,9 +56,12 @@ class PrefillWorker:
                 continue  # an abort for a job that had already finished
             inputs, active = self.pack()
             done = [a for a, i in zip(active, inputs) if i.sample]
+            started = time.perf_counter()
             # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
             # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
             tokens = self.engine.step(inputs, [a.job.sampling for a in done], [a.job.output_index for a in done])
+            seconds = time.perf_counter() - started
+            self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
             self.finish(done, tokens)
 
     def receive(self, block: bool) -> None:
@@ -92,12 +97,11 @@ class PrefillWorker:
         return inputs, active
 
     def finish(self, done: list[ActiveJob], tokens: list[int]) -> None:
-        """First tokens to the API server, then the notifications that hand the blocks back to the decode worker."""
-        if not done:
-            return
+        """First tokens to the API server (with the measured speed, which the router reads), then the notifications
+        that hand the blocks back to the decode worker."""
         outputs = [RequestOutput(a.job.request_id, a.job.output_index, [t], route="prefill", num_cached_tokens=a.job.num_cached)
                    for a, t in zip(done, tokens)]
-        self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs)))
+        self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s))))
         for a, t in zip(done, tokens):
             self.queue.remove(a)
             self.notify.send(self.encode(PrefillDone(a.job.request_id, t)))

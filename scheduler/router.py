@@ -1,50 +1,83 @@
 """Picks the unit for each request and the route for its prefill.
 
-A conversation's later turns go to the unit that holds its prefix. The router
-keeps, per unit, an LRU index of the chained block hashes it sent there (prompts
-when sent, prompt + answer when finished); the longest match wins, ties and
-misses go to the least-loaded unit (then the one given fewest requests). The index is only a guess (the unit may
-have evicted the blocks): the unit's own prefix cache decides, by tokens, what
-is really reused, so an edited history gets a correct answer, only a slower one.
+A conversation's later turns go to the unit that holds its prefix. With a session id (the `x-session-id`
+header) a conversation stays on the unit it was placed on, until the session has been idle for session_ttl_s
+or the unit restarts. Otherwise the router keeps, per unit, an LRU index of the chained block hashes it sent
+there (prompts when sent, prompt + answer when finished); the longest match wins, ties and misses go to the
+least-loaded unit (then the one given fewest requests). Both are only guesses (the unit may have evicted the
+blocks): the unit's own prefix cache decides, by tokens, what is really reused, so an edited history or a lost
+prefix gets a correct answer, only a slower one. The route then comes from the policy (scheduler/policy.py),
+which reads each unit's live state as its workers last reported it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.prefix_hash import block_hashes
 from scheduler.messages import Route
-from scheduler.policy import Policy
+from scheduler.policy import Decision, Policy, UnitLive
+
+DEFAULT_SESSION_TTL_S = 3600.0
+log = logging.getLogger("ppd.router")
 
 
 @dataclass(frozen=True)
-class Decision:
+class Placement:
     unit: int
-    route: Route
+    decision: Decision
     est_cached_tokens: int
+
+    @property
+    def route(self) -> Route:
+        return self.decision.route
 
 
 class Router:
-    def __init__(self, num_units: int, block_size: int, policy: Policy, capacity_blocks: int) -> None:
+    def __init__(self, num_units: int, block_size: int, policy: Policy, capacity_blocks: int,
+                 session_ttl_s: float = DEFAULT_SESSION_TTL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.policy = policy
         self.capacity = capacity_blocks
         self.index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_units)]
         self.load = [0] * num_units
         self.assigned = [0] * num_units  # breaks load ties, so sequential new conversations still spread
+        self.live = [UnitLive() for _ in range(num_units)]  # kept current by the engine client
+        self.sessions: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (unit, last use), LRU first
+        self.session_ttl_s = session_ttl_s
+        self.clock = clock
 
-    def route(self, token_ids: list[int], available: Sequence[int]) -> Decision:
-        """Choose one of the available units and a route for a new request, and count it in that unit's load."""
+    def route(self, token_ids: list[int], available: Sequence[int], output_tokens: int = 1,
+              session: str | None = None, route_hint: Route | None = None) -> Placement:
+        """Choose one of the available units and a route for a new request asking for output_tokens, and count it
+        in that unit's load. route_hint (a client's choice) overrides the policy for an append-prefill."""
         hashes = block_hashes(token_ids, self.block_size)
-        matches = {u: self._match(self.index[u], hashes) for u in available}
-        unit = min(available, key=lambda u: (-matches[u], self.load[u], self.assigned[u], u))
-        cached = matches[unit] * self.block_size
+        unit = self._session_unit(session, available)
+        if unit is None:
+            matches = {u: self._match(self.index[u], hashes) for u in available}
+            unit = min(available, key=lambda u: (-matches[u], self.load[u], self.assigned[u], u))
+        cached = self._match(self.index[unit], hashes) * self.block_size
+        new, load, live = len(token_ids) - cached, self.load[unit] + 1, self.live[unit]
+        if route_hint is not None and cached > 0 and self.policy.name != "aggregated":
+            decision = Decision(route_hint, "client")
+        else:
+            decision = self.policy.route(cached, new, output_tokens, load, live)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %s (%s) unit %d: cached %d new %d output %d load %d cell %s queue %d tokens at %.0f "
+                      "tokens/s, decode step %.2f ms, inline %.0f tokens/s", decision.route, decision.reason, unit,
+                      cached, new, output_tokens, load, decision.cell, live.prefill_queue_tokens,
+                      live.prefill_tokens_per_s, live.decode_step_ms, live.inline_tokens_per_s)
         self.load[unit] += 1
         self.assigned[unit] += 1
+        if session is not None:
+            self.sessions[session] = (unit, self.clock())
+            self.sessions.move_to_end(session)
         self.remember(unit, token_ids, hashes)
-        return Decision(unit, self.policy.route(cached, len(token_ids) - cached), cached)
+        return Placement(unit, decision, cached)
 
     def finished(self, unit: int, token_ids: list[int]) -> None:
         """A request on unit ended; token_ids (prompt + answer) are now likely cached there."""
@@ -60,9 +93,24 @@ class Router:
             index.popitem(last=False)
 
     def forget_unit(self, unit: int) -> None:
-        """The unit restarted with an empty cache."""
+        """The unit restarted with an empty cache: its conversations are placed afresh."""
         self.index[unit].clear()
         self.load[unit] = 0
+        self.live[unit] = UnitLive()
+        for session in [s for s, (u, _) in self.sessions.items() if u == unit]:
+            del self.sessions[session]
+
+    def _session_unit(self, session: str | None, available: Sequence[int]) -> int | None:
+        now = self.clock()
+        while self.sessions:  # expire idle sessions, oldest first
+            oldest, (_, last) = next(iter(self.sessions.items()))
+            if now - last <= self.session_ttl_s:
+                break
+            del self.sessions[oldest]
+        if session is None or session not in self.sessions:
+            return None
+        unit = self.sessions[session][0]
+        return unit if unit in available else None
 
     @staticmethod
     def _match(index: OrderedDict[int, None], hashes: list[int]) -> int:

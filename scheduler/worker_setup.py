@@ -21,6 +21,7 @@ from scheduler.config import UnitConfig
 from scheduler.messages import WorkerOutput
 
 PR_SET_PDEATHSIG = 1
+EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report (the router's policy reads them)
 
 
 def init_worker_process(cfg: UnitConfig, cores: tuple[int, ...]) -> None:
@@ -72,3 +73,8 @@ def run_or_report(unit: int, out: zmq.Socket, main: Callable[[], None]) -> None:
         out.send(msgspec.msgpack.encode(WorkerOutput(unit, fatal=str(exc))))
         time.sleep(0.5)  # let the message leave before the process (and its socket) goes
         sys.exit(3)
+
+
+def ema(old: float, new: float) -> float:
+    """A moving average that starts at its first value."""
+    return new if old == 0.0 else old + EMA_WEIGHT * (new - old)

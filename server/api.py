@@ -29,7 +29,8 @@ from server.engine_client import EngineClient, EngineError
 from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
                              error_type, validation_error_message)
 
-ROUTE_HEADER = "x-ppd-route"
+ROUTE_HEADER = "x-ppd-route"  # on a response: where the prefill ran; on a request: where to run an append-prefill
+SESSION_HEADER = "x-session-id"  # keeps a conversation on one unit
 _json = msgspec.json.Encoder()
 
 
@@ -162,7 +163,13 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
             body = body.model_copy(update={"return_token_ids": True})
         choices = [Choice(i, make_detokenizer(model.tokenizer, body.stop_strings)) for i in range(body.n)]
         seeds = [sampling.seed + i if sampling.seed is not None and body.n > 1 else sampling.seed for i in range(body.n)]
-        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s)) for c, s in zip(choices, seeds)])
+        session = request.headers.get(SESSION_HEADER) or None
+        hint = request.headers.get(ROUTE_HEADER)
+        if hint is not None and hint not in ("prefill", "decode"):
+            raise RequestError(f"header {ROUTE_HEADER}: {hint!r} is not a route; use prefill or decode (or leave it "
+                               "out and let the server's policy choose)", param=ROUTE_HEADER)
+        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s), session, hint)
+                        for c, s in zip(choices, seeds)])
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             first = await anext(events, None)  # before the headers go out: errors get a status, the route is known
@@ -188,8 +195,9 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
             result["prompt_token_ids"] = prompt_ids
         return Response(_json.encode(result), media_type="application/json", headers={ROUTE_HEADER: choices[0].route or "prefill"})
 
-    async def run_choice(choice: Choice, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Event]:
-        async with aclosing(client.generate(prompt_ids, sampling)) as deltas:
+    async def run_choice(choice: Choice, prompt_ids: list[int], sampling: SamplingParams, session: str | None,
+                         hint: str | None) -> AsyncIterator[Event]:
+        async with aclosing(client.generate(prompt_ids, sampling, session, hint)) as deltas:
             async for delta in deltas:
                 if delta.route is not None:
                     choice.route, choice.num_cached = delta.route, delta.num_cached_tokens or 0

@@ -11,7 +11,8 @@ from engine.attention import BACKENDS
 from engine.demo import DEMO_MODEL
 from partition import PARTITIONS
 from scheduler.config import POLICIES
-from scheduler.policy import DEFAULT_PPD_MAX_APPEND
+from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from scheduler.router import DEFAULT_SESSION_TTL_S
 
 log = logging.getLogger("ppd")
 
@@ -39,8 +40,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default="ppd", choices=POLICIES,
                    help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd = per request, "
                         "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline)")
-    p.add_argument("--ppd-max-append", type=int, default=DEFAULT_PPD_MAX_APPEND,
-                   help="ppd: append-prefills of at most this many uncached tokens run on the decode worker")
+    p.add_argument("--policy-table", default=None,
+                   help="ppd: the profiled table (ppd profile policy); default: the shipped profile of this device and "
+                        "model, else a cost model from live measurements")
+    p.add_argument("--w-ttft", type=float, default=DEFAULT_W_TTFT,
+                   help=f"ppd: weight of turn-2+ TTFT in the objective w_ttft*TTFT + w_tpot*TPOT (default {DEFAULT_W_TTFT})")
+    p.add_argument("--w-tpot", type=float, default=DEFAULT_W_TPOT,
+                   help=f"ppd: weight of TPOT in the objective (default {DEFAULT_W_TPOT}: a millisecond of TPOT weighs "
+                        "as ten of TTFT)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="ppd: inline an append whose prefill route would miss this TTFT (when decode meets it)")
+    p.add_argument("--itl-slo-ms", type=float, default=None,
+                   help="ppd: never inline an append whose decode step would pass this inter-token latency")
+    p.add_argument("--session-ttl-s", type=float, default=DEFAULT_SESSION_TTL_S,
+                   help=f"seconds an idle x-session-id keeps its unit (default {DEFAULT_SESSION_TTL_S:.0f})")
     p.add_argument("--units", type=int, default=None,
                    help="worker units (decode + prefill worker pairs): on the CPU default 1; on GPUs one per GPU, "
                         "this many of them")

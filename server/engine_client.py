@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, WorkerOutput, WorkerReady,
                                 WorkerStats)
+from scheduler.policy import Decision
 from scheduler.router import Router
 from server.metrics import Metrics
 
@@ -49,12 +50,14 @@ class Delta:
 class _Request:
     request_id: str
     unit: int
+    decision: Decision
     prompt_ids: list[int]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     next_index: int = 0
     early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs that arrived before their predecessors
     output_ids: list[int] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    first_token: float = 0.0
     last_token: float = 0.0
     route: Route | None = None
     done: bool = False
@@ -122,16 +125,19 @@ class EngineClient:
 
     # ---- requests ------------------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Delta]:
-        """Stream a request's tokens. Raises EngineError on failure; closing the iterator early aborts the request."""
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, session: str | None = None,
+                       route_hint: Route | None = None) -> AsyncIterator[Delta]:
+        """Stream a request's tokens. Raises EngineError on failure; closing the iterator early aborts the request.
+        session keeps a conversation on one unit; route_hint is a client's choice of route for an append-prefill."""
         available = [u for u in range(len(self.units)) if self.unit_ready(u)]
         if not available:
             raise EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
-        decision = self.router.route(prompt_ids, available)
-        req = _Request(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", decision.unit, prompt_ids)
+        placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint)
+        self.metrics.route_decision(placed.decision.route, placed.decision.reason)
+        req = _Request(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", placed.unit, placed.decision, prompt_ids)
         self.requests[req.request_id] = req
         await self.to_units[req.unit].send(self.encode(
-            GenerateRequest(req.request_id, prompt_ids, sampling, decision.route)))
+            GenerateRequest(req.request_id, prompt_ids, sampling, placed.route)))
         try:
             while True:
                 item = await req.queue.get()
@@ -166,6 +172,12 @@ class EngineClient:
             if msg.stats is not None:
                 self.metrics.worker_stats(msg.unit, state.stats, msg.stats)
                 state.stats = msg.stats
+                live = self.router.live[msg.unit]
+                live.prefill_queue_tokens = msg.stats.prefill_queue_tokens
+                live.decode_step_ms, live.inline_tokens_per_s = msg.stats.decode_step_ms, msg.stats.inline_tokens_per_s
+            if msg.prefill_stats is not None:
+                self.router.live[msg.unit].prefill_tokens_per_s = msg.prefill_stats.tokens_per_s
+                self.metrics.prefill_speed_measured(msg.unit, msg.prefill_stats.tokens_per_s)
             now = time.monotonic()
             for out in msg.outputs:
                 req = self.requests.get(out.request_id)
@@ -199,6 +211,7 @@ class EngineClient:
             self.metrics.prefill_routed(out.route)
         if out.token_ids:
             if not req.output_ids:
+                req.first_token = now
                 self.metrics.first_token(now - req.arrival)
             else:
                 self.metrics.inter_token(now - req.last_token, len(out.token_ids))
@@ -208,6 +221,10 @@ class EngineClient:
         req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens))
         if out.finish_reason:
             self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
+            if req.output_ids:
+                n = len(req.output_ids)
+                tpot = 1000 * (now - req.first_token) / (n - 1) if n > 1 else None
+                self.router.policy.observe(req.decision, 1000 * (req.first_token - req.arrival), tpot)
             self._end(req, None, finished=True)
 
     def _end(self, req: _Request, error: EngineError | None, finished: bool) -> None:

@@ -40,12 +40,23 @@ class Metrics:
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
         self.prefills = Counter("ppd:prefills", "Prefills by where they ran (prefill worker or inline on the decode worker).",
                                 ["model_name", "route"], registry=r)
+        self.decisions = Counter("ppd:route_decisions", "The router's route decisions, by route and reason (miss, static, "
+                                 "table, queue, model, itl_slo, ttft_slo, client).", ["model_name", "route", "reason"],
+                                 registry=r)
+        self.prefill_queue = Gauge("ppd:prefill_queue_tokens", "Uncached prompt tokens queued on the prefill worker.",
+                                   labels, registry=r)
+        self.prefill_speed = Gauge("ppd:prefill_tokens_per_second", "The prefill worker's measured speed.", labels,
+                                   registry=r)
+        self.decode_step = Gauge("ppd:decode_step_seconds", "The decode worker's recent decode-only step time.", labels,
+                                 registry=r)
 
     def worker_stats(self, unit: int, old: WorkerStats | None, new: WorkerStats) -> None:
         labels = (self.model, str(unit))
         self.running.labels(*labels).set(new.num_running)
         self.waiting.labels(*labels).set(new.num_waiting)
         self.kv_usage.labels(*labels).set(new.kv_usage)
+        self.prefill_queue.labels(*labels).set(new.prefill_queue_tokens)
+        self.decode_step.labels(*labels).set(new.decode_step_ms / 1000)
         # Worker counters restart from zero with the worker; Prometheus counters must not go down.
         for counter, now, before in ((self.prefix_queries, new.prefix_queries, old and old.prefix_queries),
                                      (self.prefix_hits, new.prefix_hits, old and old.prefix_hits),
@@ -53,6 +64,12 @@ class Metrics:
             delta = now - (before or 0)
             if delta > 0:
                 counter.labels(*labels).inc(delta)
+
+    def prefill_speed_measured(self, unit: int, tokens_per_s: float) -> None:
+        self.prefill_speed.labels(self.model, str(unit)).set(tokens_per_s)
+
+    def route_decision(self, route: str, reason: str) -> None:
+        self.decisions.labels(self.model, route, reason).inc()
 
     def prefill_routed(self, route: str) -> None:
         self.prefills.labels(self.model, route).inc()

@@ -72,9 +72,12 @@ def choose_gpus(args: argparse.Namespace, gpus: list[str]) -> list[str]:
 
 def plan_serve(args: argparse.Namespace) -> ServePlan:
     """Resolve and check everything that can be checked before any process starts."""
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ppd_max_append"):
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("w_ttft", "w_tpot", "ttft_slo_ms", "itl_slo_ms", "session_ttl_s"):
+        if (value := getattr(args, name)) is not None and value < 0:
+            raise UsageError(f"--{name.replace('_', '-')} must not be negative")
     if args.units is not None and args.units < 1:
         raise UsageError("--units must be at least 1")
     if args.max_num_batched_tokens < args.max_num_seqs:
@@ -145,9 +148,43 @@ def load_tokenizer(path: str | None):
                          "tokenizer files, or --skip-tokenizer-init to serve token ids only)") from exc
 
 
+def make_policy_for(args: argparse.Namespace):
+    """The routing policy; ppd reads --policy-table now, else its device's shipped profile once a unit is ready."""
+    from scheduler.policy import Objective, make_policy
+    from scheduler.policy_table import PolicyTable, TableError
+
+    table = None
+    if args.policy == "ppd" and args.policy_table is not None:
+        try:
+            table = PolicyTable.load(args.policy_table)
+        except TableError as exc:
+            raise UsageError(str(exc)) from exc
+        log.info("ppd policy: table %s (%s, %s)", args.policy_table, table.device, table.model)
+    return make_policy(args.policy, table, Objective(args.w_ttft, args.w_tpot, args.ttft_slo_ms, args.itl_slo_ms))
+
+
+def find_shipped_table(policy, device: str, model: str) -> None:
+    """Give the ppd policy the shipped profile of this device and model, or say that the cost model stands in."""
+    from scheduler.policy import PPDPolicy
+    from scheduler.policy_table import PolicyTable, TableError, table_path
+
+    if not isinstance(policy, PPDPolicy) or policy.table is not None:
+        return
+    path = table_path(device, model)
+    if not path.exists():
+        log.warning("ppd policy: no profile for %s / %s (%s); a cost model from live measurements stands in "
+                    "(make a table with `ppd profile policy`)", device, model, path.name)
+        return
+    try:
+        policy.use_table(PolicyTable.load(path))
+        log.info("ppd policy: table %s", path)
+    except TableError as exc:
+        log.warning("ppd policy: %s; a cost model from live measurements stands in", exc)
+
+
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
-    from scheduler.policy import Policy
+    from scheduler.policy_table import cpu_device_name
     from scheduler.router import Router
     from server.engine_client import EngineClient
     from server.launcher import Launcher
@@ -155,7 +192,11 @@ def serve(args: argparse.Namespace) -> None:
 
     plan = plan_serve(args)
     capacity = plan.units[0].engine.num_kv_blocks or 0
-    router = Router(len(plan.units), args.block_size, Policy(args.policy, args.ppd_max_append), capacity)
+    policy = make_policy_for(args)
+    model_slug = os.path.basename(plan.model_path.rstrip("/"))
+    if plan.device == "cpu":
+        find_shipped_table(policy, cpu_device_name(), model_slug)
+    router = Router(len(plan.units), args.block_size, policy, capacity, session_ttl_s=args.session_ttl_s)
     client = EngineClient(plan.units, router, Metrics(plan.model_name))
     launcher = Launcher(plan.units, client)
     log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
@@ -175,7 +216,13 @@ def serve(args: argparse.Namespace) -> None:
         raise
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
                         plan.mcfg.eos_token_ids)
-    client.on_ready = lambda: setattr(model, "max_model_len", client.max_model_len() or model.max_model_len)
+
+    def on_ready() -> None:
+        model.max_model_len = client.max_model_len() or model.max_model_len
+        if plan.device == "cuda":
+            find_shipped_table(policy, client.state[0].device_name or "cuda", model_slug)
+
+    client.on_ready = on_ready
 
     fatal: list[str] = []
 

@@ -1,27 +1,29 @@
-"""Unit choice (prefix affinity, load) and route choice (policies)."""
+"""Unit choice (sessions, prefix affinity, load) and the route a placement carries."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import Policy
+from scheduler.policy import Policy, UnitLive, make_policy
 from scheduler.router import Router
 
 BS = 4
 
 
-def test_policies_route_append_prefills() -> None:
-    assert Policy("pd").route(num_cached=64, num_new=8) == "prefill"
-    assert Policy("dlocal").route(num_cached=64, num_new=5000) == "decode"
-    assert Policy("aggregated").route(num_cached=0, num_new=100) == "decode"
-    ppd = Policy("ppd", ppd_max_append=100)
-    assert ppd.route(num_cached=64, num_new=100) == "decode"
-    assert ppd.route(num_cached=64, num_new=101) == "prefill"
+def route(policy: Policy, cached: int, new: int) -> str:
+    return policy.route(cached, new, output=16, load=1, live=UnitLive()).route
+
+
+def test_static_policies_route_append_prefills() -> None:
+    assert route(Policy("pd"), cached=64, new=8) == "prefill"
+    assert route(Policy("dlocal"), cached=64, new=5000) == "decode"
+    assert route(Policy("aggregated"), cached=0, new=100) == "decode"
 
 
 @pytest.mark.parametrize("name", ["pd", "dlocal", "ppd"])
 def test_a_prompt_without_cached_prefix_always_prefills_on_the_prefill_worker(name: str) -> None:
-    assert Policy(name).route(num_cached=0, num_new=3) == "prefill"
+    decision = make_policy(name).route(0, 3, output=16, load=1, live=UnitLive())
+    assert (decision.route, decision.reason) == ("prefill", "miss")
 
 
 def test_later_turn_follows_its_prefix_and_new_conversations_balance() -> None:
@@ -38,7 +40,7 @@ def test_later_turn_follows_its_prefix_and_new_conversations_balance() -> None:
 
 
 def test_edited_history_matches_only_up_to_the_edit() -> None:
-    router = Router(num_units=1, block_size=BS, policy=Policy("ppd"), capacity_blocks=100)
+    router = Router(num_units=1, block_size=BS, policy=make_policy("ppd"), capacity_blocks=100)
     router.route(list(range(16)), available=[0])
     edited = list(range(8)) + [99] + list(range(9, 16))
     assert router.route(edited, available=[0]).est_cached_tokens == 8
@@ -62,10 +64,52 @@ def test_index_is_bounded_lru() -> None:
 
 
 def test_sequential_new_conversations_spread_over_units() -> None:
-    router = Router(num_units=2, block_size=BS, policy=Policy("ppd"), capacity_blocks=100)
+    router = Router(num_units=2, block_size=BS, policy=make_policy("ppd"), capacity_blocks=100)
     units = []
     for i in range(4):
-        decision = router.route([1000 * (i + 1) + t for t in range(8)], available=[0, 1])
-        router.finished(decision.unit, [])
-        units.append(decision.unit)
+        placed = router.route([1000 * (i + 1) + t for t in range(8)], available=[0, 1])
+        router.finished(placed.unit, [])
+        units.append(placed.unit)
     assert sorted(units) == [0, 0, 1, 1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_session_keeps_its_unit_against_prefix_and_load_until_idle_too_long() -> None:
+    clock = Clock()
+    router = Router(num_units=2, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100, session_ttl_s=60,
+                    clock=clock)
+    first = router.route(list(range(40)), available=[0, 1], session="s1")
+    other = 1 - first.unit
+    # Another conversation fills the first unit's load; a new prompt of session s1 with no prefix still goes home.
+    router.route(list(range(500, 540)), available=[0, 1])
+    clock.now = 59
+    assert router.route(list(range(900, 940)), available=[0, 1], session="s1").unit == first.unit
+    # After a quiet spell longer than the TTL the session is forgotten: the least loaded unit takes it.
+    clock.now = 59 + 61
+    assert router.route(list(range(700, 740)), available=[0, 1], session="s1").unit == other
+
+
+def test_session_whose_unit_restarted_or_is_unavailable_goes_to_the_best_unit() -> None:
+    router = Router(num_units=2, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100)
+    conv = list(range(40))
+    first = router.route(conv, available=[0, 1], session="s")
+    other = 1 - first.unit
+    assert router.route(conv + [1] * 8, available=[other], session="s").unit == other  # home unit not ready
+    router.forget_unit(other)
+    router.finished(first.unit, conv)
+    placed = router.route(conv + [1] * 8, available=[0, 1], session="s")
+    assert placed.unit == first.unit and placed.est_cached_tokens == 40  # back where its prefix still is
+
+
+def test_client_route_hint_overrides_the_policy_for_an_append_only() -> None:
+    router = Router(num_units=1, block_size=BS, policy=Policy("pd"), capacity_blocks=100)
+    assert router.route(list(range(16)), available=[0], route_hint="decode").route == "prefill"  # a miss
+    placed = router.route(list(range(16)) + [5, 6], available=[0], route_hint="decode")
+    assert (placed.route, placed.decision.reason) == ("decode", "client")

@@ -152,9 +152,19 @@ def test_metrics_use_vllm_names(server: ServerProcess, client: openai.OpenAI) ->
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-                 "vllm:e2e_request_latency_seconds_count", "ppd:prefills_total"):
+                 "vllm:e2e_request_latency_seconds_count", "ppd:prefills_total", "ppd:route_decisions_total",
+                 "ppd:prefill_queue_tokens", "ppd:decode_step_seconds"):
         assert name in m, name
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1 and m["vllm:prefix_cache_queries_total"] > 0
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    assert 'ppd:route_decisions_total{model_name="demo",reason="miss",route="prefill"}' in text
+
+
+def test_route_header_names_a_route_or_is_refused(server: ServerProcess) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"x-ppd-route": "gpu"}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-ppd-route"
+    assert "prefill or decode" in resp.json()["error"]["message"]
 
 
 def test_stream_with_several_choices_interleaves_them(client: openai.OpenAI) -> None:

@@ -34,12 +34,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def gpu_server(start_server, tiny: Path) -> ServerProcess:
     # A small budget so that the prefill worker chunks prompts; 30% of the GPU makes the pool big and unmistakable.
     return start_server("--model", str(tiny), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
-                        "--dtype", "float32", "--policy", "ppd", "--ppd-max-append", "24",
+                        "--dtype", "float32", "--policy", "ppd",
                         "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
 
 
-def complete(server: ServerProcess, prompt: list[int]) -> tuple[list[int], str]:
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+def complete(server: ServerProcess, prompt: list[int], route: str) -> tuple[list[int], str]:
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, headers={"x-ppd-route": route}, json={
         "model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
     assert resp.status_code == 200, resp.text
@@ -50,10 +50,10 @@ def test_greedy_ids_match_hf_on_both_routes(gpu_server: ServerProcess, tiny: Pat
     rng = random.Random(0)
     for append_len, expected_route in ((10, "decode"), (60, "prefill")):
         prompt = [rng.randrange(3, 256) for _ in range(45)]
-        out1, route1 = complete(gpu_server, prompt)
+        out1, route1 = complete(gpu_server, prompt, expected_route)
         assert route1 == "prefill" and out1 == hf_greedy(tiny, prompt, NEW_TOKENS)
         turn2 = prompt + out1 + [rng.randrange(3, 256) for _ in range(append_len)]
-        out2, route2 = complete(gpu_server, turn2)
+        out2, route2 = complete(gpu_server, turn2, expected_route)
         assert route2 == expected_route and out2 == hf_greedy(tiny, turn2, NEW_TOKENS)
 
 

@@ -1,8 +1,8 @@
 """Greedy token ids through the whole server equal Hugging Face's, for every architecture, on both routes.
 
-One `ppd` server per architecture: its threshold sends a short turn-2 append to the
-decode worker and a long one to the prefill worker, so both routes run over a
-cached prefix. A small token budget makes both workers split prompts into chunks.
+One `ppd` server per architecture. A turn-2 append asks for its route with the x-ppd-route request
+header, so both routes run over a cached prefix; a small token budget makes both workers split prompts
+into chunks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from engine.demo import write_byte_tokenizer
 from tests.server_process import ServerProcess
 from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
 
-MAX_APPEND = 24
 NEW_TOKENS = 8
 
 
@@ -26,15 +25,15 @@ def arch_server(request, start_server, tmp_path_factory) -> tuple[str, ServerPro
     folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     write_byte_tokenizer(folder)
     server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "ppd",
-                          "--ppd-max-append", str(MAX_APPEND), "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
     return str(folder), server
 
 
-def complete(server: ServerProcess, prompt: list[int]) -> tuple[list[int], str, int]:
-    """Greedy ids, the route header and the cached prompt tokens."""
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
+def complete(server: ServerProcess, prompt: list[int], route: str | None = None) -> tuple[list[int], str, int]:
+    """Greedy ids, the route header and the cached prompt tokens; route asks for one for an append-prefill."""
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, headers={"x-ppd-route": route} if route else {},
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True})
     assert resp.status_code == 200, resp.text
     body = resp.json()
     return body["choices"][0]["token_ids"], resp.headers["x-ppd-route"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -47,13 +46,13 @@ def ids(rng: random.Random, n: int) -> list[int]:
 def test_turn_one_and_two_on_both_routes(arch_server) -> None:
     folder, server = arch_server
     rng = random.Random(0)
-    for append, expected_route in ((ids(rng, 10), "decode"), (ids(rng, MAX_APPEND + 30), "prefill")):
+    for append, expected_route in ((ids(rng, 10), "decode"), (ids(rng, 54), "prefill")):
         prompt = ids(rng, 45)
-        out1, route1, cached1 = complete(server, prompt)
+        out1, route1, cached1 = complete(server, prompt, route=expected_route)  # a miss: the prefill worker anyway
         assert out1 == hf_greedy(folder, prompt, NEW_TOKENS)
         assert (route1, cached1) == ("prefill", 0)
         turn2 = prompt + out1 + append
-        out2, route2, cached2 = complete(server, turn2)
+        out2, route2, cached2 = complete(server, turn2, route=expected_route)
         assert out2 == hf_greedy(folder, turn2, NEW_TOKENS)
         assert route2 == expected_route
         assert cached2 == (len(prompt + out1) - 1) // 16 * 16  # whole blocks whose KV was computed
@@ -65,8 +64,9 @@ def test_concurrent_mixed_batches(arch_server) -> None:
     base = ids(rng, 40)
     first, _, _ = complete(server, base)
     prompts = [ids(rng, n) for n in (5, 17, 33, 70)] + [base + first + ids(rng, 6), base + first + ids(rng, 40)]
+    routes = [None] * 4 + ["decode", "prefill"]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda p: complete(server, p), prompts))
+        results = list(pool.map(lambda pr: complete(server, *pr), zip(prompts, routes)))
     for prompt, (out, _, _) in zip(prompts, results):
         assert out == hf_greedy(folder, prompt, NEW_TOKENS)
     assert {route for _, route, _ in results} == {"prefill", "decode"}

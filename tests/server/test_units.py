@@ -60,3 +60,19 @@ def test_workers_are_pinned_to_their_share(server: ServerProcess) -> None:
         pids = {w["role"]: w["pid"] for w in unit["workers"]}
         assert allowed_cores(pids["decode"]) == set(decode)
         assert allowed_cores(pids["prefill"]) == set(prefill)
+
+
+def test_session_header_keeps_a_conversation_on_its_unit(server: ServerProcess) -> None:
+    def send(content: str, session: str) -> dict:
+        resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, headers={"x-session-id": session}, json={
+            "model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "ignore_eos": True})
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    before = per_engine(server, "vllm:prefix_cache_queries_total")
+    # Unrelated prompts of one session (no shared prefix) all land on one unit; without the header they spread.
+    for i in range(4):
+        send(f"session prompt {i} " + "x" * (10 + i), "conversation-7")
+    after = per_engine(server, "vllm:prefix_cache_queries_total")
+    grew = [u for u in after if after[u] > before.get(u, 0)]
+    assert len(grew) == 1
