@@ -84,6 +84,7 @@ class LoadConfig:
     seed: int = 0            # Poisson arrival times are reproducible
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)   # merged into every request body
+    headers: dict = field(default_factory=dict)      # sent with every request (e.g. x-ppd-route to force a route)
 
 
 # Only the fields the client reads; msgspec skips the rest without building them.
@@ -180,6 +181,7 @@ class _Load:
         self.deadline = self.t0 + cfg.duration
         base = cfg.base_url.rstrip("/").removesuffix("/v1")
         self.url = URL(base + ("/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"))
+        self.headers = {**_HEADERS, **cfg.headers}
         self.failed = 0
 
     def add(self, record: RequestRecord) -> None:
@@ -252,7 +254,7 @@ class _Load:
         start = perf_counter()
         stream = _Stream(start)
         try:
-            async with self.session.post(self.url, data=body, headers=_HEADERS) as resp:
+            async with self.session.post(self.url, data=body, headers=self.headers) as resp:
                 route = resp.headers.get("x-ppd-route")
                 if resp.status >= 400:
                     stream.error = _http_error(resp.status, await resp.read())

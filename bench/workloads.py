@@ -155,7 +155,19 @@ def synthetic(profile: str, turn1: str, num_conversations: int, seed: int, token
         raise ValueError(f"need turns >= 1, scale > 0, num_conversations >= 0; "
                          f"got {turns}, {scale}, {num_conversations}")
     rng = random.Random(seed)
+    conversations = []
+    for i in range(num_conversations):
+        first = turn1 if turn1 != "mixed" else rng.choice(list(PRESETS["turn1"]))
+        later = profile if profile != "mixed" else rng.choice(list(PRESETS["profile"]))
+        shape = [PRESETS["turn1"][first]] + [PRESETS["profile"][later]] * (turns - 1)
+        conversations += shaped([shape], 1, rng, tokenizer, api, scale, f"synthetic-{seed}-{i}-{first}-{later}")
+    return conversations
 
+
+def shaped(shapes: list[list[tuple[int, int]]], num_conversations: int, rng: random.Random, tokenizer: Any = None,
+           api: str = "completions", scale: float = 1.0, id_prefix: str = "shaped") -> list[Conversation]:
+    """num_conversations conversations cycling through `shapes`, each a list of (input tokens, output tokens) per
+    turn (times scale, at least 1): exact lengths, as `synthetic` makes them."""
     def scaled(n: int) -> int:
         return max(1, round(n * scale))
 
@@ -164,12 +176,10 @@ def synthetic(profile: str, turn1: str, num_conversations: int, seed: int, token
 
     conversations = []
     for i in range(num_conversations):
-        first = turn1 if turn1 != "mixed" else rng.choice(list(PRESETS["turn1"]))
-        later = profile if profile != "mixed" else rng.choice(list(PRESETS["profile"]))
-        shapes = [PRESETS["turn1"][first]] + [PRESETS["profile"][later]] * (turns - 1)
+        turns = shapes[i % len(shapes)]
         conversations.append(Conversation(
-            id=f"synthetic-{seed}-{i}-{first}-{later}",
-            turns=[Turn(user=user(scaled(n_in)), max_tokens=scaled(n_out)) for n_in, n_out in shapes],
+            id=id_prefix if num_conversations == 1 else f"{id_prefix}-{i}",
+            turns=[Turn(user=user(scaled(n_in)), max_tokens=scaled(n_out)) for n_in, n_out in turns],
             ignore_eos=True,
         ))
     return conversations

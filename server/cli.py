@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
                                                 "`ppd bench engine`: the engine against the hardware's floors)"))
     from partition.probe import add_probe_args
     add_probe_args(sub.add_parser("probe", help="what this machine supports: GPUs, CUDA IPC, MPS, green contexts"))
+    profile = sub.add_parser("profile", help="measure this machine and build the tables the server uses")
+    profiles = profile.add_subparsers(dest="profile_command", required=True)
+    from bench.policy_profile import add_policy_args
+    add_policy_args(profiles.add_parser("policy", help="the ppd policy's table: turn-2 latency by route, per workload "
+                                                       "cell (profiles/<device>__<model>__policy.json)"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -98,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "probe":
             from partition.probe import run_probe
             return run_probe(args)
+        elif args.command == "profile":
+            from bench.policy_profile import main as profile_main
+            profile_main(args)
     except (UsageError, BenchError) as exc:
         print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
         return 2

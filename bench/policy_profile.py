@@ -1,0 +1,307 @@
+"""`ppd profile policy`: the PPD policy's offline table (the paper's Algorithm 1), measured on a running server.
+
+For every cell of the grid (context x turn-2 shape x load) and for each route, it runs controlled multi-turn
+traffic: closed-loop conversations of two turns, turn 1 of `context` tokens in all (input + output), turn 2
+of the cell's shape, `load` conversations in flight, every append-prefill forced to the route by the
+x-ppd-route request header. It records the turn-2 TTFT and TPOT (medians and 90th percentiles) and the prefill
+worker's mean queue delay (sampled from /metrics), then x* = 1[w_ttft * dTTFT - w_tpot * dTPOT > 0] per cell.
+After every run the table is written (atomically), so an interrupted profile resumes where it stopped: runs
+already in the file are not repeated. Output: profiles/<device>__<model>__policy.json (see
+scheduler/policy_table.py for the schema), a heatmap of x* beside it (.png) and a markdown summary (.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import shlex
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from bench.cli import BenchError, start_server, stop_server
+from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, cpu_device_name, table_path
+
+
+@dataclass(frozen=True)
+class Grid:
+    contexts: tuple[int, ...]  # tokens cached when turn 2 arrives (turn 1's input + output)
+    shapes: tuple[tuple[int, int], ...]  # turn 2's (new input tokens, output tokens)
+    loads: tuple[int, ...]  # conversations in flight (closed loop) = requests in flight on the unit
+    turn1_output: int
+    duration: float  # seconds of traffic per run
+
+
+# The CPU grids match the CPU demo evaluation (the synthetic workload at 1/8 scale); the GPU grid its full scale.
+CPU_GRID = Grid((160, 544), ((8, 64), (32, 32), (128, 8)), (1, 3, 8), 32, 8.0)
+QUICK_GRID = Grid((160, 544), ((8, 64), (32, 32), (128, 8)), (1, 4), 32, 3.0)
+GPU_GRID = Grid((1280, 4352), ((64, 512), (256, 256), (1024, 64)), (4, 16, 64), 256, 30.0)
+METRICS_INTERVAL_S = 0.2
+
+
+def run_key(context: int, shape: tuple[int, int], load: int, route: str) -> str:
+    return f"{context}x{shape[0]}x{shape[1]}@{load}:{route}"
+
+
+def measure(url: str, model: str, context: int, shape: tuple[int, int], load: int, route: str, grid: Grid,
+            seed: int) -> dict:
+    """One run of one cell on one route: the summary the table keeps (times in ms)."""
+    from bench.client import LoadConfig, run_load
+    from bench.workloads import shaped
+
+    first = (max(1, context - grid.turn1_output), grid.turn1_output)
+    conversations = shaped([[first, shape]], max(64, 8 * load), random.Random(seed), api="completions",
+                           id_prefix=f"profile-{seed}")
+    cfg = LoadConfig(base_url=url, model=model, api="completions", concurrency=load, duration=grid.duration,
+                     timeout=max(60.0, 10 * grid.duration), seed=seed, headers={"x-ppd-route": route})
+    sampler = QueueSampler(url)
+    sampler.start()
+    try:
+        records = asyncio.run(run_load(cfg, conversations, progress=False))
+    finally:
+        queue_ms = sampler.stop()
+    later = [r for r in records if r.turn >= 1 and r.success]
+    ttft = [1000 * r.ttft for r in later if r.ttft is not None]
+    tpot = [1000 * r.tpot for r in later if r.tpot is not None]
+    return {"requests": len(records), "failed": sum(not r.success for r in records), "n": len(later),
+            "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90),
+            "tpot_p50_ms": _pct(tpot, 50), "tpot_p90_ms": _pct(tpot, 90), "queue_delay_ms": queue_ms,
+            "routes": sorted({r.route for r in later if r.route})}
+
+
+class QueueSampler:
+    """Samples the prefill worker's queue delay (queued tokens over its speed) from /metrics while a run goes."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.samples, self.done = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> float:
+        self.done.set()
+        self.thread.join()
+        return statistics.fmean(self.samples) if self.samples else 0.0
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self.done.wait(METRICS_INTERVAL_S):
+                try:
+                    values = _metrics(client.get(f"{self.url}/metrics").text)
+                except httpx.HTTPError:
+                    continue
+                speed = values.get("ppd:prefill_tokens_per_second", 0.0)
+                if speed > 0:
+                    self.samples.append(1000 * values.get("ppd:prefill_queue_tokens", 0.0) / speed)
+
+
+def build_table(grid: Grid, raw: dict, device: str, model: str, meta: dict, w_ttft: float, w_tpot: float) -> PolicyTable:
+    cells = {}
+    for i, context in enumerate(grid.contexts):
+        for j, shape in enumerate(grid.shapes):
+            for k, load in enumerate(grid.loads):
+                routes = {}
+                for route in ROUTES:
+                    run = raw.get(run_key(context, shape, load, route))
+                    if run and run["n"] > 0:
+                        routes[route] = RouteStats(run["ttft_p50_ms"], run["ttft_p90_ms"], run["tpot_p50_ms"] or 0.0,
+                                                   run["tpot_p90_ms"] or 0.0, run["queue_delay_ms"], run["n"])
+                if routes:
+                    cells[(i, j, k)] = Cell(routes)
+    table = PolicyTable(list(grid.contexts), list(grid.shapes), list(grid.loads), cells, device=device, model=model,
+                        meta=meta, raw=raw)
+    return table.with_weights(w_ttft, w_tpot)
+
+
+def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict, w_ttft: float, w_tpot: float,
+            progress: bool = True, seed: int = 0) -> PolicyTable:
+    """Measure every run of the grid not already in `out` (resuming), writing the table after each run."""
+    raw: dict = {}
+    if out.exists():
+        try:
+            previous = PolicyTable.load(out)
+        except TableError as exc:
+            raise BenchError(f"{exc}; remove it or choose another --out") from exc
+        if (previous.device, previous.model) != (device, model):
+            raise BenchError(f"{out} holds a profile of {previous.model} on {previous.device}, not {model} on {device}")
+        raw = dict(previous.raw)
+    runs = [(c, s, ld, r) for c in grid.contexts for s in grid.shapes for ld in grid.loads for r in ROUTES]
+    todo = [run for run in runs if run_key(*run) not in raw]
+    if len(todo) < len(runs):
+        print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already measured", file=sys.stderr)
+    served = _served_model(url)
+    table = build_table(grid, raw, device, model, meta, w_ttft, w_tpot)
+    bar = tqdm(todo, desc="profile runs", unit=" run", file=sys.stderr, disable=not progress)
+    for n, (context, shape, load, route) in enumerate(bar):
+        bar.set_postfix_str(run_key(context, shape, load, route), refresh=True)
+        raw[run_key(context, shape, load, route)] = measure(url, served, context, shape, load, route, grid,
+                                                            seed + 1000 * n)
+        table = build_table(grid, raw, device, model, meta, w_ttft, w_tpot)
+        table.save(out)
+    bar.close()
+    table.save(out)
+    return table
+
+
+# ---- report ------------------------------------------------------------------------------------------
+
+
+def markdown(table: PolicyTable) -> str:
+    lines = [f"# PPD policy table: {table.model} on {table.device}", "",
+             f"Made by `{table.meta.get('command', 'ppd profile policy')}` on {table.meta.get('created', '?')}. "
+             f"x* for w_ttft = {table.w_ttft:g}, w_tpot = {table.w_tpot:g} (1 = the decode worker, inline). "
+             "Turn-2 medians (ms); queue: the prefill worker's mean queue delay during the prefill-route run.", "",
+             "| context | new in / out | load | prefill: TTFT / TPOT (queue) | decode: TTFT / TPOT | x* |",
+             "| ---: | ---: | ---: | ---: | ---: | :---: |"]
+    for (i, j, k), cell in sorted(table.cells.items()):
+        p, d = cell.routes.get("prefill"), cell.routes.get("decode")
+        fmt = (lambda s, q=False: "n/a" if s is None else
+               f"{s.ttft_p50_ms:.1f} / {s.tpot_p50_ms:.2f}" + (f" ({s.queue_delay_ms:.1f})" if q else ""))
+        n_in, n_out = table.shapes[j]
+        lines.append(f"| {table.contexts[i]} | {n_in} / {n_out} | {table.loads[k]} | {fmt(p, True)} | {fmt(d)} | "
+                     f"{'' if cell.x_star is None else cell.x_star} |")
+    return "\n".join(lines) + "\n"
+
+
+def heatmap(table: PolicyTable, path: Path) -> None:
+    """One panel per load: contexts down, shapes across; the colour is the objective's gain of the decode route."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(table.loads), figsize=(3.2 * len(table.loads) + 1, 3.2), squeeze=False)
+    for k, load in enumerate(table.loads):
+        ax = axes[0][k]
+        gain = np.full((len(table.contexts), len(table.shapes)), np.nan)
+        for (i, j, kk), cell in table.cells.items():
+            if kk == k and cell.x_star is not None:
+                gain[i, j] = (cell.objective("prefill", table.w_ttft, table.w_tpot)
+                              - cell.objective("decode", table.w_ttft, table.w_tpot))
+        limit = np.nanmax(np.abs(gain)) if np.isfinite(gain).any() else 1.0
+        ax.imshow(gain, cmap="coolwarm_r", vmin=-limit, vmax=limit)
+        for (i, j), value in np.ndenumerate(gain):
+            label = "?" if math.isnan(value) else ("decode" if value > 0 else "prefill")
+            ax.text(j, i, label, ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(table.shapes)), [f"{a}/{b}" for a, b in table.shapes], fontsize=7)
+        ax.set_yticks(range(len(table.contexts)), [str(c) for c in table.contexts], fontsize=7)
+        ax.set_xlabel("turn-2 new input / output tokens", fontsize=8)
+        ax.set_title(f"load {load}", fontsize=9)
+    axes[0][0].set_ylabel("cached context tokens", fontsize=8)
+    fig.suptitle(f"x* ({table.model} on {table.device}; w_ttft {table.w_ttft:g}, w_tpot {table.w_tpot:g})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- command line ------------------------------------------------------------------------------------
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serve-args", default="",
+                   help="arguments for the `ppd serve` this starts (e.g. \"--model /m --dtype bfloat16\"); default: "
+                        "the demo model")
+    p.add_argument("--url", default=None, help="profile a server already running here instead of starting one")
+    p.add_argument("--out", default=None, help="the table (default: profiles/<device>__<model>__policy.json)")
+    p.add_argument("--quick", action="store_true", help="a small grid with short runs (the CPU demo: under 3 minutes)")
+    p.add_argument("--contexts", default=None, help="comma list of cached-context lengths (tokens)")
+    p.add_argument("--shapes", default=None, help="comma list of turn-2 shapes NEWxOUT, e.g. 64x512,1024x64")
+    p.add_argument("--loads", default=None, help="comma list of conversations in flight")
+    p.add_argument("--duration", type=float, default=None, help="seconds of traffic per run")
+    p.add_argument("--w-ttft", type=float, default=DEFAULT_W_TTFT, help="weight of TTFT for the stored x*")
+    p.add_argument("--w-tpot", type=float, default=DEFAULT_W_TPOT, help="weight of TPOT for the stored x*")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+
+
+def choose_grid(args: argparse.Namespace, gpu: bool) -> Grid:
+    base = QUICK_GRID if args.quick else (GPU_GRID if gpu else CPU_GRID)
+    try:
+        contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else base.contexts
+        shapes = (tuple(tuple(int(x) for x in s.split("x")) for s in args.shapes.split(","))
+                  if args.shapes else base.shapes)
+        loads = tuple(int(x) for x in args.loads.split(",")) if args.loads else base.loads
+    except ValueError as exc:
+        raise BenchError(f"bad grid list: {exc}; expected e.g. --contexts 160,544 --shapes 8x64,128x8 --loads 1,4")
+    if any(len(s) != 2 for s in shapes) or sorted(set(contexts)) != list(contexts) or sorted(set(loads)) != list(loads):
+        raise BenchError("--shapes are NEWxOUT pairs; --contexts and --loads distinct and increasing")
+    return Grid(contexts, shapes, loads, base.turn1_output, args.duration or base.duration)
+
+
+def main(args: argparse.Namespace) -> None:
+    proc = None
+    out_dir = Path(args.out).parent if args.out else Path("bench") / "results"
+    try:
+        url = args.url
+        if url is None:
+            log = out_dir / f"profile-serve-{os.getpid()}.log"
+            proc, url = start_server(["--policy", "pd", *shlex.split(args.serve_args)], log)
+            print(f"started ppd serve at {url} (log {log})", file=sys.stderr)
+        device, model, gpu = _describe(url)
+        grid = choose_grid(args, gpu)
+        out = Path(args.out) if args.out else table_path(device, model)
+        meta = {"created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "command": shlex.join(["ppd", *sys.argv[1:]]),
+                "settings": {"serve_args": args.serve_args, "turn1_output": grid.turn1_output,
+                             "duration_s": grid.duration}}
+        started = time.monotonic()
+        table = profile(url, grid, out, device, model, meta, args.w_ttft, args.w_tpot, not args.no_progress, args.seed)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+    out.with_suffix(".md").write_text(markdown(table))
+    heatmap(table, out.with_suffix(".png"))
+    print(markdown(table))
+    print(f"written {out} (+ .md, .png) in {time.monotonic() - started:.0f}s", file=sys.stderr)
+
+
+def _describe(url: str) -> tuple[str, str, bool]:
+    """(device name, model name, whether it is a GPU) of the server at url."""
+    try:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        device = health["units"][0]["device"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise BenchError(f"cannot read {url}/health ({exc}); is it a ppd server?") from exc
+    root = _served(url).get("root") or _served(url)["id"]
+    model = os.path.basename(str(root).rstrip("/"))
+    if device.get("kind") == "cuda":
+        return device.get("name") or "cuda", model, True
+    return cpu_device_name(), model, False
+
+
+def _served(url: str) -> dict:
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise BenchError(f"cannot list models at {url}/v1/models ({exc})") from exc
+
+
+def _served_model(url: str) -> str:
+    return _served(url)["id"]
+
+
+def _metrics(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+

@@ -1,0 +1,87 @@
+"""`ppd profile policy`: the table's runs, its file, resuming after an interruption, and a real run on the demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import policy_profile
+from bench.policy_profile import Grid, build_table, heatmap, markdown, profile, run_key
+from scheduler.policy_table import PolicyTable
+
+GRID = Grid(contexts=(160, 544), shapes=((8, 64), (128, 8)), loads=(1, 4), turn1_output=32, duration=1.0)
+
+
+def fake_summary(context: int, shape: tuple[int, int], load: int, route: str) -> dict:
+    """Latencies with a known winner: decode has the lower TTFT, and a TPOT cost that grows with the append."""
+    ttft = 50.0 + load * 20 if route == "prefill" else 30.0
+    tpot = 5.0 + (shape[0] / 20 if route == "decode" else 0.0)
+    return {"requests": 20, "failed": 0, "n": 10, "ttft_p50_ms": ttft, "ttft_p90_ms": 2 * ttft, "tpot_p50_ms": tpot,
+            "tpot_p90_ms": 2 * tpot, "queue_delay_ms": 1.0 * load, "routes": [route]}
+
+
+class FakeMeasure:
+    """Stands in for a run against a server: records the runs asked for; can be interrupted (Ctrl-C) at a run."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.interrupt_at: int | None = None
+
+    def __call__(self, url, model, context, shape, load, route, grid, seed) -> dict:
+        self.calls.append(run_key(context, shape, load, route))
+        if len(self.calls) == self.interrupt_at:
+            raise KeyboardInterrupt
+        return fake_summary(context, shape, load, route)
+
+
+@pytest.fixture
+def fake_measure(monkeypatch: pytest.MonkeyPatch) -> FakeMeasure:
+    fake = FakeMeasure()
+    monkeypatch.setattr(policy_profile, "measure", fake)
+    monkeypatch.setattr(policy_profile, "_served_model", lambda url: "demo")
+    return fake
+
+
+def test_profile_measures_every_cell_on_both_routes_and_decides_x_star(fake_measure: FakeMeasure, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    table = profile("http://unused", GRID, out, "cpu-2core", "demo", {"command": "test"}, 1.0, 10.0, progress=False)
+    assert len(fake_measure.calls) == 2 * 2 * 2 * 2 and len(table.cells) == 8
+    # 8 new tokens: decode saves 40+ ms of TTFT for 0.4 ms of TPOT (x 10): decode. 128: 6.4 ms of TPOT (x 10) costs
+    # more than the 40 ms saved at load 1, less than the 100 ms saved at load 4.
+    assert table.cells[(0, 0, 0)].x_star == 1 and table.cells[(0, 1, 0)].x_star == 0 and table.cells[(0, 1, 1)].x_star == 1
+    assert PolicyTable.load(out).to_json() == table.to_json()
+    assert "| 160 | 128 / 8 | 1 |" in markdown(table)
+    heatmap(table, tmp_path / "t.png")
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_interrupted_profile_resumes_without_repeating_runs(fake_measure: FakeMeasure, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    fake_measure.interrupt_at = 5
+    with pytest.raises(KeyboardInterrupt):
+        profile("http://unused", GRID, out, "cpu-2core", "demo", {}, 1.0, 10.0, progress=False)
+    saved = PolicyTable.load(out)
+    assert len(saved.raw) == 4  # the runs before the interruption, on disk
+    fake_measure.interrupt_at = None
+    before = len(fake_measure.calls)
+    table = profile("http://unused", GRID, out, "cpu-2core", "demo", {}, 1.0, 10.0, progress=False)
+    assert not set(fake_measure.calls[before:]) & set(saved.raw) and len(table.raw) == 16
+
+
+def test_a_profile_of_another_model_is_not_resumed(fake_measure: FakeMeasure, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    build_table(GRID, {}, "cpu-2core", "other", {}, 1.0, 10.0).save(out)
+    with pytest.raises(policy_profile.BenchError, match="other on cpu-2core"):
+        profile("http://unused", GRID, out, "cpu-2core", "demo", {}, 1.0, 10.0, progress=False)
+
+
+def test_real_runs_force_each_route_on_the_demo(start_server, tmp_path: Path) -> None:
+    server = start_server("--policy", "pd")
+    grid = Grid(contexts=(160,), shapes=((16, 16),), loads=(2,), turn1_output=16, duration=1.5)
+    table = profile(server.url, grid, tmp_path / "t.json", "cpu-2core", "demo", {}, 1.0, 10.0, progress=False)
+    for route in ("prefill", "decode"):
+        run = table.raw[run_key(160, (16, 16), 2, route)]
+        assert run["failed"] == 0 and run["n"] > 0 and run["routes"] == [route]
+        assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0
+    assert table.cells[(0, 0, 0)].x_star in (0, 1)
