@@ -5,9 +5,13 @@ over a cached prefix has a choice. Static policies: `pd` (always the prefill wor
 decode worker), `aggregated` (one worker does everything). `ppd` decides per request:
 
 1. With a profiled table (scheduler/policy_table.py), the request's cell gives each route's expected turn-2+
-   TTFT and TPOT at this load. The prefill route's TTFT is corrected by the live state: the prefill worker's
-   queue delay now (queued uncached tokens over its measured rate) against its mean queue delay when the cell
-   was profiled. The decode route's TPOT is the table's measured slowdown at this load.
+   TTFT and TPOT at this load. The prefill route's TTFT is corrected by the live state: by how much the
+   prefill worker's queue delay now (queued uncached tokens over its measured rate) exceeds its mean when the
+   cell was profiled. Only an excess counts: a queue shorter than the profile's does not make the prefill
+   route faster by as much, since its TTFT also waits for the pass under way and the hand-off, which the
+   queue does not show (measured: with a symmetric correction, the appends it sent to the prefill worker on
+   the CPU demo had 6-10 ms higher turn-2 TTFT than those it kept inline, bench/results/cpu-demo-2core-policy).
+   The decode route's TPOT is the table's measured slowdown at this load.
 2. Without a table (none for this device and model), a cost model stands in, from live rates only:
      TTFT(prefill) = queue delay + new / prefill rate   (the prefill worker samples the first token itself)
      TTFT(decode)  = 1.5 decode steps + new / inline rate   (the rest of the step under way, then the step
@@ -110,7 +114,7 @@ class PPDPolicy(Policy):
         est = self.estimates.get(key) if key is not None else None
         correction = 0.0
         if est is not None:
-            correction = queue_ms - self.table.cells[key].routes["prefill"].queue_delay_ms if rate > 0 else 0.0
+            correction = max(0.0, queue_ms - self.table.cells[key].routes["prefill"].queue_delay_ms) if rate > 0 else 0.0
             ttft_p, tpot_p = est["prefill"][0] + correction, est["prefill"][1]
             ttft_d, tpot_d = est["decode"]
             reason = "table"

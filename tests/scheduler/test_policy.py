@@ -67,6 +67,13 @@ def test_a_long_prefill_queue_now_overturns_the_table() -> None:
     assert (d.route, d.reason) == ("decode", "queue") and d.queue_correction_ms == pytest.approx(180)
 
 
+def test_a_shorter_queue_than_profiled_does_not_send_appends_to_the_prefill_worker() -> None:
+    t = table(c0s0l0=(stats(ttft=100, tpot=10, queue=80), stats(ttft=60, tpot=11)))  # decode by a margin of 30
+    idle = UnitLive(prefill_queue_tokens=0, prefill_tokens_per_s=10_000, decode_step_ms=10)
+    d = ppd(t).route(cached=200, new=60, output=500, load=1, live=idle)
+    assert (d.route, d.reason, d.queue_correction_ms) == ("decode", "table", 0.0)
+
+
 def test_without_a_table_the_cost_model_weighs_queue_against_the_inline_slowdown() -> None:
     policy = ppd(None)
     # An idle prefill worker answers 64 new tokens in 6.4 ms; inline waits for 1.5 decode steps (15 ms) too.
