@@ -56,6 +56,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--timeout", type=float, default=300.0, help="seconds; a slower request counts as failed")
     load.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
                       help="SLOs for goodput, e.g. ttft:500 tpot:50 (milliseconds)")
+    load.add_argument("--objective", default="1,10", metavar="W_TTFT,W_TPOT",
+                      help="weights of the turn-2+ objective w_ttft*TTFT p50 + w_tpot*TPOT p50 in the report "
+                           "(default 1,10: the ppd policy's)")
     load.add_argument("--out", default=None, help="folder for summary.json, report.md, records and plots")
     load.add_argument("--no-progress", action="store_true")
 
@@ -75,6 +78,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     compare.add_argument("--serve-args", default="", help="extra arguments for each `ppd serve` (e.g. \"--model /m --units 2\")")
     compare.add_argument("--repeat", type=int, default=1,
                          help="runs per point (distinct conversations); the report gives each figure's median")
+    compare.add_argument("--interleave", action="store_true",
+                         help="run the repeats as rounds: each server once per point per round (a fresh server each "
+                              "round), so that a slow drift of the machine falls on all of them alike")
     rates = compare.add_mutually_exclusive_group()
     rates.add_argument("--qps", dest="qps_list", default=None, help="comma list of conversation arrival rates")
     rates.add_argument("--concurrency", dest="concurrency_list", default=None, help="comma list of closed-loop concurrencies")
@@ -88,10 +94,11 @@ def main(args: argparse.Namespace) -> None:
         from bench.engine import main as engine_main
         engine_main(args)
         return
-    from bench.report import parse_goodput
+    from bench.report import parse_goodput, parse_weights
 
     try:
         goodput = parse_goodput(args.goodput)
+        args.weights = parse_weights(args.objective)
     except ValueError as exc:
         raise BenchError(str(exc)) from exc
     if getattr(args, "bench_command", None) == "compare":
@@ -133,34 +140,41 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     if not policies and not peers:
         raise BenchError("nothing to compare: give --policies and/or --server NAME=URL")
     out = Path(args.out or _default_out("compare"))
-    summaries, records = [], {}
+    targets = [(f"ppd:{p}", None, p) for p in policies] + [(n, u, None) for n, u in peers]
+    # Interleaved: every server gets one run per point per round, the rounds in turn, so that a drift of the
+    # machine's speed over the minutes of a comparison falls on every server alike.
+    rounds, per_round = (args.repeat, 1) if args.interleave else (1, args.repeat)
+    runs: dict[tuple[str, int], list[dict]] = {(t[0], i): [] for t in targets for i in range(len(points))}
+    records: dict[str, list] = {}
     try:
-        for name, url, server in [(f"ppd:{p}", None, p) for p in policies] + [(n, u, None) for n, u in peers]:
-            proc = None
-            if server:
-                proc = start_server(["--policy", server, *shlex.split(args.serve_args)], out / f"serve-{server}.log")
-                print(f"started {server}: {proc[1]}", file=sys.stderr)
-            try:
-                base = proc[1] if proc else url
-                model, served = _server_model(base, args.model)
-                for i, (qps, concurrency) in enumerate(points):
-                    label = {"server": name, "qps": qps, "concurrency": concurrency}
-                    runs = []
-                    for r in range(args.repeat):
-                        # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
-                        conversations = _workload(args, served, args.seed + 1000 * i + r)
-                        summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput, label)
-                        runs.append(summary)
-                        records[f"{name}-{qps or concurrency}-run{r}"] = recs
-                        if summary.get("interrupted"):
-                            summaries.append(median_of_runs(runs))
-                            raise KeyboardInterrupt
-                    summaries.append(median_of_runs(runs))
-            finally:
-                if proc:
-                    stop_server(proc[0])
+        for rnd in range(rounds):
+            for name, url, server in targets:
+                proc = None
+                if server:
+                    log = out / (f"serve-{server}-round{rnd}.log" if args.interleave else f"serve-{server}.log")
+                    proc = start_server(["--policy", server, *shlex.split(args.serve_args)], log)
+                    print(f"started {server}: {proc[1]}", file=sys.stderr)
+                try:
+                    base = proc[1] if proc else url
+                    model, served = _server_model(base, args.model)
+                    for i, (qps, concurrency) in enumerate(points):
+                        label = {"server": name, "qps": qps, "concurrency": concurrency}
+                        for r in range(per_round):
+                            run = rnd + r  # one of the two is 0
+                            # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
+                            conversations = _workload(args, served, args.seed + 1000 * i + run)
+                            summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput,
+                                                     label)
+                            runs[(name, i)].append(summary)
+                            records[f"{name}-{qps or concurrency}-run{run}"] = recs
+                            if summary.get("interrupted"):
+                                raise KeyboardInterrupt
+                finally:
+                    if proc:
+                        stop_server(proc[0])
     except KeyboardInterrupt:
         print("\ninterrupted: reporting what was measured", file=sys.stderr)
+    summaries = [median_of_runs(runs[(t[0], i)]) for t in targets for i in range(len(points)) if runs[(t[0], i)]]
     if summaries:
         write_report(summaries, out, records)
         print(markdown_table(summaries))
@@ -182,7 +196,7 @@ def _measure(args, url: str, model: str, conversations: list[Conversation], qps:
         asyncio.run(run_load(cfg, conversations, progress=not args.no_progress, records=records))
     except KeyboardInterrupt:
         interrupted = True
-    summary = summarize(records, time.perf_counter() - started, goodput, label)
+    summary = summarize(records, time.perf_counter() - started, goodput, label, args.weights)
     if interrupted:
         summary["interrupted"] = True
     return summary, records

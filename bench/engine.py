@@ -110,14 +110,16 @@ def _median_ms(fn, device: torch.device, repeat: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def _copy_ms(nbytes: int, device: torch.device, repeat: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return _median_ms(lambda: dst.copy_(src), device, repeat=repeat)
+
+
 def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> Ceilings:
     """Copy bandwidth (a large device-to-device copy, bytes read + written) and the matmul rate on random data."""
     nbytes = (64 if quick else 256) * 2**20 if device.type == "cpu" else 2 * 2**30
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    ms = _median_ms(lambda: dst.copy_(src), device, repeat=5 if quick else 20)
-    copy_gbps = 2 * nbytes / (ms / 1000) / 1e9
-    del src, dst
+    copy_gbps = 2 * nbytes / (_copy_ms(nbytes, device, repeat=5 if quick else 20) / 1000) / 1e9
     n = (256 if quick else 1024) if device.type == "cpu" else 8192
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Validate a GPU host for ppd-serve, writing every raw output and log into OUTDIR.
 #
-#   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine compare kernels (default: the first four)
+#   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine compare kernels policy policy-eval:W
+#                                             policy-verdict (default: probe tests engine compare)
 #
 #   probe    ppd probe: GPUs, CUDA IPC, MPS, kernel overlap, green contexts        -> probe.json, probe.log
 #   tests    the gpu-marked tests, then the kernel tests (their small cases run on CUDA too) -> tests.log
 #   engine   ppd bench engine on Llama-3.1-8B's config with random weights          -> engine-*.{json,md}, engine.log
 #   compare  a short ppd bench compare of pd, dlocal and aggregated on the same model -> compare/, compare.log
 #   kernels  python -m bench.kernels: each kernel's configs at real sizes (slow)     -> kernels/, kernels.log
+#   policy   ppd profile policy on the same model, 10 s runs (resumable: OUTDIR/policy.json) -> policy.*, policy.log
+#   policy-eval:W  ppd against pd, dlocal, aggregated on workload W (decode-heavy, balanced, prefill-heavy) at
+#                $POLICY_QPS conversations/s (default 2), one 30 s run each (reads OUTDIR/policy.json; about
+#                8 minutes, so one workload per device call)                     -> policy-eval/W/, policy-eval-W.log
+#   policy-verdict the verdict over the policy-eval workloads present           -> policy-eval/verdict.md
 #
 # Run it from the repository root. Python packages the host lacks can come as wheels in .whl/
 # (../shared/device/wheels.sh openai distro jiter): they are installed into /tmp/site first.
@@ -33,6 +39,7 @@ else
 fi
 export PYTHONUNBUFFERED=1
 ppd=(python3 -m server.cli)
+llama="--model bench/models/llama-3.1-8b --load-format dummy --skip-tokenizer-init"
 
 {
   date -u
@@ -63,15 +70,26 @@ python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : 
     engine)
       run_step engine "${ppd[@]}" bench engine --out "$out"; rc=$? ;;
     compare)
-      run_step compare "${ppd[@]}" bench compare --policies pd,dlocal,aggregated \
-        --serve-args "--model bench/models/llama-3.1-8b --load-format dummy --skip-tokenizer-init" \
+      run_step compare "${ppd[@]}" bench compare --policies pd,dlocal,aggregated --serve-args "$llama" \
         --api completions --workload synthetic --profile balanced --turn1 short --turns 3 \
         --qps 2 --duration 40 --timeout 120 --repeat 1 --goodput ttft:500 tpot:50 --no-progress \
         --out "$out/compare"; rc=$? ;;
     kernels)
       run_step kernels python3 -m bench.kernels --out "$out/kernels"; rc=$? ;;
+    policy)
+      run_step policy "${ppd[@]}" profile policy --serve-args "$llama" --duration 10 --no-progress \
+        --out "$out/policy.json"; rc=$? ;;
+    policy-eval:*)
+      w=${step#policy-eval:}
+      run_step "policy-eval-$w" "${ppd[@]}" bench compare --policies pd,dlocal,ppd,aggregated \
+        --serve-args "$llama --policy-table $out/policy.json" --api completions --workload synthetic --profile "$w" \
+        --turn1 mixed --qps "${POLICY_QPS:-2}" --duration 30 --timeout 120 --repeat 1 --no-progress \
+        --out "$out/policy-eval/$w"; rc=$? ;;
+    policy-verdict)
+      run_step policy-verdict bash -c "python3 -m bench.policy_eval $out/policy-eval/*/ --out $out/policy-eval/verdict.md"
+      rc=$? ;;
     *)
-      echo "unknown step $step (probe tests engine compare kernels)" >&2; rc=2 ;;
+      echo "unknown step $step (probe tests engine compare kernels policy policy-eval:W policy-verdict)" >&2; rc=2 ;;
   esac
 done
 exit "$rc"

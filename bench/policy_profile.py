@@ -20,6 +20,7 @@ import random
 import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -126,8 +127,23 @@ def build_table(grid: Grid, raw: dict, device: str, model: str, meta: dict, w_tt
     return table.with_weights(w_ttft, w_tpot)
 
 
+def measure_repeated(url: str, model: str, context: int, shape: tuple[int, int], load: int, route: str, grid: Grid,
+                     seed: int, repeat: int) -> dict:
+    """`repeat` runs of one cell and route (distinct conversations): each statistic's median, the runs kept."""
+    runs = [measure(url, model, context, shape, load, route, grid, seed + r) for r in range(repeat)]
+    if repeat == 1:
+        return runs[0]
+    combined = {k: sum(run[k] for run in runs) for k in ("requests", "failed", "n")}
+    for k in ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "queue_delay_ms"):
+        values = [run[k] for run in runs if run[k] is not None]
+        combined[k] = statistics.median(values) if values else None
+    combined["routes"] = sorted({r for run in runs for r in run["routes"]})
+    combined["repeats"] = runs
+    return combined
+
+
 def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict, w_ttft: float, w_tpot: float,
-            progress: bool = True, seed: int = 0) -> PolicyTable:
+            progress: bool = True, seed: int = 0, repeat: int = 1) -> PolicyTable:
     """Measure every run of the grid not already in `out` (resuming), writing the table after each run."""
     raw: dict = {}
     if out.exists():
@@ -147,8 +163,8 @@ def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict
     bar = tqdm(todo, desc="profile runs", unit=" run", file=sys.stderr, disable=not progress)
     for n, (context, shape, load, route) in enumerate(bar):
         bar.set_postfix_str(run_key(context, shape, load, route), refresh=True)
-        raw[run_key(context, shape, load, route)] = measure(url, served, context, shape, load, route, grid,
-                                                            seed + 1000 * n)
+        raw[run_key(context, shape, load, route)] = measure_repeated(url, served, context, shape, load, route, grid,
+                                                                     seed + 1000 * n, repeat)
         table = build_table(grid, raw, device, model, meta, w_ttft, w_tpot)
         table.save(out)
     bar.close()
@@ -221,6 +237,7 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default=None, help="comma list of turn-2 shapes NEWxOUT, e.g. 64x512,1024x64")
     p.add_argument("--loads", default=None, help="comma list of conversations in flight")
     p.add_argument("--duration", type=float, default=None, help="seconds of traffic per run")
+    p.add_argument("--repeat", type=int, default=1, help="runs per cell and route (medians are kept)")
     p.add_argument("--w-ttft", type=float, default=DEFAULT_W_TTFT, help="weight of TTFT for the stored x*")
     p.add_argument("--w-tpot", type=float, default=DEFAULT_W_TPOT, help="weight of TPOT for the stored x*")
     p.add_argument("--seed", type=int, default=0)
@@ -235,7 +252,8 @@ def choose_grid(args: argparse.Namespace, gpu: bool) -> Grid:
                   if args.shapes else base.shapes)
         loads = tuple(int(x) for x in args.loads.split(",")) if args.loads else base.loads
     except ValueError as exc:
-        raise BenchError(f"bad grid list: {exc}; expected e.g. --contexts 160,544 --shapes 8x64,128x8 --loads 1,4")
+        raise BenchError(f"bad grid list: {exc}; expected e.g. --contexts 160,544 --shapes 8x64,128x8 --loads 1,4") \
+            from exc
     if any(len(s) != 2 for s in shapes) or sorted(set(contexts)) != list(contexts) or sorted(set(loads)) != list(loads):
         raise BenchError("--shapes are NEWxOUT pairs; --contexts and --loads distinct and increasing")
     return Grid(contexts, shapes, loads, base.turn1_output, args.duration or base.duration)
@@ -243,11 +261,10 @@ def choose_grid(args: argparse.Namespace, gpu: bool) -> Grid:
 
 def main(args: argparse.Namespace) -> None:
     proc = None
-    out_dir = Path(args.out).parent if args.out else Path("bench") / "results"
     try:
         url = args.url
         if url is None:
-            log = out_dir / f"profile-serve-{os.getpid()}.log"
+            log = Path(tempfile.gettempdir()) / f"ppd-profile-serve-{os.getpid()}.log"
             proc, url = start_server(["--policy", "pd", *shlex.split(args.serve_args)], log)
             print(f"started ppd serve at {url} (log {log})", file=sys.stderr)
         device, model, gpu = _describe(url)
@@ -256,9 +273,10 @@ def main(args: argparse.Namespace) -> None:
         meta = {"created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "command": shlex.join(["ppd", *sys.argv[1:]]),
                 "settings": {"serve_args": args.serve_args, "turn1_output": grid.turn1_output,
-                             "duration_s": grid.duration}}
+                             "duration_s": grid.duration, "repeat": args.repeat}}
         started = time.monotonic()
-        table = profile(url, grid, out, device, model, meta, args.w_ttft, args.w_tpot, not args.no_progress, args.seed)
+        table = profile(url, grid, out, device, model, meta, args.w_ttft, args.w_tpot, not args.no_progress, args.seed,
+                        args.repeat)
     finally:
         if proc is not None:
             stop_server(proc)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("ppd.bench")
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2e")
+DEFAULT_WEIGHTS = (1.0, 10.0)  # (w_ttft, w_tpot): the ppd policy's defaults
 X_KEYS = ("qps", "concurrency")  # label keys that are the load of a run, not the series it belongs to
 
 
@@ -49,8 +50,10 @@ def _meets(record: RequestRecord, slos: dict[str, float]) -> bool:
 
 
 def summarize(records: Sequence[RequestRecord], duration_s: float, goodput: dict[str, float] | None = None,
-              label: dict | None = None) -> dict[str, Any]:
-    """One run's statistics as a JSON-serializable dict; goodput holds SLOs in seconds (see parse_goodput)."""
+              label: dict | None = None, weights: tuple[float, float] = DEFAULT_WEIGHTS) -> dict[str, Any]:
+    """One run's statistics as a JSON-serializable dict; goodput holds SLOs in seconds (see parse_goodput);
+    weights (w_ttft, w_tpot) make the turn-2+ objective w_ttft * TTFT p50 + w_tpot * TPOT p50 (ms), the ppd
+    policy's."""
     ok = [r for r in records if r.success]
     n = len(records)
 
@@ -70,6 +73,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, goodput: dict
         **_ms([r.ttft for r in ok if r.turn == 0 and r.ttft is not None], "ttft_turn1", (50, 90, 99)),
         **_ms([r.ttft for r in ok if r.turn >= 1 and r.ttft is not None], "ttft_turn2plus", (50, 90, 99)),
         **_ms([r.tpot for r in ok if r.tpot is not None], "tpot", (50, 99)),
+        **_ms([r.tpot for r in ok if r.turn >= 1 and r.tpot is not None], "tpot_turn2plus", (50, 99)),
         **_ms([gap for r in ok for gap in r.itl], "itl", (99,)),
         **_ms([r.latency for r in ok if r.latency is not None], "e2e", (50, 99)),
         "output_tokens_per_s": per_s(output),
@@ -83,6 +87,10 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, goodput: dict
         "routes": dict(Counter(r.route for r in records if r.route is not None)),
         "errors": dict(Counter((r.error or "")[:200] for r in records if not r.success).most_common(5)),
     }
+    ttft2, tpot2 = summary["ttft_turn2plus_ms_p50"], summary["tpot_turn2plus_ms_p50"]
+    summary["objective_w_ttft"], summary["objective_w_tpot"] = float(weights[0]), float(weights[1])
+    summary["objective_turn2plus"] = (None if ttft2 is None or tpot2 is None
+                                      else weights[0] * ttft2 + weights[1] * tpot2)
     if goodput:
         met = sum(_meets(r, goodput) for r in records)
         summary["goodput_requests_per_s"] = per_s(met)
@@ -119,6 +127,17 @@ def median_of_runs(runs: Sequence[dict]) -> dict:
         combined["interrupted"] = True
     combined["runs"] = list(runs)
     return combined
+
+
+def parse_weights(text: str) -> tuple[float, float]:
+    """'1,10' -> (w_ttft, w_tpot)."""
+    try:
+        w_ttft, w_tpot = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"bad --objective {text!r}: expected W_TTFT,W_TPOT, e.g. 1,10") from None
+    if w_ttft < 0 or w_tpot < 0:
+        raise ValueError(f"bad --objective {text!r}: weights must not be negative")
+    return w_ttft, w_tpot
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:
@@ -162,6 +181,8 @@ METRIC_COLUMNS = [
     ("TTFT turn 1 p50 / p99 (ms)", lambda s: _pair(s, "ttft_turn1")),
     ("TTFT turn 2+ p50 / p99 (ms)", lambda s: _pair(s, "ttft_turn2plus")),
     ("TPOT p50 / p99 (ms)", lambda s: _pair(s, "tpot")),
+    ("TPOT turn 2+ p50 (ms)", lambda s: _num(s.get("tpot_turn2plus_ms_p50"), ".2f")),
+    ("objective turn 2+", lambda s: _num(s.get("objective_turn2plus"))),
     ("ITL p99 (ms)", lambda s: _num(s.get("itl_ms_p99"))),
     ("E2E p50 / p99 (ms)", lambda s: _pair(s, "e2e")),
     ("output tok/s", lambda s: _num(s.get("output_tokens_per_s"))),
@@ -208,7 +229,9 @@ def write_report(summaries: Sequence[dict], out_dir: Path, records_by_run: dict[
     report.write_text("# ppd bench\n\n" + markdown_table(summaries) + "\n\n"
                       + "".join(f"![{p.stem}]({p.name})\n\n" for p in plots)
                       + "TTFT turn 2+: every turn after the first. TPOT: (latency - TTFT) / (output tokens - 1). "
-                        "Goodput: requests meeting every SLO in goodput_slo_ms, per second and as a share of all.\n")
+                        "Objective turn 2+: w_ttft * TTFT p50 + w_tpot * TPOT p50 of turns 2+ (ms; the weights are "
+                        "in summary.json). Goodput: requests meeting every SLO in goodput_slo_ms, per second and as "
+                        "a share of all.\n")
     written += [report, *plots]
     used: set[str] = set()
     for run, records in (records_by_run or {}).items():

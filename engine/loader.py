@@ -60,7 +60,7 @@ def _layout(model: Model) -> list[tuple[str, nn.Parameter, int]]:
             follows[names[0]] = names[1:]
     placed: set[str] = set()
     out, offset = [], 0
-    for name, p in params.items():
+    for name in params:
         if name in placed:
             continue
         for member in [name, *follows.get(name, [])]:

@@ -85,6 +85,22 @@ def test_compare_our_policy_and_a_peer_with_repeats(stub, tmp_path: Path) -> Non
     assert (out / "serve-dlocal.log").exists() and (out / "latency_vs_qps.png").read_bytes().startswith(PNG)
 
 
+def test_compare_interleaved_runs_each_server_once_per_round(stub, tmp_path: Path) -> None:
+    out = tmp_path / "interleaved"
+    result = ppd("bench", "compare", "--policies", "dlocal", "--server", f"stub={stub.url}", "--qps", "3",
+                 "--duration", "2", "--repeat", "2", "--interleave", "--api", "completions", "--scale", "0.05",
+                 "--serve-args", "--kv-cache-memory 0.1", "--out", str(out), "--no-progress", timeout=300)
+    assert result.returncode == 0, result.stderr
+    summaries = json.loads((out / "summary.json").read_text())
+    assert [s["label"]["server"] for s in summaries] == ["ppd:dlocal", "stub"]
+    assert all(s["repeats"] == 2 for s in summaries)
+    # A fresh server per round, and each round's conversations distinct from the other's.
+    assert (out / "serve-dlocal-round0.log").exists() and (out / "serve-dlocal-round1.log").exists()
+    ours = [{r["conversation"] for r in map(json.loads, (out / f"ppd_dlocal-3.0-run{i}" / "records.jsonl").open())}
+            for i in range(2)]
+    assert ours[0] and not ours[0] & ours[1]
+
+
 def test_compare_rejects_unknown_policy() -> None:
     result = ppd("bench", "compare", "--policies", "fastest")
     assert result.returncode == 2 and "fastest" in result.stderr and "aggregated" in result.stderr
