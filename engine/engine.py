@@ -26,6 +26,8 @@ from engine.shared_memory import SharedHandle, create_shared, open_shared
 
 log = logging.getLogger("ppd.engine")
 
+MAX_FAILED_STEPS = 3  # steps in a row where every input fails before step_each gives up on the engine
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -63,6 +65,7 @@ class Engine:
         self.weights_handle, self.kv_handle = handles
         self.device = runner.device
         self.sampler = Sampler(mcfg.eos_token_ids)
+        self._failed_steps = 0
 
     # ---- start-up ----------------------------------------------------------------------------------
 
@@ -141,6 +144,38 @@ class Engine:
         return cls(cfg, mcfg, runner, plan, (weights, kv))
 
     # ---- steps -------------------------------------------------------------------------------------
+
+    def step_each(self, inputs: list[StepInput], params: list[SamplingParams],
+                  output_indices: list[int]) -> tuple[list[int | None], dict[int, str]]:
+        """step(), but a failure ends only the inputs that fail: when the batch raises, each input runs again alone
+        (rewriting its KV slots with the same values), and those that still raise are returned as
+        {input position: error} with None for their token. Raises when every input fails in MAX_FAILED_STEPS steps in
+        a row: the engine itself is broken (on a GPU, a fault poisons the context), and the process must restart."""
+        try:
+            tokens: list[int | None] = list(self.step(inputs, params, output_indices))
+            self._failed_steps = 0
+            return tokens, {}
+        except Exception as exc:  # noqa: BLE001 - sorted out below, per input
+            log.warning("a step of %d input(s) failed (%s: %s); running them one by one", len(inputs),
+                        type(exc).__name__, exc)
+            batch_error = exc
+        tokens, failed, k = [], {}, 0
+        for pos, inp in enumerate(inputs):
+            one = slice(k, k + 1) if inp.sample else slice(k, k)
+            k += inp.sample
+            try:
+                got = self.step([inp], params[one], output_indices[one])
+            except Exception as exc:  # noqa: BLE001
+                failed[pos] = f"{type(exc).__name__}: {exc}"
+                got = [None] if inp.sample else []
+            tokens += got
+        if len(failed) < len(inputs):
+            self._failed_steps = 0
+        else:
+            self._failed_steps += 1
+            if self._failed_steps >= MAX_FAILED_STEPS:
+                raise RuntimeError(f"{MAX_FAILED_STEPS} steps in a row failed for every input") from batch_error
+        return tokens, failed
 
     def step(self, inputs: list[StepInput], params: list[SamplingParams], output_indices: list[int]) -> list[int]:
         """Run one forward pass and sample a token for each input with sample=True (params/indices in that order).

@@ -61,9 +61,11 @@ class Sampler:
     def _ban_early_stop(self, logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> Tensor:
         rows: list[int] = []
         cols: list[int] = []
+        vocab = logits.shape[-1]
         for i, (p, index) in enumerate(zip(params, output_indices)):
             if index < p.min_tokens:
-                banned = self.eos_token_ids + p.stop_token_ids
+                # An id past the vocabulary can never be sampled, so there is nothing to ban (the API refuses one).
+                banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < vocab]
                 rows += [i] * len(banned)
                 cols += banned
         if not rows:

@@ -6,6 +6,8 @@ these, so the engine only asserts invariants.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
@@ -30,3 +32,18 @@ class SamplingParams(msgspec.Struct, frozen=True):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def problem(self, vocab_size: int) -> str | None:
+        """Why a worker cannot run these parameters (None when it can): the API server refuses such a request
+        first, and a worker checks again so that no message can break it."""
+        if not (0.0 <= self.temperature < math.inf):
+            return f"temperature {self.temperature} must be a finite number >= 0"
+        if not (0.0 < self.top_p <= 1.0):
+            return f"top_p {self.top_p} must be in (0, 1]"
+        if self.top_k < 0:
+            return f"top_k {self.top_k} must be >= 0 (0: no cut)"
+        if self.max_tokens < 1 or not (0 <= self.min_tokens <= self.max_tokens):
+            return f"need 0 <= min_tokens ({self.min_tokens}) <= max_tokens ({self.max_tokens}) and max_tokens >= 1"
+        if bad := [t for t in self.stop_token_ids if not 0 <= t < vocab_size]:
+            return f"stop token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
+        return None

@@ -64,8 +64,9 @@ class DecodeScheduler:
     """Decides each decode-worker step; the worker runs the model and feeds back the sampled tokens."""
 
     def __init__(self, blocks: BlockManager, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, aggregated: bool) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, aggregated: bool, vocab_size: int) -> None:
         self.blocks = blocks
+        self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -85,10 +86,12 @@ class DecodeScheduler:
     # ---- requests in -------------------------------------------------------------------------------
 
     def add(self, req: GenerateRequest) -> RequestOutput | None:
-        """Queue a request; returns an error output at once if it can never fit in the pool."""
+        """Queue a request; returns an error output at once if it is malformed or can never fit in the pool."""
+        if (problem := self._problem(req)) is not None:
+            return RequestOutput(req.request_id, 0, [], error=problem, error_status=400)
         needed = self._blocks_for(len(req.prompt_token_ids) + 1)
         if needed > self.blocks.num_blocks:
-            return RequestOutput(req.request_id, 0, [], error=(
+            return RequestOutput(req.request_id, 0, [], error_status=400, error=(
                 f"the prompt needs {needed} KV blocks but the pool has {self.blocks.num_blocks}; "
                 "raise --kv-cache-memory or shorten the prompt"))
         seq = Sequence(req.request_id, list(req.prompt_token_ids), len(req.prompt_token_ids), req.sampling, req.route)
@@ -152,13 +155,22 @@ class DecodeScheduler:
             budget -= chunk
         return step
 
-    def postprocess(self, step: Step, tokens: list[int]) -> list[RequestOutput]:
-        """Record the step's KV and sampled tokens; returns the outputs for the API server."""
-        for seq, inp in zip(step.seqs, step.inputs):
+    def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None) -> list[RequestOutput]:
+        """Record the step's KV and sampled tokens; returns the outputs for the API server. failed: the step's
+        inputs (by position) that raised in the engine, with why; their requests end with that error."""
+        failed = failed or {}
+        outputs = []
+        for pos, (seq, inp) in enumerate(zip(step.seqs, step.inputs)):
+            if pos in failed:
+                outputs.append(RequestOutput(seq.request_id, seq.num_output, [],
+                                             error=f"the decode worker failed on this request ({failed[pos]})"))
+                self._finish(seq)
+                continue
             seq.num_computed += len(inp.token_ids)
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
-        outputs = []
         for seq, token in zip(step.sampling_seqs, tokens, strict=True):
+            if token is None:
+                continue  # failed above
             seq.token_ids.append(token)
             out = RequestOutput(seq.request_id, seq.num_output - 1, [token])
             if not seq.reported:
@@ -187,6 +199,20 @@ class DecodeScheduler:
                            prefill_queue_tokens=sum(len(s.token_ids) - s.num_computed for s in self.remote.values()))
 
     # ---- internals ---------------------------------------------------------------------------------
+
+    def _problem(self, req: GenerateRequest) -> str | None:
+        """Why this request cannot run (the API server checks first; a worker never trusts a message to be sane)."""
+        prompt = req.prompt_token_ids
+        if req.request_id in self.by_id:
+            return f"request id {req.request_id} is already running"
+        if not prompt:
+            return "the prompt is empty"
+        if not 0 <= min(prompt) <= max(prompt) < self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            return f"prompt token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+        if len(prompt) >= self.max_model_len:
+            return f"the prompt's {len(prompt)} tokens leave no room in the context of {self.max_model_len}"
+        return req.sampling.problem(self.vocab_size)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.blocks.block_size)

@@ -50,7 +50,7 @@ class DecodeWorker:
         plan = self.engine.plan
         self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size), self.engine.mcfg.eos_token_ids,
                                          plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
-                                         cfg.aggregated)
+                                         cfg.aggregated, self.engine.mcfg.vocab_size)
         self.requests = zmq_socket(ctx, zmq.PULL, cfg.requests_address)
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
@@ -82,9 +82,10 @@ class DecodeWorker:
             if step.inputs:
                 seqs = step.sampling_seqs
                 started = time.perf_counter()
-                tokens = self.engine.step(step.inputs, [s.sampling for s in seqs], [s.num_output for s in seqs])
-                self.times.record(step.inputs, time.perf_counter() - started)
-                self.pending += self.scheduler.postprocess(step, tokens)
+                tokens, failed = self.engine.step_each(step.inputs, [s.sampling for s in seqs], [s.num_output for s in seqs])
+                if not failed:
+                    self.times.record(step.inputs, time.perf_counter() - started)
+                self.pending += self.scheduler.postprocess(step, tokens, failed)
             self.send()
 
     def receive(self, block: bool) -> None:

@@ -91,6 +91,7 @@ class RequestOutput(msgspec.Struct):
     route: Route | None = None
     num_cached_tokens: int | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status the error is answered with: 400 for a request no worker can run
 
 
 class WorkerStats(msgspec.Struct):

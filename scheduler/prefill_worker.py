@@ -59,10 +59,17 @@ class PrefillWorker:
             started = time.perf_counter()
             # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
             # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
-            tokens = self.engine.step(inputs, [a.job.sampling for a in done], [a.job.output_index for a in done])
-            seconds = time.perf_counter() - started
-            self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
-            self.finish(done, tokens)
+            tokens, failed = self.engine.step_each(inputs, [a.job.sampling for a in done],
+                                                   [a.job.output_index for a in done])
+            if not failed:
+                seconds = time.perf_counter() - started
+                self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
+            for pos, error in failed.items():
+                # Only this job ends; its blocks go back when the decode worker reads the PrefillDone.
+                self.queue.remove(active[pos])
+                self.notify.send(self.encode(PrefillDone(active[pos].job.request_id, None,
+                                                         f"the prefill worker failed on this request ({error})")))
+            self.finish([(a, t) for a, t in zip(done, tokens) if t is not None])
 
     def receive(self, block: bool) -> None:
         if block:
@@ -96,13 +103,13 @@ class PrefillWorker:
             budget -= chunk
         return inputs, active
 
-    def finish(self, done: list[ActiveJob], tokens: list[int]) -> None:
+    def finish(self, done: list[tuple[ActiveJob, int]]) -> None:
         """First tokens to the API server (with the measured speed, which the router reads), then the notifications
         that hand the blocks back to the decode worker."""
         outputs = [RequestOutput(a.job.request_id, a.job.output_index, [t], route="prefill", num_cached_tokens=a.job.num_cached)
-                   for a, t in zip(done, tokens)]
+                   for a, t in done]
         self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s))))
-        for a, t in zip(done, tokens):
+        for a, t in done:
             self.queue.remove(a)
             self.notify.send(self.encode(PrefillDone(a.job.request_id, t)))
 

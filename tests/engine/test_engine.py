@@ -77,6 +77,39 @@ def test_cpu_engine_and_an_attached_peer_share_memory_and_agree(tmp_path: Path) 
         release_name(owner.kv_handle)
 
 
+def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> None:
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = Engine.create(cfg, names("fail"))
+    try:
+        prompts = [random_ids(9, seed=2), random_ids(13, seed=3)]
+        free = free_blocks(engine)
+        convs = [Conversation(engine, free, p) for p in prompts]
+        forward = engine.runner.forward
+
+        def poisoned(inputs: list[StepInput]):  # a fault that only the second conversation's inputs trigger
+            if any(i.block_table == convs[1].table for i in inputs):
+                raise ValueError("poisoned input")
+            return forward(inputs)
+
+        engine.runner.forward = poisoned
+        tokens, failed = engine.step_each([c.next_input() for c in convs], [GREEDY] * 2, [0, 0])
+        assert failed == {1: "ValueError: poisoned input"} and tokens[1] is None
+        convs[0].tokens.append(tokens[0])
+        run_together(engine, convs[:1], NEW_TOKENS - 1)
+        assert convs[0].tokens[len(prompts[0]):] == hf_greedy(folder, prompts[0], NEW_TOKENS)
+        # An engine on which everything fails is broken: after a few such steps it gives up (the worker restarts).
+        engine.runner.forward = lambda inputs: (_ for _ in ()).throw(RuntimeError("device lost"))
+        inp = convs[0].next_input()
+        for _ in range(2):
+            assert engine.step_each([inp], [GREEDY], [0])[1] == {0: "RuntimeError: device lost"}
+        with pytest.raises(RuntimeError, match="steps in a row failed"):
+            engine.step_each([inp], [GREEDY], [0])
+    finally:
+        release_name(engine.weights_handle)
+        release_name(engine.kv_handle)
+
+
 # ---- on a GPU: the Triton backend and CUDA graphs against transformers (float32) --------------------------
 
 

@@ -9,11 +9,12 @@ from scheduler.messages import GenerateRequest, PrefillDone
 
 BS = 4
 EOS = 2
+VOCAB = 1000
 
 
 def make(num_blocks: int = 64, budget: int = 16, aggregated: bool = False, max_num_seqs: int = 8) -> DecodeScheduler:
     return DecodeScheduler(BlockManager(num_blocks, BS), (EOS,), max_model_len=256, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=budget, aggregated=aggregated)
+                           max_num_batched_tokens=budget, aggregated=aggregated, vocab_size=VOCAB)
 
 
 def req(rid: str, prompt: list[int], route: str = "decode", **sampling) -> GenerateRequest:
@@ -174,3 +175,40 @@ def test_max_num_seqs_limits_admission() -> None:
     step = s.schedule()
     assert len(step.jobs) == 2 and len(s.waiting) == 1
     assert s.stats().num_running == 2 and s.stats().num_waiting == 1
+
+
+def test_a_request_no_worker_can_run_is_refused_with_400() -> None:
+    s = make()
+    cases = {
+        "empty": req("empty", []),
+        "vocab": req("vocab", [10, VOCAB]),
+        "negative": req("negative", [-1, 10]),
+        "stop": req("stop", [10, 11], stop_token_ids=(VOCAB + 5,)),
+        "minmax": req("minmax", [10, 11], max_tokens=4, min_tokens=5),
+        "top_p": req("top_p", [10, 11], top_p=0.0),
+        "long": req("long", list(range(10, 10 + 256))),
+    }
+    for rid, r in cases.items():
+        out = s.add(r)
+        assert out is not None and out.error_status == 400 and out.request_id == rid, rid
+    assert not s.by_id and s.blocks.num_free_blocks == s.blocks.num_blocks
+    s.add(req("a", [10, 11]))
+    again = s.add(req("a", [12, 13]))
+    assert again is not None and "already running" in again.error  # the first one is untouched
+    assert s.by_id["a"].token_ids == [10, 11]
+
+
+def test_a_failed_input_ends_its_request_alone_and_frees_its_blocks() -> None:
+    s = make()
+    for i, rid in enumerate(("a", "b", "c")):
+        s.add(req(rid, list(range(10 + 20 * i, 30 + 20 * i))))
+        run_remote_prefill(s, rid)
+    step = s.schedule()
+    assert [q.request_id for q in step.seqs] == ["a", "b", "c"]
+    outs = s.postprocess(step, [61, None, 62], {1: "ValueError: boom"})
+    by_id = {o.request_id: o for o in outs}
+    assert by_id["b"].error and "boom" in by_id["b"].error and by_id["b"].error_status == 500
+    assert by_id["a"].token_ids == [61] and by_id["c"].token_ids == [62]
+    assert "b" not in s.by_id and "b" not in s.blocks
+    decode_steps(s, 3)
+    assert [q.token_ids[-4:] for q in (s.by_id["a"], s.by_id["c"])] == [[61, 60, 60, 60], [62, 60, 60, 60]]
