@@ -25,13 +25,16 @@ EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report 
 
 
 def init_worker_process(cfg: UnitConfig, cores: tuple[int, ...]) -> None:
-    """Die with the launcher (no orphans even if it is killed), leave Ctrl-C to it, see only the unit's GPU,
+    """Die with the launcher (no orphans even if it is killed), leave Ctrl-C and SIGTERM to it, see only the unit's GPU,
     and take our cores. Runs before anything touches CUDA."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:  # the launcher died before prctl took effect
             os._exit(1)
+    # Ctrl-C and SIGTERM reach the whole process group (a terminal, systemd): the launcher drains the requests in
+    # flight and then stops the workers itself, so they ignore both (and die with it all the same, above).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [unit {cfg.unit} %(processName)s]: %(message)s")
     if cfg.gpu is not None:

@@ -10,9 +10,11 @@ KV blocks in the worker.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +28,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.sampling_params import SamplingParams
 from server.detokenizer import Detokenizer, make_detokenizer
 from server.engine_client import EngineClient, EngineError
+from server.guard import Guard, GuardMiddleware
 from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
                              error_type, validation_error_message)
+
+log = logging.getLogger("ppd.api")
 
 ROUTE_HEADER = "x-ppd-route"  # on a response: where the prefill ran; on a request: where to run an append-prefill
 SESSION_HEADER = "x-session-id"  # keeps a conversation on one unit
@@ -73,9 +78,17 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(message, error_type(status), param, status), status_code=status)
 
 
-def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dict], lifespan=None) -> FastAPI:
+def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dict], lifespan=None,
+              guard: Guard = Guard()) -> FastAPI:
     """The FastAPI app. health() returns the units' worker states for GET /health."""
     app = FastAPI(title="ppd-serve", lifespan=lifespan)
+    app.add_middleware(GuardMiddleware, guard=guard)
+    # Tokenizing and templating a long prompt takes milliseconds to seconds: off the event loop, which streams
+    # every other client's tokens. One thread: a tokenizer object is not meant to be used by two at once.
+    text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppd-tokenize")
+
+    async def off_loop(fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(text_pool, fn, *args)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -88,17 +101,28 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        return error_response(exc.status, exc.message)
+        response = error_response(exc.status, exc.message)
+        if exc.retry_after is not None:
+            response.headers["retry-after"] = str(int(exc.retry_after))
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # A bug of ours, not the client's: logged with its traceback, answered in OpenAI's shape.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(500, f"internal error ({type(exc).__name__}); the server logged it")
+
     @app.get("/health")
     async def get_health() -> JSONResponse:
         units = health()
         ok = bool(units) and all(u["ready"] for u in units)
-        return JSONResponse({"status": "ok" if ok else "unavailable", "units": units}, status_code=200 if ok else 503)
+        # Overloaded is still healthy (200): a probe that restarted the server now would lose every request.
+        status = "unavailable" if not ok else ("overloaded" if all(u.get("overloaded") for u in units) else "ok")
+        return JSONResponse({"status": status, "units": units}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -107,25 +131,39 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
-                                            "owned_by": "ppd-serve", "root": model.path, "max_model_len": model.max_model_len}]}
+                                            "owned_by": "ppd-serve", "root": model.name, "max_model_len": model.max_model_len}]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         need_tokenizer("messages")
+        if not getattr(model.tokenizer, "chat_template", None):
+            raise RequestError(f"the model {model.name} has no chat template (its tokenizer_config.json has none): use "
+                               "/v1/completions with a prompt, or serve a tokenizer that has one (--tokenizer)",
+                               param="messages")
+        prompt_ids = await off_loop(chat_prompt_ids, body)
+        return await respond(body, prompt_ids, request, chat=True)
+
+    def chat_prompt_ids(body: ChatCompletionRequest) -> list[int]:
         try:
             text = model.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-        prompt_ids = model.tokenizer.encode(text, add_special_tokens=False)
-        return await respond(body, prompt_ids, request, chat=True)
+        return encode(text, "messages", add_special_tokens=False)
+
+    def encode(text: str, param: str, **kw: Any) -> list[int]:
+        try:
+            return model.tokenizer.encode(text, **kw)
+        except Exception as exc:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
+            raise RequestError(f"the text cannot be tokenized ({type(exc).__name__}: {exc}); send valid Unicode",
+                               param=param) from exc
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         if isinstance(body.prompt, str):
             need_tokenizer("prompt")
-            prompt_ids = model.tokenizer.encode(body.prompt)
+            prompt_ids = await off_loop(encode, body.prompt, "prompt")
         else:
             prompt_ids = body.prompt
             if (bad := max(prompt_ids)) >= model.vocab_size:
@@ -154,6 +192,9 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
         return requested if requested is not None else room
 
     async def respond(body: SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
+        if body.stop_token_ids and (bad := max(body.stop_token_ids)) >= model.vocab_size:
+            raise RequestError(f"stop token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
+                               f"tokens (ids 0..{model.vocab_size - 1})", param="stop_token_ids")
         sampling = body.sampling_params(resolve_max_tokens(body, len(prompt_ids)), model.eos_token_ids)
         if model.tokenizer is None:
             if body.stop_strings:
@@ -172,7 +213,19 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                         for c, s in zip(choices, seeds)])
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            first = await anext(events, None)  # before the headers go out: errors get a status, the route is known
+            # The first event comes before the headers go out, so that errors get a status and the route is known;
+            # a client that leaves while it waits aborts the request there and then (not at its first token).
+            waiting = asyncio.ensure_future(anext(events, None))
+            gone = asyncio.ensure_future(wait_disconnect(request))
+            await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not waiting.done():
+                waiting.cancel()  # raises in the choices' streams, whose exit aborts their requests
+                with suppress(asyncio.CancelledError):
+                    await waiting
+                await events.aclose()
+                return Response(status_code=499)
+            first = waiting.result()
             headers = {ROUTE_HEADER: choices[0].route or "prefill"}
             sse = stream_events(response_id, body, chat, choices, prompt_ids, events, first)
             return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
@@ -312,4 +365,8 @@ async def stream_events(response_id: str, body: SamplingRequest, chat: bool, cho
         except (EngineError, RequestError) as exc:
             status = exc.status
             yield b"data: " + _json.encode(error_body(exc.message, error_type(status), None, status)) + b"\n\n"
+        except Exception as exc:  # a bug of ours: the client still gets an error event and [DONE], the log the rest
+            log.error("a stream failed", exc_info=exc)
+            message = f"internal error ({type(exc).__name__}); the server logged it"
+            yield b"data: " + _json.encode(error_body(message, error_type(500), None, 500)) + b"\n\n"
         yield b"data: [DONE]\n\n"

@@ -13,6 +13,9 @@ from partition import PARTITIONS
 from scheduler.config import POLICIES
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from scheduler.router import DEFAULT_SESSION_TTL_S
+from server.guard import DEFAULT_MAX_REQUEST_BYTES
+
+DEFAULT_MAX_QUEUE_TIME_S = 10.0
 
 log = logging.getLogger("ppd")
 
@@ -24,8 +27,25 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="a folder with the tokenizer to use (default: the model folder)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token ids, no text")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="the address to listen on; 0.0.0.0 for every interface")
+    p.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' (default: $PPD_API_KEY if set, else no key); "
+                        "/health and /metrics stay open")
+    p.add_argument("--allowed-hosts", default=None,
+                   help="comma-separated Host header names the server answers to, or * for any (default: the loopback "
+                        "names when --host is a loopback address, else any)")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="per unit: requests waiting to start beyond which a new one is answered 429 with Retry-After "
+                        "(default: 2 x --max-num-seqs; 0: no limit)")
+    p.add_argument("--max-queue-time-s", type=float, default=DEFAULT_MAX_QUEUE_TIME_S,
+                   help="a request that would wait longer than this to start is answered 429 on arrival, one that "
+                        "has waited this long without starting is ended with 429 (0: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended "
+                        "with an error")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body; a larger one is answered 413 before it is parsed")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto (default): every visible CUDA GPU when there is one, else the CPU")
     p.add_argument("--gpus", default=None,
@@ -71,7 +91,26 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="most sequences a decode worker batches (CUDA graphs are captured up to this batch)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one forward pass")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="what to log")
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, unless its text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.option_strings and "default" not in text.lower() and action.default not in (None, False, True)
+                and action.default is not argparse.SUPPRESS and action.default != []):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = DefaultsFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.policy_profile import add_policy_args
     add_policy_args(profiles.add_parser("policy", help="the ppd policy's table: turn-2 latency by route, per workload "
                                                        "cell (profiles/<device>__<model>__policy.json)"))
+    _show_defaults(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
@@ -109,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, BenchError) as exc:
         print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: everything was stopped on the way out; no traceback
+        print(f"ppd {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,12 +29,32 @@ from server.metrics import Metrics
 
 
 class EngineError(Exception):
-    """A request could not be completed; status is the HTTP status to answer with."""
+    """A request could not be completed; status is the HTTP status to answer with (retry_after: seconds, for 429)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Bounded waiting per unit: a request that cannot start soon is answered 429 at once, not queued for minutes.
+
+    A request waits from its arrival to its first token. A unit takes a new one while fewer than max_waiting of
+    its requests wait and the wait it predicts is within max_queue_s: its waiting requests times the mean time
+    between two starts while requests were queued (measured only under a backlog, so an idle spell does not
+    read as a slow unit); a request that has waited max_queue_s all the same (a burst, a slow step) is ended
+    with 429 before any of its answer is sent.
+    """
+
+    max_waiting: int | None = None  # None: no limit
+    max_queue_s: float | None = None
+
+
+START_INTERVAL_WEIGHT = 0.05  # of the newest sample in the moving average of the time between starts
+MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
@@ -66,6 +87,9 @@ class _Request:
 @dataclass
 class UnitState:
     ready_roles: set[str] = field(default_factory=set)
+    waiting: int = 0  # requests sent to the unit that have not had their first token
+    last_start: float = 0.0  # when a request last had its first token
+    start_interval_s: float | None = None  # moving average of the time between starts under a backlog
     stats: WorkerStats | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)  # set when ready, or when it cannot start
     fatal: str | None = None  # why the unit cannot start
@@ -76,10 +100,11 @@ class UnitState:
 
 
 class EngineClient:
-    def __init__(self, units: list[UnitConfig], router: Router, metrics: Metrics) -> None:
+    def __init__(self, units: list[UnitConfig], router: Router, metrics: Metrics, admission: Admission = Admission()) -> None:
         self.units = units
         self.router = router
         self.metrics = metrics
+        self.admission = admission
         self.state = [UnitState() for _ in units]
         self.requests: dict[str, _Request] = {}
         self.ctx = zmq.asyncio.Context()
@@ -96,6 +121,7 @@ class EngineClient:
         self.reader: asyncio.Task | None = None
         self._ids = itertools.count()
         self.on_ready: Callable[[], None] | None = None  # called whenever a unit becomes ready
+        self.draining = False  # shutting down: no new request; those in flight may finish
 
     def start(self) -> None:
         self.reader = asyncio.get_running_loop().create_task(self._read_outputs())
@@ -116,6 +142,32 @@ class EngineClient:
         lens = [s.max_model_len for s in self.state if s.max_model_len is not None]
         return min(lens) if lens else None
 
+    def predicted_wait(self, unit: int) -> float | None:
+        """Seconds a new request would wait for its first token on unit (None: not measured yet)."""
+        state = self.state[unit]
+        return None if state.start_interval_s is None else state.waiting * state.start_interval_s
+
+    def overloaded(self, unit: int) -> str | None:
+        """Why the unit takes no new request now (None: it does)."""
+        limits, state = self.admission, self.state[unit]
+        if limits.max_waiting is not None and state.waiting >= limits.max_waiting:
+            return f"{state.waiting} requests are waiting to start (--max-waiting-requests {limits.max_waiting})"
+        wait = self.predicted_wait(unit)
+        if limits.max_queue_s is not None and wait is not None and wait > limits.max_queue_s:
+            return f"a new request would wait about {wait:.0f}s to start (--max-queue-time-s {limits.max_queue_s:g})"
+        return None
+
+    def _retry_after(self, units: list[int]) -> float:
+        waits = [w for u in units if (w := self.predicted_wait(u)) is not None]
+        return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(min(waits) if waits else 1))))
+
+    def fail_all(self, error: EngineError) -> int:
+        """End every request in flight with error (at shutdown); returns how many there were."""
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self._end(req, error, finished=False)
+        return len(reqs)
+
     def reset_unit(self, unit: int, message: str) -> None:
         """The unit's workers are gone: end its requests with a 503 and forget its state until it is ready again."""
         for req in [r for r in self.requests.values() if r.unit == unit]:
@@ -129,18 +181,41 @@ class EngineClient:
                        route_hint: Route | None = None) -> AsyncIterator[Delta]:
         """Stream a request's tokens. Raises EngineError on failure; closing the iterator early aborts the request.
         session keeps a conversation on one unit; route_hint is a client's choice of route for an append-prefill."""
-        available = [u for u in range(len(self.units)) if self.unit_ready(u)]
-        if not available:
+        if self.draining:
+            raise EngineError(503, "the server is shutting down; send the request to another server, or retry once "
+                                   "this one is back")
+        ready = [u for u in range(len(self.units)) if self.unit_ready(u)]
+        if not ready:
             raise EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
+        available = [u for u in ready if self.overloaded(u) is None]
+        if not available:
+            self.metrics.rejected("overloaded")
+            raise EngineError(429, f"the server is overloaded: {self.overloaded(ready[0])}; retry later",
+                              retry_after=self._retry_after(ready))
         placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint)
         self.metrics.route_decision(placed.decision.route, placed.decision.reason)
         req = _Request(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", placed.unit, placed.decision, prompt_ids)
-        self.requests[req.request_id] = req
-        await self.to_units[req.unit].send(self.encode(
-            GenerateRequest(req.request_id, prompt_ids, sampling, placed.route)))
         try:
+            message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route))
+        except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
+            self.router.finished(placed.unit, prompt_ids)
+            raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
+        self.requests[req.request_id] = req
+        self.state[req.unit].waiting += 1
+        try:
+            await self.to_units[req.unit].send(message)
             while True:
-                item = await req.queue.get()
+                if req.first_token or self.admission.max_queue_s is None:
+                    item = await req.queue.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(req.queue.get(), req.arrival + self.admission.max_queue_s
+                                                      - time.monotonic())
+                    except TimeoutError:
+                        self.metrics.rejected("queue_time")
+                        raise EngineError(429, f"the server is overloaded: this request waited "
+                                               f"{self.admission.max_queue_s:g}s without starting (--max-queue-time-s); "
+                                               "retry later", retry_after=self._retry_after([req.unit])) from None
                 while not req.queue.empty() and isinstance(item, Delta) and not item.finish_reason:
                     nxt = req.queue.get_nowait()  # coalesce what piled up while the caller was busy
                     if isinstance(nxt, EngineError):
@@ -184,7 +259,7 @@ class EngineClient:
                 if req is None:
                     continue  # aborted or failed already
                 if out.error is not None:
-                    self._end(req, EngineError(500, out.error), finished=False)
+                    self._end(req, EngineError(out.error_status, out.error), finished=False)
                     continue
                 req.early[out.index] = out
                 while (nxt := req.early.pop(req.next_index, None)) is not None:
@@ -212,6 +287,7 @@ class EngineClient:
         if out.token_ids:
             if not req.output_ids:
                 req.first_token = now
+                self._started(req, now)
                 self.metrics.first_token(now - req.arrival)
             else:
                 self.metrics.inter_token(now - req.last_token, len(out.token_ids))
@@ -227,10 +303,22 @@ class EngineClient:
                 self.router.policy.observe(req.decision, 1000 * (req.first_token - req.arrival), tpot)
             self._end(req, None, finished=True)
 
+    def _started(self, req: _Request, now: float) -> None:
+        state = self.state[req.unit]
+        state.waiting -= 1
+        if 0.0 < state.last_start and req.arrival <= state.last_start:
+            # This request was already queued at the previous start: the gap measures the unit, not the arrivals.
+            gap = now - state.last_start
+            old = state.start_interval_s
+            state.start_interval_s = gap if old is None else old + START_INTERVAL_WEIGHT * (gap - old)
+        state.last_start = now
+
     def _end(self, req: _Request, error: EngineError | None, finished: bool) -> None:
         """Forget a request; when it finished normally its unit's router index learns the answer too."""
         if req.done:
             return
+        if not req.first_token:
+            self.state[req.unit].waiting -= 1
         req.done = True
         self.requests.pop(req.request_id, None)
         self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids)

@@ -47,6 +47,9 @@ class Metrics:
                                    labels, registry=r)
         self.prefill_speed = Gauge("ppd:prefill_tokens_per_second", "The prefill worker's measured speed.", labels,
                                    registry=r)
+        self.rejections = Counter("ppd:requests_rejected", "Requests answered 429 because the server was overloaded, by "
+                                  "reason (overloaded: refused on arrival; queue_time: waited too long to start).",
+                                  ["model_name", "reason"], registry=r)
         self.decode_step = Gauge("ppd:decode_step_seconds", "The decode worker's recent decode-only step time.", labels,
                                  registry=r)
 
@@ -67,6 +70,9 @@ class Metrics:
 
     def prefill_speed_measured(self, unit: int, tokens_per_s: float) -> None:
         self.prefill_speed.labels(self.model, str(unit)).set(tokens_per_s)
+
+    def rejected(self, reason: str) -> None:
+        self.rejections.labels(self.model, reason).inc()
 
     def route_decision(self, route: str, reason: str) -> None:
         self.decisions.labels(self.model, route, reason).inc()

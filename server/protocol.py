@@ -22,13 +22,18 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from engine.sampling_params import SamplingParams
 
 MAX_N = 16
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; every one is matched against every new piece of text
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
 # OpenAI's /v1/completions default; chat has none (the server fills the context).
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-_ERROR_TYPES = {
+_ERROR_TYPES = {  # the names of the openai client's exception classes where it has one
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -40,7 +45,11 @@ def error_type(status: int) -> str:
 
 
 def error_body(message: str, type: str, param: str | None = None, code: int | None = None) -> dict[str, Any]:
-    """The JSON body of an error response, shaped as OpenAI and vLLM shape it."""
+    """The JSON body of an error response, shaped as OpenAI and vLLM shape it. A message may quote the client's
+    input, which may hold lone surrogates (valid JSON, not valid UTF-8): they are escaped, not sent."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -169,13 +178,13 @@ class SamplingRequest(BaseModel):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 turn it off
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # vLLM: -1 or 0 turn it off
     max_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -220,7 +229,18 @@ class SamplingRequest(BaseModel):
             raise ValueError("must be a string or a list of strings")
         if any(s == "" for s in strings):
             raise ValueError("must not contain empty strings")
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
+        if (longest := max(map(len, strings))) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
         return stop
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _check_stop_ids(cls, ids: Any) -> Any:
+        if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(ids)}")
+        return ids
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import EngineConfig
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
+from engine.shared_memory import SHM_DIR
 from partition.cpu import available_cores, split_cores
 from scheduler.config import UnitConfig
 
@@ -75,7 +80,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("w_ttft", "w_tpot", "ttft_slo_ms", "itl_slo_ms", "session_ttl_s"):
+    for name in ("w_ttft", "w_tpot", "ttft_slo_ms", "itl_slo_ms", "session_ttl_s", "max_waiting_requests",
+                 "max_queue_time_s", "shutdown_timeout"):
         if (value := getattr(args, name)) is not None and value < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
     if args.units is not None and args.units < 1:
@@ -119,14 +125,21 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     else:
         unit_gpus = list(choose_gpus(args, gpus))
         num_units = len(unit_gpus)
-    shares = split_cores(available_cores(), num_units, with_prefill) if partition == "cpu" else [((), ())] * num_units
+    cores = available_cores()
+    workers = num_units * (2 if with_prefill else 1)
+    if device == "cpu" and workers > len(cores):
+        log.warning("%d unit(s) are %d worker processes on %d core(s): they will share cores and each run slower; "
+                    "use --units %d or fewer on this machine", num_units, workers, len(cores),
+                    max(1, len(cores) // (2 if with_prefill else 1)))
+    shares = split_cores(cores, num_units, with_prefill) if partition == "cpu" else [((), ())] * num_units
     engine = EngineConfig(
         model=path, dtype=args.dtype, load_format=args.load_format, device=device,
         attention_backend=args.attention_backend, block_size=args.block_size, num_kv_blocks=num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill)
-    ipc_dir = tempfile.mkdtemp(prefix="ppd-")
+    remove_dead_leftovers()
+    ipc_dir = tempfile.mkdtemp(prefix=f"ppd-{os.getpid()}-")
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
                         gpu=gpu, decode_cores=decode, prefill_cores=prefill, log_level=args.log_level)
              for u, (gpu, (decode, prefill)) in enumerate(zip(unit_gpus, shares))]
@@ -135,17 +148,96 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition)
 
 
+def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir()), SHM_DIR)) -> list[Path]:
+    """Remove what servers that died without cleaning up (kill -9) left: their socket folders and shared-memory
+    files are named ppd-<the server's pid>-..., and a pid that no longer runs owns nothing."""
+    removed = []
+    for folder in folders:
+        for path in folder.glob("ppd-*"):
+            match = re.match(r"ppd-(\d+)-", path.name)
+            if match is None or _running(int(match.group(1))):
+                continue
+            try:
+                if path.lstat().st_uid != os.getuid():
+                    continue
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+            except OSError:
+                continue  # gone meanwhile, or not ours to remove
+            removed.append(path)
+    if removed:
+        log.info("removed %d leftover(s) of servers that did not exit cleanly: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def load_tokenizer(path: str | None):
     """The tokenizer the API uses (None with --skip-tokenizer-init: prompts and answers are token ids)."""
     if path is None:
         return None
     from transformers import AutoTokenizer
 
+    fix = "pass --tokenizer FOLDER with the model's tokenizer files, or --skip-tokenizer-init to serve token ids only"
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # transformers raises many kinds for a folder without a usable tokenizer
-        raise UsageError(f"cannot load the tokenizer from {path}: {exc} (pass --tokenizer FOLDER with the model's "
-                         "tokenizer files, or --skip-tokenizer-init to serve token ids only)") from exc
+        raise UsageError(f"cannot load the tokenizer from {path}: {exc} ({fix})") from exc
+    if isinstance(tokenizer, bool) or not callable(getattr(tokenizer, "encode", None)):
+        # Without tokenizer files AutoTokenizer may return something that is not a tokenizer at all.
+        raise UsageError(f"{path} has no tokenizer ({fix})")
+    try:
+        tokenizer.encode("ppd")
+    except Exception as exc:
+        raise UsageError(f"the tokenizer of {path} cannot encode text: {exc} ({fix})") from exc
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("the tokenizer of %s has no chat template: /v1/chat/completions will answer 400 (use "
+                    "/v1/completions, or --tokenizer FOLDER with one that has a template)", path)
+    return tokenizer
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before any worker starts, so a port in use is reported at once."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise UsageError(f"--host {host}: not an address of this machine ({exc})") from exc
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        what = "is in use (another server, or one that has not exited yet)" if exc.errno == errno.EADDRINUSE else \
+            f"cannot be opened ({exc.strerror})"
+        raise UsageError(f"port {port} on {host} {what}: stop that process or choose another with --port") from exc
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def request_guard(args: argparse.Namespace):
+    """The API's checks of every request: body size, API key (--api-key or PPD_API_KEY), Host header."""
+    from server.guard import LOOPBACK_HOSTS, Guard
+
+    if args.max_request_bytes < 1024:
+        raise UsageError(f"--max-request-bytes {args.max_request_bytes}: at least 1024")
+    key = args.api_key if args.api_key is not None else os.environ.get("PPD_API_KEY") or None
+    if args.allowed_hosts:
+        hosts = None if args.allowed_hosts.strip() == "*" else tuple(h.strip() for h in args.allowed_hosts.split(","))
+    else:
+        # Bound to loopback, only loopback names: a web page the user visits cannot reach the server through a
+        # DNS name rebound to 127.0.0.1. Bound to another address, the operator decides (--allowed-hosts).
+        hosts = (*LOOPBACK_HOSTS, args.host) if args.host in LOOPBACK_HOSTS else None
+    return Guard(args.max_request_bytes, key, hosts)
 
 
 def make_policy_for(args: argparse.Namespace):
@@ -186,34 +278,41 @@ def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
     from scheduler.policy_table import cpu_device_name
     from scheduler.router import Router
-    from server.engine_client import EngineClient
+    from server.engine_client import Admission, EngineClient, EngineError
     from server.launcher import Launcher
     from server.metrics import Metrics
 
     plan = plan_serve(args)
+    guard = request_guard(args)
     capacity = plan.units[0].engine.num_kv_blocks or 0
     policy = make_policy_for(args)
     model_slug = os.path.basename(plan.model_path.rstrip("/"))
     if plan.device == "cpu":
         find_shipped_table(policy, cpu_device_name(), model_slug)
     router = Router(len(plan.units), args.block_size, policy, capacity, session_ttl_s=args.session_ttl_s)
-    client = EngineClient(plan.units, router, Metrics(plan.model_name))
+    # What can fail on the operator's side fails now, before any worker starts: the port, the tokenizer.
+    sock = None
+    try:
+        sock = listen_socket(args.host, args.port)
+        tokenizer = load_tokenizer(plan.tokenizer_path)
+    except UsageError:
+        if sock is not None:
+            sock.close()
+        shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+        raise
+    max_waiting = 2 * args.max_num_seqs if args.max_waiting_requests is None else args.max_waiting_requests
+    admission = Admission(max_waiting or None, args.max_queue_time_s or None)
+    client = EngineClient(plan.units, router, Metrics(plan.model_name), admission)
     launcher = Launcher(plan.units, client)
     log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.partition if plan.partition != "none" else "none (workers time-share the device)",
              args.policy)
-    launcher.spawn_all()  # the workers load the model while this process loads the tokenizer and the web stack
+    launcher.spawn_all()  # the workers load the model while this process loads the web stack
     import uvicorn
 
     from server.api import ServedModel, build_app
 
-    try:
-        tokenizer = load_tokenizer(plan.tokenizer_path)
-    except UsageError:
-        launcher.shutdown()
-        shutil.rmtree(plan.ipc_dir, ignore_errors=True)
-        raise
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
                         plan.mcfg.eos_token_ids)
 
@@ -225,9 +324,11 @@ def serve(args: argparse.Namespace) -> None:
     client.on_ready = on_ready
 
     fatal: list[str] = []
+    loops: list[asyncio.AbstractEventLoop] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        loops.append(asyncio.get_running_loop())
         client.start()
         starting = asyncio.get_running_loop().create_task(launcher.start())
 
@@ -250,16 +351,27 @@ def serve(args: argparse.Namespace) -> None:
             client.close()
             shutil.rmtree(plan.ipc_dir, ignore_errors=True)
 
+    def end_the_rest() -> None:
+        if (n := client.fail_all(EngineError(503, f"the server is shutting down and this request did not finish "
+                                                  f"within --shutdown-timeout ({args.shutdown_timeout:g}s); retry"))):
+            log.warning("shutdown: ended %d request(s) that were still running", n)
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            # A signal to the whole process group reaches the workers too: they are not to be restarted.
+            # SIGTERM or Ctrl-C: stop taking requests, let those in flight finish for up to --shutdown-timeout,
+            # end the rest with an error (streams get an error event and [DONE]), then stop the workers (lifespan).
             launcher.stopping = True
+            if not client.draining and loops:
+                client.draining = True
+                log.info("shutting down: %d request(s) in flight get up to %gs to finish (a second Ctrl-C cuts them)",
+                         len(client.requests), args.shutdown_timeout)
+                loops[0].call_soon_threadsafe(loops[0].call_later, args.shutdown_timeout, end_the_rest)
             super().handle_exit(sig, frame)
 
-    app = build_app(model, client, lambda: health(plan, client, launcher), lifespan)
+    app = build_app(model, client, lambda: health(plan, client, launcher), lifespan, guard)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=5))
-    server.run()
+                                   timeout_graceful_shutdown=args.shutdown_timeout + 5))
+    server.run(sockets=[sock])
     if fatal:
         raise UsageError(fatal[0])
 
@@ -273,7 +385,9 @@ def health(plan: ServePlan, client, launcher) -> list[dict]:
         if cfg.gpu is not None:
             device.update(index=cfg.gpu, name=state.device_name, memory_total_bytes=state.device_memory_total,
                           memory_used_bytes=state.stats.device_memory_used if state.stats else None)
-        units.append({"unit": u, "ready": client.unit_ready(u), "device": device,
+        overloaded = client.overloaded(u)
+        units.append({"unit": u, "ready": client.unit_ready(u), "device": device, "waiting": state.waiting,
+                      "overloaded": overloaded is not None, **({"overload": overloaded} if overloaded else {}),
                       "workers": [{"role": role, "pid": pid, "alive": alive}
                                   for role, (pid, alive) in launcher.pids(u).items()]})
     return units

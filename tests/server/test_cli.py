@@ -75,3 +75,52 @@ def test_triton_backend_on_the_cpu_is_refused() -> None:
 def test_bad_memory_utilization_is_refused() -> None:
     result = serve("--gpu-memory-utilization", "1.5")
     assert result.returncode == 2 and "--gpu-memory-utilization" in result.stderr
+
+
+def test_a_port_in_use_is_refused_before_any_worker_starts() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = serve("--port", str(port))
+    assert result.returncode == 2 and f"port {port}" in result.stderr and "--port" in result.stderr
+    assert "serving demo" not in result.stderr  # no unit was planned into processes
+    assert time.monotonic() - started < 30
+
+
+def test_more_units_than_cores_warns(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    import server.serve
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    monkeypatch.setattr(server.serve, "available_cores", lambda: [0, 1])
+    with caplog.at_level("WARNING", logger="ppd"):
+        plan = server.serve.plan_serve(parser.parse_args(["--units", "4"]))
+    import shutil
+    shutil.rmtree(plan.ipc_dir)
+    assert len(plan.units) == 4
+    assert "8 worker processes on 2 core(s)" in caplog.text and "--units 1" in caplog.text
+
+
+def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
+    import os
+
+    from server.serve import remove_dead_leftovers
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"ppd-{dead.pid}-abcd").mkdir()
+    (tmp_path / f"ppd-{dead.pid}-abcd" / "u0-requests").write_text("")
+    (tmp_path / f"ppd-{dead.pid}-u0-kv").write_bytes(b"\0" * 16)
+    mine = [tmp_path / f"ppd-{os.getpid()}-efgh", tmp_path / "ppd-profile-serve-1.log", tmp_path / "other"]
+    for path in mine:
+        path.write_text("")
+    removed = remove_dead_leftovers((tmp_path,))
+    assert sorted(p.name for p in removed) == [f"ppd-{dead.pid}-abcd", f"ppd-{dead.pid}-u0-kv"]
+    assert all(p.exists() for p in mine)

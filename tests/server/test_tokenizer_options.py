@@ -47,3 +47,14 @@ def test_tokenizer_from_another_folder(start_server, weights_only: Path, cache_d
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_folder_without_tokenizer_is_refused_before_any_worker_starts(weights_only: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(weights_only), "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "tokenizer" in result.stderr and "--skip-tokenizer-init" in result.stderr and "--tokenizer" in result.stderr
+    assert "Traceback" not in result.stderr and "ppd.launcher" not in result.stderr

@@ -1,0 +1,103 @@
+"""What the server checks of every request before a route sees it: the Host header, the API key, the body size.
+
+Plain ASGI, so a refused request costs no parsing: a body over the limit is answered 413 while it arrives.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+import msgspec
+
+_json = msgspec.json.Encoder()
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What the server checks of every request before a route sees it."""
+
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES  # None: no limit
+    api_key: str | None = None  # None: no authentication
+    allowed_hosts: tuple[str, ...] | None = None  # Host header names accepted (None: any), against DNS rebinding
+
+
+class GuardMiddleware:
+    """Host check (400), API key (401), then the body read in full up to the size limit (413) before any parsing.
+
+    Pure ASGI: the body is buffered here (FastAPI would buffer it anyway) and replayed to the app; after it, the
+    app's receive() goes to the client again, so disconnects are still seen.
+    """
+
+    def __init__(self, app, guard: Guard) -> None:
+        self.app, self.guard = app, guard
+        self.allowed = None if guard.allowed_hosts is None else {h.lower().strip("[]") for h in guard.allowed_hosts}
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.allowed is not None and (host := headers.get("host")) is not None and _host_name(host) not in self.allowed:
+            return await _send_error(send, 400, f"Host header {host!r} is not one this server answers to; connect to "
+                                                f"{', '.join(sorted(self.allowed))} or start the server with --allowed-hosts")
+        if self.guard.api_key is not None and not scope["path"].startswith(OPEN_PATHS):
+            given = headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.guard.api_key.encode()):
+                what = "a wrong API key was given" if token else "no API key was given"
+                return await _send_error(send, 401, f"{what}: send the server's key as 'Authorization: Bearer KEY' "
+                                                    "(the key the server was started with, --api-key or PPD_API_KEY)",
+                                         extra_headers=[(b"www-authenticate", b"Bearer")])
+        limit = self.guard.max_request_bytes
+        if limit is None or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await _send_error(send, 400, f"Content-Length {length!r} is not a number of bytes")
+            if int(length) > limit:
+                return await _send_error(send, 413, _too_large(int(length), limit))
+        body, more = [], True
+        size = 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left while sending
+            body.append(message.get("body", b""))
+            size += len(body[-1])
+            more = message.get("more_body", False)
+            if size > limit:
+                return await _send_error(send, 413, _too_large(size, limit, at_least=more))
+        replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header, without its port: "[::1]:8000" -> "::1", "localhost:8000" -> "localhost"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def _too_large(size: int, limit: int, at_least: bool = False) -> str:
+    return (f"the request body is {'more than ' if at_least else ''}{size} bytes; this server takes at most {limit} "
+            "(--max-request-bytes): shorten the request")
+
+
+async def _send_error(send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
+    from server.protocol import error_body, error_type
+
+    body = _json.encode(error_body(message, error_type(status), None, status))
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *extra_headers]})
+    await send({"type": "http.response.body", "body": body})
