@@ -354,9 +354,11 @@ def write(report: Report, out: Path) -> tuple[Path, Path]:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help=f"model folder (default: {LLAMA_8B} with random weights on a GPU, the demo model on the CPU)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: CUDA when there is a GPU")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (auto: bfloat16 on a GPU for a float32 checkpoint)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; what the tests run)")
 

@@ -240,8 +240,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs per cell and route (medians are kept)")
     p.add_argument("--w-ttft", type=float, default=DEFAULT_W_TTFT, help="weight of TTFT for the stored x*")
     p.add_argument("--w-tpot", type=float, default=DEFAULT_W_TPOT, help="weight of TPOT for the stored x*")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the traffic")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def choose_grid(args: argparse.Namespace, gpu: bool) -> Grid:

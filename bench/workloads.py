@@ -164,6 +164,14 @@ def synthetic(profile: str, turn1: str, num_conversations: int, seed: int, token
     return conversations
 
 
+def synthetic_longest(profile: str, turn1: str, turns: int) -> int:
+    """Tokens of context (all inputs and outputs) that the longest synthetic conversation of these choices needs
+    at scale 1."""
+    firsts = PRESETS["turn1"].values() if turn1 == "mixed" else [PRESETS["turn1"][turn1]]
+    laters = PRESETS["profile"].values() if profile == "mixed" else [PRESETS["profile"][profile]]
+    return max(sum(first) + (turns - 1) * sum(later) for first in firsts for later in laters)
+
+
 def shaped(shapes: list[list[tuple[int, int]]], num_conversations: int, rng: random.Random, tokenizer: Any = None,
            api: str = "completions", scale: float = 1.0, id_prefix: str = "shaped") -> list[Conversation]:
     """num_conversations conversations cycling through `shapes`, each a list of (input tokens, output tokens) per

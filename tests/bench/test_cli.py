@@ -104,3 +104,41 @@ def test_compare_interleaved_runs_each_server_once_per_round(stub, tmp_path: Pat
 def test_compare_rejects_unknown_policy() -> None:
     result = ppd("bench", "compare", "--policies", "fastest")
     assert result.returncode == 2 and "fastest" in result.stderr and "aggregated" in result.stderr
+
+
+def test_serve_args_with_a_port_are_polled_on_that_port(tmp_path) -> None:
+    import socket
+
+    from bench.cli import start_server, stop_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, url = start_server(["--port", str(port), "--policy", "dlocal"], tmp_path / "serve.log")
+    try:
+        assert url == f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(proc)
+
+
+def test_bench_against_the_demo_fits_its_context_and_shows_failures(start_server, cache_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    import os
+
+    server = start_server("--max-model-len", "512", "--policy", "dlocal")
+    env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir)}
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", server.url, "--qps", "2",
+                               "--duration", "3", "--num-conversations", "6", "--no-progress",
+                               "--out", str(tmp_path / f"run{len(args)}"), *args],
+                              capture_output=True, text=True, timeout=300, env=env)
+
+    # As the README runs it: no --tokenizer (the demo's is found), no --scale (fitted to the 512-token context).
+    fitted = bench()
+    assert fitted.returncode == 0, fitted.stderr
+    assert "fitting the workload to the server's context (512 tokens)" in fitted.stderr
+    assert "requests failed" not in fitted.stderr
+    # Too long on purpose: the reason is on screen, not only in summary.json.
+    too_long = bench("--scale", "1")
+    assert "requests failed" in too_long.stderr and "maximum context length is 512" in too_long.stderr

@@ -1,0 +1,21 @@
+"""The soak script at a small scale, against `ppd serve` (demo): random sampling parameters, some requests
+abandoned; nothing lost, no unexpected error, the server idle once the clients have gone."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from bench.soak import report, run
+
+
+def test_a_short_soak_loses_nothing(start_server) -> None:
+    server = start_server("--policy", "ppd")
+    args = argparse.Namespace(requests=80, concurrency=8, abort_fraction=0.2, timeout=120.0, sample_every=20, seed=3,
+                              api_key=None, no_progress=True)
+    result = asyncio.run(run(args, server.url))
+    outcomes = result["outcomes"]
+    assert outcomes.get("lost", 0) == 0 and outcomes.get("unexpected", 0) == 0, result["problems"]
+    assert outcomes.get("ok", 0) >= 40 and outcomes.get("aborted", 0) >= 1
+    assert result["seconds_to_idle_after_last_client"] is not None and result["worker_pids_unchanged"]
+    assert "lost: 0; unexpected errors: 0" in report(result, "python -m bench.soak")
