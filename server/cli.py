@@ -37,7 +37,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "names when --host is a loopback address, else any)")
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="per unit: requests waiting to start beyond which a new one is answered 429 with Retry-After "
-                        "(default: 2 x --max-num-seqs; 0: no limit)")
+                        "(default: --max-num-seqs, one batch; 0: no limit)")
     p.add_argument("--max-queue-time-s", type=float, default=DEFAULT_MAX_QUEUE_TIME_S,
                    help="a request that would wait longer than this to start is answered 429 on arrival, one that "
                         "has waited this long without starting is ended with 429 (0: no limit)")

@@ -300,7 +300,7 @@ def serve(args: argparse.Namespace) -> None:
             sock.close()
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
         raise
-    max_waiting = 2 * args.max_num_seqs if args.max_waiting_requests is None else args.max_waiting_requests
+    max_waiting = args.max_num_seqs if args.max_waiting_requests is None else args.max_waiting_requests
     admission = Admission(max_waiting or None, args.max_queue_time_s or None)
     client = EngineClient(plan.units, router, Metrics(plan.model_name), admission)
     launcher = Launcher(plan.units, client)
