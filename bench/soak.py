@@ -238,7 +238,8 @@ async def run(args: argparse.Namespace, url: str) -> dict:
     details = Counter(f"{o.kind}: {o.detail}" for o in soak.outcomes if o.kind in ("lost", "unexpected"))
     return {
         "requests": args.requests, "concurrency": args.concurrency, "abort_fraction": args.abort_fraction,
-        "seed": args.seed, "sample_every": args.sample_every, "seconds": round(elapsed, 1), "requests_per_s": round(args.requests / elapsed, 1),
+        "seed": args.seed, "sample_every": args.sample_every, "seconds": round(elapsed, 1),
+        "requests_per_s": round(args.requests / elapsed, 1),
         "outcomes": dict(kinds), "problems": dict(details.most_common(20)),
         "seconds_to_idle_after_last_client": drained_s,
         "worker_rss_after_warmup": rss_trend(memory, list(pids)),
@@ -300,7 +301,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.report is not None:
         result = json.loads(args.report.read_text())
-        result["worker_rss_after_warmup"] = rss_trend(result["worker_rss_samples"], list(result["worker_rss_samples"][0])[2:])
+        roles = [k for k in result["worker_rss_samples"][0] if k not in ("requests", "seconds")]
+        result["worker_rss_after_warmup"] = rss_trend(result["worker_rss_samples"], roles)
         old_md = args.report.with_name("soak.md")
         command = old_md.read_text().split("`")[1] if old_md.exists() else "python -m bench.soak"
         args.report.write_text(json.dumps(result, indent=1) + "\n")
