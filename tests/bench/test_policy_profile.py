@@ -83,5 +83,6 @@ def test_real_runs_force_each_route_on_the_demo(start_server, tmp_path: Path) ->
     for route in ("prefill", "decode"):
         run = table.raw[run_key(160, (16, 16), 2, route)]
         assert run["failed"] == 0 and run["n"] > 0 and run["routes"] == [route]
-        assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] > 0
+        # TPOT is measured, but may be 0 here: on 2 busy cores a 16-token answer can reach the client in one read.
+        assert run["ttft_p50_ms"] > 0 and run["tpot_p50_ms"] is not None and run["tpot_p50_ms"] >= 0
     assert table.cells[(0, 0, 0)].x_star in (0, 1)
