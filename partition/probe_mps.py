@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from partition.probe_child import SPAWN, Env, Finding, error_text, failed, finish_child, guarded, skipped, start_child
 from partition.probe_gpus import mps_enabled, nvml_processes
+from partition.processes import process_alive
 
 CONTROL = "nvidia-cuda-mps-control"
 DEFAULT_PIPE_DIR = "/tmp/nvidia-mps"
@@ -152,7 +153,7 @@ def start_daemon(daemon: Daemon) -> Finding:
     if code != 0:
         return failed(f"{CONTROL} -d exited with {code}", logs=daemon.log_tail())
     daemon.pid = _wait_for_pid(daemon.pipe_dir / PID_FILE, START_TIMEOUT_S)
-    if daemon.pid is None or not _alive(daemon.pid):
+    if daemon.pid is None or not process_alive(daemon.pid):
         return failed(f"no live daemon behind {daemon.pipe_dir / PID_FILE}", logs=daemon.log_tail())
     try:
         servers = daemon.servers()
@@ -257,27 +258,9 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return _state(pid) != "Z"
-
-
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (Z: a zombie, which has exited); "" if unreadable."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
 def _living(pids: set[int]) -> list[int]:
     """Those of pids still running an MPS program: a pid reused by anything else is not ours to signal."""
-    return sorted(pid for pid in pids if _alive(pid) and _mps_program(pid))
+    return sorted(pid for pid in pids if process_alive(pid) and _mps_program(pid))
 
 
 def _pid_lines(answer: str) -> list[int]:

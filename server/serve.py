@@ -22,6 +22,7 @@ from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
 from partition.cpu import available_cores, split_cores
+from partition.processes import process_alive
 from scheduler.config import UnitConfig
 
 log = logging.getLogger("ppd")
@@ -155,7 +156,7 @@ def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir(
     for folder in folders:
         for path in folder.glob("ppd-*"):
             match = re.match(r"ppd-(\d+)-", path.name)
-            if match is None or _running(int(match.group(1))):
+            if match is None or process_alive(int(match.group(1))):
                 continue
             try:
                 if path.lstat().st_uid != os.getuid():
@@ -168,16 +169,6 @@ def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir(
         log.info("removed %d leftover(s) of servers that did not exit cleanly: %s", len(removed),
                  ", ".join(p.name for p in removed))
     return removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
 
 
 def load_tokenizer(path: str | None):
