@@ -191,7 +191,8 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def gauges(url: str, headers: dict) -> dict[str, float]:
+def gauges(url: str, headers: dict | None = None) -> dict[str, float]:
+    """The server's Prometheus samples, summed over labels: name -> value."""
     values: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics", timeout=10, headers=headers).text.splitlines():
         if line and not line.startswith("#"):

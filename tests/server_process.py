@@ -8,6 +8,7 @@ from pathlib import Path
 import httpx
 
 from bench.cli import start_server, stop_server
+from bench.soak import gauges
 
 
 class ServerProcess:
@@ -27,12 +28,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples, summed over labels: name -> value."""
-        values: dict[str, float] = {}
-        for line in httpx.get(f"{self.url}/metrics", timeout=5).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-                values[name] = values.get(name, 0.0) + value
-        return values
+        return gauges(self.url)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
