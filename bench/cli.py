@@ -65,6 +65,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--out", default=None, help="folder for summary.json, report.md, records and plots")
     load.add_argument("--api-key", default=None,
                       help="sent as 'Authorization: Bearer KEY' (default: $PPD_API_KEY, else $OPENAI_API_KEY, else none)")
+    load.add_argument("--ignore-retry-after", action="store_true",
+                      help="closed loop: send the next conversation at once after a 429/503, instead of waiting the "
+                           "Retry-After the server asked for (as OpenAI's SDK does): a storm of retries")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -195,7 +198,8 @@ def _measure(args, url: str, model: str, conversations: list[Conversation], qps:
     from bench.report import summarize
 
     cfg = LoadConfig(base_url=url, model=model, api=args.api, qps=qps, concurrency=concurrency, duration=args.duration,
-                     timeout=args.timeout, seed=args.seed, headers=_auth(args))
+                     timeout=args.timeout, seed=args.seed, headers=_auth(args),
+                     honor_retry_after=not args.ignore_retry_after)
     records: list[RequestRecord] = []
     started = time.perf_counter()
     interrupted = False

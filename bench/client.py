@@ -85,6 +85,7 @@ class LoadConfig:
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)   # merged into every request body
     headers: dict = field(default_factory=dict)      # sent with every request (e.g. x-ppd-route to force a route)
+    honor_retry_after: bool = True   # closed loop: a slot refused with Retry-After waits that long, as OpenAI's SDK does
 
 
 # Only the fields the client reads; msgspec skips the rest without building them.
@@ -136,6 +137,14 @@ def _error_message(err: Any) -> str:
     if isinstance(err, dict):
         err = err.get("message", err)
     return str(err)[:300]
+
+
+def _retry_after(value: str | None) -> float:
+    """Seconds from a Retry-After header given in seconds (0 if absent or an HTTP date, which servers here never send)."""
+    try:
+        return max(0.0, float(value)) if value is not None else 0.0
+    except ValueError:
+        return 0.0
 
 
 def _http_error(status: int, body: bytes) -> str:
@@ -194,7 +203,9 @@ class _Load:
     async def closed_loop(self, source: Iterator[tuple[str, Conversation]]) -> None:
         """One of `concurrency` slots: run conversations back to back until the deadline."""
         while perf_counter() < self.deadline:
-            await self.conversation(*next(source))
+            backoff = await self.conversation(*next(source))
+            if backoff and self.cfg.honor_retry_after:
+                await asyncio.sleep(min(backoff, max(0.0, self.deadline - perf_counter())))
 
     async def open_loop(self, source: Iterator[tuple[str, Conversation]]) -> None:
         """Start conversations at Poisson arrival times until the deadline, then wait for them."""
@@ -214,8 +225,9 @@ class _Load:
         finally:
             await _cancel(tasks)
 
-    async def conversation(self, cid: str, conv: Conversation) -> None:
-        """Send the turns in order, each with the whole history; stop at the first failure or the deadline."""
+    async def conversation(self, cid: str, conv: Conversation) -> float:
+        """Send the turns in order, each with the whole history; stop at the first failure or the deadline.
+        Returns the Retry-After seconds of a refusal that ended it (0 otherwise)."""
         cfg, chat = self.cfg, self.cfg.api == "chat"
         base = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": cfg.temperature}
@@ -227,17 +239,17 @@ class _Load:
         prompt_ids: list[int] = []
         for i, turn in enumerate(conv.turns):
             if i and perf_counter() >= self.deadline:
-                return
+                return 0.0
             if chat:
                 history.append({"role": "user", "content": turn.user})
                 body = {**base, "messages": history, "max_tokens": turn.max_tokens, **cfg.extra_body}
             else:
                 prompt_ids += turn.user
                 body = {**base, "prompt": prompt_ids, "max_tokens": turn.max_tokens, **cfg.extra_body}
-            record, text, ids = await self.request(_encode(body), cid, i)
+            record, text, ids, retry_after = await self.request(_encode(body), cid, i)
             self.add(record)
             if record.error is not None:
-                return  # later turns would carry a wrong history
+                return retry_after  # later turns would carry a wrong history
             if chat:
                 history.append({"role": "assistant", "content": text})
             elif ids is not None:
@@ -246,11 +258,13 @@ class _Load:
                 self.add(RequestRecord(cid, i + 1, start=perf_counter(), ttft=None, itl=[], latency=None,
                                        prompt_tokens=0, output_tokens=0, cached_tokens=None, route=None,
                                        error=NEEDS_TOKEN_IDS))
-                return
+                return 0.0
+        return 0.0
 
-    async def request(self, body: bytes, cid: str, turn: int) -> tuple[RequestRecord, str, list[int] | None]:
-        """Send one streamed request; the record, the streamed text and token ids (None if none came)."""
-        route = None
+    async def request(self, body: bytes, cid: str, turn: int) -> tuple[RequestRecord, str, list[int] | None, float]:
+        """Send one streamed request; the record, the streamed text, token ids (None if none came) and the
+        Retry-After seconds of a 429 or 503 that carried one (0 otherwise)."""
+        route, retry_after = None, 0.0
         start = perf_counter()
         stream = _Stream(start)
         try:
@@ -258,6 +272,7 @@ class _Load:
                 route = resp.headers.get("x-ppd-route")
                 if resp.status >= 400:
                     stream.error = _http_error(resp.status, await resp.read())
+                    retry_after = _retry_after(resp.headers.get("retry-after")) if resp.status in (429, 503) else 0.0
                 else:
                     read = resp.content.readany
                     while data := await read():
@@ -274,7 +289,7 @@ class _Load:
             stream.error = f"{type(exc).__name__}: {exc}"[:300]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             stream.error = f"bad stream chunk: {exc}"[:300]
-        return stream.record(cid, turn, route), "".join(stream.texts), stream.ids
+        return stream.record(cid, turn, route), "".join(stream.texts), stream.ids, retry_after
 
 
 class _Stream:

@@ -20,8 +20,8 @@ For tests:
 - a body field `"stub": {"ttft_ms": .., "itl_ms": .., "token_ids": false}` overrides the timing of
   that request, or plays a server that ignores `return_token_ids`;
 - the last user message (chat) or a text prompt may contain `[stub:http400]` (a 400 with an
-  OpenAI error body), `[stub:sse-error]` (one token, then an error event), `[stub:sleep=S]` (S
-  more seconds before the first token);
+  OpenAI error body), `[stub:http429=S]` (a 429 with `Retry-After: S`, logged), `[stub:sse-error]`
+  (one token, then an error event), `[stub:sleep=S]` (S more seconds before the first token);
 - GET /stub/log: per request (the last 10,000), the body, `arrived` (its perf_counter time) and
   `first_token_s`, the stub's measured time from arrival to writing the first token (its timer
   lateness included), so that a client's TTFT minus it bounds the client's overhead from above;
@@ -45,9 +45,9 @@ from typing import Any
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
-MARKER = re.compile(r"\[stub:(http400|sse-error|sleep=([0-9.]+))\]")
+MARKER = re.compile(r"\[stub:(http400|sse-error|sleep=([0-9.]+)|http429=([0-9.]+))\]")
 LOG_LIMIT = 10_000  # requests kept in /stub/log
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 501: "Not Implemented"}
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 501: "Not Implemented"}
 
 
 class Connection(asyncio.Protocol):
@@ -106,10 +106,10 @@ class Connection(asyncio.Protocol):
             raise ConnectionResetError("the client went away")
         self.transport.write(data)
 
-    def respond(self, status: int, obj: Any) -> None:
+    def respond(self, status: int, obj: Any, headers: bytes = b"") -> None:
         body = _encode(obj)
-        self.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                   % (status, REASONS[status].encode(), len(body), body))
+        self.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+                   % (status, REASONS[status].encode(), len(body), headers, body))
 
     def start_stream(self, route: str) -> None:
         self.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
@@ -169,6 +169,12 @@ class Stub:
         if marker and marker.group(1) == "http400":
             conn.respond(400, {"error": {"message": "stub: bad request as asked", "type": "BadRequestError",
                                          "param": None, "code": 400}})
+            return
+        if marker and marker.group(3):
+            self.log.append({"path": "/v1/completions", "body": body, "arrived": arrived, "first_token_s": None})
+            conn.respond(429, {"error": {"message": "stub: overloaded as asked", "type": "RateLimitError",
+                                         "param": None, "code": 429}},
+                         b"Retry-After: %s\r\n" % marker.group(3).encode())
             return
         timing = body.get("stub") or {}
         sleep = float(marker.group(2)) if marker and marker.group(2) else 0.0

@@ -82,7 +82,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
               guard: Guard = Guard()) -> FastAPI:
     """The FastAPI app. health() returns the units' worker states for GET /health."""
     app = FastAPI(title="ppd-serve", lifespan=lifespan)
-    app.add_middleware(GuardMiddleware, guard=guard)
+    app.add_middleware(GuardMiddleware, guard=guard, refuse=client.refusal)
     # Tokenizing and templating a long prompt takes milliseconds to seconds: off the event loop, which streams
     # every other client's tokens. One thread: a tokenizer object is not meant to be used by two at once.
     text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppd-tokenize")

@@ -157,6 +157,23 @@ class EngineClient:
             return f"a new request would wait about {wait:.0f}s to start (--max-queue-time-s {limits.max_queue_s:g})"
         return None
 
+    def refusal(self) -> EngineError | None:
+        """Why no new request can start now (shutting down, no unit ready, every unit overloaded), or None.
+
+        Also asked by the API before it parses a request (server.guard): under overload a refusal then costs no
+        JSON parsing, validation or tokenization, which would take the cores from the requests being served."""
+        if self.draining:
+            return EngineError(503, "the server is shutting down; send the request to another server, or retry once "
+                                    "this one is back")
+        ready = [u for u in range(len(self.units)) if self.unit_ready(u)]
+        if not ready:
+            return EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
+        if any(self.overloaded(u) is None for u in ready):
+            return None
+        self.metrics.rejected("overloaded")
+        return EngineError(429, f"the server is overloaded: {self.overloaded(ready[0])}; retry later",
+                           retry_after=self._retry_after(ready))
+
     def _retry_after(self, units: list[int]) -> float:
         waits = [w for u in units if (w := self.predicted_wait(u)) is not None]
         return float(min(MAX_RETRY_AFTER_S, max(1, math.ceil(min(waits) if waits else 1))))
@@ -181,17 +198,9 @@ class EngineClient:
                        route_hint: Route | None = None) -> AsyncIterator[Delta]:
         """Stream a request's tokens. Raises EngineError on failure; closing the iterator early aborts the request.
         session keeps a conversation on one unit; route_hint is a client's choice of route for an append-prefill."""
-        if self.draining:
-            raise EngineError(503, "the server is shutting down; send the request to another server, or retry once "
-                                   "this one is back")
-        ready = [u for u in range(len(self.units)) if self.unit_ready(u)]
-        if not ready:
-            raise EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
-        available = [u for u in ready if self.overloaded(u) is None]
-        if not available:
-            self.metrics.rejected("overloaded")
-            raise EngineError(429, f"the server is overloaded: {self.overloaded(ready[0])}; retry later",
-                              retry_after=self._retry_after(ready))
+        if (refused := self.refusal()) is not None:
+            raise refused
+        available = [u for u in range(len(self.units)) if self.unit_ready(u) and self.overloaded(u) is None]
         placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint)
         self.metrics.route_decision(placed.decision.route, placed.decision.reason)
         req = _Request(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", placed.unit, placed.decision, prompt_ids)

@@ -1,12 +1,16 @@
-"""What the server checks of every request before a route sees it: the Host header, the API key, the body size.
+"""What the server checks of every request before a route sees it: the Host header, the API key, the body size,
+and whether the server can take a new generation at all.
 
-Plain ASGI, so a refused request costs no parsing: a body over the limit is answered 413 while it arrives.
+Plain ASGI, so a refused request costs no parsing: a body over the limit is answered 413 while it arrives, and
+under overload a generation request is answered 429 before its JSON is parsed or its prompt tokenized.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -15,6 +19,7 @@ _json = msgspec.json.Encoder()
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 @dataclass(frozen=True)
@@ -27,14 +32,16 @@ class Guard:
 
 
 class GuardMiddleware:
-    """Host check (400), API key (401), then the body read in full up to the size limit (413) before any parsing.
+    """Host check (400), API key (401), then the body read in full up to the size limit (413) before any parsing,
+    then, for a generation, refuse() (429 or 503 when it returns an error: overloaded, starting, shutting down).
 
     Pure ASGI: the body is buffered here (FastAPI would buffer it anyway) and replayed to the app; after it, the
-    app's receive() goes to the client again, so disconnects are still seen.
+    app's receive() goes to the client again, so disconnects are still seen. The body is read before refusing so
+    that the connection stays usable for the client's retry.
     """
 
-    def __init__(self, app, guard: Guard) -> None:
-        self.app, self.guard = app, guard
+    def __init__(self, app, guard: Guard, refuse: Callable[[], Any] | None = None) -> None:
+        self.app, self.guard, self.refuse = app, guard, refuse
         self.allowed = None if guard.allowed_hosts is None else {h.lower().strip("[]") for h in guard.allowed_hosts}
 
     async def __call__(self, scope, receive, send) -> None:
@@ -53,10 +60,10 @@ class GuardMiddleware:
                                                     "(the key the server was started with, --api-key or PPD_API_KEY)",
                                          extra_headers=[(b"www-authenticate", b"Bearer")])
         limit = self.guard.max_request_bytes
-        if limit is None or scope["method"] in ("GET", "HEAD"):
+        if scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         length = headers.get("content-length")
-        if length is not None:
+        if length is not None and limit is not None:
             if not length.isdigit():
                 return await _send_error(send, 400, f"Content-Length {length!r} is not a number of bytes")
             if int(length) > limit:
@@ -70,8 +77,12 @@ class GuardMiddleware:
             body.append(message.get("body", b""))
             size += len(body[-1])
             more = message.get("more_body", False)
-            if size > limit:
+            if limit is not None and size > limit:
                 return await _send_error(send, 413, _too_large(size, limit, at_least=more))
+        if self.refuse is not None and scope["method"] == "POST" and scope["path"].rstrip("/") in GENERATE_PATHS \
+                and (refused := self.refuse()) is not None:
+            retry = [] if refused.retry_after is None else [(b"retry-after", str(int(refused.retry_after)).encode())]
+            return await _send_error(send, refused.status, refused.message, extra_headers=retry)
         replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
 
         async def replayed():

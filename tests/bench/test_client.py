@@ -76,6 +76,18 @@ def test_completions_sends_prompt_plus_generated_plus_new_ids(stub):
     assert [r.prompt_tokens for r in records] == [3, 8, 11] and [r.output_tokens for r in records] == [3, 2, 1]
 
 
+@pytest.mark.parametrize("honor", [True, False])
+def test_a_refused_closed_loop_slot_waits_the_retry_after_unless_told_not_to(stub, honor: bool):
+    refused = Conversation("c0", [Turn("hello [stub:http429=0.4]", 4)])
+    records = run(stub, [refused], concurrency=1, duration=1.0, honor_retry_after=honor)
+    arrivals = [entry["arrived"] for entry in call(stub, "/stub/log")]
+    assert len(records) == len(arrivals) and all(r.error.startswith("HTTP 429") for r in records)
+    if honor:  # sent at about 0, 0.4 and 0.8 s, as OpenAI's SDK would
+        assert 2 <= len(arrivals) <= 3 and min(b - a for a, b in zip(arrivals, arrivals[1:])) >= 0.39
+    else:  # back to back: a storm
+        assert len(arrivals) > 20
+
+
 def test_completions_multi_turn_without_token_ids_fails_clearly(stub):
     conv = Conversation("c0", [Turn([1, 2], 2), Turn([3], 2), Turn([4], 2)])
     records = once(stub, conv, api="completions", extra_body={"stub": {"token_ids": False, "ttft_ms": 2}})
