@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from scheduler.policy import Objective, PPDPolicy, UnitLive
-from scheduler.policy_table import Cell, PolicyTable, RouteStats, cpu_device_name, table_path
+from profiles import cpu_device_name
+from scheduler.policy_table import Cell, PolicyTable, RouteStats, table_path
 from scheduler.router import Router
 
 

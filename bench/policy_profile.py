@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from bench.cli import BenchError, start_server, stop_server
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
-from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, cpu_device_name, table_path
+from profiles import cpu_device_name
+from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, table_path
 
 
 @dataclass(frozen=True)

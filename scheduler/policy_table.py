@@ -26,17 +26,17 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from profiles import PROFILES_DIR, slug
+
 SCHEMA = "ppd-policy-table"
 VERSION = 1
 ROUTES = ("prefill", "decode")
 STAT_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms", "queue_delay_ms", "n")
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
 
 class TableError(ValueError):
@@ -168,19 +168,9 @@ class PolicyTable:
         return cls.from_json(data, str(path))
 
 
-def slug(name: str) -> str:
-    """A file-name-safe, lower-case form of a device or model name."""
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
-
-
 def table_path(device: str, model: str, folder: Path = PROFILES_DIR) -> Path:
     """Where the profile for this device and model lives: profiles/<device>__<model>__policy.json."""
     return folder / f"{slug(device)}__{slug(model)}__policy.json"
-
-
-def cpu_device_name() -> str:
-    """The CPU 'device' of a table: its core count decides the speeds the table measured."""
-    return f"cpu-{len(os.sched_getaffinity(0))}core"
 
 
 def _midpoints(values: list[int] | list[float]) -> list[float]:

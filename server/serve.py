@@ -267,7 +267,7 @@ def find_shipped_table(policy, device: str, model: str) -> None:
 
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
-    from scheduler.policy_table import cpu_device_name
+    from profiles import cpu_device_name
     from scheduler.router import Router
     from server.engine_client import Admission, EngineClient, EngineError
     from server.launcher import Launcher
