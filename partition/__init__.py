@@ -1,3 +1,2 @@
-"""Compute shares for the workers: CPU cores now; SM partitions (MPS, green contexts) on the GPU."""
-
-PARTITIONS = ("cpu", "none")
+"""Compute shares for the workers: CPU cores, MPS thread percentages on GPUs (backends.py), the share manager
+(manager.py), the partition profile (profile.py) and `ppd probe` (probe*.py)."""

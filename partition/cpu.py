@@ -36,3 +36,16 @@ def pin_to_cores(cores: tuple[int, ...]) -> None:
         return
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
+
+
+def repin(cores: tuple[int, ...]) -> None:
+    """Move this running process to exactly these cores: every thread it has (sched_setaffinity(0) would move only
+    the caller; torch's pool threads keep the affinity they were started with), then torch's pool size."""
+    if not cores:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile
+    torch.set_num_threads(len(cores))

@@ -101,7 +101,7 @@ def existing_daemon() -> Finding:
     pipe_dir = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR))
     processes = mps_processes()
     return {"pipe_directory": str(pipe_dir), "pipe_directory_exists": pipe_dir.is_dir(),
-            "control_pid_file": _read_pid(pipe_dir / PID_FILE), "processes": processes, "running": bool(processes)}
+            "control_pid_file": read_pid(pipe_dir / PID_FILE), "processes": processes, "running": bool(processes)}
 
 
 def mps_processes() -> list[dict[str, Any]]:
@@ -244,14 +244,14 @@ def stop_daemon(daemon: Daemon) -> Finding:
 def _wait_for_pid(path: Path, timeout: float) -> int | None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pid = _read_pid(path)
+        pid = read_pid(path)
         if pid is not None:
             return pid
         time.sleep(0.1)
     return None
 
 
-def _read_pid(path: Path) -> int | None:
+def read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().strip())
     except (OSError, ValueError):

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.engine import EngineConfig
+from partition.backends import UnitPartition
 
 POLICIES = ("pd", "dlocal", "ppd", "aggregated")
 
@@ -20,8 +21,10 @@ class UnitConfig:
     ipc_dir: str = "/tmp"
     shm_prefix: str = "ppd"
     gpu: str | None = None  # this unit's GPU as a CUDA_VISIBLE_DEVICES entry; None on the CPU
-    decode_cores: tuple[int, ...] = ()  # empty: no pinning
-    prefill_cores: tuple[int, ...] = ()
+    partition: UnitPartition = UnitPartition()  # how the workers share the device (partition/backends.py)
+    share_manager: bool = True  # shares change at run time where the backend can (partition/manager.py)
+    partition_profile: str | None = None  # the partition profile the share manager reads (None: none found)
+    itl_slo_ms: float | None = None  # the share manager keeps decode steps within it
     log_level: str = "info"
 
     @property

@@ -7,6 +7,7 @@ decodes plus inline prefill chunks, sample, stream the tokens out.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -18,13 +19,18 @@ from engine.block_manager import BlockManager
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
 from engine.shared_memory import release_name
+from partition.backends import check_in_worker
+from partition.cpu import repin
+from partition.manager import ShareManager, Split
+from partition.profile import PartitionProfile, ProfileError
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
-                                RequestOutput, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
+                                RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 STATS_INTERVAL_S = 0.25
+log = logging.getLogger("ppd.decode")
 
 
 class StepTimes:
@@ -66,6 +72,10 @@ class DecodeWorker:
             self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
                                                  plan.num_blocks, plan.max_model_len)))
         self.pending: list[RequestOutput] = []
+        self.shares = None if cfg.aggregated else share_manager(cfg)
+        self.partition_problem = check_in_worker(cfg.partition, str(self.engine.device))
+        if self.partition_problem:
+            log.error("partition %s: %s", cfg.partition.backend, self.partition_problem)
         self.times = StepTimes()
         self.last_stats = self.memory_read = 0.0
         self.memory_used = 0
@@ -79,6 +89,8 @@ class DecodeWorker:
             step = self.scheduler.schedule()
             for job in step.jobs:
                 self.jobs.send(self.encode(job))
+            if self.shares is not None:
+                self.rebalance()
             if step.inputs:
                 seqs = step.sampling_seqs
                 started = time.perf_counter()
@@ -109,6 +121,19 @@ class DecodeWorker:
         elif self.scheduler.abort(msg.request_id):
             self.jobs.send(self.encode(AbortPrefill(msg.request_id)))
 
+    def rebalance(self) -> None:
+        """The share manager's decision for this step: repin ourselves, and tell the prefill worker its cores
+        (in order with its jobs, so it takes them before its next forward pass)."""
+        running = self.scheduler.running
+        context = sum(len(s.token_ids) for s in running) / len(running) if running else 0.0
+        queued = sum(len(s.token_ids) - s.num_computed for s in self.scheduler.remote.values())
+        split = self.shares.decide(len(running), context, queued)
+        if split is not None:
+            repin(split.decode)
+            self.jobs.send(self.encode(SetShare(list(split.prefill))))
+            log.debug("shares: decode cores %s, prefill cores %s (%s; batch %d, context %.0f)", split.decode,
+                      split.prefill, self.shares.reason, len(running), context)
+
     def send(self, ready: WorkerReady | None = None) -> None:
         """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
         now = time.monotonic()
@@ -117,6 +142,14 @@ class DecodeWorker:
         self.last_stats = now
         stats = self.scheduler.stats()
         stats.decode_step_ms, stats.inline_tokens_per_s = self.times.decode_step_ms, self.times.inline_tokens_per_s
+        stats.partition_problem = self.partition_problem
+        if self.shares is not None:
+            split = self.shares.current
+            stats.decode_share, stats.prefill_share = len(split.decode), len(split.prefill)
+            stats.share_switches = self.shares.switches
+        elif self.cfg.partition.decode.cores:
+            stats.decode_share, stats.prefill_share = (len(self.cfg.partition.decode.cores),
+                                                       len(self.cfg.partition.prefill.cores))
         if self.engine.device.type == "cuda":
             if now - self.memory_read >= STATS_INTERVAL_S:  # a driver call: not on every step
                 free, total = torch.cuda.mem_get_info()
@@ -131,9 +164,33 @@ class DecodeWorker:
         release_name(self.engine.kv_handle)
 
 
+def share_manager(cfg: UnitConfig) -> ShareManager | None:
+    """The adaptive share manager, where shares can change at run time (the cpu backend, two cores or more)."""
+    part = cfg.partition
+    if not part.runtime_shares or not cfg.share_manager:
+        return None
+    profile = None
+    if cfg.partition_profile is not None:
+        try:
+            profile = PartitionProfile.load(cfg.partition_profile)
+        except ProfileError as exc:
+            log.warning("share manager: %s; an even split stands in when both workers are busy", exc)
+    manager = ShareManager(part.cores, Split(part.decode.cores, part.prefill.cores), profile, cfg.itl_slo_ms)
+    if profile is None:
+        log.info("share manager: no partition profile (make one with `ppd profile partition`), so the workers keep "
+                 "the cores they started on")
+    elif manager.sized_by_slo:
+        log.info("share manager: decode gets the fewest cores that keep its step within %g ms (profile %s); a side "
+                 "alone gets every core where the profile shows that pays", cfg.itl_slo_ms, cfg.partition_profile)
+    else:
+        log.info("share manager: an even split when both workers are busy (no --itl-slo-ms to size decode by); a "
+                 "side alone gets every core where the profile %s shows that pays", cfg.partition_profile)
+    return manager
+
+
 def run_decode_worker(cfg: UnitConfig) -> None:
     """Process entry point."""
-    init_worker_process(cfg, cfg.decode_cores)
+    init_worker_process(cfg, "decode")
     ctx = zmq.Context()
     out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
     run_or_report(cfg.unit, out, lambda: DecodeWorker(cfg, out, ctx).run())

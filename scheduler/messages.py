@@ -66,6 +66,12 @@ class AbortPrefill(msgspec.Struct, tag=True):
     request_id: str
 
 
+class SetShare(msgspec.Struct, tag=True):
+    """Decode worker -> prefill worker: run on these cores from the next forward pass (the share manager's)."""
+
+    cores: list[int]
+
+
 class PrefillReady(msgspec.Struct, tag=True):
     """The prefill worker has mapped the unit's shared memory."""
 
@@ -107,6 +113,10 @@ class WorkerStats(msgspec.Struct):
     prefill_queue_tokens: int = 0  # uncached prompt tokens handed to the prefill worker and not yet done
     decode_step_ms: float = 0.0  # moving average of decode-only steps (0 until one ran)
     inline_tokens_per_s: float = 0.0  # moving average speed of inline prefill tokens (0 until measured)
+    decode_share: int = 0  # cores the decode worker runs on now (0: not partitioned by cores)
+    prefill_share: int = 0  # cores the prefill worker was last given
+    share_switches: int = 0  # times the share manager changed the split
+    partition_problem: str | None = None  # why the unit's partition does not hold (e.g. not an MPS client)
 
 
 class PrefillStats(msgspec.Struct):
@@ -138,5 +148,5 @@ class WorkerOutput(msgspec.Struct, tag=True):
 
 
 ToDecode = GenerateRequest | AbortRequest
-ToPrefill = UnitSetup | PrefillJob | AbortPrefill
+ToPrefill = UnitSetup | PrefillJob | AbortPrefill | SetShare
 FromPrefill = PrefillReady | PrefillDone

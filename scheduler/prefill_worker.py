@@ -21,8 +21,9 @@ import zmq
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
 from scheduler.config import UnitConfig
+from partition.cpu import repin
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
-                                ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
+                                SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 
@@ -77,9 +78,11 @@ class PrefillWorker:
         while (raw := recv_nowait(self.jobs)) is not None:
             self.handle(self.decode_job(raw))
 
-    def handle(self, msg: PrefillJob | AbortPrefill | UnitSetup) -> None:
+    def handle(self, msg: ToPrefill) -> None:
         if isinstance(msg, PrefillJob):
             self.queue.append(ActiveJob(msg, msg.num_cached))
+        elif isinstance(msg, SetShare):
+            repin(tuple(msg.cores))  # between two forward passes: the next one runs on the new cores
         elif isinstance(msg, AbortPrefill):
             for active in self.queue:
                 if active.job.request_id == msg.request_id:
@@ -116,7 +119,7 @@ class PrefillWorker:
 
 def run_prefill_worker(cfg: UnitConfig) -> None:
     """Process entry point."""
-    init_worker_process(cfg, cfg.prefill_cores)
+    init_worker_process(cfg, "prefill")
     if cfg.gpu is not None:
         # Make this process's CUDA context now, while the decode worker loads the weights: its memory
         # measurement then sees the context as in use.

@@ -16,7 +16,7 @@ import zmq
 
 from engine.config import ModelError
 from engine.memory_plan import StartupError
-from partition.cpu import pin_to_cores
+from partition.backends import apply_at_start
 from scheduler.config import UnitConfig
 from scheduler.messages import WorkerOutput
 
@@ -24,9 +24,9 @@ PR_SET_PDEATHSIG = 1
 EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report (the router's policy reads them)
 
 
-def init_worker_process(cfg: UnitConfig, cores: tuple[int, ...]) -> None:
+def init_worker_process(cfg: UnitConfig, role: str) -> None:
     """Die with the launcher (no orphans even if it is killed), leave Ctrl-C and SIGTERM to it, see only the unit's GPU,
-    and take our cores. Runs before anything touches CUDA."""
+    and take our share of it (cores, or the MPS daemon and thread percentage). Runs before anything touches CUDA."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:  # the launcher died before prctl took effect
@@ -45,7 +45,7 @@ def init_worker_process(cfg: UnitConfig, cores: tuple[int, ...]) -> None:
             if var in os.environ:
                 kept = [o for o in os.environ[var].split(",") if not o.replace(" ", "").startswith("expandable_segments")]
                 os.environ[var] = ",".join(kept)
-    pin_to_cores(cores)
+    apply_at_start(cfg.partition, role)
     torch.set_grad_enabled(False)
 
 

@@ -9,7 +9,7 @@ import sys
 
 from engine.attention import BACKENDS
 from engine.demo import DEMO_MODEL
-from partition import PARTITIONS
+from partition.backends import BACKENDS as PARTITIONS, DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT
 from scheduler.config import POLICIES
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from scheduler.router import DEFAULT_SESSION_TTL_S
@@ -71,14 +71,27 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=None,
                    help="ppd: inline an append whose prefill route would miss this TTFT (when decode meets it)")
     p.add_argument("--itl-slo-ms", type=float, default=None,
-                   help="ppd: never inline an append whose decode step would pass this inter-token latency")
+                   help="ppd: never inline an append whose decode step would pass this inter-token latency; with "
+                        "--partition cpu and a partition profile, the decode worker's share is sized to meet it")
     p.add_argument("--session-ttl-s", type=float, default=DEFAULT_SESSION_TTL_S,
                    help=f"seconds an idle x-session-id keeps its unit (default {DEFAULT_SESSION_TTL_S:.0f})")
     p.add_argument("--units", type=int, default=None,
                    help="worker units (decode + prefill worker pairs): on the CPU default 1; on GPUs one per GPU, "
                         "this many of them")
     p.add_argument("--partition", default="auto", choices=["auto", *PARTITIONS],
-                   help="auto: cpu on the CPU, none on GPUs; cpu: pin each worker to its own cores; none: no partition")
+                   help="how a unit's two workers share its device. cpu: each its own cores, rebalanced at run time by "
+                        "the share manager; mps: MPS clients (the running daemon, or one the server starts) with "
+                        "capped SM shares; none: time-sliced, the baseline; auto: cpu on the CPU, mps on GPUs where "
+                        "MPS is installed, else none (the log says why)")
+    p.add_argument("--mps-decode-percent", type=int, default=DEFAULT_MPS_DECODE_PERCENT,
+                   help="mps: the decode worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a cap on its SMs)")
+    p.add_argument("--mps-prefill-percent", type=int, default=DEFAULT_MPS_PREFILL_PERCENT,
+                   help="mps: the prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    p.add_argument("--static-shares", action="store_true",
+                   help="cpu: keep each worker on the cores it started with (no share manager)")
+    p.add_argument("--partition-profile", default=None,
+                   help="cpu: the partition profile (ppd profile partition) the share manager reads with "
+                        "--itl-slo-ms; default: the shipped profile of this device and model, else an even split")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of each GPU's memory to use: the KV cache gets what the weights, activations and "

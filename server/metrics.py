@@ -52,6 +52,10 @@ class Metrics:
                                   ["model_name", "reason"], registry=r)
         self.decode_step = Gauge("ppd:decode_step_seconds", "The decode worker's recent decode-only step time.", labels,
                                  registry=r)
+        self.share = Gauge("ppd:partition_share", "Each worker's share of its unit's device now (cores on the CPU).",
+                           [*labels, "role"], registry=r)
+        self.share_switches = Counter("ppd:partition_switches", "Times the share manager changed the workers' split.",
+                                      labels, registry=r)
 
     def worker_stats(self, unit: int, old: WorkerStats | None, new: WorkerStats) -> None:
         labels = (self.model, str(unit))
@@ -61,9 +65,13 @@ class Metrics:
         self.prefill_queue.labels(*labels).set(new.prefill_queue_tokens)
         self.decode_step.labels(*labels).set(new.decode_step_ms / 1000)
         # Worker counters restart from zero with the worker; Prometheus counters must not go down.
+        if new.decode_share:
+            self.share.labels(*labels, "decode").set(new.decode_share)
+            self.share.labels(*labels, "prefill").set(new.prefill_share)
         for counter, now, before in ((self.prefix_queries, new.prefix_queries, old and old.prefix_queries),
                                      (self.prefix_hits, new.prefix_hits, old and old.prefix_hits),
-                                     (self.preemptions, new.num_preemptions, old and old.num_preemptions)):
+                                     (self.preemptions, new.num_preemptions, old and old.num_preemptions),
+                                     (self.share_switches, new.share_switches, old and old.share_switches)):
             delta = now - (before or 0)
             if delta > 0:
                 counter.labels(*labels).inc(delta)

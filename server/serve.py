@@ -21,7 +21,8 @@ from engine.engine import EngineConfig
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.cpu import available_cores, split_cores
+from partition.backends import MpsDaemonPlan, PartitionError, plan_partitions
+from partition.cpu import available_cores
 from partition.processes import process_alive
 from scheduler.config import UnitConfig
 
@@ -42,7 +43,8 @@ class ServePlan:
     max_model_len: int  # the configured or planned context; GPU units may report a smaller one when ready
     ipc_dir: str
     device: str
-    partition: str
+    partition: str  # the backend chosen (partition/backends.py)
+    mps: MpsDaemonPlan | None = None  # the MPS daemon the workers use (start=True: the server starts and stops it)
 
 
 def visible_gpus() -> list[str]:
@@ -107,7 +109,6 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                          "or serve on the CPU with --device cpu")
     if args.attention_backend == "triton" and device == "cpu":
         raise UsageError("--attention-backend triton runs on CUDA; on the CPU use --attention-backend torch (or auto)")
-    partition = args.partition if args.partition != "auto" else ("cpu" if device == "cpu" else "none")
     with_prefill = args.policy != "aggregated"
     # On the CPU the pool is sized here, as the engine will size it, so a bad size is refused before any process
     # starts; on a GPU only the worker can measure what is left, and reports the size when ready.
@@ -132,21 +133,48 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         log.warning("%d unit(s) are %d worker processes on %d core(s): they will share cores and each run slower; "
                     "use --units %d or fewer on this machine", num_units, workers, len(cores),
                     max(1, len(cores) // (2 if with_prefill else 1)))
-    shares = split_cores(cores, num_units, with_prefill) if partition == "cpu" else [((), ())] * num_units
+    remove_dead_leftovers()
+    ipc_dir = tempfile.mkdtemp(prefix=f"ppd-{os.getpid()}-")
+    try:
+        partition, parts, mps = plan_partitions(args.partition, device, num_units, with_prefill, cores, Path(ipc_dir),
+                                                (args.mps_decode_percent, args.mps_prefill_percent))
+        profile = partition_profile_for(args, device, path) if partition == "cpu" else None
+    except (PartitionError, UsageError) as exc:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise UsageError(str(exc)) from exc
+    log.info("partition: %s", parts[0].why)
     engine = EngineConfig(
         model=path, dtype=args.dtype, load_format=args.load_format, device=device,
         attention_backend=args.attention_backend, block_size=args.block_size, num_kv_blocks=num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill)
-    remove_dead_leftovers()
-    ipc_dir = tempfile.mkdtemp(prefix=f"ppd-{os.getpid()}-")
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
-                        gpu=gpu, decode_cores=decode, prefill_cores=prefill, log_level=args.log_level)
-             for u, (gpu, (decode, prefill)) in enumerate(zip(unit_gpus, shares))]
+                        gpu=gpu, partition=part, share_manager=not args.static_shares, partition_profile=profile,
+                        itl_slo_ms=args.itl_slo_ms,
+                        log_level=args.log_level)
+             for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
     tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
-    return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition)
+    return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
+
+
+def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
+    """The partition profile the share manager reads: --partition-profile, else the shipped one of this device and
+    model (None: there is none, and the manager splits evenly)."""
+    from partition.profile import PartitionProfile, ProfileError, profile_path
+    from profiles import cpu_device_name
+
+    if args.partition_profile is not None:
+        try:
+            PartitionProfile.load(args.partition_profile)
+        except ProfileError as exc:
+            raise UsageError(str(exc)) from exc
+        return os.path.abspath(args.partition_profile)
+    if device != "cpu":
+        return None  # GPU shares do not change at run time yet
+    shipped = profile_path(cpu_device_name(), os.path.basename(model_path.rstrip("/")))
+    return str(shipped) if shipped.exists() else None
 
 
 def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir()), SHM_DIR)) -> list[Path]:
@@ -297,8 +325,18 @@ def serve(args: argparse.Namespace) -> None:
     launcher = Launcher(plan.units, client)
     log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
-             len(plan.units), plan.partition if plan.partition != "none" else "none (workers time-share the device)",
-             args.policy)
+             len(plan.units), plan.units[0].partition.describe(), args.policy)
+    mps_daemon = None
+    if plan.mps is not None and plan.mps.start:
+        from partition.backends import MpsDaemon
+
+        mps_daemon = MpsDaemon(plan.mps)
+        try:
+            mps_daemon.start()
+        except PartitionError as exc:
+            sock.close()
+            shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+            raise UsageError(str(exc)) from exc
     launcher.spawn_all()  # the workers load the model while this process loads the web stack
     import uvicorn
 
@@ -340,6 +378,8 @@ def serve(args: argparse.Namespace) -> None:
             starting.cancel()
             launcher.shutdown()
             client.close()
+            if mps_daemon is not None:
+                mps_daemon.stop()  # after the workers, its clients, are gone
             shutil.rmtree(plan.ipc_dir, ignore_errors=True)
 
     def end_the_rest() -> None:
@@ -377,7 +417,14 @@ def health(plan: ServePlan, client, launcher) -> list[dict]:
             device.update(index=cfg.gpu, name=state.device_name, memory_total_bytes=state.device_memory_total,
                           memory_used_bytes=state.stats.device_memory_used if state.stats else None)
         overloaded = client.overloaded(u)
-        units.append({"unit": u, "ready": client.unit_ready(u), "device": device, "waiting": state.waiting,
+        partition: dict = {"backend": cfg.partition.backend}
+        if state.stats is not None and state.stats.decode_share:
+            partition.update(decode_share=state.stats.decode_share, prefill_share=state.stats.prefill_share,
+                             switches=state.stats.share_switches)
+        if state.stats is not None and state.stats.partition_problem:
+            partition["problem"] = state.stats.partition_problem
+        units.append({"unit": u, "ready": client.unit_ready(u), "device": device, "partition": partition,
+                      "waiting": state.waiting,
                       "overloaded": overloaded is not None, **({"overload": overloaded} if overloaded else {}),
                       "workers": [{"role": role, "pid": pid, "alive": alive}
                                   for role, (pid, alive) in launcher.pids(u).items()]})

@@ -1,0 +1,113 @@
+"""The adaptive share manager (RAPID-Serve's idea): give decode the smallest share that keeps its step within the
+inter-token SLO at its current batch and context, and prefill the rest; when one side is idle, let the other use
+the whole device, where the profile shows that the whole device is faster for it.
+
+It runs in the decode worker, once per step, and only where shares can change at run time (the cpu backend).
+Its inputs are what that worker knows at no cost: its batch, the mean context of its sequences, and the
+uncached tokens queued on the prefill worker. Every change rests on the partition profile (`ppd profile
+partition`): predicted decode step time by share x batch x context, and prefill speed by share x prompt. A
+side alone gets the whole device only if the profile predicts it at least WHOLE_GAIN faster there (on a small
+CPU model one more core does not speed a decode step up, and moving threads costs); with both busy, decode
+gets the fewest cores that meet --itl-slo-ms. Without a profile nothing changes: the split it started with
+stays, and the log says so.
+
+To keep the workers from flapping, a change that gives decode more (a contender arrived, the batch grew) is
+made at once, and one that gives decode less, or lets both spread over the whole device again, only after the
+same decision held for `hold_steps` steps in a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from partition.profile import PartitionProfile
+
+DEFAULT_HOLD_STEPS = 8
+WHOLE_GAIN = 1.15  # a side alone spreads over every core only if the profile says that is this much faster
+
+
+@dataclass(frozen=True)
+class Split:
+    """Cores for each worker; overlapping (both the whole set) when one side is idle."""
+
+    decode: tuple[int, ...]
+    prefill: tuple[int, ...]
+
+    @property
+    def shared(self) -> bool:
+        return bool(set(self.decode) & set(self.prefill))
+
+
+class ShareManager:
+    def __init__(self, cores: tuple[int, ...], start: Split, profile: PartitionProfile | None = None,
+                 itl_slo_ms: float | None = None, hold_steps: int = DEFAULT_HOLD_STEPS) -> None:
+        if len(cores) < 2:
+            raise ValueError("a share manager needs at least two cores to split")
+        self.cores, self.profile, self.itl_slo_ms, self.hold_steps = tuple(cores), profile, itl_slo_ms, hold_steps
+        self.current = start
+        self.even = len(start.decode) if not start.shared else len(cores) // 2
+        self.pending: Split | None = None
+        self.pending_steps = 0
+        self.switches = 0
+        self.reason = "start"
+
+    @property
+    def sized_by_slo(self) -> bool:
+        return self.profile is not None and self.itl_slo_ms is not None
+
+    def target(self, batch: int, mean_context: float, prefill_tokens: int) -> tuple[Split, str]:
+        """The split this state calls for, and why (one word, for the log)."""
+        whole, n = self.cores, self.even
+        split = Split(whole[:n], whole[n:])
+        if self.profile is None:
+            return split, "no_profile"
+        if prefill_tokens == 0 and batch > 0 and self._whole_pays(batch, mean_context, None):
+            return Split(whole, whole), "prefill_idle"
+        if batch == 0 and prefill_tokens > 0 and self._whole_pays(0, 0.0, prefill_tokens):
+            return Split(whole, whole), "decode_idle"
+        if batch == 0 or prefill_tokens == 0:
+            return self.current, "idle"  # nothing to gain from moving
+        if not self.sized_by_slo:
+            return split, "even"
+        need = self.profile.min_decode_share(batch, round(mean_context), self.itl_slo_ms)
+        n, reason = (len(whole) - 1, "slo_unreachable") if need is None else (need, "slo")
+        n = min(max(n, 1), len(whole) - 1)
+        return Split(whole[:n], whole[n:]), reason
+
+    def _whole_pays(self, batch: int, context: float, prefill_tokens: int | None) -> bool:
+        """Whether the profile predicts the side alone (decode when prefill_tokens is None) WHOLE_GAIN faster on every
+        core than on its share of the split."""
+        total, n = len(self.cores), self.even
+        if prefill_tokens is None:
+            alone, split = (self.profile.decode_step_ms(total, batch, round(context)),
+                            self.profile.decode_step_ms(n, batch, round(context)))
+            return alone is not None and split is not None and split >= WHOLE_GAIN * alone
+        alone, split = (self.profile.prefill_tokens_per_s(total, prefill_tokens),
+                        self.profile.prefill_tokens_per_s(total - n, prefill_tokens))
+        return alone is not None and split is not None and alone >= WHOLE_GAIN * split
+
+    def decide(self, batch: int, mean_context: float, prefill_tokens: int) -> Split | None:
+        """Called once per decode step: the new split when it changes now, else None."""
+        target, reason = self.target(batch, mean_context, prefill_tokens)
+        if target == self.current:
+            self.pending, self.pending_steps = None, 0
+            return None
+        if self._tightens(target):
+            return self._switch(target, reason)
+        if target == self.pending:
+            self.pending_steps += 1
+        else:
+            self.pending, self.pending_steps = target, 1
+        return self._switch(target, reason) if self.pending_steps >= self.hold_steps else None
+
+    def _tightens(self, target: Split) -> bool:
+        """Whether target protects decode more than the current split: it ends an overlap (a contender arrived)
+        or gives decode more cores."""
+        if self.current.shared and not target.shared:
+            return True
+        return not target.shared and len(target.decode) > len(self.current.decode)
+
+    def _switch(self, target: Split, reason: str) -> Split:
+        self.current, self.pending, self.pending_steps, self.reason = target, None, 0, reason
+        self.switches += 1
+        return target

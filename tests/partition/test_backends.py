@@ -1,0 +1,113 @@
+"""The partition backends' plans (which backend, each worker's share, the MPS daemon to use or start), what a worker
+applies at start, and repinning a running process. The GPU checks skip cleanly without CUDA."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from partition import backends
+from partition.backends import PartitionError, Share, apply_at_start, plan_partitions
+from partition.cpu import repin
+from partition.probe_mps import PID_FILE
+
+
+@pytest.fixture
+def no_mps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A host without MPS: no control binary, no daemon behind the pipe directory."""
+    monkeypatch.setattr(backends.shutil, "which", lambda name: None)
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
+
+
+def test_auto_on_the_cpu_pins_each_worker_to_its_own_cores(tmp_path: Path) -> None:
+    kind, parts, daemon = plan_partitions("auto", "cpu", 1, True, [0, 1], tmp_path)
+    assert kind == "cpu" and daemon is None
+    assert (parts[0].decode, parts[0].prefill, parts[0].cores) == (Share((0,)), Share((1,)), (0, 1))
+    assert parts[0].runtime_shares and "auto" in parts[0].why
+    one_core = plan_partitions("cpu", "cpu", 1, True, [0], tmp_path)[1][0]
+    assert not one_core.runtime_shares  # nothing to move between
+
+
+def test_none_is_labelled_as_the_time_sliced_baseline(tmp_path: Path) -> None:
+    kind, parts, _ = plan_partitions("none", "cuda", 2, True, [0, 1], tmp_path)
+    assert kind == "none" and len(parts) == 2
+    assert parts[0].describe() == "none (the workers time-share the device)" and not parts[0].runtime_shares
+
+
+@pytest.mark.parametrize("kind, device, needle", [("cpu", "cuda", "--partition mps, none or auto"),
+                                                  ("mps", "cpu", "needs a GPU")])
+def test_a_backend_for_the_wrong_device_says_which_to_use(tmp_path: Path, kind: str, device: str, needle: str) -> None:
+    with pytest.raises(PartitionError, match=needle):
+        plan_partitions(kind, device, 1, True, [0, 1], tmp_path)
+
+
+def test_mps_without_mps_on_the_host_names_the_fix(no_mps, tmp_path: Path) -> None:
+    with pytest.raises(PartitionError, match="nvidia-cuda-mps-control"):
+        plan_partitions("mps", "cuda", 1, True, [0, 1], tmp_path)
+    kind, parts, _ = plan_partitions("auto", "cuda", 1, True, [0, 1], tmp_path)
+    assert kind == "none" and "time-sliced" in parts[0].why and "install MPS" in parts[0].why
+
+
+def test_mps_starts_a_private_daemon_when_none_runs(no_mps, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(backends.shutil, "which", lambda name: "/usr/bin/nvidia-cuda-mps-control")
+    kind, parts, daemon = plan_partitions("auto", "cuda", 2, True, [0, 1], tmp_path, (100, 60))
+    assert kind == "mps" and daemon.start and daemon.pipe_dir == tmp_path / "mps-pipe"
+    env = dict(parts[0].env)
+    assert env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps-pipe"),
+                   "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "mps-log")}
+    assert (parts[0].decode.mps_percent, parts[0].prefill.mps_percent) == (100, 60)
+    aggregated = plan_partitions("mps", "cuda", 1, False, [0, 1], tmp_path)[1][0]
+    assert aggregated.prefill == Share() and aggregated.decode.mps_percent == 100
+    with pytest.raises(PartitionError, match="--mps-prefill-percent 0"):
+        plan_partitions("mps", "cuda", 1, True, [0, 1], tmp_path, (100, 0))
+
+
+def test_mps_uses_a_daemon_that_runs(no_mps, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pipe = tmp_path / "running"
+    pipe.mkdir()
+    (pipe / PID_FILE).write_text(f"{os.getpid()}\n")  # a live process behind the pid file
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+    kind, parts, daemon = plan_partitions("auto", "cuda", 1, True, [0, 1], tmp_path)
+    assert kind == "mps" and not daemon.start and dict(parts[0].env) == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+
+
+def test_a_worker_applies_its_share_before_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(backends.shutil, "which", lambda name: "/usr/bin/nvidia-cuda-mps-control")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
+    monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", "unset")  # monkeypatch restores both afterwards
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "unset")
+    part = plan_partitions("mps", "cuda", 1, True, [0, 1], tmp_path, (90, 40))[1][0]
+    apply_at_start(part, "prefill")
+    assert os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "mps-pipe")
+
+
+def test_repin_moves_every_thread_of_a_running_process() -> None:
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    try:
+        target = (min(before),)
+        repin(target)
+        for tid in os.listdir("/proc/self/task"):
+            assert os.sched_getaffinity(int(tid)) == set(target), tid
+        assert torch.get_num_threads() == 1
+    finally:
+        stop.set()
+        worker.join()
+        repin(tuple(sorted(before)))
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_auto_picks_mps_where_it_is_installed_else_says_why(tmp_path: Path) -> None:
+    kind, parts, daemon = plan_partitions("auto", "cuda", 1, True, [0, 1], tmp_path)
+    assert kind in ("mps", "none") and parts[0].why
+    if kind == "mps":
+        assert daemon is not None and dict(parts[0].env)["CUDA_MPS_PIPE_DIRECTORY"]

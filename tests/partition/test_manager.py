@@ -1,0 +1,85 @@
+"""The share manager's decisions on a synthetic partition profile of a 4-core device."""
+
+from __future__ import annotations
+
+from partition.manager import ShareManager, Split
+from partition.profile import DecodePoint, PartitionProfile, PrefillPoint
+
+CORES = (0, 1, 2, 3)
+EVEN = Split((0, 1), (2, 3))
+WHOLE = Split(CORES, CORES)
+
+
+def profile(decode: dict[int, float] | None = None, prefill: dict[int, float] | None = None) -> PartitionProfile:
+    """Decode step = 10 ms x batch/8 x (1 + context/1000) on one core, divided by decode[share]; prefill speed
+    1000 tok/s x prefill[share]. By default two cores are twice as fast as one, four 1.4x faster than two."""
+    decode = decode or {1: 1.0, 2: 2.0, 3: 2.4, 4: 2.8}
+    prefill = prefill or {1: 1.0, 2: 2.0, 3: 2.4, 4: 2.8}
+    points = [DecodePoint(share, batch, context, 10.0 * batch / 8 * (1 + context / 1000) / decode[share], 0.0)
+              for share in (1, 2, 3, 4) for batch in (8, 32) for context in (0, 1000)]
+    speeds = [PrefillPoint(share, prompt, 1000.0 * prefill[share]) for share in (1, 2, 3, 4) for prompt in (128, 1024)]
+    return PartitionProfile("cpu-4core", "synthetic", "cores", 4, [1, 2, 3, 4], points, speeds)
+
+
+def manager(prof: PartitionProfile | None, slo: float | None = None, hold: int = 3) -> ShareManager:
+    return ShareManager(CORES, EVEN, prof, slo, hold_steps=hold)
+
+
+def test_without_a_profile_the_workers_keep_their_cores() -> None:
+    m = manager(None, slo=5.0)
+    for batch, context, queued in [(0, 0, 500), (32, 1000, 0), (32, 1000, 500), (1, 10, 1)]:
+        assert m.decide(batch, context, queued) is None
+    assert m.current == EVEN and m.switches == 0
+
+
+def test_with_both_busy_decode_gets_the_fewest_cores_that_meet_the_slo() -> None:
+    # batch 32, context 1000: 80 ms on one core, 40 on two, 33.3 on three, 28.6 on four.
+    m = manager(profile(), slo=35.0)
+    assert m.decide(32, 1000, 256) == Split((0, 1, 2), (3,))
+    assert m.reason == "slo"
+    # A lighter batch needs fewer cores: a relief, applied only after it held for hold_steps steps.
+    assert [m.decide(8, 0, 256) for _ in range(2)] == [None, None]
+    assert m.decide(8, 0, 256) == Split((0,), (1, 2, 3))  # batch 8, context 0: 10 ms on one core
+
+
+def test_an_slo_no_share_meets_leaves_prefill_one_core() -> None:
+    m = manager(profile(), slo=1.0)
+    assert m.decide(32, 1000, 256) == Split((0, 1, 2), (3,))
+    assert m.reason == "slo_unreachable"
+
+
+def test_without_an_slo_both_busy_split_evenly() -> None:
+    m = ShareManager(CORES, Split((0,), (1, 2, 3)), profile(), None, hold_steps=1)  # started uneven: 1 + 3
+    assert m.decide(32, 1000, 256) is None  # its start is the split it keeps
+    m = ShareManager(CORES, WHOLE, profile(), None, hold_steps=1)  # started overlapping: half each
+    assert m.decide(32, 1000, 256) == EVEN and m.reason == "even"
+
+
+def test_a_side_alone_gets_every_core_only_where_the_profile_says_it_pays() -> None:
+    m = manager(profile(), slo=100.0, hold=2)
+    # Prefill idle, decode busy: decode on 4 cores is 1.4x faster than on its 2: worth it, after the hold.
+    assert m.decide(32, 1000, 0) is None
+    assert m.decide(32, 1000, 0) == WHOLE and m.reason == "prefill_idle"
+    # Work for prefill arrives: the overlap ends at once, whatever the hold (100 ms: one core meets the SLO).
+    assert m.decide(32, 1000, 512) == Split((0,), (1, 2, 3))
+    # Where more cores buy little (4 cores 1.1x faster than 2), nobody spreads out.
+    flat = {1: 1.0, 2: 2.0, 3: 2.1, 4: 2.2}
+    m = manager(profile(decode=flat, prefill=flat), slo=100.0, hold=1)
+    assert m.decide(32, 1000, 0) is None and m.decide(0, 0, 1024) is None and m.current == EVEN
+
+
+def test_decode_idle_lets_prefill_spread_where_it_pays() -> None:
+    m = manager(profile(), slo=100.0, hold=1)
+    assert m.decide(0, 0, 1024) == WHOLE and m.reason == "decode_idle"
+    assert m.decide(8, 100, 1024) is not None and not m.current.shared  # decode back: split at once
+    assert m.switches == 2
+
+
+def test_no_flapping_a_relief_that_does_not_hold_is_not_made() -> None:
+    m = manager(profile(), slo=35.0, hold=3)
+    m.decide(32, 1000, 256)
+    heavy = m.current
+    for _ in range(10):  # alternating light and heavy steps: the relief never holds for 3 steps
+        assert m.decide(8, 0, 256) is None
+        assert m.decide(32, 1000, 256) is None
+    assert m.current == heavy and m.switches == 1
