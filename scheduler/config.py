@@ -22,7 +22,7 @@ class UnitConfig:
     shm_prefix: str = "ppd"
     gpu: str | None = None  # this unit's GPU as a CUDA_VISIBLE_DEVICES entry; None on the CPU
     partition: UnitPartition = UnitPartition()  # how the workers share the device (partition/backends.py)
-    share_manager: bool = True  # shares change at run time where the backend can (partition/manager.py)
+    share_manager: bool = False  # shares change at run time where the backend can (partition/manager.py)
     partition_profile: str | None = None  # the partition profile the share manager reads (None: none found)
     itl_slo_ms: float | None = None  # the share manager keeps decode steps within it
     log_level: str = "info"

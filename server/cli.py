@@ -87,8 +87,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="mps: the decode worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a cap on its SMs)")
     p.add_argument("--mps-prefill-percent", type=int, default=DEFAULT_MPS_PREFILL_PERCENT,
                    help="mps: the prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    p.add_argument("--static-shares", action="store_true",
-                   help="cpu: keep each worker on the cores it started with (no share manager)")
+    p.add_argument("--share-manager", action="store_true",
+                   help="cpu: move the workers between cores at run time, from the partition profile (off by default: "
+                        "on the 2-core demo its switches cost more than they gained; see the README)")
     p.add_argument("--partition-profile", default=None,
                    help="cpu: the partition profile (ppd profile partition) the share manager reads with "
                         "--itl-slo-ms; default: the shipped profile of this device and model, else an even split")

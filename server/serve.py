@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -21,7 +22,7 @@ from engine.engine import EngineConfig
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import MpsDaemonPlan, PartitionError, plan_partitions
+from partition.backends import MpsDaemonPlan, PartitionError, UnitPartition, plan_partitions
 from partition.cpu import available_cores
 from partition.processes import process_alive
 from scheduler.config import UnitConfig
@@ -150,7 +151,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill)
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
-                        gpu=gpu, partition=part, share_manager=not args.static_shares, partition_profile=profile,
+                        gpu=gpu, partition=part, share_manager=args.share_manager, partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms,
                         log_level=args.log_level)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
@@ -323,9 +324,6 @@ def serve(args: argparse.Namespace) -> None:
     admission = Admission(max_waiting or None, args.max_queue_time_s or None)
     client = EngineClient(plan.units, router, Metrics(plan.model_name), admission)
     launcher = Launcher(plan.units, client)
-    log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
-             plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
-             len(plan.units), plan.units[0].partition.describe(), args.policy)
     mps_daemon = None
     if plan.mps is not None and plan.mps.start:
         from partition.backends import MpsDaemon
@@ -334,9 +332,19 @@ def serve(args: argparse.Namespace) -> None:
         try:
             mps_daemon.start()
         except PartitionError as exc:
-            sock.close()
-            shutil.rmtree(plan.ipc_dir, ignore_errors=True)
-            raise UsageError(str(exc)) from exc
+            mps_daemon = None
+            if args.partition != "auto":
+                sock.close()
+                shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+                raise UsageError(str(exc)) from exc
+            # auto promised the best that works here: the time-sliced baseline, said plainly.
+            log.warning("partition: %s; going on with --partition none (the workers are time-sliced)", exc)
+            none = UnitPartition("none", why=f"auto: MPS is installed but its daemon did not start ({exc})")
+            plan.units[:] = [dataclasses.replace(u, partition=none) for u in plan.units]
+            plan.partition = "none"
+    log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
+             plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
+             len(plan.units), plan.units[0].partition.describe(), args.policy)
     launcher.spawn_all()  # the workers load the model while this process loads the web stack
     import uvicorn
 

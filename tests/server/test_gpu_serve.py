@@ -5,6 +5,7 @@ its numbers. Every test needs CUDA and skips cleanly without it."""
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from engine.demo import write_byte_tokenizer
+from partition.backends import existing_mps_pipe_dir
 from tests.server_process import ServerProcess
 from tests.tiny_models import hf_greedy, write_tiny_model
 
@@ -70,7 +72,10 @@ def test_one_copy_of_weights_and_pool_per_gpu(gpu_server: ServerProcess) -> None
     pynvml.nvmlInit()
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        used = {p.pid: p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        # Under MPS the driver lists the MPS server as the GPU's process, and the workers as MPS clients.
+        mps = gpu_server.health()["units"][0]["partition"]["backend"] == "mps"
+        listing = pynvml.nvmlDeviceGetMPSComputeRunningProcesses if mps else pynvml.nvmlDeviceGetComputeRunningProcesses
+        used = {p.pid: p.usedGpuMemory for p in listing(handle)}
         total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
     finally:
         pynvml.nvmlShutdown()
@@ -81,6 +86,30 @@ def test_one_copy_of_weights_and_pool_per_gpu(gpu_server: ServerProcess) -> None
     # context and activations: a second copy would show as a second pool's worth.
     assert decode > 0.15 * total
     assert prefill < 0.05 * total, f"the prefill worker holds {prefill} bytes of {total}: a copy?"
+
+
+def test_the_default_partition_says_what_it_is_and_holds(gpu_server: ServerProcess) -> None:
+    """auto: mps where MPS is installed (the workers must then really be its clients), else the time-sliced none."""
+    partition = gpu_server.health()["units"][0]["partition"]
+    assert partition["backend"] in ("mps", "none")
+    assert "problem" not in partition, partition.get("problem")
+
+
+@pytest.mark.parametrize("partition", ["none", "mps"])
+def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny: Path, partition: str) -> None:
+    if partition == "mps" and not (shutil.which("nvidia-cuda-mps-control") or existing_mps_pipe_dir()):
+        pytest.skip("MPS is not installed on this host")
+    server = start_server("--model", str(tiny), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
+                          "--dtype", "float32", "--partition", partition, "--max-num-batched-tokens", "32",
+                          "--max-num-seqs", "16", "--gpu-memory-utilization", "0.2")
+    rng = random.Random(1)
+    prompt = [rng.randrange(3, 256) for _ in range(45)]
+    out1, _ = complete(server, prompt, "prefill")
+    turn2 = prompt + out1 + [rng.randrange(3, 256) for _ in range(20)]
+    out2, _ = complete(server, turn2, "decode")
+    assert out1 == hf_greedy(tiny, prompt, NEW_TOKENS) and out2 == hf_greedy(tiny, turn2, NEW_TOKENS)
+    unit = server.health()["units"][0]
+    assert unit["partition"]["backend"] == partition and "problem" not in unit["partition"]
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers(tiny: Path) -> None:

@@ -1,4 +1,4 @@
-"""The share manager in `ppd serve --partition cpu`: with a profile that says a side alone runs faster on every core,
+"""The share manager in `ppd serve --partition cpu --share-manager`: with a profile that says a side alone runs faster on every core,
 the workers are repinned as load comes and goes, /health and /metrics say so, and greedy ids stay transformers'."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def served(start_server, tmp_path_factory):
     write_byte_tokenizer(folder)
     profile = two_core_profile(tmp_path_factory.mktemp("profile") / "two-core.json")
     server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "pd", "--partition", "cpu",
-                          "--partition-profile", str(profile), "--itl-slo-ms", "1000", "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+                          "--partition-profile", str(profile), "--share-manager", "--itl-slo-ms", "1000", "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
     return folder, server
 
 
@@ -61,10 +61,10 @@ def test_workers_move_between_cores_as_load_changes_and_answers_stay_exact(serve
     assert {partition["decode_share"], partition["prefill_share"]} <= {1, 2}
 
 
-def test_static_shares_keep_the_workers_where_they_started(start_server, served) -> None:
+def test_without_the_share_manager_the_workers_stay_where_they_started(start_server, served) -> None:
     folder, _ = served
     server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "pd", "--partition", "cpu",
-                          "--static-shares", "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
     prompt = list(range(3, 60))
     assert complete(server, prompt) == hf_greedy(folder, prompt, NEW_TOKENS)
     partition = server.health()["units"][0]["partition"]
