@@ -2,7 +2,8 @@
 # Validate a GPU host for ppd-serve, writing every raw output and log into OUTDIR.
 #
 #   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine compare kernels policy policy-eval:W
-#                                             policy-verdict (default: probe tests engine compare)
+#                                             policy-verdict partition partition-compare
+#                                             (default: probe tests engine compare)
 #
 #   probe    ppd probe: GPUs, CUDA IPC, MPS, kernel overlap, green contexts        -> probe.json, probe.log
 #   tests    the gpu-marked tests, then the kernel tests (their small cases run on CUDA too) -> tests.log
@@ -14,6 +15,11 @@
 #                $POLICY_QPS conversations/s (default 2), one 30 s run each (reads OUTDIR/policy.json; about
 #                8 minutes, so one workload per device call)                     -> policy-eval/W/, policy-eval-W.log
 #   policy-verdict the verdict over the policy-eval workloads present           -> policy-eval/verdict.md
+#   partition  ppd profile partition on the same model: decode step by SMs x batch x context, prefill speed,
+#              decode TPOT beside 1 and 4 full or append prefills (green-context streams; resumable)
+#                                                                                -> partition.{json,md,png}, partition.log
+#   partition-compare  pd and aggregated on the balanced workload, once with --partition none (time-sliced) and
+#              once with --partition mps, 30 s at 2 conversations/s each      -> partition-compare/{none,mps}/
 #
 # Run it from the repository root. Python packages the host lacks can come as wheels in .whl/
 # (../shared/device/wheels.sh openai distro jiter): they are installed into /tmp/site first.
@@ -21,7 +27,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,15p' "$0" >&2
+  sed -n '2,22p' "$0" >&2
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -88,8 +94,18 @@ python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : 
     policy-verdict)
       run_step policy-verdict bash -c "python3 -m bench.policy_eval $out/policy-eval/*/ --out $out/policy-eval/verdict.md"
       rc=$? ;;
+    partition)
+      run_step partition "${ppd[@]}" profile partition --no-progress --out "$out/partition.json"; rc=$? ;;
+    partition-compare)
+      for p in none mps; do
+        run_step "partition-compare-$p" "${ppd[@]}" bench compare --policies pd,aggregated \
+          --serve-args "$llama --partition $p" --api completions --workload synthetic --profile balanced \
+          --turn1 mixed --qps 2 --duration 30 --timeout 120 --repeat 1 --goodput ttft:500 tpot:50 --no-progress \
+          --out "$out/partition-compare/$p"; rc=$?
+      done ;;
     *)
-      echo "unknown step $step (probe tests engine compare kernels policy policy-eval:W policy-verdict)" >&2; rc=2 ;;
+      echo "unknown step $step (probe tests engine compare kernels policy policy-eval:W policy-verdict partition" \
+        "partition-compare)" >&2; rc=2 ;;
   esac
 done
 exit "$rc"
