@@ -137,11 +137,20 @@ def main(argv: list[str] | None = None) -> int:
                                                 "`ppd bench engine`: the engine against the hardware's floors)"))
     from partition.probe import add_probe_args
     add_probe_args(sub.add_parser("probe", help="what this machine supports: GPUs, CUDA IPC, MPS, green contexts"))
-    profile = sub.add_parser("profile", help="measure this machine and build the tables the server uses")
-    profiles = profile.add_subparsers(dest="profile_command", required=True)
+    profile = sub.add_parser("profile", help="measure this machine and build the tables the server uses (no "
+                                             "subcommand: every one, partition then policy, with their defaults)")
+    profile.add_argument("--quick", dest="profile_quick", action="store_true",
+                         help="with no subcommand: every profile on its small grid")
+    profiles = profile.add_subparsers(dest="profile_command")
+    from bench.partition_profile import add_partition_args
     from bench.policy_profile import add_policy_args
-    add_policy_args(profiles.add_parser("policy", help="the ppd policy's table: turn-2 latency by route, per workload "
-                                                       "cell (profiles/<device>__<model>__policy.json)"))
+    partition_parser = profiles.add_parser("partition", help="SM/core shares: decode step time, prefill speed and "
+                                           "their interference, per share (profiles/<device>__<model>.json)")
+    add_partition_args(partition_parser)
+    policy_parser = profiles.add_parser("policy", help="the ppd policy's table: turn-2 latency by route, per workload "
+                                                       "cell (profiles/<device>__<model>__policy.json)")
+    add_policy_args(policy_parser)
+    profile_parsers = {"partition": partition_parser, "policy": policy_parser}  # `ppd profile` runs each, in order
     _show_defaults(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -158,8 +167,13 @@ def main(argv: list[str] | None = None) -> int:
             from partition.probe import run_probe
             return run_probe(args)
         elif args.command == "profile":
-            from bench.policy_profile import main as profile_main
-            profile_main(args)
+            from bench import partition_profile, policy_profile
+            mains = {"partition": partition_profile.main, "policy": policy_profile.main}
+            if args.profile_command:
+                mains[args.profile_command](args)
+            else:
+                for name, run_profile in mains.items():
+                    run_profile(profile_parsers[name].parse_args(["--quick"] if args.profile_quick else []))
     except (UsageError, BenchError) as exc:
         print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
         return 2
