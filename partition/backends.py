@@ -174,6 +174,7 @@ class MpsDaemon:
 
         self.plan = plan
         self.daemon = Daemon(plan.binary or "nvidia-cuda-mps-control", plan.pipe_dir, plan.log_dir)
+        self.stopped = False
 
     def start(self) -> None:
         from partition.probe_mps import start_daemon
@@ -186,8 +187,12 @@ class MpsDaemon:
         log.info("MPS daemon started (pid %s, pipe directory %s)", found["pid"], self.plan.pipe_dir)
 
     def stop(self) -> None:
+        """Stop it (once; later calls do nothing)."""
         from partition.probe_mps import stop_daemon
 
+        if self.stopped:
+            return
+        self.stopped = True
         found = stop_daemon(self.daemon)
         if found["stopped"]:
             log.info("MPS daemon stopped")

@@ -410,7 +410,11 @@ def serve(args: argparse.Namespace) -> None:
     app = build_app(model, client, lambda: health(plan, client, launcher), lifespan, guard)
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.shutdown_timeout + 5))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if mps_daemon is not None:
+            mps_daemon.stop()  # the lifespan did, unless the server failed before it ran
     if fatal:
         raise UsageError(fatal[0])
 

@@ -59,7 +59,10 @@ def test_ctrl_c_reports_what_was_measured(stub, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", stub.url, "--concurrency", "2",
                              "--duration", "60", "--api", "completions", "--scale", "0.05", "--out", str(out),
-                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # A suite started in the background (`pytest &`) ignores SIGINT, and so would the child,
+                            # whose Python then never raises KeyboardInterrupt: give it a terminal's default.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     time.sleep(6)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
