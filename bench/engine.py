@@ -351,12 +351,24 @@ def write(report: Report, out: Path) -> tuple[Path, Path]:
     return json_path, md_path
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --device and --dtype of the benchmarks that time the engine alone (bench engine, profile partition)."""
     p.add_argument("--model", default=None,
                    help=f"model folder (default: {LLAMA_8B} with random weights on a GPU, the demo model on the CPU)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: CUDA when there is a GPU")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV dtype (auto: bfloat16 on a GPU for a float32 checkpoint)")
+
+
+def chosen_device(args: argparse.Namespace) -> torch.device:
+    """--device: auto is CUDA when there is a GPU."""
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
@@ -364,8 +376,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = chosen_device(args)
     model = args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)
     grid = QUICK_GRID if args.quick else (GPU_GRID if device.type == "cuda" else CPU_GRID)
     report = run(model, device, grid, args.dtype, args.quick, args.attention_backend)

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from bench.cli import BenchError
-from bench.engine import LLAMA_8B, Blocks, _fill_random, _median_ms, _release, _step
+from bench.engine import LLAMA_8B, Blocks, _fill_random, _median_ms, _release, _step, add_model_args, chosen_device
 from engine.config import ModelConfig
 from engine.demo import demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
@@ -673,11 +673,7 @@ def plot(result: PartitionProfile, path: Path) -> None:
 
 
 def add_partition_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help=f"model folder (default: the demo model on the CPU, {LLAMA_8B} with random weights on a GPU)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: CUDA when there is a GPU")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (auto: bfloat16 on a GPU for a float32 checkpoint)")
+    add_model_args(p)
     p.add_argument("--out", default=None, help="the profile (default: profiles/<device>__<model>.json)")
     p.add_argument("--quick", action="store_true", help="a small grid (the CPU demo: under 2 minutes)")
     p.add_argument("--shares", default=None, help="comma list of shares: cores on the CPU, SMs on a GPU (multiples "
@@ -739,7 +735,7 @@ def choose_grid(args: argparse.Namespace, gpu: bool, total: int) -> Grid:
 
 
 def main(args: argparse.Namespace) -> None:
-    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    gpu = chosen_device(args).type == "cuda"
     folder = str(args.model or (LLAMA_8B if gpu else demo_model_path()))
     model = os.path.basename(folder.rstrip("/"))  # as the policy table names it: the demo is "demo-v1"
     if gpu:

@@ -191,12 +191,17 @@ class DecodeScheduler:
     def has_step_work(self) -> bool:
         return bool(self.running or self.prefilling)
 
+    @property
+    def prefill_queue_tokens(self) -> int:
+        """Uncached prompt tokens handed to the prefill worker and not yet done."""
+        return sum(len(s.token_ids) - s.num_computed for s in self.remote.values())
+
     def stats(self) -> WorkerStats:
         return WorkerStats(num_running=len(self.running) + len(self.prefilling) + len(self.remote),
                            num_waiting=len(self.waiting), kv_usage=self.blocks.usage,
                            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
                            num_preemptions=self.num_preemptions,
-                           prefill_queue_tokens=sum(len(s.token_ids) - s.num_computed for s in self.remote.values()))
+                           prefill_queue_tokens=self.prefill_queue_tokens)
 
     # ---- internals ---------------------------------------------------------------------------------
 

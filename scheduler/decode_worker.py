@@ -126,8 +126,7 @@ class DecodeWorker:
         (in order with its jobs, so it takes them before its next forward pass)."""
         running = self.scheduler.running
         context = sum(len(s.token_ids) for s in running) / len(running) if running else 0.0
-        queued = sum(len(s.token_ids) - s.num_computed for s in self.scheduler.remote.values())
-        split = self.shares.decide(len(running), context, queued)
+        split = self.shares.decide(len(running), context, self.scheduler.prefill_queue_tokens)
         if split is not None:
             repin(split.decode)
             self.jobs.send(self.encode(SetShare(list(split.prefill))))
