@@ -95,12 +95,19 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(compare)
     from bench.engine import add_engine_args
     add_engine_args(sub.add_parser("engine", help="the engine alone on one device, every figure beside its hardware floor"))
+    from bench.interference import add_interference_args
+    add_interference_args(sub.add_parser("interference", help="decode TPOT while long prefills run beside it, for "
+                                                              "each way of sharing the device"))
 
 
 def main(args: argparse.Namespace) -> None:
     if getattr(args, "bench_command", None) == "engine":
         from bench.engine import main as engine_main
         engine_main(args)
+        return
+    if getattr(args, "bench_command", None) == "interference":
+        from bench.interference import main as interference_main
+        interference_main(args)
         return
     from bench.report import parse_goodput, parse_weights
 

@@ -18,8 +18,9 @@
 #   partition  ppd profile partition on the same model: decode step by SMs x batch x context, prefill speed,
 #              decode TPOT beside 1 and 4 full or append prefills (green-context streams; resumable)
 #                                                                                -> partition.{json,md,png}, partition.log
-#   partition-compare  pd and aggregated on the balanced workload, once with --partition none (time-sliced) and
-#              once with --partition mps, 30 s at 2 conversations/s each      -> partition-compare/{none,mps}/
+#   partition-compare  pd and aggregated on the balanced workload with --partition none (time-sliced), mps (two
+#              MPS processes) and green (one process, green-context splits), 30 s at 2 conversations/s each
+#                                                                                -> partition-compare/{none,mps,green}/
 #
 # Run it from the repository root. Python packages the host lacks can come as wheels in .whl/
 # (../shared/device/wheels.sh openai distro jiter): they are installed into /tmp/site first.
@@ -27,7 +28,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,22p' "$0" >&2
+  sed -n '2,23p' "$0" >&2
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -97,7 +98,7 @@ python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : 
     partition)
       run_step partition "${ppd[@]}" profile partition --no-progress --out "$out/partition.json"; rc=$? ;;
     partition-compare)
-      for p in none mps; do
+      for p in none mps green; do
         run_step "partition-compare-$p" "${ppd[@]}" bench compare --policies pd,aggregated \
           --serve-args "$llama --partition $p" --api completions --workload synthetic --profile balanced \
           --turn1 mixed --qps 2 --duration 30 --timeout 120 --repeat 1 --goodput ttft:500 tpot:50 --no-progress \

@@ -351,7 +351,7 @@ class GpuBench:
 
     def __init__(self, cfg: EngineConfig, decode_blocks: int) -> None:
         from partition.probe_gpus import cuda_driver
-        from partition.probe_green import GreenStreams
+        from partition.green import GreenStreams
 
         try:
             driver = cuda_driver()

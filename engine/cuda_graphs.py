@@ -6,6 +6,11 @@ in static buffers; a step of n sequences replays the smallest bucket >= n, whose
 padding rows carry token 0 at position 0, write no KV (slot -1) and attend to
 nothing (seq_len 0). Prefill and mixed steps run eagerly. The graphs keep the
 pointers of the KV pool bound at capture: capture after the real pool is bound.
+
+A graph keeps the SM partition of the stream it was captured on (a green
+context's), so a unit on green-context splits captures one set per split, each
+on its split's decode stream and replayed there; the sets share one memory pool,
+as only one of them replays at a time.
 """
 
 from __future__ import annotations
@@ -52,11 +57,11 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1]
 
-    def capture(self) -> None:
-        """Capture every bucket, largest first so that smaller graphs reuse the pool's memory."""
+    def capture(self, stream: torch.cuda.Stream | None = None, pool: Any = None, label: str = "") -> Any:
+        """Capture every bucket on stream (a new ordinary one if None), largest first so that smaller graphs reuse
+        the pool's memory; pool: a pool to share with other sets. Returns the pool."""
         started = time.monotonic()
-        pool = None
-        stream = torch.cuda.Stream()
+        stream = stream or torch.cuda.Stream()
         for bs in reversed(self.sizes):
             meta = self.backend.graph_view(self.static, bs)
             with torch.cuda.stream(stream):
@@ -68,8 +73,9 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = (graph, logits)
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch 1..%d) in %.1fs", len(self.sizes), self.max_batch,
+        log.info("captured %d decode graphs (batch 1..%d%s) in %.1fs", len(self.sizes), self.max_batch, label,
                  time.monotonic() - started)
+        return pool
 
     def fits(self, batch: StepBatch) -> bool:
         return batch.is_decode and batch.num_seqs <= self.max_batch

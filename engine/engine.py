@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,8 +71,10 @@ class Engine:
     # ---- start-up ----------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, cfg: EngineConfig, names: tuple[str, str] = ("ppd-weights", "ppd-kv")) -> Engine:
-        """Owner start-up (the decode worker): names are the host names of the weights and KV memory on the CPU."""
+    def create(cls, cfg: EngineConfig, names: tuple[str, str] = ("ppd-weights", "ppd-kv"),
+               graph_streams: dict[Any, torch.cuda.Stream] | None = None) -> Engine:
+        """Owner start-up (the decode worker): names are the host names of the weights and KV memory on the CPU;
+        graph_streams: capture one decode-graph set on each of these streams (green-context splits)."""
         started = time.monotonic()
         device = torch.device(cfg.device)
         mcfg = ModelConfig.from_folder(cfg.model)
@@ -111,7 +114,7 @@ class Engine:
             runner.max_model_len = plan.max_model_len
             runner.bind_kv_cache(kv_pool)
             if not cfg.enforce_eager and runner.backend.supports_cuda_graphs:
-                runner.capture_graphs(cfg.max_num_seqs)
+                runner.capture_graphs(cfg.max_num_seqs, graph_streams)
         else:
             runner = ModelRunner(model, kv_pool, cfg.block_size, cfg.attention_backend, max_model_len=plan.max_model_len)
         log.info("engine ready in %.1fs", time.monotonic() - started)
@@ -142,6 +145,14 @@ class Engine:
             runner = ModelRunner(model, open_shared(kv), cfg.block_size, cfg.attention_backend,
                                  max_model_len=plan.max_model_len)
         return cls(cfg, mcfg, runner, plan, (weights, kv))
+
+    @classmethod
+    def sibling(cls, owner: Engine) -> Engine:
+        """A second engine over owner's weights and KV pool in the same process (the prefill thread of a one-process
+        unit): its own runner (attention metadata) and sampler, eager steps, nothing mapped or copied."""
+        runner = ModelRunner(owner.runner.model, owner.runner.kv_pool, owner.cfg.block_size, owner.cfg.attention_backend,
+                             max_model_len=owner.plan.max_model_len)
+        return cls(owner.cfg, owner.mcfg, runner, owner.plan, (owner.weights_handle, owner.kv_handle))
 
     # ---- steps -------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,7 +26,8 @@ class StepInput:
 class ModelRunner:
     """Runs one step of the model over a batch of StepInputs against a paged KV pool.
 
-    Decode steps replay CUDA graphs once capture_graphs has run; everything else runs eagerly.
+    Decode steps replay CUDA graphs once capture_graphs has run; everything else runs eagerly. With one graph set
+    per stream (green-context splits), use_graphs(key) picks the set of the stream the next steps run on.
     """
 
     def __init__(self, model: Model, kv_pool: Tensor, block_size: int, backend: str | AttentionBackend = "auto",
@@ -39,7 +41,8 @@ class ModelRunner:
                                    -(-self.max_model_len // block_size))
             backend = create_backend(backend, shape, self.device)
         self.backend = backend
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # the set decode steps replay now
+        self.graph_sets: dict[Any, DecodeGraphs] = {}
         self.bind_kv_cache(kv_pool)
 
     def bind_kv_cache(self, kv_pool: Tensor) -> None:
@@ -48,10 +51,20 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.model.bind_kv_cache(kv_pool)
 
-    def capture_graphs(self, max_batch: int) -> None:
-        """Capture decode steps of up to max_batch sequences (CUDA, and a backend that supports it)."""
-        self.graphs = DecodeGraphs(self.model, self.backend, max_batch)
-        self.graphs.capture()
+    def capture_graphs(self, max_batch: int, streams: dict[Any, torch.cuda.Stream] | None = None) -> None:
+        """Capture decode steps of up to max_batch sequences (CUDA, and a backend that supports it): one set on an
+        ordinary stream, or one set per stream of streams (keyed as use_graphs takes them), sharing one pool."""
+        pool = None
+        for key, stream in (streams or {None: None}).items():
+            graphs = DecodeGraphs(self.model, self.backend, max_batch)
+            pool = graphs.capture(stream, pool, "" if key is None else f", stream {key}")
+            self.graph_sets[key] = graphs
+        self.graphs = next(iter(self.graph_sets.values()))
+
+    def use_graphs(self, key: Any) -> None:
+        """Replay the set captured on stream key from the next decode step (the caller runs it on that stream)."""
+        if self.graph_sets:
+            self.graphs = self.graph_sets[key]
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> Tensor:

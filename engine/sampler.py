@@ -48,7 +48,7 @@ class Sampler:
         logits = self._ban_early_stop(logits, params, output_indices)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return _to_host(logits.argmax(dim=-1))
         device = logits.device
         temperature = _column([1.0 if p.greedy else p.temperature for p in params], device)
         probs = self._top_k_top_p(logits / temperature, params).softmax(dim=-1)
@@ -56,7 +56,7 @@ class Sampler:
         tokens = (probs / self._noise(probs, params, output_indices)).argmax(dim=-1)
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), tokens)
-        return tokens.tolist()
+        return _to_host(tokens)
 
     def _ban_early_stop(self, logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> Tensor:
         rows: list[int] = []
@@ -113,3 +113,11 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # exponential_ may return 0, and 0 / 0 would be NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _to_host(tokens: Tensor) -> list[int]:
+    """The sampled ids as a list. On a GPU the wait for the step comes first, as a stream synchronize, which lets go
+    of the GIL: in a one-process unit the other worker's thread keeps feeding its stream meanwhile."""
+    if tokens.is_cuda:
+        torch.cuda.current_stream(tokens.device).synchronize()
+    return tokens.tolist()

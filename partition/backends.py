@@ -7,14 +7,20 @@
   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, fixed when the worker starts. A client that cannot reach the daemon silently
   runs without MPS, so each worker checks that it is an MPS client once its engine is on the GPU, and the log
   and /health say so when it is not.
-- none: no partition. On a GPU the two workers are then time-sliced (their kernels never overlap): the
-  baseline, labelled as such wherever it is reported.
+- green: one process per unit, the prefill worker a thread of the decode worker's process, each on its own stream
+  of a green context (partition/green.py): SM splits made once at start (decode on 32, 64 or 96 of an H100's 132
+  SMs, prefill on the rest, by default), and ordinary streams when a side is alone. The share manager picks one
+  per step; decode graphs are captured once per split. Green contexts split SMs only inside a process, so this is
+  the mode that overlaps prefill and decode on a GPU host without MPS. If the green contexts cannot be made, the
+  unit goes on with two ordinary streams (overlapping, with no SM split), and /health says why.
+- none: no partition. On a GPU the two worker processes are then time-sliced (their kernels never overlap): the
+  baseline, labelled as such wherever it is reported. With --prefill-worker thread, the two workers are two
+  streams of one process instead, which the GPU overlaps with no split (and the CPU runs as two threads).
 - auto (the default): cpu on the CPU; on a GPU mps when a daemon runs or nvidia-cuda-mps-control is installed,
-  else none; the log says which and why.
+  else green when cuda-python can make green contexts, else none; the log says which and why.
 
-Not built yet: green-context partitions (per-step SM splits inside a worker with one CUDA-graph set per split)
-and the single-process mode that a GPU host without MPS needs to overlap prefill and decode; both wait for
-`ppd probe` on a GPU host to show which of them works there.
+Not built: green contexts inside the two MPS processes (each worker on its own side of one split), which waits
+for `ppd probe` on a GPU host to show that green contexts partition anything inside MPS clients.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from partition.cpu import pin_to_cores, split_cores
 
 log = logging.getLogger("ppd.partition")
 
-BACKENDS = ("cpu", "mps", "none")
+BACKENDS = ("cpu", "mps", "green", "none")
+PREFILL_WORKERS = ("auto", "process", "thread")
 ROLES = ("decode", "prefill")
 DEFAULT_MPS_DECODE_PERCENT = 100  # a cap, not a reservation: decode may use every SM when prefill leaves them
 DEFAULT_MPS_PREFILL_PERCENT = 80  # Semi-PD's defaults: prefill never takes the whole GPU from decode
@@ -63,18 +70,24 @@ class UnitPartition:
     env: tuple[tuple[str, str], ...] = ()
     cores: tuple[int, ...] = ()  # cpu: every core of the unit, what the share manager splits at run time
     why: str = ""  # one line for the log: why this backend
+    prefill_thread: bool = False  # the prefill worker is a thread of the decode worker's process (green, or asked for)
+    green_sms: tuple[int, ...] = ()  # green: decode's SM count in each split (empty: a quarter, half, three quarters)
 
     def share(self, role: str) -> Share:
         return self.decode if role == "decode" else self.prefill
 
     @property
     def runtime_shares(self) -> bool:
-        """Whether shares can change while the workers run (only core pinning can, so far)."""
-        return self.backend == "cpu" and len(self.cores) > 1
+        """Whether shares can change while the workers run: core pinning, and the choice among green splits."""
+        return (self.backend == "cpu" and len(self.cores) > 1) or self.backend == "green"
 
     def describe(self) -> str:
         if self.backend == "none":
-            return "none (the workers time-share the device)"
+            return ("none (the prefill worker is a thread: two streams with no split)" if self.prefill_thread
+                    else "none (the workers time-share the device)")
+        if self.backend == "green":
+            counts = ",".join(map(str, self.green_sms)) or "a quarter, half, three quarters"
+            return f"green (one process; decode on {counts} SMs by step, prefill on the rest)"
         return f"{self.backend} (decode: {self.decode.describe()}; prefill: {self.prefill.describe()})"
 
 
@@ -94,12 +107,25 @@ class MpsDaemonPlan:
 
 
 def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, cores: list[int],
-                    workdir: Path, mps_shares: tuple[int, int] | None = None) -> tuple[str, list[UnitPartition], MpsDaemonPlan | None]:
-    """(the backend chosen, each unit's partition, the MPS daemon to use or start). kind is --partition."""
+                    workdir: Path, mps_shares: tuple[int, int] | None = None, prefill_worker: str = "auto",
+                    green_sms: tuple[int, ...] = ()) -> tuple[str, list[UnitPartition], MpsDaemonPlan | None]:
+    """(the backend chosen, each unit's partition, the MPS daemon to use or start). kind is --partition,
+    prefill_worker --prefill-worker, green_sms --green-decode-sms."""
+    if prefill_worker not in PREFILL_WORKERS:
+        raise PartitionError(f"--prefill-worker {prefill_worker}: not one of {', '.join(PREFILL_WORKERS)}")
     if kind == "auto":
-        kind, why = auto_backend(device)
+        kind, why = auto_backend(device, with_prefill)
     else:
         why = f"--partition {kind}"
+    if prefill_worker == "thread" and not with_prefill:
+        raise PartitionError("--prefill-worker thread: --policy aggregated runs no prefill worker")
+    if prefill_worker == "thread" and kind in ("cpu", "mps"):
+        raise PartitionError(f"--prefill-worker thread with --partition {kind}: {kind} shares are per process; "
+                             "use --partition green (GPU) or none with a prefill thread")
+    if green_sms and kind != "green":
+        raise PartitionError(f"--green-decode-sms is for --partition green, not {kind}")
+    if kind == "green":
+        return kind, [plan_green(device, with_prefill, prefill_worker, green_sms, why)] * num_units, None
     if kind == "cpu":
         if device != "cpu":
             raise PartitionError("--partition cpu pins CPU workers to cores; on GPUs use --partition mps, none or auto")
@@ -107,7 +133,7 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
                  for d, p in split_cores(cores, num_units, with_prefill)]
         return kind, units, None
     if kind == "none":
-        return kind, [UnitPartition("none", why=why)] * num_units, None
+        return kind, [UnitPartition("none", why=why, prefill_thread=prefill_worker == "thread")] * num_units, None
     if kind == "mps":
         if device == "cpu":
             raise PartitionError("--partition mps needs a GPU; on the CPU use --partition cpu (or auto)")
@@ -126,7 +152,39 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
     raise PartitionError(f"--partition {kind}: not one of auto, {', '.join(BACKENDS)}")
 
 
-def auto_backend(device: str) -> tuple[str, str]:
+def plan_green(device: str, with_prefill: bool, prefill_worker: str, green_sms: tuple[int, ...],
+               why: str) -> UnitPartition:
+    if device == "cpu":
+        raise PartitionError("--partition green splits a GPU's SMs; on the CPU use --partition cpu (or auto)")
+    if not with_prefill:
+        raise PartitionError("--partition green: --policy aggregated runs no prefill worker, there is nothing to "
+                             "split; use --partition none")
+    if prefill_worker == "process":
+        raise PartitionError("--partition green with --prefill-worker process: green contexts split SMs only "
+                             "inside one process; leave --prefill-worker at auto (a thread)")
+    if not green_available():
+        raise PartitionError("--partition green makes green contexts with cuda-python's driver API, which is not "
+                             "installed: pip install cuda-python, or use --partition mps or none")
+    from partition.green import check_decode_sms
+
+    try:
+        counts = check_decode_sms(green_sms) if green_sms else ()
+    except ValueError as exc:
+        raise PartitionError(f"--green-decode-sms: {exc}") from exc
+    return UnitPartition("green", why=why, prefill_thread=True, green_sms=counts)
+
+
+def green_available() -> bool:
+    """Whether cuda-python's driver API, with green contexts (CUDA 12.4 and later), can be imported here."""
+    from partition.probe_gpus import cuda_driver
+
+    try:
+        return hasattr(cuda_driver(), "cuGreenCtxCreate")
+    except ImportError:
+        return False
+
+
+def auto_backend(device: str, with_prefill: bool = True) -> tuple[str, str]:
     """The backend --partition auto picks on this host, and why."""
     if device == "cpu":
         return "cpu", "auto: on the CPU each worker gets its own cores"
@@ -135,8 +193,12 @@ def auto_backend(device: str) -> tuple[str, str]:
         return "mps", f"auto: an MPS daemon runs (pipe directory {running})"
     if shutil.which("nvidia-cuda-mps-control"):
         return "mps", "auto: nvidia-cuda-mps-control is installed, the server starts its own MPS daemon"
-    return "none", ("auto: no MPS on this host (no daemon runs and nvidia-cuda-mps-control is not installed), so the "
-                    "workers are time-sliced on each GPU: install MPS, or start its daemon, for overlap")
+    if with_prefill and green_available():
+        return "green", ("auto: no MPS on this host, so each unit is one process: the prefill worker is a thread of "
+                         "the decode worker's, on green-context SM splits")
+    return "none", ("auto: no MPS on this host (no daemon runs and nvidia-cuda-mps-control is not installed) and no "
+                    "cuda-python for green contexts, so the workers are time-sliced on each GPU: install MPS, or "
+                    "pip install cuda-python, for overlap")
 
 
 def existing_mps_pipe_dir() -> Path | None:

@@ -2,7 +2,9 @@
 inter-token SLO at its current batch and context, and prefill the rest; when one side is idle, let the other use
 the whole device, where the profile shows that the whole device is faster for it.
 
-It runs in the decode worker, once per step, and only where shares can change at run time (the cpu backend).
+It runs in the decode worker, once per step, and only where shares can change at run time: the cpu backend
+(a share is a number of cores, any from 1 up) and the green backend (a share is a number of SMs, one of the splits
+made at start; `units` are then SM indices and `sizes` the splits' decode counts).
 Its inputs are what that worker knows at no cost: its batch, the mean context of its sequences, and the
 uncached tokens queued on the prefill worker. Every change rests on the partition profile (`ppd profile
 partition`): predicted decode step time by share x batch x context, and prefill speed by share x prompt. A
@@ -14,6 +16,10 @@ stays, and the log says so.
 To keep the workers from flapping, a change that gives decode more (a contender arrived, the batch grew) is
 made at once, and one that gives decode less, or lets both spread over the whole device again, only after the
 same decision held for `hold_steps` steps in a row.
+
+Where switching costs nothing (green: another stream is picked, no thread moves), a side alone gets the whole device
+even without a profile (`free_switches`): a memory-bound decode step gains little from the rest of the SMs, but
+loses nothing either.
 """
 
 from __future__ import annotations
@@ -40,12 +46,17 @@ class Split:
 
 class ShareManager:
     def __init__(self, cores: tuple[int, ...], start: Split, profile: PartitionProfile | None = None,
-                 itl_slo_ms: float | None = None, hold_steps: int = DEFAULT_HOLD_STEPS) -> None:
+                 itl_slo_ms: float | None = None, hold_steps: int = DEFAULT_HOLD_STEPS,
+                 sizes: tuple[int, ...] | None = None, free_switches: bool = False) -> None:
         if len(cores) < 2:
             raise ValueError("a share manager needs at least two cores to split")
         self.cores, self.profile, self.itl_slo_ms, self.hold_steps = tuple(cores), profile, itl_slo_ms, hold_steps
+        self.sizes = tuple(sorted(sizes)) if sizes else tuple(range(1, len(cores)))  # decode's possible shares
+        if not self.sizes or self.sizes[0] < 1 or self.sizes[-1] >= len(cores):
+            raise ValueError(f"decode's shares {self.sizes} must leave both sides some of the {len(cores)} units")
+        self.free_switches = free_switches
         self.current = start
-        self.even = len(start.decode) if not start.shared else len(cores) // 2
+        self.even = self.snap(len(start.decode) if not start.shared else len(cores) // 2)
         self.pending: Split | None = None
         self.pending_steps = 0
         self.switches = 0
@@ -60,6 +71,8 @@ class ShareManager:
         whole, n = self.cores, self.even
         split = Split(whole[:n], whole[n:])
         if self.profile is None:
+            if self.free_switches and (batch == 0) != (prefill_tokens == 0):
+                return Split(whole, whole), "prefill_idle" if prefill_tokens == 0 else "decode_idle"
             return split, "no_profile"
         if prefill_tokens == 0 and batch > 0 and self._whole_pays(batch, mean_context, None):
             return Split(whole, whole), "prefill_idle"
@@ -70,9 +83,12 @@ class ShareManager:
         if not self.sized_by_slo:
             return split, "even"
         need = self.profile.min_decode_share(batch, round(mean_context), self.itl_slo_ms)
-        n, reason = (len(whole) - 1, "slo_unreachable") if need is None else (need, "slo")
-        n = min(max(n, 1), len(whole) - 1)
+        n, reason = (self.sizes[-1], "slo_unreachable") if need is None else (self.snap(need), "slo")
         return Split(whole[:n], whole[n:]), reason
+
+    def snap(self, n: int) -> int:
+        """The smallest share decode can have that is at least n (the largest if none is)."""
+        return next((s for s in self.sizes if s >= n), self.sizes[-1])
 
     def _whole_pays(self, batch: int, context: float, prefill_tokens: int | None) -> bool:
         """Whether the profile predicts the side alone (decode when prefill_tokens is None) WHOLE_GAIN faster on every

@@ -16,12 +16,12 @@ cuGreenCtxDestroy).
 
 from __future__ import annotations
 
-import gc
 import inspect
 import time
 from typing import Any
 
 from partition.probe_child import Finding, error_text, guarded
+from partition.green import GreenStreams
 from partition.probe_gpus import cuda_driver, driver_call, mps_enabled
 from partition.probe_report import PARTITION_SLOWDOWN
 
@@ -70,65 +70,6 @@ def torch_green_api() -> dict[str, Any]:
         "has_stream": hasattr(GreenContext, "Stream"),
         "public": sorted(name for name in dir(GreenContext) if not name.startswith("_")),
     }
-
-
-class GreenStreams:
-    """Green contexts and their streams on one device, remembered so that destroy() frees every one."""
-
-    def __init__(self, drv: Any, device: int) -> None:
-        self.drv, self.device = drv, device
-        driver_call(drv, "cuInit", 0)
-        self.dev = driver_call(drv, "cuDeviceGet", device)
-        self.sm_type = drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
-        self.contexts: list[Any] = []
-        self.streams: list[Any] = []
-        self.torch_streams: list[Any] = []
-
-    def whole_device(self) -> Any:
-        return driver_call(self.drv, "cuDeviceGetDevResource", self.dev, self.sm_type)
-
-    def split(self, resource: Any, sms: int) -> tuple[Any, Any]:
-        """(one group of at least sms SMs, the rest): disjoint, as they come from one split call."""
-        groups, count, rest = driver_call(self.drv, "cuDevSmResourceSplitByCount", 1, resource, 0, sms)
-        if count < 1 or not groups:
-            raise RuntimeError(f"cuDevSmResourceSplitByCount made no group of {sms} SMs")
-        return groups[0], rest
-
-    def create(self, resource: Any) -> tuple[Any, int]:
-        """(a torch stream on a new green context over resource, the SM count the context was granted)."""
-        import torch
-
-        drv = self.drv
-        desc = driver_call(drv, "cuDevResourceGenerateDesc", [resource], 1)
-        flags = drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM  # cuGreenCtxCreate requires this flag
-        context = driver_call(drv, "cuGreenCtxCreate", desc, self.dev, flags)
-        self.contexts.append(context)
-        stream = driver_call(drv, "cuGreenCtxStreamCreate", context, drv.CUstream_flags.CU_STREAM_NON_BLOCKING, 0)
-        self.streams.append(stream)
-        granted = driver_call(drv, "cuGreenCtxGetDevResource", context, self.sm_type).sm.smCount
-        torch_stream = torch.cuda.ExternalStream(int(stream), device=self.device)
-        self.torch_streams.append(torch_stream)
-        return torch_stream, int(granted)
-
-    def destroy(self) -> list[str]:
-        """Wait for the streams, free torch's cached blocks, destroy streams then contexts; the errors, if any."""
-        import torch
-
-        errors = []
-        gc.collect()  # graphs captured on these streams must be gone before their contexts are
-        for step in [s.synchronize for s in self.torch_streams] + [torch.cuda.synchronize, torch.cuda.empty_cache]:
-            try:
-                step()
-            except Exception as exc:
-                errors.append(error_text(exc))
-        for name, handles in (("cuStreamDestroy", self.streams), ("cuGreenCtxDestroy", self.contexts)):
-            for handle in handles:
-                try:
-                    driver_call(self.drv, name, handle)
-                except Exception as exc:
-                    errors.append(error_text(exc))
-        self.torch_streams, self.streams, self.contexts = [], [], []
-        return errors
 
 
 def _measure(greens: GreenStreams, device: int, iters: int) -> Finding:

@@ -3,13 +3,21 @@
 Its loop is the request lifecycle of DESIGN.md: take requests and prefill
 notifications, schedule (admit, hand prefills off, preempt), run one step of
 decodes plus inline prefill chunks, sample, stream the tokens out.
+
+In a one-process unit (--partition green, or --prefill-worker thread) the prefill
+worker is a thread of this process, with the same sockets and messages; on a GPU
+each runs on its own stream (partition/green.py), and the share manager picks
+the streams' split per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
+from typing import Any
 
 import msgspec
 import torch
@@ -21,15 +29,18 @@ from engine.model_runner import StepInput
 from engine.shared_memory import release_name
 from partition.backends import check_in_worker
 from partition.cpu import repin
+from partition.green import WHOLE, GreenError, StreamSplits, default_decode_sms
 from partition.manager import ShareManager, Split
-from partition.profile import PartitionProfile, ProfileError
+from partition.profile import PartitionProfile, ProfileError, profile_path
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
                                 RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
+from scheduler.prefill_worker import start_prefill_thread
 from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 STATS_INTERVAL_S = 0.25
+THREAD_SWITCH_INTERVAL_S = 0.001  # a one-process unit: how long one worker's thread may hold the GIL (default 5 ms)
 log = logging.getLogger("ppd.decode")
 
 
@@ -52,7 +63,13 @@ class StepTimes:
 class DecodeWorker:
     def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context) -> None:
         self.cfg, self.out, self.ctx = cfg, out, ctx
-        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")))
+        self.partition_problem: str | None = None
+        self.streams: StreamSplits | None = None  # a one-process unit on a GPU: each worker's stream per split
+        self.key = WHOLE  # the split the workers run on now
+        if cfg.partition.prefill_thread and cfg.engine.device.startswith("cuda"):
+            self.streams = self._make_streams()  # before the engine: its decode graphs are captured on them
+        graph_streams = {k: self.streams.stream("decode", k) for k in self.streams.keys} if self.streams else None
+        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams)
         plan = self.engine.plan
         self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size), self.engine.mcfg.eos_token_ids,
                                          plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
@@ -69,11 +86,20 @@ class DecodeWorker:
             self.jobs = zmq_socket(ctx, zmq.PUSH, cfg.jobs_address, bind=True)
             self.notify = zmq_socket(ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
+        self.pending: list[RequestOutput] = []
+        self.shares = None if cfg.aggregated else share_manager(cfg, self.streams, self.engine)
+        if self.streams is not None and self.shares is not None:
+            self.use_split(self.shares.current)
+        elif self.streams is not None and self.streams.decode_counts():  # a static split: the middle one
+            counts = self.streams.decode_counts()
+            self.use_split(Split(tuple(range(counts[len(counts) // 2])), ()))
+        if cfg.partition.prefill_thread:
+            sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
+            start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key)  # before UnitSetup: PUSH waits for it
+        if not cfg.aggregated:
             self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
                                                  plan.num_blocks, plan.max_model_len)))
-        self.pending: list[RequestOutput] = []
-        self.shares = None if cfg.aggregated else share_manager(cfg)
-        self.partition_problem = check_in_worker(cfg.partition, str(self.engine.device))
+        self.partition_problem = self.partition_problem or check_in_worker(cfg.partition, str(self.engine.device))
         if self.partition_problem:
             log.error("partition %s: %s", cfg.partition.backend, self.partition_problem)
         self.times = StepTimes()
@@ -94,7 +120,9 @@ class DecodeWorker:
             if step.inputs:
                 seqs = step.sampling_seqs
                 started = time.perf_counter()
-                tokens, failed = self.engine.step_each(step.inputs, [s.sampling for s in seqs], [s.num_output for s in seqs])
+                with self.on_stream():
+                    tokens, failed = self.engine.step_each(step.inputs, [s.sampling for s in seqs],
+                                                           [s.num_output for s in seqs])
                 if not failed:
                     self.times.record(step.inputs, time.perf_counter() - started)
                 self.pending += self.scheduler.postprocess(step, tokens, failed)
@@ -127,11 +155,44 @@ class DecodeWorker:
         running = self.scheduler.running
         context = sum(len(s.token_ids) for s in running) / len(running) if running else 0.0
         split = self.shares.decide(len(running), context, self.scheduler.prefill_queue_tokens)
-        if split is not None:
+        if split is None:
+            return
+        if self.streams is not None:
+            self.use_split(split)
+            self.jobs.send(self.encode(SetShare([], split=self.key)))
+            log.debug("shares: decode %d SMs, prefill %d (%s; batch %d, context %.0f)", self.streams.sms("decode", self.key),
+                      self.streams.sms("prefill", self.key), self.shares.reason, len(running), context)
+        else:
             repin(split.decode)
             self.jobs.send(self.encode(SetShare(list(split.prefill))))
             log.debug("shares: decode cores %s, prefill cores %s (%s; batch %d, context %.0f)", split.decode,
                       split.prefill, self.shares.reason, len(running), context)
+
+    def use_split(self, split: Split) -> None:
+        """Run the next decode steps on split's decode stream (WHOLE when the split overlaps), replaying the graphs
+        captured there."""
+        self.key = self.streams.key_for(None if split.shared else len(split.decode))
+        self.engine.runner.use_graphs(self.key)
+
+    def on_stream(self) -> Any:
+        """The context a step runs in: this worker's stream of the current split, in a one-process unit on a GPU."""
+        return torch.cuda.stream(self.streams.stream("decode", self.key)) if self.streams else contextlib.nullcontext()
+
+    def _make_streams(self) -> StreamSplits:
+        """The green-context splits (--partition green), or two ordinary streams (none, or green contexts failed)."""
+        torch.zeros(1, device="cuda")  # torch's primary context is current before any driver call
+        if self.cfg.partition.backend != "green":
+            return StreamSplits.plain()
+        total = torch.cuda.get_device_properties(0).multi_processor_count
+        counts = self.cfg.partition.green_sms or default_decode_sms(total)
+        try:
+            streams = StreamSplits.green(counts)
+        except (GreenError, ValueError) as exc:
+            self.partition_problem = (f"green contexts could not be made ({exc}): prefill and decode run on two "
+                                      "ordinary streams, overlapping with no SM split")
+            return StreamSplits.plain()
+        log.info("green contexts: %s", streams.describe())
+        return streams
 
     def send(self, ready: WorkerReady | None = None) -> None:
         """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
@@ -142,7 +203,10 @@ class DecodeWorker:
         stats = self.scheduler.stats()
         stats.decode_step_ms, stats.inline_tokens_per_s = self.times.decode_step_ms, self.times.inline_tokens_per_s
         stats.partition_problem = self.partition_problem
-        if self.shares is not None:
+        if self.streams is not None:
+            stats.decode_share, stats.prefill_share = self.streams.sms("decode", self.key), self.streams.sms("prefill", self.key)
+            stats.share_switches = self.shares.switches if self.shares is not None else 0
+        elif self.shares is not None:
             split = self.shares.current
             stats.decode_share, stats.prefill_share = len(split.decode), len(split.prefill)
             stats.share_switches = self.shares.switches
@@ -163,27 +227,43 @@ class DecodeWorker:
         release_name(self.engine.kv_handle)
 
 
-def share_manager(cfg: UnitConfig) -> ShareManager | None:
-    """The adaptive share manager, where shares can change at run time (the cpu backend, two cores or more)."""
+def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: Engine | None = None) -> ShareManager | None:
+    """The adaptive share manager, where shares can change at run time: the cpu backend on two cores or more, and
+    green-context splits (streams), whose SMs it counts as units 0..total-1 with the splits' decode counts as the
+    sizes it may give decode."""
     part = cfg.partition
     if not part.runtime_shares or not cfg.share_manager:
         return None
+    if part.backend == "green" and (streams is None or not streams.decode_counts()):
+        return None  # no green contexts (the log and /health say why): there is nothing to choose between
+    what = "SMs" if streams is not None else "cores"
+    profile_file = cfg.partition_profile
+    if profile_file is None and streams is not None and engine is not None:
+        shipped = profile_path(device_info(engine.device).name, os.path.basename(cfg.engine.model.rstrip("/")))
+        profile_file = str(shipped) if shipped.exists() else None
     profile = None
-    if cfg.partition_profile is not None:
+    if profile_file is not None:
         try:
-            profile = PartitionProfile.load(cfg.partition_profile)
+            profile = PartitionProfile.load(profile_file)
         except ProfileError as exc:
             log.warning("share manager: %s; an even split stands in when both workers are busy", exc)
-    manager = ShareManager(part.cores, Split(part.decode.cores, part.prefill.cores), profile, cfg.itl_slo_ms)
+    if streams is not None:
+        units, sizes = tuple(range(streams.total_sms)), streams.decode_counts()
+        n = sizes[len(sizes) // 2]
+        manager = ShareManager(units, Split(units[:n], units[n:]), profile, cfg.itl_slo_ms, sizes=sizes,
+                               free_switches=True)
+    else:
+        manager = ShareManager(part.cores, Split(part.decode.cores, part.prefill.cores), profile, cfg.itl_slo_ms)
     if profile is None:
         log.info("share manager: no partition profile (make one with `ppd profile partition`), so the workers keep "
-                 "the cores they started on")
+                 "the %s they started on%s", what,
+                 ", except that a side alone gets the whole device" if manager.free_switches else "")
     elif manager.sized_by_slo:
-        log.info("share manager: decode gets the fewest cores that keep its step within %g ms (profile %s); a side "
-                 "alone gets every core where the profile shows that pays", cfg.itl_slo_ms, cfg.partition_profile)
+        log.info("share manager: decode gets the fewest %s that keep its step within %g ms (profile %s); a side "
+                 "alone gets the whole device where the profile shows that pays", what, cfg.itl_slo_ms, profile_file)
     else:
         log.info("share manager: an even split when both workers are busy (no --itl-slo-ms to size decode by); a "
-                 "side alone gets every core where the profile %s shows that pays", cfg.partition_profile)
+                 "side alone gets the whole device where the profile %s shows that pays", profile_file)
     return manager
 
 

@@ -67,9 +67,11 @@ class AbortPrefill(msgspec.Struct, tag=True):
 
 
 class SetShare(msgspec.Struct, tag=True):
-    """Decode worker -> prefill worker: run on these cores from the next forward pass (the share manager's)."""
+    """Decode worker -> prefill worker: run on these cores (cpu), or on the prefill stream of this split (green), from
+    the next forward pass (the share manager's decision)."""
 
     cores: list[int]
+    split: int | None = None
 
 
 class PrefillReady(msgspec.Struct, tag=True):

@@ -5,14 +5,23 @@ block, reads a cached prefix in place, samples the first token, sends it to the
 API server and only then tells the decode worker, whose next step may read the
 blocks. Jobs are packed FCFS into forward passes of at most
 max_num_batched_tokens tokens; a long prompt is split into chunks.
+
+In a one-process unit it is a thread of the decode worker's process instead
+(start_prefill_thread): the same sockets and messages, the owner's engine shared
+rather than mapped, and on a GPU its own stream of the split the decode worker
+chose (SetShare.split), switched between two forward passes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -20,11 +29,14 @@ import zmq
 
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
-from scheduler.config import UnitConfig
 from partition.cpu import repin
+from partition.green import WHOLE, StreamSplits
+from scheduler.config import UnitConfig
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
                                 SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
+
+log = logging.getLogger("ppd.prefill")
 
 
 @dataclass
@@ -34,15 +46,21 @@ class ActiveJob:
 
 
 class PrefillWorker:
-    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context) -> None:
-        self.cfg, self.out = cfg, out
+    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context, owner: Engine | None = None,
+                 streams: StreamSplits | None = None, key: int = WHOLE) -> None:
+        """owner: the decode worker's engine, when this worker is a thread of its process; streams and key: the
+        stream splits there (a GPU) and the split to start on."""
+        self.cfg, self.out, self.streams, self.key = cfg, out, streams, key
         self.jobs = zmq_socket(ctx, zmq.PULL, cfg.jobs_address)
         self.notify = zmq_socket(ctx, zmq.PUSH, cfg.notify_address)
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode_job = msgspec.msgpack.Decoder(ToPrefill).decode
         setup = self.decode_job(self.jobs.recv())
         assert isinstance(setup, UnitSetup), f"expected UnitSetup first, got {type(setup).__name__}"
-        self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
+        if owner is not None:
+            self.engine = Engine.sibling(owner)
+        else:
+            self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
         self.queue: deque[ActiveJob] = deque()
         self.tokens_per_s = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
@@ -60,8 +78,9 @@ class PrefillWorker:
             started = time.perf_counter()
             # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
             # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
-            tokens, failed = self.engine.step_each(inputs, [a.job.sampling for a in done],
-                                                   [a.job.output_index for a in done])
+            with self.on_stream():
+                tokens, failed = self.engine.step_each(inputs, [a.job.sampling for a in done],
+                                                       [a.job.output_index for a in done])
             if not failed:
                 seconds = time.perf_counter() - started
                 self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
@@ -82,13 +101,20 @@ class PrefillWorker:
         if isinstance(msg, PrefillJob):
             self.queue.append(ActiveJob(msg, msg.num_cached))
         elif isinstance(msg, SetShare):
-            repin(tuple(msg.cores))  # between two forward passes: the next one runs on the new cores
+            # Between two forward passes: the next one runs on the new cores, or the new split's stream.
+            if msg.split is not None:
+                self.key = msg.split
+            else:
+                repin(tuple(msg.cores))
         elif isinstance(msg, AbortPrefill):
             for active in self.queue:
                 if active.job.request_id == msg.request_id:
                     self.queue.remove(active)
                     self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
                     return
+
+    def on_stream(self) -> Any:
+        return torch.cuda.stream(self.streams.stream("prefill", self.key)) if self.streams else contextlib.nullcontext()
 
     def pack(self) -> tuple[list[StepInput], list[ActiveJob]]:
         """The next forward pass: chunks of queued jobs, oldest first, up to the token budget."""
@@ -127,3 +153,24 @@ def run_prefill_worker(cfg: UnitConfig) -> None:
     ctx = zmq.Context()
     out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
     run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx).run())
+
+
+def start_prefill_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, streams: StreamSplits | None,
+                         key: int) -> threading.Thread:
+    """The prefill worker as a thread of the decode worker's process. It ends only with the process: if it fails,
+    the process exits, and the launcher restarts the unit as it does when a worker process dies."""
+    def main() -> None:
+        torch.set_grad_enabled(False)  # per thread
+        out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
+        code = 1
+        try:
+            run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx, owner, streams, key).run())
+        except SystemExit as exc:  # run_or_report reported a start-up error the operator must fix
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            log.exception("the prefill thread failed; the unit restarts")
+        os._exit(code)
+
+    thread = threading.Thread(target=main, name=f"ppd-u{cfg.unit}-prefill", daemon=True)
+    thread.start()
+    return thread

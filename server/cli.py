@@ -9,7 +9,8 @@ import sys
 
 from engine.attention import BACKENDS
 from engine.demo import DEMO_MODEL
-from partition.backends import BACKENDS as PARTITIONS, DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT
+from partition.backends import (BACKENDS as PARTITIONS, DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT,
+                                PREFILL_WORKERS)
 from scheduler.config import POLICIES
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from scheduler.router import DEFAULT_SESSION_TTL_S
@@ -18,6 +19,17 @@ from server.guard import DEFAULT_MAX_REQUEST_BYTES
 DEFAULT_MAX_QUEUE_TIME_S = 10.0
 
 log = logging.getLogger("ppd")
+
+
+def sm_counts(text: str) -> tuple[int, ...]:
+    """--green-decode-sms: comma-separated positive SM counts."""
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated SM counts, e.g. 32,64,96") from None
+    if not counts or min(counts) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: SM counts must be positive, e.g. 32,64,96")
+    return counts
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -81,15 +93,24 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition", default="auto", choices=["auto", *PARTITIONS],
                    help="how a unit's two workers share its device. cpu: each its own cores, rebalanced at run time by "
                         "the share manager; mps: MPS clients (the running daemon, or one the server starts) with "
-                        "capped SM shares; none: time-sliced, the baseline; auto: cpu on the CPU, mps on GPUs where "
-                        "MPS is installed, else none (the log says why)")
+                        "capped SM shares; green: one process per GPU, prefill a thread of the decode worker, each "
+                        "on green-context SM splits picked per step; none: time-sliced, the baseline; auto: cpu on "
+                        "the CPU, mps on GPUs where MPS is installed, else green where cuda-python is, else none (the "
+                        "log says why)")
+    p.add_argument("--prefill-worker", default="auto", choices=PREFILL_WORKERS,
+                   help="where the prefill worker runs: its own process, or a thread of the decode worker's process "
+                        "on its own stream (what green needs); auto: a thread with green, else a process")
+    p.add_argument("--green-decode-sms", default=None, type=sm_counts,
+                   help="green: decode's SM count in each split made at start, e.g. 32,64,96 (multiples of 8 on "
+                        "Hopper; default a quarter, half and three quarters of the GPU)")
     p.add_argument("--mps-decode-percent", type=int, default=DEFAULT_MPS_DECODE_PERCENT,
                    help="mps: the decode worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a cap on its SMs)")
     p.add_argument("--mps-prefill-percent", type=int, default=DEFAULT_MPS_PREFILL_PERCENT,
                    help="mps: the prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    p.add_argument("--share-manager", action="store_true",
-                   help="cpu: move the workers between cores at run time, from the partition profile (off by default: "
-                        "on the 2-core demo its switches cost more than they gained; see the README)")
+    p.add_argument("--share-manager", action=argparse.BooleanOptionalAction, default=None,
+                   help="change the workers' shares at run time, from the partition profile. cpu: move them between "
+                        "cores (off by default: on the 2-core demo its switches cost more than they gained; see the "
+                        "README); green: pick a split per step (on by default: a switch is a choice of stream)")
     p.add_argument("--partition-profile", default=None,
                    help="cpu: the partition profile (ppd profile partition) the share manager reads with "
                         "--itl-slo-ms; default: the shipped profile of this device and model, else an even split")

@@ -71,7 +71,9 @@ class Launcher:
 
     def _spawn(self, unit: int) -> None:
         cfg = self.units[unit]
-        roles = {"decode": run_decode_worker} if cfg.aggregated else {"decode": run_decode_worker, "prefill": run_prefill_worker}
+        # A one-process unit's prefill worker is a thread the decode worker starts.
+        one = cfg.aggregated or cfg.partition.prefill_thread
+        roles = {"decode": run_decode_worker} if one else {"decode": run_decode_worker, "prefill": run_prefill_worker}
         for role, target in roles.items():
             proc = self.ctx.Process(target=target, args=(cfg,), name=f"ppd-u{unit}-{role}", daemon=True)
             proc.start()

@@ -22,7 +22,7 @@ from engine.engine import EngineConfig
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import MpsDaemonPlan, PartitionError, UnitPartition, plan_partitions
+from partition.backends import MpsDaemonPlan, PartitionError, UnitPartition, green_available, plan_partitions
 from partition.cpu import available_cores
 from partition.processes import process_alive
 from scheduler.config import UnitConfig
@@ -138,8 +138,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     ipc_dir = tempfile.mkdtemp(prefix=f"ppd-{os.getpid()}-")
     try:
         partition, parts, mps = plan_partitions(args.partition, device, num_units, with_prefill, cores, Path(ipc_dir),
-                                                (args.mps_decode_percent, args.mps_prefill_percent))
-        profile = partition_profile_for(args, device, path) if partition == "cpu" else None
+                                                (args.mps_decode_percent, args.mps_prefill_percent),
+                                                args.prefill_worker, args.green_decode_sms or ())
+        profile = partition_profile_for(args, device, path) if partition in ("cpu", "green") else None
     except (PartitionError, UsageError) as exc:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise UsageError(str(exc)) from exc
@@ -151,13 +152,20 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill)
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
-                        gpu=gpu, partition=part, share_manager=args.share_manager, partition_profile=profile,
+                        gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
+                        partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms,
                         log_level=args.log_level)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
     tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
+
+
+def share_manager_on(asked: bool | None, partition: str) -> bool:
+    """--share-manager / --no-share-manager, else on for green (a switch picks another stream) and off for cpu
+    (moving threads between cores cost more than it gained on the 2-core demo)."""
+    return partition == "green" if asked is None else asked
 
 
 def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
@@ -173,7 +181,7 @@ def partition_profile_for(args: argparse.Namespace, device: str, model_path: str
             raise UsageError(str(exc)) from exc
         return os.path.abspath(args.partition_profile)
     if device != "cpu":
-        return None  # GPU shares do not change at run time yet
+        return None  # the decode worker looks for its GPU's shipped profile (the name is known once CUDA is up there)
     shipped = profile_path(cpu_device_name(), os.path.basename(model_path.rstrip("/")))
     return str(shipped) if shipped.exists() else None
 
@@ -337,11 +345,16 @@ def serve(args: argparse.Namespace) -> None:
                 sock.close()
                 shutil.rmtree(plan.ipc_dir, ignore_errors=True)
                 raise UsageError(str(exc)) from exc
-            # auto promised the best that works here: the time-sliced baseline, said plainly.
-            log.warning("partition: %s; going on with --partition none (the workers are time-sliced)", exc)
-            none = UnitPartition("none", why=f"auto: MPS is installed but its daemon did not start ({exc})")
-            plan.units[:] = [dataclasses.replace(u, partition=none) for u in plan.units]
-            plan.partition = "none"
+            # auto promised the best that works here: green contexts in one process where cuda-python can make
+            # them, else the time-sliced baseline, said plainly.
+            with_prefill = not plan.units[0].aggregated
+            kind = "green" if with_prefill and green_available() else "none"
+            why = f"auto: MPS is installed but its daemon did not start ({exc})"
+            log.warning("partition: %s; going on with --partition %s", exc, kind)
+            part = UnitPartition(kind, why=why, prefill_thread=kind == "green")
+            plan.units[:] = [dataclasses.replace(u, partition=part, share_manager=share_manager_on(args.share_manager, kind))
+                             for u in plan.units]
+            plan.partition = kind
     log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.units[0].partition.describe(), args.policy)
@@ -438,6 +451,14 @@ def health(plan: ServePlan, client, launcher) -> list[dict]:
         units.append({"unit": u, "ready": client.unit_ready(u), "device": device, "partition": partition,
                       "waiting": state.waiting,
                       "overloaded": overloaded is not None, **({"overload": overloaded} if overloaded else {}),
-                      "workers": [{"role": role, "pid": pid, "alive": alive}
-                                  for role, (pid, alive) in launcher.pids(u).items()]})
+                      "workers": workers_of(launcher.pids(u), cfg)})
     return units
+
+
+def workers_of(pids: dict[str, tuple[int | None, bool]], cfg: UnitConfig) -> list[dict]:
+    """A unit's workers for /health: each process, and a one-process unit's prefill thread in its decode process."""
+    workers = [{"role": role, "pid": pid, "alive": alive} for role, (pid, alive) in pids.items()]
+    if cfg.partition.prefill_thread and "decode" in pids:
+        pid, alive = pids["decode"]
+        workers.append({"role": "prefill", "pid": pid, "alive": alive, "thread": True})
+    return workers

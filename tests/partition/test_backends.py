@@ -18,9 +18,10 @@ from partition.probe_mps import PID_FILE
 
 @pytest.fixture
 def no_mps(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A host without MPS: no control binary, no daemon behind the pipe directory."""
+    """A host without MPS: no control binary, no daemon behind the pipe directory (and no cuda-python for green)."""
     monkeypatch.setattr(backends.shutil, "which", lambda name: None)
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))
+    monkeypatch.setattr(backends, "green_available", lambda: False)
 
 
 def test_auto_on_the_cpu_pins_each_worker_to_its_own_cores(tmp_path: Path) -> None:
@@ -104,10 +105,58 @@ def test_repin_moves_every_thread_of_a_running_process() -> None:
         torch.set_num_threads(threads)
 
 
+def test_without_mps_auto_runs_each_unit_as_one_process_on_green_splits(no_mps, monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    kind, parts, daemon = plan_partitions("auto", "cuda", 2, True, [0, 1], tmp_path)
+    assert kind == "green" and daemon is None and len(parts) == 2
+    assert parts[0].prefill_thread and parts[0].runtime_shares and "no MPS" in parts[0].why
+    # Aggregated serving has no prefill worker to overlap with: nothing to split.
+    assert plan_partitions("auto", "cuda", 1, False, [0, 1], tmp_path)[0] == "none"
+
+
+def test_green_takes_the_decode_sm_counts_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    part = plan_partitions("green", "cuda", 1, True, [0], tmp_path, green_sms=(96, 32, 64, 32))[1][0]
+    assert part.green_sms == (32, 64, 96) and part.prefill_thread
+    assert "32,64,96 SMs" in part.describe()
+    with pytest.raises(PartitionError, match="--green-decode-sms: SM counts must be positive"):
+        plan_partitions("green", "cuda", 1, True, [0], tmp_path, green_sms=(0, 64))
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("green", "cpu", True, "auto"), "on the CPU use --partition cpu"),
+    (("green", "cuda", False, "auto"), "aggregated runs no prefill worker"),
+    (("green", "cuda", True, "process"), "only inside one process"),
+    (("cpu", "cpu", True, "thread"), "shares are per process"),
+    (("mps", "cuda", True, "thread"), "shares are per process"),
+    (("none", "cuda", False, "thread"), "runs no prefill worker"),
+])
+def test_a_layout_that_cannot_work_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          args: tuple, needle: str) -> None:
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    kind, device, with_prefill, worker = args
+    with pytest.raises(PartitionError, match=needle):
+        plan_partitions(kind, device, 1, with_prefill, [0, 1], tmp_path, prefill_worker=worker)
+
+
+def test_green_without_cuda_python_names_the_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(backends, "green_available", lambda: False)
+    with pytest.raises(PartitionError, match="pip install cuda-python"):
+        plan_partitions("green", "cuda", 1, True, [0], tmp_path)
+    with pytest.raises(PartitionError, match="--green-decode-sms is for --partition green"):
+        plan_partitions("none", "cuda", 1, True, [0], tmp_path, green_sms=(64,))
+
+
+def test_none_with_a_prefill_thread_is_one_process_with_no_split(tmp_path: Path) -> None:
+    part = plan_partitions("none", "cpu", 1, True, [0, 1], tmp_path, prefill_worker="thread")[1][0]
+    assert part.prefill_thread and not part.runtime_shares and "two streams with no split" in part.describe()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_a_gpu_auto_picks_mps_where_it_is_installed_else_says_why(tmp_path: Path) -> None:
     kind, parts, daemon = plan_partitions("auto", "cuda", 1, True, [0, 1], tmp_path)
-    assert kind in ("mps", "none") and parts[0].why
+    assert kind in ("mps", "green", "none") and parts[0].why
     if kind == "mps":
         assert daemon is not None and dict(parts[0].env)["CUDA_MPS_PIPE_DIRECTORY"]

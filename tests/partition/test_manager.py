@@ -83,3 +83,41 @@ def test_no_flapping_a_relief_that_does_not_hold_is_not_made() -> None:
         assert m.decide(8, 0, 256) is None
         assert m.decide(32, 1000, 256) is None
     assert m.current == heavy and m.switches == 1
+
+
+# ---- green-context splits: SMs as units, decode's share one of the splits made at start ------------------------
+
+SMS = tuple(range(132))
+SPLITS = (32, 64, 96)
+
+
+def sm_profile() -> PartitionProfile:
+    """Decode on an H100-like device: 32 SMs take 30 ms at batch 64, 64 SMs 15 ms, 96 and more 10 ms."""
+    speed = {16: 0.5, 32: 1.0, 64: 2.0, 96: 3.0, 132: 3.0}
+    points = [DecodePoint(share, batch, context, 30.0 * batch / 64 / speed[share], 0.0)
+              for share in speed for batch in (1, 64) for context in (512, 4096)]
+    speeds = [PrefillPoint(share, 1024, 100.0 * share) for share in speed]
+    return PartitionProfile("H100", "synthetic", "sms", 132, sorted(speed), points, speeds)
+
+
+def sm_manager(prof: PartitionProfile | None, slo: float | None = None) -> ShareManager:
+    return ShareManager(SMS, Split(SMS[:64], SMS[64:]), prof, slo, hold_steps=1, sizes=SPLITS, free_switches=True)
+
+
+def test_decode_gets_the_smallest_split_that_meets_the_slo() -> None:
+    m = sm_manager(sm_profile(), slo=20.0)
+    # 16 SMs are too slow (60 ms), 32 too (30 ms), 64 meet 20 ms (15 ms): the 64-SM split.
+    assert m.decide(64, 512, 1024) is None and m.current == Split(SMS[:64], SMS[64:])
+    m = sm_manager(sm_profile(), slo=35.0)
+    # The profile says 16 SMs would do at batch 32 (30 ms), but no split gives decode 16: the next one up, 32.
+    assert len(m.decide(32, 512, 1024).decode) == 32 and m.reason == "slo"
+    m = sm_manager(sm_profile(), slo=5.0)
+    assert len(m.decide(64, 512, 1024).decode) == 96 and m.reason == "slo_unreachable"
+
+
+def test_without_a_profile_free_switches_give_a_side_alone_the_whole_device() -> None:
+    m = sm_manager(None)
+    assert m.decide(64, 512, 0) == Split(SMS, SMS) and m.reason == "prefill_idle"
+    assert m.decide(64, 512, 1024) == Split(SMS[:64], SMS[64:])  # a prefill arrived: back to the even split at once
+    assert m.decide(0, 0, 1024) == Split(SMS, SMS) and m.reason == "decode_idle"
+    # Pinned cores move threads, which costs: without a profile they stay put (the first test in this file).

@@ -1,0 +1,179 @@
+"""`ppd bench interference`: decode TPOT while a long prefill runs beside it, per way of sharing the device.
+
+Issue 9's first target, measured through the server as a user sees it: a batch of streams decodes (all past
+their first token), and their inter-token time is measured alone, then during each of several long prefills sent
+one after another. For every configuration (a `ppd serve` command line) in one run:
+
+- tpot_alone_ms: the streams' time per output token with nothing else running;
+- tpot_beside_ms: the same during a prefill (from its request to its answer), median over the rounds;
+- ratio: tpot_beside / tpot_alone (the target is 1.2 or less at batch 64 beside a 4K-token prompt);
+- prefill_ms: the long prompt's time to its first token, median over the rounds.
+
+A window's TPOT is its length times the batch over the tokens all streams received in it, so a stream that is
+stalled counts as slow rather than dropping out. Configurations by default: aggregated (chunked prefill in the
+decode batch), pd with time-slicing (none), and each way of overlapping this device offers: on the CPU pinned cores
+(cpu) and one process with a prefill thread (thread); on a GPU mps and green.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.cli import BenchError, _default_out, start_server, stop_server
+
+CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
+               "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
+GPU_CONFIGS = {"aggregated": "--policy aggregated --partition none", "none": "--policy pd --partition none",
+               "mps": "--policy pd --partition mps", "green": "--policy pd --partition green"}
+TARGET_RATIO = 1.2
+
+
+def add_interference_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--serve-args", default="", help="arguments for every `ppd serve` (e.g. \"--model /m --device cuda\")")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=ARGS",
+                   help="a configuration: a name and its own `ppd serve` arguments; repeatable (default: aggregated, "
+                        "none, and cpu and thread on the CPU, or mps and green with --device cuda)")
+    p.add_argument("--batch", type=int, default=64, help="decoding streams")
+    p.add_argument("--context", type=int, default=512, help="each stream's prompt tokens")
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="the long prompt's tokens")
+    p.add_argument("--rounds", type=int, default=5, help="long prompts, one after another")
+    p.add_argument("--alone-s", type=float, default=3.0, help="seconds of decoding alone measured")
+    p.add_argument("--settle-s", type=float, default=1.0, help="seconds between two long prompts")
+    p.add_argument("--out", default=None, help="results folder (default bench/results/interference-<time>)")
+
+
+def main(args: argparse.Namespace) -> None:
+    gpu = "cuda" in args.serve_args
+    configs = dict(c.split("=", 1) for c in args.config) if args.config else (GPU_CONFIGS if gpu else CPU_CONFIGS)
+    out = Path(args.out or _default_out("interference"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name, extra in configs.items():
+        serve_args = [*shlex.split(args.serve_args), *shlex.split(extra)]
+        print(f"{name}: ppd serve {shlex.join(serve_args)}", flush=True)
+        try:
+            proc, url = start_server(serve_args, out / f"{name}.log")
+        except BenchError as exc:
+            results[name] = {"serve_args": serve_args, "error": str(exc).splitlines()[0]}
+            print(f"  {results[name]['error']}", flush=True)
+            continue
+        try:
+            results[name] = {"serve_args": serve_args, **measure(url, args)}
+        except BenchError as exc:
+            results[name] = {"serve_args": serve_args, "error": str(exc)}
+        finally:
+            stop_server(proc)
+        print(f"  {_line(results[name])}", flush=True)
+    settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
+    (out / "interference.json").write_text(json.dumps({"settings": settings, "results": results}, indent=1))
+    (out / "interference.md").write_text(report(settings, results))
+    print(f"wrote {out / 'interference.md'}")
+
+
+def measure(url: str, args: argparse.Namespace) -> dict:
+    """Start the streams, wait until each decodes, then time them alone and beside each long prompt."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    max_len = model.get("max_model_len") or 4096
+    max_tokens = max_len - args.context - 1
+    if max_tokens < 16 or args.prefill_tokens >= max_len:
+        raise BenchError(f"max_model_len {max_len} leaves no room: lower --context or --prefill-tokens")
+    rng = random.Random(0)
+    arrivals: list[list[float]] = [[] for _ in range(args.batch)]
+    ended: list[float | None] = [None] * args.batch
+    stop = threading.Event()
+
+    def stream(i: int) -> None:
+        body = {"model": model["id"], "prompt": [rng.randrange(3, 250) for _ in range(args.context)],
+                "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "return_token_ids": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
+                for line in resp.iter_lines():
+                    if stop.is_set():
+                        return  # leaving closes the connection: the server aborts the request
+                    if line.startswith("data: {"):
+                        now = time.monotonic()
+                        tokens = json.loads(line[6:])["choices"][0].get("token_ids") or [0]
+                        arrivals[i] += [now] * len(tokens)
+        finally:
+            ended[i] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.batch)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not all(arrivals) and time.monotonic() < deadline:
+            if any(e is not None for e in ended):
+                raise BenchError("a stream ended before every stream was decoding (see the server's log)")
+            time.sleep(0.05)
+        time.sleep(args.settle_s)
+        start = time.monotonic()
+        time.sleep(args.alone_s)
+        alone = (start, time.monotonic())
+        beside, prefill_ms = [], []
+        for r in range(args.rounds):
+            prompt = [rng.randrange(3, 250) for _ in range(args.prefill_tokens)]
+            began = time.monotonic()
+            resp = httpx.post(f"{url}/v1/completions", timeout=600, headers={"x-ppd-route": "prefill"},
+                              json={"model": model["id"], "prompt": prompt, "max_tokens": 1})
+            done = time.monotonic()
+            if resp.status_code != 200:
+                raise BenchError(f"the long prompt got {resp.status_code}: {resp.text[:200]}")
+            beside.append((began, done))
+            prefill_ms.append(1000 * (done - began))
+            time.sleep(args.settle_s)
+        if any(e is not None and e < beside[-1][1] for e in ended):
+            raise BenchError("a stream ended before the measurement did: lower --context, --rounds or the settle time")
+    finally:
+        stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    tpot_alone = _tpot(arrivals, *alone)
+    tpots = [_tpot(arrivals, a, b) for a, b in beside]
+    tpot_beside = statistics.median(tpots)
+    return {"tpot_alone_ms": tpot_alone, "tpot_beside_ms": tpot_beside, "tpot_beside_each_ms": tpots,
+            "ratio": tpot_beside / tpot_alone, "prefill_ms": statistics.median(prefill_ms), "prefill_each_ms": prefill_ms}
+
+
+def _tpot(arrivals: list[list[float]], start: float, end: float) -> float:
+    """Milliseconds per output token of every stream in [start, end): the window times the streams over the
+    tokens they received in it."""
+    tokens = sum(sum(1 for t in times if start <= t < end) for times in arrivals)
+    if tokens == 0:
+        return float("inf")  # nothing arrived: the streams stalled for the whole window
+    return 1000 * (end - start) * len(arrivals) / tokens
+
+
+def _line(result: dict) -> str:
+    if "error" in result:
+        return f"error: {result['error']}"
+    return (f"TPOT alone {result['tpot_alone_ms']:.2f} ms, beside the prefill {result['tpot_beside_ms']:.2f} ms "
+            f"({result['ratio']:.2f}x); prefill {result['prefill_ms']:.0f} ms")
+
+
+def report(settings: dict, results: dict) -> str:
+    lines = [f"# Decode TPOT beside a long prefill",
+             "",
+             f"{settings['batch']} streams of {settings['context']}-token prompts decoding; {settings['rounds']} "
+             f"prompts of {settings['prefill_tokens']} tokens sent one after another (`ppd bench interference`). "
+             f"TPOT beside is the median over the prompts; the target ratio is {TARGET_RATIO} or less.",
+             "",
+             "| config | TPOT alone (ms) | TPOT beside the prefill (ms) | ratio | prefill (ms) | serve arguments |",
+             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for name, r in results.items():
+        args = f"`{shlex.join(r['serve_args'])}`"
+        if "error" in r:
+            lines.append(f"| {name} | | | | | {args}: {r['error']} |")
+        else:
+            lines.append(f"| {name} | {r['tpot_alone_ms']:.2f} | {r['tpot_beside_ms']:.2f} | {r['ratio']:.2f} | "
+                         f"{r['prefill_ms']:.0f} | {args} |")
+    return "\n".join(lines) + "\n"
