@@ -21,6 +21,8 @@
 #   partition-compare  pd and aggregated on the balanced workload with --partition none (time-sliced), mps (two
 #              MPS processes) and green (one process, green-context splits), 30 s at 2 conversations/s each
 #                                                                                -> partition-compare/{none,mps,green}/
+#   interference[:NAMES]  decode TPOT at batch 64 alone and beside 4K-token prefills, for aggregated, none, mps and
+#              green in one run (or the comma list NAMES of them)             -> interference/, interference.log
 #
 # Run it from the repository root. Python packages the host lacks can come as wheels in .whl/
 # (../shared/device/wheels.sh openai distro jiter): they are installed into /tmp/site first.
@@ -28,7 +30,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,23p' "$0" >&2
+  sed -n '2,25p' "$0" >&2
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -104,9 +106,13 @@ python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : 
           --turn1 mixed --qps 2 --duration 30 --timeout 120 --repeat 1 --goodput ttft:500 tpot:50 --no-progress \
           --out "$out/partition-compare/$p"; rc=$?
       done ;;
+    interference|interference:*)
+      only=(); [ "$step" != interference ] && only=(--only "${step#interference:}")
+      run_step interference "${ppd[@]}" bench interference --serve-args "$llama --device cuda --gpus 0" \
+        --batch 64 --context 1024 --prefill-tokens 4096 --rounds 5 "${only[@]}" --out "$out/interference"; rc=$? ;;
     *)
       echo "unknown step $step (probe tests engine compare kernels policy policy-eval:W policy-verdict partition" \
-        "partition-compare)" >&2; rc=2 ;;
+        "partition-compare interference[:NAMES])" >&2; rc=2 ;;
   esac
 done
 exit "$rc"

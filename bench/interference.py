@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, start_server, stop_server
+from bench.cli import BenchError, _default_out, _option, start_server, stop_server
 
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
                "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
@@ -42,6 +42,7 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", default=[], metavar="NAME=ARGS",
                    help="a configuration: a name and its own `ppd serve` arguments; repeatable (default: aggregated, "
                         "none, and cpu and thread on the CPU, or mps and green with --device cuda)")
+    p.add_argument("--only", default=None, help="comma list: measure only these of the configurations")
     p.add_argument("--batch", type=int, default=64, help="decoding streams")
     p.add_argument("--context", type=int, default=512, help="each stream's prompt tokens")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="the long prompt's tokens")
@@ -52,8 +53,14 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    gpu = "cuda" in args.serve_args
+    serve_args = shlex.split(args.serve_args)
+    gpu = _option(serve_args, "--device") != "cpu" and _cuda_available()
     configs = dict(c.split("=", 1) for c in args.config) if args.config else (GPU_CONFIGS if gpu else CPU_CONFIGS)
+    if args.only:
+        names = args.only.split(",")
+        if unknown := [n for n in names if n not in configs]:
+            raise BenchError(f"--only {args.only}: no configuration {unknown[0]!r} (there are {', '.join(configs)})")
+        configs = {n: configs[n] for n in names}
     out = Path(args.out or _default_out("interference"))
     out.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -77,6 +84,12 @@ def main(args: argparse.Namespace) -> None:
     (out / "interference.json").write_text(json.dumps({"settings": settings, "results": results}, indent=1))
     (out / "interference.md").write_text(report(settings, results))
     print(f"wrote {out / 'interference.md'}")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def measure(url: str, args: argparse.Namespace) -> dict:

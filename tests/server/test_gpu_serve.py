@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.demo import write_byte_tokenizer
-from partition.backends import existing_mps_pipe_dir
+from partition.backends import existing_mps_pipe_dir, green_available
 from tests.server_process import ServerProcess
 from tests.tiny_models import hf_greedy, write_tiny_model
 
@@ -81,6 +81,9 @@ def test_one_copy_of_weights_and_pool_per_gpu(gpu_server: ServerProcess) -> None
         pynvml.nvmlShutdown()
     pids = gpu_server.worker_pids()
     assert pids["decode"] in used and pids["prefill"] in used, f"workers {pids} not among the GPU's processes {used}"
+    if pids["decode"] == pids["prefill"]:  # green: one process; a second pool would take it past its 30%
+        assert 0.15 * total < used[pids["decode"]] < 0.35 * total
+        return
     decode, prefill = used[pids["decode"]], used[pids["prefill"]]
     # The decode worker allocated a pool of most of 30% of the GPU; the prefill worker maps it and holds only its
     # context and activations: a second copy would show as a second pool's worth.
@@ -89,16 +92,19 @@ def test_one_copy_of_weights_and_pool_per_gpu(gpu_server: ServerProcess) -> None
 
 
 def test_the_default_partition_says_what_it_is_and_holds(gpu_server: ServerProcess) -> None:
-    """auto: mps where MPS is installed (the workers must then really be its clients), else the time-sliced none."""
+    """auto: mps where MPS is installed (the workers must then really be its clients), else green where cuda-python
+    is (its splits made), else the time-sliced none."""
     partition = gpu_server.health()["units"][0]["partition"]
-    assert partition["backend"] in ("mps", "none")
+    assert partition["backend"] in ("mps", "green", "none")
     assert "problem" not in partition, partition.get("problem")
 
 
-@pytest.mark.parametrize("partition", ["none", "mps"])
+@pytest.mark.parametrize("partition", ["none", "mps", "green"])
 def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny: Path, partition: str) -> None:
     if partition == "mps" and not (shutil.which("nvidia-cuda-mps-control") or existing_mps_pipe_dir()):
         pytest.skip("MPS is not installed on this host")
+    if partition == "green" and not green_available():
+        pytest.skip("green contexts need cuda-python")
     server = start_server("--model", str(tiny), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
                           "--dtype", "float32", "--partition", partition, "--max-num-batched-tokens", "32",
                           "--max-num-seqs", "16", "--gpu-memory-utilization", "0.2")
@@ -110,6 +116,10 @@ def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny: Path, 
     assert out1 == hf_greedy(tiny, prompt, NEW_TOKENS) and out2 == hf_greedy(tiny, turn2, NEW_TOKENS)
     unit = server.health()["units"][0]
     assert unit["partition"]["backend"] == partition and "problem" not in unit["partition"]
+    if partition == "green":  # one process, on a split of the SMs or, with a side idle, on all of them
+        assert {w["pid"] for w in unit["workers"]} == {unit["workers"][0]["pid"]}
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert 0 < unit["partition"]["decode_share"] <= sms and 0 < unit["partition"]["prefill_share"] <= sms
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers(tiny: Path) -> None:

@@ -1,0 +1,38 @@
+"""`ppd bench interference`: the TPOT of a window, the configurations chosen, and one real run on the demo model
+(two streams beside two short prompts) that leaves a table and its JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.cli import BenchError
+from bench.interference import _tpot
+from server.cli import main
+
+
+def test_a_windows_tpot_counts_every_streams_tokens_in_it() -> None:
+    # Two streams over [0, 1): one gets 10 tokens, the other 0 (stalled); 10 tokens for 2 streams in 1 s: 200 ms.
+    arrivals = [[0.05 + 0.1 * i for i in range(10)] + [1.5], []]
+    assert _tpot(arrivals, 0.0, 1.0) == pytest.approx(200.0)
+    assert _tpot([[], []], 0.0, 1.0) == float("inf")
+
+
+def test_an_unknown_configuration_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "interference", "--only", "aggregated,green", "--serve-args", "--device cpu",
+                 "--out", str(tmp_path)]) == 2
+    assert "no configuration 'green'" in capsys.readouterr().err
+
+
+def test_one_configuration_on_the_demo_model(tmp_path: Path) -> None:
+    assert main(["bench", "interference", "--config", "thread=--policy pd --partition none --prefill-worker thread",
+                 "--batch", "2", "--context", "16", "--prefill-tokens", "200", "--rounds", "2", "--alone-s", "0.5",
+                 "--settle-s", "0.2", "--out", str(tmp_path)]) in (0, None)
+    found = json.loads((tmp_path / "interference.json").read_text())
+    result = found["results"]["thread"]
+    assert "error" not in result, result
+    assert len(result["tpot_beside_each_ms"]) == 2 and len(result["prefill_each_ms"]) == 2
+    assert 0 < result["tpot_alone_ms"] < float("inf") and result["ratio"] > 0
+    assert "| thread |" in (tmp_path / "interference.md").read_text()
