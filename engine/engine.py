@@ -93,7 +93,8 @@ class Engine:
             scratch = _scratch_pool(mcfg, cfg, dtype, device)
             runner = ModelRunner(model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_len)
             if cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
-                measured = _measure(runner, cfg, arena.numel(), scratch.numel() * scratch.element_size())
+                measured = _measure(runner, cfg, arena.numel(), scratch.numel() * scratch.element_size(),
+                                    len(graph_streams) if graph_streams else 1)
                 plan = plan_from_measurement(measured, cfg.gpu_memory_utilization, block_bytes, cfg.block_size,
                                              mcfg.max_position_embeddings, cfg.max_model_len, device_info(device).name)
                 _warm_up_kernels(runner)
@@ -269,8 +270,10 @@ def _warm_up_kernels(runner: ModelRunner) -> None:
     torch.cuda.synchronize()
 
 
-def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int) -> MemoryMeasurement:
-    """Run the largest step and the largest decode step, measuring the memory each needs above what is allocated."""
+def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int, graph_sets: int = 1) -> MemoryMeasurement:
+    """Run the largest step and the largest decode step, measuring the memory each needs above what is allocated.
+    graph_sets: decode-graph sets to be captured (one per green split and one whole; each on its own stream, whose
+    blocks the allocator does not share with another stream's, so each set needs its own)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -280,7 +283,7 @@ def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int)
     torch.cuda.reset_peak_memory_stats()
     _largest_decode(runner, cfg)
     torch.cuda.synchronize()
-    graphs = 0 if cfg.enforce_eager else torch.cuda.max_memory_allocated() - base
+    graphs = 0 if cfg.enforce_eager else graph_sets * (torch.cuda.max_memory_allocated() - base)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     # The scratch pool is still allocated here, and freed before the real pool is made: it is not in use after.
