@@ -180,6 +180,11 @@ class StreamSplits:
         """Decode's SM count of each split, ascending (the share manager's choices besides WHOLE)."""
         return tuple(self.pairs[k].decode_sms for k in self.keys if k != WHOLE)
 
+    def middle_decode_sms(self) -> int:
+        """Decode's SMs in the middle split (64 of 132 by default): the even split when both workers are busy."""
+        counts = self.decode_counts()
+        return counts[len(counts) // 2]
+
     def key_for(self, decode_sms: int | None) -> int:
         """The key of the split that gives decode decode_sms SMs; WHOLE for None (both on the whole device)."""
         if decode_sms is None:

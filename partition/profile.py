@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -179,6 +180,12 @@ class PartitionProfile:
 def profile_path(device: str, model: str, folder: Path = PROFILES_DIR) -> Path:
     """profiles/<device>__<model>.json: where `ppd profile partition` writes and the server looks."""
     return folder / f"{slug(device)}__{slug(model)}.json"
+
+
+def shipped_profile(device: str, model_folder: str) -> str | None:
+    """The shipped partition profile of this device and the model in model_folder, if there is one."""
+    path = profile_path(device, os.path.basename(model_folder.rstrip("/")))
+    return str(path) if path.exists() else None
 
 
 def _bracket(values: list[int], x: float) -> tuple[int, int, float]:

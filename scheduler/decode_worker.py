@@ -31,7 +31,7 @@ from partition.backends import check_in_worker
 from partition.cpu import repin
 from partition.green import WHOLE, GreenError, StreamSplits, default_decode_sms
 from partition.manager import ShareManager, Split
-from partition.profile import PartitionProfile, ProfileError, profile_path
+from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
@@ -91,8 +91,7 @@ class DecodeWorker:
         if self.streams is not None and self.shares is not None:
             self.use_split(self.shares.current)
         elif self.streams is not None and self.streams.decode_counts():  # a static split: the middle one
-            counts = self.streams.decode_counts()
-            self.use_split(Split(tuple(range(counts[len(counts) // 2])), ()))
+            self.use_split(Split(tuple(range(self.streams.middle_decode_sms())), ()))
         if cfg.partition.prefill_thread:
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
             start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key)  # before UnitSetup: PUSH waits for it
@@ -239,8 +238,7 @@ def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: 
     what = "SMs" if streams is not None else "cores"
     profile_file = cfg.partition_profile
     if profile_file is None and streams is not None and engine is not None:
-        shipped = profile_path(device_info(engine.device).name, os.path.basename(cfg.engine.model.rstrip("/")))
-        profile_file = str(shipped) if shipped.exists() else None
+        profile_file = shipped_profile(device_info(engine.device).name, cfg.engine.model)
     profile = None
     if profile_file is not None:
         try:
@@ -248,10 +246,9 @@ def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: 
         except ProfileError as exc:
             log.warning("share manager: %s; an even split stands in when both workers are busy", exc)
     if streams is not None:
-        units, sizes = tuple(range(streams.total_sms)), streams.decode_counts()
-        n = sizes[len(sizes) // 2]
-        manager = ShareManager(units, Split(units[:n], units[n:]), profile, cfg.itl_slo_ms, sizes=sizes,
-                               free_switches=True)
+        units, n = tuple(range(streams.total_sms)), streams.middle_decode_sms()
+        manager = ShareManager(units, Split(units[:n], units[n:]), profile, cfg.itl_slo_ms,
+                               sizes=streams.decode_counts(), free_switches=True)
     else:
         manager = ShareManager(part.cores, Split(part.decode.cores, part.prefill.cores), profile, cfg.itl_slo_ms)
     if profile is None:

@@ -171,7 +171,7 @@ def share_manager_on(asked: bool | None, partition: str) -> bool:
 def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
     """The partition profile the share manager reads: --partition-profile, else the shipped one of this device and
     model (None: there is none, and the manager splits evenly)."""
-    from partition.profile import PartitionProfile, ProfileError, profile_path
+    from partition.profile import PartitionProfile, ProfileError, shipped_profile
     from profiles import cpu_device_name
 
     if args.partition_profile is not None:
@@ -182,8 +182,7 @@ def partition_profile_for(args: argparse.Namespace, device: str, model_path: str
         return os.path.abspath(args.partition_profile)
     if device != "cpu":
         return None  # the decode worker looks for its GPU's shipped profile (the name is known once CUDA is up there)
-    shipped = profile_path(cpu_device_name(), os.path.basename(model_path.rstrip("/")))
-    return str(shipped) if shipped.exists() else None
+    return shipped_profile(cpu_device_name(), model_path)
 
 
 def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir()), SHM_DIR)) -> list[Path]:

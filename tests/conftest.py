@@ -23,6 +23,17 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ppd-cache")
 
 
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama folder with the byte-level tokenizer, built once (tests only read it)."""
+    from engine.demo import write_byte_tokenizer
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    write_byte_tokenizer(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def start_server(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """start_server(*args) -> a running ServerProcess, stopped at the end of the module."""

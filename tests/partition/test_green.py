@@ -31,7 +31,7 @@ def test_a_split_is_found_by_decode_share_and_whole_by_none() -> None:
     pairs = {k: StreamPair(f"d{n}", f"p{n}", n, 132 - n) for k, n in enumerate((32, 64, 96))}
     splits = StreamSplits(132, StreamPair("d", "p", 132, 132), pairs)
     assert splits.decode_counts() == (32, 64, 96) and splits.keys == [WHOLE, 0, 1, 2]
-    assert splits.key_for(64) == 1 and splits.key_for(None) == WHOLE
+    assert splits.key_for(64) == 1 and splits.key_for(None) == WHOLE and splits.middle_decode_sms() == 64
     assert (splits.stream("decode", 2), splits.stream("prefill", 2), splits.sms("prefill", 2)) == ("d96", "p96", 36)
     with pytest.raises(KeyError, match="no split gives decode 48 SMs"):
         splits.key_for(48)

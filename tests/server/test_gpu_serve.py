@@ -14,10 +14,9 @@ import httpx
 import pytest
 import torch
 
-from engine.demo import write_byte_tokenizer
 from partition.backends import existing_mps_pipe_dir, green_available
 from tests.server_process import ServerProcess
-from tests.tiny_models import hf_greedy, write_tiny_model
+from tests.tiny_models import hf_greedy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -26,10 +25,8 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-    write_byte_tokenizer(folder)
-    return folder
+def tiny(tiny_llama: Path) -> Path:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

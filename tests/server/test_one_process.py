@@ -14,19 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.demo import write_byte_tokenizer
 from tests.server.test_lifecycle import wait_until
 from tests.server_process import ServerProcess
-from tests.tiny_models import hf_greedy, write_tiny_model
+from tests.tiny_models import hf_greedy
 
 NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-    write_byte_tokenizer(folder)
-    return folder
+def tiny(tiny_llama: Path) -> Path:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

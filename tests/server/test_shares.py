@@ -11,9 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.demo import write_byte_tokenizer
 from partition.profile import DecodePoint, PartitionProfile, PrefillPoint
-from tests.tiny_models import hf_greedy, write_tiny_model
+from tests.tiny_models import hf_greedy
 
 NEW_TOKENS = 16
 
@@ -29,9 +28,8 @@ def two_core_profile(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(start_server, tmp_path_factory):
-    folder = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-    write_byte_tokenizer(folder)
+def served(start_server, tiny_llama, tmp_path_factory):
+    folder = tiny_llama
     profile = two_core_profile(tmp_path_factory.mktemp("profile") / "two-core.json")
     server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "pd", "--partition", "cpu",
                           "--partition-profile", str(profile), "--share-manager", "--itl-slo-ms", "1000", "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
