@@ -34,6 +34,7 @@ from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
 from engine.model import kv_block_nbytes
 from engine.model_runner import StepInput
+from engine.sampler import Row
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("ppd.bench")
@@ -182,7 +183,7 @@ def _step(engine: Engine, inputs: list[StepInput]) -> float:
     start = time.perf_counter()
     logits = engine.runner.forward(inputs)
     queued = time.perf_counter()
-    engine.sampler(logits, [GREEDY] * len(logits), [0] * len(logits))  # its copy to the host waits for the step
+    engine.sampler(logits, [Row(GREEDY)] * len(logits))  # its copy to the host waits for the step
     return (queued - start) * 1000
 
 
@@ -343,11 +344,15 @@ def markdown(report: Report) -> str:
 
 
 def write(report: Report, out: Path) -> tuple[Path, Path]:
+    return write_results(out, f"engine-{report.model}", to_json(report), markdown(report))
+
+
+def write_results(out: Path, stem: str, data: dict, md: str) -> tuple[Path, Path]:
+    """out/stem.json and out/stem.md (out made if missing)."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"engine-{report.model}"
     json_path, md_path = out / f"{stem}.json", out / f"{stem}.md"
-    json_path.write_text(json.dumps(to_json(report), indent=2) + "\n")
-    md_path.write_text(markdown(report))
+    json_path.write_text(json.dumps(data, indent=2) + "\n")
+    md_path.write_text(md)
     return json_path, md_path
 
 

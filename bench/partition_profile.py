@@ -737,7 +737,7 @@ def choose_grid(args: argparse.Namespace, gpu: bool, total: int) -> Grid:
 def main(args: argparse.Namespace) -> None:
     gpu = chosen_device(args).type == "cuda"
     folder = str(args.model or (LLAMA_8B if gpu else demo_model_path()))
-    model = os.path.basename(folder.rstrip("/"))  # as the policy table names it: the demo is "demo-v1"
+    model = os.path.basename(folder.rstrip("/"))  # as the policy table names it: the demo is "demo-v2"
     if gpu:
         cuda = torch.device("cuda")
         device, total = device_info(cuda).name, torch.cuda.get_device_properties(cuda).multi_processor_count

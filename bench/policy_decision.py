@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200_000)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
-    path = Path(args.table) if args.table else table_path(cpu_device_name(), "demo-v1")
+    path = Path(args.table) if args.table else table_path(cpu_device_name(), "demo-v2")
     table = PolicyTable.load(path) if path.exists() else synthetic_table()
     policy = PPDPolicy(table, Objective())
     result = {"table": str(path) if path.exists() else "synthetic (GPU grid size)", "cells": len(table.cells),

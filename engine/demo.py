@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 DEMO_MODEL = "demo"
-DEMO_FOLDER = "demo-v1"  # bump the suffix whenever the contents change: old caches are then ignored
+DEMO_FOLDER = "demo-v2"  # bump the suffix whenever the contents change: old caches are then ignored
 
 BOS_TOKEN = "<|begin_of_text|>"
 END_OF_TEXT_TOKEN = "<|end_of_text|>"
@@ -29,20 +29,64 @@ END_TOKEN = "<|end|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 NUM_BYTES = 256
 
-# Roles are limited to the three the tokenizer has tokens for; "developer" is
-# OpenAI's newer name for "system". Text parts are joined with "\n", as vLLM does.
+# Roles are limited to those the tokenizer has tokens for, and tool; "developer" is OpenAI's newer name for
+# "system". Text parts are joined with "\n", as vLLM does. Tools are written as Qwen2.5 writes them (a system turn
+# listing them, calls in <tool_call> blocks, results as <tool_response> blocks in a user turn), and an assistant's
+# calls exactly as the model is told to write them, so turn 2's prompt extends turn 1's and its cache is reused.
+# Without tools and tool messages the rendering is what it was before tools existed.
 CHAT_TEMPLATE = """\
+{%- macro text(content) -%}
+{%- if content is string -%}
+{{- content -}}
+{%- elif content -%}
+{{- content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\n') -}}
+{%- endif -%}
+{%- endmacro -%}
+{%- set system_in_tools = tools and messages and messages[0]['role'] in ['system', 'developer'] -%}
+{%- if tools -%}
+{{- '<|system|>\n' -}}
+{%- if system_in_tools -%}
+{{- text(messages[0]['content']) + '\n\n' -}}
+{%- endif -%}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' -}}
+{{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}
+{%- for tool in tools -%}
+{{- '\n' + tool | tojson -}}
+{%- endfor -%}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' -}}
+{{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' -}}
+{{- '\n</tool_call><|end|>\n' -}}
+{%- endif -%}
 {%- for message in messages -%}
 {%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}
-{%- if role not in ['system', 'user', 'assistant'] -%}
-{{- raise_exception('The demo model supports the roles system, user and assistant, not ' + role) -}}
+{%- if role not in ['system', 'user', 'assistant', 'tool'] -%}
+{{- raise_exception('The demo model supports the roles system, user, assistant and tool, not ' + role) -}}
 {%- endif -%}
-{%- if message['content'] is string -%}
-{%- set content = message['content'] -%}
+{%- if loop.first and system_in_tools -%}
+{#- written with the tools above -#}
+{%- elif role == 'tool' -%}
+{%- if loop.first or loop.previtem['role'] != 'tool' -%}
+{{- '<|user|>' -}}
+{%- endif -%}
+{{- '\n<tool_response>\n' + text(message['content']) + '\n</tool_response>' -}}
+{%- if loop.last or loop.nextitem['role'] != 'tool' -%}
+{{- '<|end|>\n' -}}
+{%- endif -%}
+{%- elif role == 'assistant' and message['tool_calls'] -%}
+{{- '<|assistant|>' -}}
+{%- set content = text(message['content']) -%}
+{%- if content -%}
+{{- '\n' + content -}}
+{%- endif -%}
+{%- for call in message['tool_calls'] -%}
+{%- set call = call['function'] if call['function'] is defined else call -%}
+{%- set arguments = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson -%}
+{{- '\n<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + arguments + '}\n</tool_call>' -}}
+{%- endfor -%}
+{{- '<|end|>\n' -}}
 {%- else -%}
-{%- set content = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('\n') -%}
+{{- '<|' + role + '|>\n' + text(message['content']) + '<|end|>\n' -}}
 {%- endif -%}
-{{- '<|' + role + '|>\n' + content + '<|end|>\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 {{- '<|assistant|>\n' -}}

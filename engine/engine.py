@@ -21,8 +21,9 @@ from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import GiB, KVPlan, MemoryMeasurement, plan_from_measurement, plan_from_request
 from engine.model import kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.guided import GuidedDecoding
+from engine.sampler import Row, SampleRow, Sampled, Sampler
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from engine.shared_memory import SharedHandle, create_shared, open_shared
 
 log = logging.getLogger("ppd.engine")
@@ -48,6 +49,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enforce_eager: bool = False
     shares_device: bool = True  # a prefill worker runs on the same device (reserve its activations)
+    tokenizer: str | None = None  # the tokenizer's folder, for structured outputs (None: they are refused)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class Engine:
         self.cfg, self.mcfg, self.runner, self.plan = cfg, mcfg, runner, plan
         self.weights_handle, self.kv_handle = handles
         self.device = runner.device
-        self.sampler = Sampler(mcfg.eos_token_ids)
+        guided = GuidedDecoding(cfg.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids, pin=self.device.type == "cuda")
+        self.sampler = Sampler(mcfg.eos_token_ids, guided)
         self._failed_steps = 0
 
     # ---- start-up ----------------------------------------------------------------------------------
@@ -157,47 +160,56 @@ class Engine:
 
     # ---- steps -------------------------------------------------------------------------------------
 
-    def step_each(self, inputs: list[StepInput], params: list[SamplingParams],
-                  output_indices: list[int]) -> tuple[list[int | None], dict[int, str]]:
+    def step_each(self, inputs: list[StepInput], rows: list[SampleRow]) -> tuple[Sampled, dict[int, str]]:
         """step(), but a failure ends only the inputs that fail: when the batch raises, each input runs again alone
         (rewriting its KV slots with the same values), and those that still raise are returned as
         {input position: error} with None for their token. Raises when every input fails in MAX_FAILED_STEPS steps in
         a row: the engine itself is broken (on a GPU, a fault poisons the context), and the process must restart."""
         try:
-            tokens: list[int | None] = list(self.step(inputs, params, output_indices))
+            sampled = self.step(inputs, rows)
             self._failed_steps = 0
-            return tokens, {}
+            return sampled, {}
         except Exception as exc:  # noqa: BLE001 - sorted out below, per input
             log.warning("a step of %d input(s) failed (%s: %s); running them one by one", len(inputs),
                         type(exc).__name__, exc)
             batch_error = exc
-        tokens, failed, k = [], {}, 0
+        tokens: list[int | None] = []
+        logprobs: list[TokenLogprobs | None] = []
+        failed, k = {}, 0
         for pos, inp in enumerate(inputs):
             one = slice(k, k + 1) if inp.sample else slice(k, k)
             k += inp.sample
             try:
-                got = self.step([inp], params[one], output_indices[one])
+                got = self.step([inp], rows[one])
+                tokens += got.tokens
+                logprobs += got.logprobs
             except Exception as exc:  # noqa: BLE001
                 failed[pos] = f"{type(exc).__name__}: {exc}"
-                got = [None] if inp.sample else []
-            tokens += got
+                tokens += [None] * inp.sample
+                logprobs += [None] * inp.sample
         if len(failed) < len(inputs):
             self._failed_steps = 0
         else:
             self._failed_steps += 1
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise RuntimeError(f"{MAX_FAILED_STEPS} steps in a row failed for every input") from batch_error
-        return tokens, failed
+        return Sampled(tokens, logprobs), failed  # type: ignore[arg-type]
 
-    def step(self, inputs: list[StepInput], params: list[SamplingParams], output_indices: list[int]) -> list[int]:
-        """Run one forward pass and sample a token for each input with sample=True (params/indices in that order).
-        The sampled ids are the step's one copy to the host, so when this returns the step's KV is written."""
+    def step(self, inputs: list[StepInput], rows: list[SampleRow]) -> Sampled:
+        """Run one forward pass and sample a token for each input with sample=True (rows: their requests, in that
+        order). The grammar masks are filled on the host while the pass runs. The sampled ids are the step's one
+        copy to the host, so when this returns the step's KV is written."""
+        masks = self.sampler.start_masks(rows)
         logits = self.runner.forward(inputs)
-        if not params:
+        if not rows:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-            return []
-        return self.sampler(logits, params, output_indices)
+            return Sampled([], [])
+        return self.sampler(logits, rows, masks)
+
+    def release(self, request_id: str) -> None:
+        """Forget what sampling kept of a finished request (token counts, grammar state)."""
+        self.sampler.release(request_id)
 
     @property
     def max_model_len(self) -> int:
@@ -235,11 +247,13 @@ def _scratch_pool(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
 
 def _largest_step(runner: ModelRunner, cfg: EngineConfig) -> None:
     """The step that needs the most activation memory: the whole token budget, the most sampled rows, sampled
-    with top-p (which sorts the logits)."""
+    with top-p (which sorts the logits), penalties (whose per-request token counts stay on the device while a
+    request runs) and the most logprobs."""
     inputs = _dummy_inputs(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.block_size)
     logits = runner.forward(inputs)
-    sampler = Sampler(runner.model.cfg.eos_token_ids)
-    sampler(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * len(inputs), [0] * len(inputs))
+    costly = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.1,
+                            logprobs=MAX_LOGPROBS)
+    Sampler(runner.model.cfg.eos_token_ids)(logits, [Row(costly, request_id=str(i)) for i in range(len(inputs))])
 
 
 def _largest_decode(runner: ModelRunner, cfg: EngineConfig) -> None:

@@ -1,15 +1,67 @@
-"""Pick the next token of each request from its logits row, without a device sync until the result."""
+"""Pick the next token of each request from its logits row, with one device sync per step (the result's copy).
+
+Each row goes through, in order: the penalties (from the request's token counts, kept on the device per request),
+logit_bias, the min_tokens ban and the grammar mask; its logprobs are read there; then temperature, min_p, top-k
+and top-p narrow what is drawn. A stage that no row of the batch asks for costs nothing.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from engine.guided import GuidedDecoding
 
 _M64 = (1 << 64) - 1
+NO_LOGPROB = -9999.0  # what a token the masks exclude reports (JSON has no -inf), as OpenAI reports one
+
+
+class SampleRow(Protocol):
+    """What the sampler needs of a request: its parameters and its tokens so far (prompt, then output)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def num_prompt(self) -> int: ...
+
+
+@dataclass
+class Row:
+    """A SampleRow by itself (tests, benchmarks, start-up)."""
+
+    sampling: SamplingParams
+    token_ids: Sequence[int] = (0,)
+    num_prompt: int = 1
+    request_id: str = ""
+
+
+@dataclass
+class Sampled:
+    """One token per row, and its logprobs where the row's request asked for them (else None)."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class Masks:
+    """The grammar masks of a step's guided rows, being filled on the host while the step runs."""
+
+    rows: list[int]
+    bitmask: Future[Tensor]
 
 
 def _mix(seed: int, index: int) -> int:
@@ -30,33 +82,169 @@ def _column(values: list[float] | list[int], device: torch.device) -> Tensor | f
     return torch.tensor(values, device=device).unsqueeze(1)
 
 
-class Sampler:
-    """Greedy, temperature, top-k and top-p sampling with per-request seeds and min_tokens."""
+def _output_index(row: SampleRow) -> int:
+    return len(row.token_ids) - row.num_prompt
 
-    def __init__(self, eos_token_ids: Sequence[int]) -> None:
+
+class TokenCounts:
+    """Per penalized request, on the device: which tokens its prompt holds and how often each came in its output.
+
+    One row per request in two tensors that grow by doubling; a step adds only the tokens appended since the
+    request's last step (one small copy to the device). A request whose history no longer extends what was counted
+    (it was recomputed from another prompt) is counted again from scratch.
+    """
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.output = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+        self.slots: dict[str, tuple[int, int, int]] = {}  # request id -> (slot, tokens counted, prompt length)
+        self.free: list[int] = []
+
+    def update(self, rows: list[SampleRow]) -> Tensor:
+        """Count the rows' new tokens; returns their slots (int64 [len(rows)] on the device)."""
+        slots, prompt_at, output_at = [], ([], []), ([], [])
+        for row in rows:
+            slot, counted, num_prompt = self.slots.get(row.request_id, (-1, 0, row.num_prompt))
+            if slot < 0:
+                slot = self._new_slot()
+            elif num_prompt != row.num_prompt or counted > len(row.token_ids):
+                self.prompt[slot] = False
+                self.output[slot] = 0
+                counted = 0
+            for pos in range(counted, len(row.token_ids)):
+                at = prompt_at if pos < row.num_prompt else output_at
+                at[0].append(slot)
+                at[1].append(row.token_ids[pos])
+            self.slots[row.request_id] = (slot, len(row.token_ids), row.num_prompt)
+            slots.append(slot)
+        if prompt_at[0]:
+            where = torch.tensor(prompt_at, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.prompt[where[0], where[1]] = True
+        if output_at[0]:
+            where = torch.tensor(output_at, dtype=torch.int64).to(self.device, non_blocking=True)
+            ones = torch.ones(where.shape[1], dtype=torch.int32, device=self.device)
+            self.output.index_put_((where[0], where[1]), ones, accumulate=True)
+        return torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def release(self, request_id: str) -> None:
+        if (entry := self.slots.pop(request_id, None)) is not None:
+            self.prompt[entry[0]] = False
+            self.output[entry[0]] = 0
+            self.free.append(entry[0])
+
+    def _new_slot(self) -> int:
+        if not self.free:
+            old = self.output.shape[0]
+            new = max(8, 2 * old)
+            self.prompt = torch.cat([self.prompt, self.prompt.new_zeros(new - old, self.vocab)])
+            self.output = torch.cat([self.output, self.output.new_zeros(new - old, self.vocab)])
+            self.free = list(range(new - 1, old - 1, -1))
+        return self.free.pop()
+
+
+class Sampler:
+    """Greedy, temperature, min-p, top-k and top-p sampling with per-request seeds, penalties, logit_bias, min_tokens,
+    grammar masks (guided: the engine's GuidedDecoding) and logprobs."""
+
+    def __init__(self, eos_token_ids: Sequence[int], guided: GuidedDecoding | None = None) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.guided = guided
         self._shared: dict[torch.device, torch.Generator] = {}  # for requests without a seed
         self._seeded: dict[torch.device, torch.Generator] = {}  # reseeded per row
+        self._counts: dict[torch.device, TokenCounts] = {}
 
-    def __call__(self, logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
-        """logits: float32 [B, vocab], one row per request; params[i] its sampling params; output_indices[i] the
-        index of the token being sampled in that request's output (0 for the first). Returns one token id per row.
+    def start_masks(self, rows: Sequence[SampleRow]) -> Masks | None:
+        """Begin filling the grammar masks of the guided rows (None: there are none), on a host thread, so that they
+        are ready when the step's logits are: call before launching the forward pass."""
+        guided = [i for i, row in enumerate(rows) if row.sampling.guided is not None]
+        if not guided:
+            return None
+        if self.guided is None:
+            raise RuntimeError("a guided request reached a sampler without structured outputs")
+        work = [(rows[i].request_id, rows[i].sampling.guided, rows[i].token_ids[rows[i].num_prompt:]) for i in guided]
+        return Masks(guided, self.guided.fill_async(work))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's token counts and grammar state."""
+        for counts in self._counts.values():
+            counts.release(request_id)
+        if self.guided is not None:
+            self.guided.release(request_id)
+
+    def __call__(self, logits: Tensor, rows: Sequence[SampleRow], masks: Masks | None = None) -> Sampled:
+        """logits: float32 [B, vocab], one row per request, in rows' order. masks: from start_masks(rows).
 
         A request with a seed gets the same token whatever else is in the batch and whichever process samples it.
+        The logits tensor is not modified.
         """
-        assert logits.dim() == 2 and logits.shape[0] == len(params) == len(output_indices)
-        logits = self._ban_early_stop(logits, params, output_indices)
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            return _to_host(logits.argmax(dim=-1))
+        assert logits.dim() == 2 and logits.shape[0] == len(rows)
+        params = [row.sampling for row in rows]
+        indices = [_output_index(row) for row in rows]
+        given = logits
+        logits = self._penalize(logits, rows, params)
+        logits = self._bias(logits, params)
+        logits = self._ban_early_stop(logits, params, indices)
+        if masks is not None:
+            logits = logits.clone() if logits is given else logits  # the mask is applied in place
+            self.guided.apply(logits, masks.bitmask.result(), masks.rows)  # type: ignore[union-attr]
+        tokens = self._draw(logits, params, indices)
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return Sampled(_to_host(tokens), [None] * len(rows))
+        chosen, rank, top_lp, top_ids = self._logprobs(logits, tokens, want, params)
+        host_tokens = _to_host(tokens)
+        chosen_l, rank_l, top_lp_l, top_ids_l = chosen.tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        for k, i in enumerate(want):
+            n = params[i].logprobs or 0
+            logprobs[i] = TokenLogprobs(chosen_l[k], rank_l[k], top_ids_l[k][:n], top_lp_l[k][:n])
+        return Sampled(host_tokens, logprobs)
+
+    # ---- the logits a token is drawn from ------------------------------------------------------------
+
+    def _penalize(self, logits: Tensor, rows: Sequence[SampleRow], params: list[SamplingParams]) -> Tensor:
+        which = [i for i, p in enumerate(params) if p.penalized]
+        if not which:
+            return logits
         device = logits.device
-        temperature = _column([1.0 if p.greedy else p.temperature for p in params], device)
-        probs = self._top_k_top_p(logits / temperature, params).softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i, no multinomial.
-        tokens = (probs / self._noise(probs, params, output_indices)).argmax(dim=-1)
-        if any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), tokens)
-        return _to_host(tokens)
+        if device not in self._counts:
+            self._counts[device] = TokenCounts(logits.shape[-1], device)
+        counts = self._counts[device]
+        slots = counts.update([rows[i] for i in which])
+        picked = [params[i] for i in which]
+        idx = torch.tensor(which, dtype=torch.int64).to(device, non_blocking=True)
+        part = logits.index_select(0, idx)
+        output = counts.output.index_select(0, slots)
+        repetition = [p.repetition_penalty for p in picked]
+        if any(r != 1.0 for r in repetition):
+            # Hugging Face's RepetitionPenaltyLogitsProcessor: over prompt and output, divide a positive logit,
+            # multiply a negative one.
+            seen = counts.prompt.index_select(0, slots) | (output > 0)
+            r = _column(repetition, device)
+            part = torch.where(seen, torch.where(part > 0, part / r, part * r), part)
+        frequency = [p.frequency_penalty for p in picked]
+        presence = [p.presence_penalty for p in picked]
+        if any(frequency) or any(presence):
+            # OpenAI's: over the output only, frequency per occurrence, presence once.
+            part = part - _column(frequency, device) * output - _column(presence, device) * (output > 0)
+        return logits.index_copy(0, idx, part)
+
+    def _bias(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, p in enumerate(params):
+            for token, bias in p.logit_bias:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        if not rows:
+            return logits
+        device = logits.device
+        where = torch.tensor([rows, cols], dtype=torch.int64).to(device, non_blocking=True)
+        add = torch.tensor(values, dtype=logits.dtype).to(device, non_blocking=True)
+        return logits.index_put((where[0], where[1]), add, accumulate=True)
 
     def _ban_early_stop(self, logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> Tensor:
         rows: list[int] = []
@@ -73,6 +261,30 @@ class Sampler:
         device = logits.device
         where = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
         return logits.index_put(where, torch.tensor(float("-inf"), device=device))
+
+    # ---- the draw ------------------------------------------------------------------------------------
+
+    def _draw(self, logits: Tensor, params: list[SamplingParams], output_indices: list[int]) -> Tensor:
+        """The chosen ids, on the device."""
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+        device = logits.device
+        temperature = _column([1.0 if p.greedy else p.temperature for p in params], device)
+        scaled = self._min_p(logits / temperature, params)
+        probs = self._top_k_top_p(scaled, params).softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i, no multinomial.
+        tokens = (probs / self._noise(probs, params, output_indices)).argmax(dim=-1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), tokens)
+        return tokens
+
+    def _min_p(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        """Drop tokens less likely than min_p times the most likely one: logit < max + log(min_p)."""
+        if not any(p.min_p > 0.0 and not p.greedy for p in params):
+            return logits
+        floor = _column([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in params], logits.device)
+        return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
     def _top_k_top_p(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
         vocab, device = logits.shape[-1], logits.device
@@ -113,6 +325,21 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # exponential_ may return 0, and 0 / 0 would be NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    # ---- logprobs ------------------------------------------------------------------------------------
+
+    def _logprobs(self, logits: Tensor, tokens: Tensor, want: list[int],
+                  params: list[SamplingParams]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For rows `want`: the chosen token's logprob and rank, and the top alternatives (as many as the most any
+        row asked for), from the distribution before temperature and the cuts; excluded tokens report NO_LOGPROB."""
+        device = logits.device
+        idx = torch.tensor(want, dtype=torch.int64).to(device, non_blocking=True)
+        lp = logits.index_select(0, idx).log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1))
+        rank = (lp > chosen).sum(dim=-1) + 1
+        k = max(params[i].logprobs or 0 for i in want)
+        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], idx[:, None][:, :0])
+        return chosen.squeeze(1).clamp_min(NO_LOGPROB), rank, top_lp.clamp_min(NO_LOGPROB), top_ids
 
 
 def _to_host(tokens: Tensor) -> list[int]:

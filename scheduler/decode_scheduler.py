@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.model_runner import StepInput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.messages import GenerateRequest, PrefillDone, PrefillJob, RequestOutput, Route, WorkerStats
 
 
@@ -82,6 +82,7 @@ class DecodeScheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.num_preemptions = 0
+        self.finished: list[str] = []  # requests ended since the worker last took them (to free sampler state)
 
     # ---- requests in -------------------------------------------------------------------------------
 
@@ -155,10 +156,13 @@ class DecodeScheduler:
             budget -= chunk
         return step
 
-    def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None) -> list[RequestOutput]:
-        """Record the step's KV and sampled tokens; returns the outputs for the API server. failed: the step's
-        inputs (by position) that raised in the engine, with why; their requests end with that error."""
+    def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None,
+                    logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
+        """Record the step's KV and sampled tokens (with their logprobs, where asked); returns the outputs for the
+        API server. failed: the step's inputs (by position) that raised in the engine, with why; their requests end
+        with that error."""
         failed = failed or {}
+        logprobs = logprobs or [None] * len(tokens)
         outputs = []
         for pos, (seq, inp) in enumerate(zip(step.seqs, step.inputs)):
             if pos in failed:
@@ -168,11 +172,11 @@ class DecodeScheduler:
                 continue
             seq.num_computed += len(inp.token_ids)
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
-        for seq, token in zip(step.sampling_seqs, tokens, strict=True):
+        for seq, token, lp in zip(step.sampling_seqs, tokens, logprobs, strict=True):
             if token is None:
                 continue  # failed above
             seq.token_ids.append(token)
-            out = RequestOutput(seq.request_id, seq.num_output - 1, [token])
+            out = RequestOutput(seq.request_id, seq.num_output - 1, [token], logprobs=None if lp is None else [lp])
             if not seq.reported:
                 out.route, out.num_cached_tokens, seq.reported = seq.route, seq.num_cached, True
             if seq.state is SeqState.PREFILLING:
@@ -291,3 +295,4 @@ class DecodeScheduler:
         if seq.request_id in self.blocks:
             self.blocks.free(seq.request_id)
         del self.by_id[seq.request_id]
+        self.finished.append(seq.request_id)

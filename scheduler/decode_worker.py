@@ -120,11 +120,13 @@ class DecodeWorker:
                 seqs = step.sampling_seqs
                 started = time.perf_counter()
                 with self.on_stream():
-                    tokens, failed = self.engine.step_each(step.inputs, [s.sampling for s in seqs],
-                                                           [s.num_output for s in seqs])
+                    sampled, failed = self.engine.step_each(step.inputs, seqs)
                 if not failed:
                     self.times.record(step.inputs, time.perf_counter() - started)
-                self.pending += self.scheduler.postprocess(step, tokens, failed)
+                self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs)
+            for request_id in self.scheduler.finished:
+                self.engine.release(request_id)
+            self.scheduler.finished.clear()
             self.send()
 
     def receive(self, block: bool) -> None:
@@ -145,6 +147,8 @@ class DecodeWorker:
         if isinstance(msg, GenerateRequest):
             if (error := self.scheduler.add(msg)) is not None:
                 self.pending.append(error)
+            elif msg.sampling.guided is not None:
+                self.engine.sampler.guided.start(msg.request_id, msg.sampling.guided)  # compiles while it prefills
         elif self.scheduler.abort(msg.request_id):
             self.jobs.send(self.encode(AbortPrefill(msg.request_id)))
 

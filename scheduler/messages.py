@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.shared_memory import SharedHandle
 
 Route = Literal["prefill", "decode"]
@@ -58,6 +58,11 @@ class PrefillJob(msgspec.Struct, tag=True):
     block_table: list[int]
     sampling: SamplingParams
     output_index: int
+
+    @property
+    def num_prompt(self) -> int:
+        """The request's prompt length (token_ids holds the tokens it already generated after it)."""
+        return len(self.token_ids) - self.output_index
 
 
 class AbortPrefill(msgspec.Struct, tag=True):
@@ -100,6 +105,7 @@ class RequestOutput(msgspec.Struct):
     num_cached_tokens: int | None = None
     error: str | None = None
     error_status: int = 500  # the HTTP status the error is answered with: 400 for a request no worker can run
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked for them
 
 
 class WorkerStats(msgspec.Struct):

@@ -29,6 +29,7 @@ import zmq
 
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
+from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits
 from scheduler.config import UnitConfig
@@ -79,17 +80,16 @@ class PrefillWorker:
             # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
             # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
             with self.on_stream():
-                tokens, failed = self.engine.step_each(inputs, [a.job.sampling for a in done],
-                                                       [a.job.output_index for a in done])
+                sampled, failed = self.engine.step_each(inputs, [a.job for a in done])
             if not failed:
                 seconds = time.perf_counter() - started
                 self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
             for pos, error in failed.items():
                 # Only this job ends; its blocks go back when the decode worker reads the PrefillDone.
-                self.queue.remove(active[pos])
+                self.drop(active[pos])
                 self.notify.send(self.encode(PrefillDone(active[pos].job.request_id, None,
                                                          f"the prefill worker failed on this request ({error})")))
-            self.finish([(a, t) for a, t in zip(done, tokens) if t is not None])
+            self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs) if t is not None])
 
     def receive(self, block: bool) -> None:
         if block:
@@ -100,6 +100,8 @@ class PrefillWorker:
     def handle(self, msg: ToPrefill) -> None:
         if isinstance(msg, PrefillJob):
             self.queue.append(ActiveJob(msg, msg.num_cached))
+            if msg.sampling.guided is not None:
+                self.engine.sampler.guided.start(msg.request_id, msg.sampling.guided)  # compiles while it prefills
         elif isinstance(msg, SetShare):
             # Between two forward passes: the next one runs on the new cores, or the new split's stream.
             if msg.split is not None:
@@ -109,7 +111,7 @@ class PrefillWorker:
         elif isinstance(msg, AbortPrefill):
             for active in self.queue:
                 if active.job.request_id == msg.request_id:
-                    self.queue.remove(active)
+                    self.drop(active)
                     self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
                     return
 
@@ -132,14 +134,20 @@ class PrefillWorker:
             budget -= chunk
         return inputs, active
 
-    def finish(self, done: list[tuple[ActiveJob, int]]) -> None:
+    def drop(self, active: ActiveJob) -> None:
+        """Take a job off the queue and forget what sampling kept of it."""
+        self.queue.remove(active)
+        self.engine.release(active.job.request_id)
+
+    def finish(self, done: list[tuple[ActiveJob, int, TokenLogprobs | None]]) -> None:
         """First tokens to the API server (with the measured speed, which the router reads), then the notifications
         that hand the blocks back to the decode worker."""
-        outputs = [RequestOutput(a.job.request_id, a.job.output_index, [t], route="prefill", num_cached_tokens=a.job.num_cached)
-                   for a, t in done]
+        outputs = [RequestOutput(a.job.request_id, a.job.output_index, [t], route="prefill", num_cached_tokens=a.job.num_cached,
+                                 logprobs=None if lp is None else [lp])
+                   for a, t, lp in done]
         self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s))))
-        for a, t in done:
-            self.queue.remove(a)
+        for a, t, _ in done:
+            self.drop(a)
             self.notify.send(self.encode(PrefillDone(a.job.request_id, t)))
 
 

@@ -25,12 +25,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sampling_params import SamplingParams
-from server.detokenizer import Detokenizer, make_detokenizer
+from engine.guided import spec_problem
+from engine.sampling_params import GuidedSpec, SamplingParams
+from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient, EngineError
 from server.guard import Guard, GuardMiddleware
 from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
                              error_type, validation_error_message)
+from server.responses import Choice, Event, TokenText, choice_body, stream_events, usage
+from server.tool_output import ToolOutput, tool_output_for
+from server.tools import template_messages
 
 log = logging.getLogger("ppd.api")
 
@@ -49,29 +53,11 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    tool_parser: str = "auto"  # --tool-call-parser: how tool_choice auto reads calls out of the model's text
     created: int = field(default_factory=lambda: int(time.time()))
 
-
-@dataclass
-class Choice:
-    """One of a request's n answers, as it accumulates."""
-
-    index: int
-    detok: Detokenizer
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    route: str | None = None
-    num_cached: int = 0
-
-
-@dataclass
-class Event:
-    """New text (and ids) of one choice; finish_reason set on its last event."""
-
-    choice: Choice
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
+    def __post_init__(self) -> None:
+        self.token_text = TokenText(self.tokenizer)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -146,7 +132,9 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
 
     def chat_prompt_ids(body: ChatCompletionRequest) -> list[int]:
         try:
-            text = model.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True, tokenize=False)
+            text = model.tokenizer.apply_chat_template(template_messages(body.template_messages()),
+                                                       tools=body.template_tools(), add_generation_prompt=True,
+                                                       tokenize=False)
         except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
             raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
         return encode(text, "messages", add_special_tokens=False)
@@ -191,18 +179,42 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                                f"requested {asked}. Shorten the prompt or lower max_tokens.", param="max_tokens")
         return requested if requested is not None else room
 
+    def output_rules(body: SamplingRequest) -> tuple[GuidedSpec | None, ToolOutput | None]:
+        """The constraint on the output (structured outputs, or a tool choice that forces calls) and how tool calls
+        are read from the text, checked: a spec the grammar library cannot build is the client's error (400)."""
+        tools = tool_output_for(body, model.tokenizer, model.tool_parser) if isinstance(body, ChatCompletionRequest) \
+            else None
+        asked = body.guided_spec()
+        if tools is not None and tools.spec is not None and asked is not None:
+            raise RequestError(f"tool_choice {tools.mode} already constrains the output to tool calls; remove "
+                               f"{asked[1]}", param=asked[1])
+        spec, field = (tools.spec, "tools") if tools is not None and tools.spec is not None else (asked or (None, None))
+        if spec is None:
+            return None, tools
+        if model.tokenizer is None:
+            raise RequestError("structured outputs need a tokenizer, and this server runs without one "
+                               "(--skip-tokenizer-init)", param=field)
+        if (problem := spec_problem(spec)) is not None:
+            raise RequestError(f"{field}: {problem}", param=field)
+        return spec, tools
+
     async def respond(body: SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
         if body.stop_token_ids and (bad := max(body.stop_token_ids)) >= model.vocab_size:
             raise RequestError(f"stop token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
                                f"tokens (ids 0..{model.vocab_size - 1})", param="stop_token_ids")
-        sampling = body.sampling_params(resolve_max_tokens(body, len(prompt_ids)), model.eos_token_ids)
+        guided, tools = await off_loop(output_rules, body)  # the grammar library's first use imports it: seconds
+        sampling = body.sampling_params(resolve_max_tokens(body, len(prompt_ids)), model.eos_token_ids,
+                                        model.vocab_size, guided)
         if model.tokenizer is None:
             if body.stop_strings:
                 raise RequestError("stop strings need a tokenizer, and this server runs without one "
                                    "(--skip-tokenizer-init): use stop_token_ids", param="stop")
             # Without text, the token ids are the answer.
             body = body.model_copy(update={"return_token_ids": True})
-        choices = [Choice(i, make_detokenizer(model.tokenizer, body.stop_strings)) for i in range(body.n)]
+        # Tool-call markers may be special tokens ([TOOL_CALLS], <|python_tag|>): the parser reads them in the text.
+        keep = () if tools is None or tools.mode != "auto" else sampling.stop_token_ids
+        choices = [Choice(i, make_detokenizer(model.tokenizer, body.stop_strings, keep_special_except=keep),
+                          tools and tools.fresh()) for i in range(body.n)]
         seeds = [sampling.seed + i if sampling.seed is not None and body.n > 1 else sampling.seed for i in range(body.n)]
         session = request.headers.get(SESSION_HEADER) or None
         hint = request.headers.get(ROUTE_HEADER)
@@ -227,7 +239,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 return Response(status_code=499)
             first = waiting.result()
             headers = {ROUTE_HEADER: choices[0].route or "prefill"}
-            sse = stream_events(response_id, body, chat, choices, prompt_ids, events, first)
+            sse = stream_events(response_id, body, chat, choices, prompt_ids, events, first, model.token_text)
             return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
         async with aclosing(events):
             collect = asyncio.ensure_future(drain(events))
@@ -242,7 +254,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 return Response(status_code=499)
             collect.result()
         result = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                  "model": model.name, "choices": [choice_body(c, chat, body.return_token_ids) for c in choices],
+                  "model": model.name, "choices": [choice_body(c, chat, body, model.token_text) for c in choices],
                   "usage": usage(prompt_ids, choices)}
         if body.return_token_ids:
             result["prompt_token_ids"] = prompt_ids
@@ -255,13 +267,14 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 if delta.route is not None:
                     choice.route, choice.num_cached = delta.route, delta.num_cached_tokens or 0
                 choice.token_ids += delta.token_ids
+                choice.logprobs += delta.logprobs or []
                 text = choice.detok.add(delta.token_ids)
                 if choice.detok.stopped:
                     choice.finish_reason = "stop"
                 elif delta.finish_reason:
                     text += choice.detok.flush()
                     choice.finish_reason = delta.finish_reason
-                yield Event(choice, text, delta.token_ids, choice.finish_reason)
+                yield Event(choice, text, delta.token_ids, delta.logprobs, choice.finish_reason)
                 if choice.finish_reason:
                     return  # leaving the loop closes `deltas`, which aborts the request after a stop string
 
@@ -312,61 +325,3 @@ async def drain(events: AsyncIterator[Event]) -> None:
 async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def usage(prompt_ids: list[int], choices: list[Choice]) -> dict:
-    completion = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion, "total_tokens": len(prompt_ids) + completion,
-            "prompt_tokens_details": {"cached_tokens": choices[0].num_cached}}
-
-
-def choice_body(c: Choice, chat: bool, with_ids: bool) -> dict:
-    body: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
-    if chat:
-        body["message"] = {"role": "assistant", "content": c.detok.text}
-    else:
-        body["text"] = c.detok.text
-    if with_ids:
-        body["token_ids"] = c.token_ids
-    return body
-
-
-async def stream_events(response_id: str, body: SamplingRequest, chat: bool, choices: list[Choice],
-                        prompt_ids: list[int], events: AsyncIterator[Event], first: Event | None) -> AsyncIterator[bytes]:
-    """The SSE body: a chunk per event, then a usage-only chunk if asked, then [DONE]; an error ends it early."""
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choice_bodies: list[dict], **extra: Any) -> bytes:
-        obj = {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": choice_bodies, **extra}
-        return b"data: " + _json.encode(obj) + b"\n\n"
-
-    async with aclosing(events):
-        try:
-            if chat:
-                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for c in choices])
-            event = first
-            while event is not None:
-                if not (event.text or event.finish_reason or body.return_token_ids):
-                    event = await anext(events, None)  # e.g. half a UTF-8 character, held back
-                    continue
-                part: dict[str, Any] = {"index": event.choice.index, "logprobs": None, "finish_reason": event.finish_reason}
-                if chat:
-                    part["delta"] = {"content": event.text} if event.text else {}
-                else:
-                    part["text"] = event.text
-                if body.return_token_ids:
-                    part["token_ids"] = event.token_ids
-                yield chunk([part])
-                event = await anext(events, None)
-            if body.include_usage:
-                yield chunk([], usage=usage(prompt_ids, choices))
-        except (EngineError, RequestError) as exc:
-            status = exc.status
-            yield b"data: " + _json.encode(error_body(exc.message, error_type(status), None, status)) + b"\n\n"
-        except Exception as exc:  # a bug of ours: the client still gets an error event and [DONE], the log the rest
-            log.error("a stream failed", exc_info=exc)
-            message = f"internal error ({type(exc).__name__}); the server logged it"
-            yield b"data: " + _json.encode(error_body(message, error_type(500), None, 500)) + b"\n\n"
-        yield b"data: [DONE]\n\n"

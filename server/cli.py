@@ -39,6 +39,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="a folder with the tokenizer to use (default: the model folder)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token ids, no text")
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+                   help="how tool_choice auto reads tool calls from the model's text (default auto: from the chat "
+                        "template's format; none: auto answers with text only, required and named choices still work)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on; 0.0.0.0 for every interface")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--api-key", default=None,

@@ -28,7 +28,8 @@ class IncrementalDetokenizer:
     output (OpenAI semantics). `flush` at the end returns what was held back.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
+                 drop_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
@@ -38,11 +39,11 @@ class IncrementalDetokenizer:
         self._max_stop = max((len(s) for s in self.stop), default=0)
         # Special tokens decode to nothing when skipped: dropping them up front
         # keeps a long run of them from growing the window.
-        self._skipped_ids: frozenset[int] = frozenset()
+        self._skipped_ids: frozenset[int] = frozenset(drop_ids)  # ids that never become text
         if skip_special_tokens:
             added = getattr(tokenizer, "added_tokens_decoder", {})
             special = {i for i, token in added.items() if getattr(token, "special", False)}
-            self._skipped_ids = frozenset(special | set(tokenizer.all_special_ids))
+            self._skipped_ids |= frozenset(special | set(tokenizer.all_special_ids))
         self._window: list[int] = []  # context tokens, then tokens not yet turned into text
         self._read = 0  # self._window[:self._read] is the context
         self._context_text = ""  # the decoded context
@@ -144,5 +145,12 @@ class NoDetokenizer:
         return ""
 
 
-def make_detokenizer(tokenizer: Any, stop: Sequence[str] = ()) -> Detokenizer:
-    return NoDetokenizer() if tokenizer is None else IncrementalDetokenizer(tokenizer, stop)
+def make_detokenizer(tokenizer: Any, stop: Sequence[str] = (), keep_special_except: Sequence[int] | None = None) -> Detokenizer:
+    """The detokenizer of one choice. keep_special_except: keep special tokens in the text (a tool-call parser reads
+    markers such as [TOOL_CALLS]), except these ids (the stop tokens, which end the output and are not part of it);
+    None or empty: skip every special token, as OpenAI's text has none."""
+    if tokenizer is None:
+        return NoDetokenizer()
+    if not keep_special_except:
+        return IncrementalDetokenizer(tokenizer, stop)
+    return IncrementalDetokenizer(tokenizer, stop, skip_special_tokens=False, drop_ids=keep_special_except)

@@ -19,7 +19,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, WorkerOutput, WorkerReady,
                                 WorkerStats)
@@ -65,6 +65,7 @@ class Delta:
     finish_reason: str | None = None
     route: Route | None = None
     num_cached_tokens: int | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -230,8 +231,10 @@ class EngineClient:
                     if isinstance(nxt, EngineError):
                         item = nxt
                         break
+                    logprobs = None if item.logprobs is None else item.logprobs + (nxt.logprobs or [])
                     item = Delta(item.token_ids + nxt.token_ids, nxt.finish_reason,
-                                 item.route or nxt.route, item.num_cached_tokens if item.route else nxt.num_cached_tokens)
+                                 item.route or nxt.route, item.num_cached_tokens if item.route else nxt.num_cached_tokens,
+                                 logprobs)
                 if isinstance(item, EngineError):
                     raise item
                 yield item
@@ -303,7 +306,7 @@ class EngineClient:
             req.last_token = now
             req.output_ids += out.token_ids
         req.next_index += len(out.token_ids)
-        req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens))
+        req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens, out.logprobs))
         if out.finish_reason:
             self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
             if req.output_ids:

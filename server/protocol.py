@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
-Follows the OpenAI API plus vLLM's sampling extensions (top_k, min_tokens,
-ignore_eos, stop_token_ids, return_token_ids). A field that would change the
-output in a way we do not implement (logprobs, penalties, tools, ...) is
+Follows the OpenAI API plus vLLM's sampling extensions (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, return_token_ids,
+guided_json/regex/choice/grammar and structured_outputs). A field that would
+change the output in a way we do not implement (beam search, suffix, ...) is
 rejected by name with a 400, never silently ignored; unknown fields are
 ignored, as vLLM does. Checks that need the model (token ids against the
 vocabulary, prompt + max_tokens against the context length) belong to the API
@@ -19,7 +20,8 @@ from typing import Annotated, Any, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
+from server.tools import NamedToolChoice, Tool, ToolCall
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; every one is matched against every new piece of text
@@ -135,21 +137,31 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. "developer" is OpenAI's newer name for "system" and is treated as it.
+    """One chat message. "developer" is OpenAI's newer name for "system" and is treated as it. An assistant message
+    may carry tool_calls (its content then may be null); a "tool" message answers one of them by tool_call_id."""
 
-    Tool messages and tool calls are rejected: tool calling is not implemented.
-    """
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
     name: str | None = None  # accepted and ignored, as by most chat templates
-    tool_calls: Annotated[Any, _unsupported([])] = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_only(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if calls and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return calls
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, content: Any) -> Any:
+    def _text_only(cls, content: Any, info: ValidationInfo) -> Any:
         # Checked here in full so that the client gets one clear message instead
         # of pydantic's report on each member of the union.
+        if content is None:
+            if info.data.get("role") != "assistant":
+                raise ValueError("is required (only an assistant message with tool_calls may leave it out)")
+            return content
         if isinstance(content, str):
             return content
         if not isinstance(content, list):
@@ -164,10 +176,55 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
-        """The content as one string; text parts are joined with newlines, as vLLM joins them."""
-        if isinstance(self.content, str):
-            return self.content
+        """The content as one string; text parts are joined with newlines, as vLLM joins them ("" for none)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it (tool-call arguments as objects: templates render them with
+        tojson)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema the output must match (OpenAI's shape)."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _with_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        if value is not None and info.data.get("type") != "json_schema":
+            raise ValueError('only allowed with "type": "json_schema"')
+        return value
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint on the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -191,16 +248,21 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool = False
     user: str | None = None  # accepted and ignored
 
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
     # Not implemented: accepted only when absent, null or set to a value that asks for nothing.
-    presence_penalty: Annotated[Any, _float_no_op(0.0)] = None
-    frequency_penalty: Annotated[Any, _float_no_op(0.0)] = None
-    repetition_penalty: Annotated[Any, _float_no_op(1.0)] = None
-    min_p: Annotated[Any, _float_no_op(0.0)] = None
-    logit_bias: Annotated[Any, _unsupported({})] = None
-    response_format: Annotated[Any, _unsupported({"type": "text"})] = None
     use_beam_search: Annotated[Any, _unsupported(False)] = None
     prompt_logprobs: Annotated[Any, _unsupported()] = None
-    structured_outputs: Annotated[Any, _unsupported()] = None
     include_stop_str_in_output: Annotated[Any, _unsupported(False)] = None
     skip_special_tokens: Annotated[Any, _unsupported(True)] = None
     truncate_prompt_tokens: Annotated[Any, _unsupported()] = None
@@ -218,6 +280,14 @@ class SamplingRequest(BaseModel):
         if options is not None and not info.data.get("stream"):
             raise ValueError("only allowed with stream=true; remove it or set stream to true")
         return options
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit() or int(key) > INT64_MAX:
+                raise ValueError(f"keys must be token ids (integers >= 0, as strings), got {key!r}")
+        return bias
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -259,13 +329,65 @@ class SamplingRequest(BaseModel):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, eos_token_ids: Sequence[int]) -> SamplingParams:
-        """The engine's parameters for one choice; `max_tokens` is the budget the server resolved.
+    @property
+    def logprobs_asked(self) -> int | None:
+        """Top alternatives per output token, or None when no logprobs are asked for."""
+        return None
+
+    def guided_spec(self) -> tuple[GuidedSpec, str] | None:
+        """The structured-output constraint the request asks for, and the field that asked (None: none)."""
+        found: list[tuple[GuidedSpec, str]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append((GuidedSpec("json_object"), "response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise RequestError('response_format of type "json_schema" needs a "json_schema" object with a '
+                                   '"schema"', param="response_format")
+            found.append((GuidedSpec("json_schema", json.dumps(fmt.json_schema.schema_)), "response_format"))
+        so = self.structured_outputs
+        given = {
+            "guided_json": self.guided_json, "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+            "guided_grammar": self.guided_grammar,
+            "structured_outputs.json": so and so.json_, "structured_outputs.regex": so and so.regex,
+            "structured_outputs.choice": so and so.choice, "structured_outputs.grammar": so and so.grammar,
+            "structured_outputs.json_object": so and so.json_object or None,
+        }
+        for field, value in given.items():
+            if value is None:
+                continue
+            kind = field.rsplit(".", 1)[-1].removeprefix("guided_")
+            if kind == "json":
+                text = value if isinstance(value, str) else json.dumps(value)
+                found.append((GuidedSpec("json_schema", text), field))
+            elif kind == "json_object":
+                found.append((GuidedSpec("json_object"), field))
+            elif kind == "choice":
+                found.append((GuidedSpec("choice", json.dumps(value)), field))
+            else:
+                found.append((GuidedSpec(kind, value), field))  # type: ignore[arg-type]
+        if len(found) > 1:
+            raise RequestError(f"{found[0][1]} and {found[1][1]} both constrain the output; send one of them",
+                               param=found[1][1])
+        return found[0] if found else None
+
+    def sampling_params(self, max_tokens: int, eos_token_ids: Sequence[int], vocab_size: int,
+                        guided: GuidedSpec | None = None) -> SamplingParams:
+        """The engine's parameters for one choice; `max_tokens` is the budget the server resolved, `guided` the
+        constraint on the output (from guided_spec, or a tool choice).
 
         The model's EOS ids join stop_token_ids unless ignore_eos, so the engine
         stops on (and, before min_tokens, suppresses) a single set of ids.
-        Greedy (temperature 0) drops top_p and top_k, which cannot change it.
+        Greedy (temperature 0) drops top_p, top_k and min_p, which cannot change it.
         """
+        if guided is not None and (self.ignore_eos or self.min_tokens):
+            field = "ignore_eos" if self.ignore_eos else "min_tokens"
+            raise RequestError(f"{field} cannot be combined with structured outputs (the grammar decides where the "
+                               f"output ends); remove {field}", param=field)
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        if bias and (bad := max(bias)) >= vocab_size:
+            raise RequestError(f"logit_bias token id {bad} is out of range: the model's vocabulary has {vocab_size} "
+                               f"tokens (ids 0..{vocab_size - 1})", param="logit_bias")
         if self.min_tokens > max_tokens:
             raise RequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens}); lower min_tokens",
@@ -285,6 +407,13 @@ class SamplingRequest(BaseModel):
             min_tokens=self.min_tokens,
             stop_token_ids=tuple(dict.fromkeys(stop_ids)),
             ignore_eos=self.ignore_eos,
+            min_p=0.0 if greedy or self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=tuple(bias.items()),
+            logprobs=self.logprobs_asked,
+            guided=guided,
         )
 
 
@@ -294,12 +423,14 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)
 
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
     # Not implemented, as in SamplingRequest.
-    logprobs: Annotated[Any, _unsupported(False)] = None
-    top_logprobs: Annotated[Any, _unsupported(0)] = None
-    tools: Annotated[Any, _unsupported([])] = None
-    tool_choice: Annotated[Any, _unsupported("none", "auto")] = None
-    functions: Annotated[Any, _unsupported([])] = None
+    functions: Annotated[Any, _unsupported([])] = None  # OpenAI's deprecated form of tools: send tools
     function_call: Annotated[Any, _unsupported("none", "auto")] = None
     echo: Annotated[Any, _unsupported(False)] = None
     add_generation_prompt: Annotated[Any, _unsupported(True)] = None
@@ -314,14 +445,46 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("at least one message is required")
         return messages
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs set to true; set logprobs to true or remove top_logprobs")
+        return top
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _with_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if choice not in (None, "none") and not tools:
+            raise ValueError("needs tools; send the tools the model may call, or remove tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+            raise ValueError(f"names the function {choice.function.name!r}, which is not among tools")
+        return choice
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """none, auto, required or a named function; OpenAI's default is auto with tools and none without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
     @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, else max_tokens (OpenAI's older name); None if neither."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as {"role", "content": str} dicts for tokenizer.apply_chat_template."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as dicts for tokenizer.apply_chat_template."""
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), or None when there are none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(SamplingRequest):
@@ -330,8 +493,9 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[int]
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
 
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
     # Not implemented, as in SamplingRequest.
-    logprobs: Annotated[Any, _unsupported()] = None
     echo: Annotated[Any, _unsupported(False)] = None
     suffix: Annotated[Any, _unsupported("")] = None
     best_of: int | None = None
@@ -356,6 +520,10 @@ class CompletionRequest(SamplingRequest):
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
             raise ValueError("token ids must be integers >= 0")
         return prompt
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod

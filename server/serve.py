@@ -145,12 +145,14 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise UsageError(str(exc)) from exc
     log.info("partition: %s", parts[0].why)
+    tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
     engine = EngineConfig(
         model=path, dtype=args.dtype, load_format=args.load_format, device=device,
         attention_backend=args.attention_backend, block_size=args.block_size, num_kv_blocks=num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill)
+        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill,
+        tokenizer=tokenizer)
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
                         gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
                         partition_profile=profile,
@@ -158,7 +160,6 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                         log_level=args.log_level)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
-    tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
 
 
@@ -363,7 +364,7 @@ def serve(args: argparse.Namespace) -> None:
     from server.api import ServedModel, build_app
 
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
-                        plan.mcfg.eos_token_ids)
+                        plan.mcfg.eos_token_ids, args.tool_call_parser)
 
     def on_ready() -> None:
         model.max_model_len = client.max_model_len() or model.max_model_len

@@ -50,4 +50,4 @@ def test_cli_runs_quick_and_writes_results(cache_dir: Path, tmp_path: Path) -> N
     result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "engine", "--quick", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "| decode |" in result.stdout and (tmp_path / "engine-demo-v1.json").exists()
+    assert "| decode |" in result.stdout and (tmp_path / "engine-demo-v2.json").exists()

@@ -42,11 +42,11 @@ def test_builds_the_expected_folder_quickly(tmp_path: Path) -> None:
     start = time.perf_counter()
     folder = demo_model_path(tmp_path)
     assert time.perf_counter() - start < 2.0
-    assert folder == tmp_path / "demo-v1"
+    assert folder == tmp_path / "demo-v2"
     names = {p.name for p in folder.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
     assert "random" in (folder / "README.md").read_text().lower()
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-v1"], "no temporary folder is left behind"
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-v2"], "no temporary folder is left behind"
     assert DEMO_MODEL == "demo"
 
 
@@ -77,7 +77,7 @@ def test_second_call_reuses_the_folder(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_cache_dir_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "env-cache"))
-    assert demo_model_path() == tmp_path / "env-cache" / "demo-v1"
+    assert demo_model_path() == tmp_path / "env-cache" / "demo-v2"
 
 
 def test_losing_the_build_race_uses_the_winners_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +92,7 @@ def test_losing_the_build_race_uses_the_winners_folder(tmp_path: Path, monkeypat
     monkeypatch.setattr(demo, "_write_demo_model", write_while_another_process_finishes_first)
     folder = demo_model_path(tmp_path)
     assert winner == [folder]
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-v1"], "the loser's build is cleaned up"
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-v2"], "the loser's build is cleaned up"
 
 
 def test_concurrent_builds_are_safe(tmp_path: Path) -> None:
@@ -113,9 +113,9 @@ def test_concurrent_builds_are_safe(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert not errors
-    assert set(results) == {tmp_path / "demo-v1"}
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-v1"]
-    AutoTokenizer.from_pretrained(tmp_path / "demo-v1", local_files_only=True)
+    assert set(results) == {tmp_path / "demo-v2"}
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-v2"]
+    AutoTokenizer.from_pretrained(tmp_path / "demo-v2", local_files_only=True)
 
 
 def test_weights_are_deterministic(tmp_path: Path, model_dir: Path) -> None:
@@ -196,7 +196,7 @@ def test_chat_template_maps_developer_to_system_and_rejects_other_roles(
     rendered = tokenizer.apply_chat_template([{"role": "developer", "content": "x"}], tokenize=False)
     assert rendered == "<|system|>\nx<|end|>\n"
     with pytest.raises(TemplateError, match="roles"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)
 
 
 def test_byte_tokenizer_size_is_configurable(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from engine.engine import Engine, EngineConfig
 from engine.model_runner import StepInput
+from engine.sampler import Row
 from engine.sampling_params import SamplingParams
 from engine.shared_memory import release_name
 from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
@@ -44,7 +45,7 @@ def run_together(engine: Engine, convs: list[Conversation], steps: int) -> None:
     """steps forward passes over all conversations at once; each appends its greedy token."""
     for _ in range(steps):
         inputs = [c.next_input() for c in convs]
-        tokens = engine.step(inputs, [GREEDY] * len(convs), [0] * len(convs))
+        tokens = engine.step(inputs, [Row(GREEDY)] * len(convs)).tokens
         for c, t in zip(convs, tokens):
             c.tokens.append(t)
 
@@ -69,7 +70,7 @@ def test_cpu_engine_and_an_attached_peer_share_memory_and_agree(tmp_path: Path) 
         prompt = random_ids(21, seed=1)
         # The peer prefills (writing KV into the shared pool), the owner decodes on top of that KV.
         conv = Conversation(owner, free_blocks(owner), prompt)
-        conv.tokens.append(peer.step([conv.next_input()], [GREEDY], [0])[0])
+        conv.tokens.append(peer.step([conv.next_input()], [Row(GREEDY)]).tokens[0])
         run_together(owner, [conv], NEW_TOKENS - 1)
         assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
     finally:
@@ -93,7 +94,8 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
             return forward(inputs)
 
         engine.runner.forward = poisoned
-        tokens, failed = engine.step_each([c.next_input() for c in convs], [GREEDY] * 2, [0, 0])
+        sampled, failed = engine.step_each([c.next_input() for c in convs], [Row(GREEDY)] * 2)
+        tokens = sampled.tokens
         assert failed == {1: "ValueError: poisoned input"} and tokens[1] is None
         convs[0].tokens.append(tokens[0])
         run_together(engine, convs[:1], NEW_TOKENS - 1)
@@ -102,9 +104,9 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         engine.runner.forward = lambda inputs: (_ for _ in ()).throw(RuntimeError("device lost"))
         inp = convs[0].next_input()
         for _ in range(2):
-            assert engine.step_each([inp], [GREEDY], [0])[1] == {0: "RuntimeError: device lost"}
+            assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "RuntimeError: device lost"}
         with pytest.raises(RuntimeError, match="steps in a row failed"):
-            engine.step_each([inp], [GREEDY], [0])
+            engine.step_each([inp], [Row(GREEDY)])
     finally:
         release_name(engine.weights_handle)
         release_name(engine.kv_handle)

@@ -108,7 +108,7 @@ def test_stop_string_ends_answer_before_it(client: openai.OpenAI) -> None:
     ({"model": "demo"}, 400, "messages"),
     ({"model": "demo", "messages": "hello"}, 400, "messages"),
     ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
-    ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "logprobs"),
+    ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs"),
     ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
     ({"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, 400, "maximum context length"),
 ])

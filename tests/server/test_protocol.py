@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from engine.sampling_params import GuidedSpec
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -17,6 +19,7 @@ from server.protocol import (
 )
 
 EOS = (261, 257)
+VOCAB = 320
 
 
 def chat(**fields: Any) -> ChatCompletionRequest:
@@ -44,7 +47,7 @@ def test_minimal_chat_request_has_openai_defaults() -> None:
     request = chat()
     assert request.n == 1 and request.stream is False and not request.include_usage
     assert request.stop_strings == () and request.requested_max_tokens is None
-    params = request.sampling_params(max_tokens=100, eos_token_ids=EOS)
+    params = request.sampling_params(max_tokens=100, eos_token_ids=EOS, vocab_size=VOCAB)
     assert params.temperature == 1.0 and params.top_p == 1.0 and params.top_k == 0
     assert params.max_tokens == 100 and params.min_tokens == 0 and params.seed is None
     assert set(params.stop_token_ids) == set(EOS) and not params.ignore_eos
@@ -80,7 +83,7 @@ def test_full_chat_request_parses() -> None:
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "Bye"},
     ]
-    params = request.sampling_params(max_tokens=50, eos_token_ids=EOS)
+    params = request.sampling_params(max_tokens=50, eos_token_ids=EOS, vocab_size=VOCAB)
     assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 40, 7)
     assert params.min_tokens == 2
 
@@ -112,26 +115,26 @@ def test_completions_default_to_16_tokens_like_openai() -> None:
 
 
 def test_temperature_zero_is_greedy_and_drops_top_p_top_k() -> None:
-    params = chat(temperature=0, top_p=0.5, top_k=5).sampling_params(max_tokens=8, eos_token_ids=EOS)
+    params = chat(temperature=0, top_p=0.5, top_k=5).sampling_params(max_tokens=8, eos_token_ids=EOS, vocab_size=VOCAB)
     assert params.greedy and params.top_p == 1.0 and params.top_k == 0
 
 
 def test_top_k_minus_one_means_off() -> None:
-    assert chat(top_k=-1).sampling_params(max_tokens=8, eos_token_ids=EOS).top_k == 0
+    assert chat(top_k=-1).sampling_params(max_tokens=8, eos_token_ids=EOS, vocab_size=VOCAB).top_k == 0
 
 
 def test_stop_token_ids_join_eos_unless_ignore_eos() -> None:
-    params = chat(stop_token_ids=[5, 6]).sampling_params(max_tokens=8, eos_token_ids=EOS)
+    params = chat(stop_token_ids=[5, 6]).sampling_params(max_tokens=8, eos_token_ids=EOS, vocab_size=VOCAB)
     assert set(params.stop_token_ids) == {5, 6, *EOS}
-    ignoring = chat(stop_token_ids=[5], ignore_eos=True).sampling_params(max_tokens=8, eos_token_ids=EOS)
+    ignoring = chat(stop_token_ids=[5], ignore_eos=True).sampling_params(max_tokens=8, eos_token_ids=EOS, vocab_size=VOCAB)
     assert ignoring.stop_token_ids == (5,) and ignoring.ignore_eos
     # An id given twice is listed once.
-    assert len(chat(stop_token_ids=[261]).sampling_params(8, EOS).stop_token_ids) == 2
+    assert len(chat(stop_token_ids=[261]).sampling_params(8, EOS, VOCAB).stop_token_ids) == 2
 
 
 def test_min_tokens_above_the_resolved_budget_is_refused() -> None:
     with pytest.raises(RequestError) as info:
-        chat(min_tokens=10).sampling_params(max_tokens=5, eos_token_ids=EOS)
+        chat(min_tokens=10).sampling_params(max_tokens=5, eos_token_ids=EOS, vocab_size=VOCAB)
     assert info.value.status == 400 and info.value.param == "min_tokens"
     assert "min_tokens" in info.value.message
 
@@ -156,7 +159,7 @@ def test_min_tokens_above_the_resolved_budget_is_refused() -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"model": None}, "model"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user"}]}, "messages.0.content"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
     ],
@@ -179,24 +182,8 @@ def test_non_text_content_is_refused_clearly() -> None:
     assert "only text content is supported" in message and "image_url" in message
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [
-        {"logprobs": True},
-        {"top_logprobs": 3},
-        {"presence_penalty": 0.5},
-        {"frequency_penalty": -1},
-        {"repetition_penalty": 1.2},
-        {"min_p": 0.1},
-        {"logit_bias": {"50": 10}},
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        {"tool_choice": "required"},
-        {"response_format": {"type": "json_object"}},
-        {"echo": True},
-        {"use_beam_search": True},
-        {"chat_template": "{{ messages }}"},
-    ],
-)
+@pytest.mark.parametrize("fields", [{"echo": True}, {"use_beam_search": True}, {"chat_template": "{{ messages }}"},
+                                    {"functions": [{"name": "f"}]}])
 def test_unsupported_chat_features_are_refused_by_name(fields: dict[str, Any]) -> None:
     (name,) = fields
     message, param = chat_error(**fields)
@@ -204,13 +191,55 @@ def test_unsupported_chat_features_are_refused_by_name(fields: dict[str, Any]) -
     assert message.startswith(f"{name}: ") and "not supported" in message
 
 
-def test_tool_calls_in_history_are_refused() -> None:
+@pytest.mark.parametrize("fields, param, words", [
+    ({"top_logprobs": 3}, "top_logprobs", "needs logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+      "function": {"name": "g"}}}, "tool_choice", "not among tools"),
+    ({"logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+    ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+])
+def test_bad_values_of_supported_fields_are_refused_by_name(fields: dict[str, Any], param: str, words: str) -> None:
+    message, got = chat_error(**fields)
+    assert got == param and words in message, message
+
+
+def test_new_features_map_to_sampling_params() -> None:
+    params = chat(logprobs=True, top_logprobs=4, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                  min_p=0.1, logit_bias={"50": 10}).sampling_params(8, EOS, VOCAB)
+    assert (params.logprobs, params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+            params.min_p, params.logit_bias) == (4, 0.5, -1, 1.2, 0.1, ((50, 10.0),))
+    assert chat(logprobs=True).sampling_params(8, EOS, VOCAB).logprobs == 0
+    assert chat().sampling_params(8, EOS, VOCAB).logprobs is None
+    assert completion(logprobs=2).sampling_params(8, EOS, VOCAB).logprobs == 2
+
+
+def test_one_structured_output_constraint_per_request() -> None:
+    spec, field = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+                       ).guided_spec()
+    assert (spec.kind, json.loads(spec.value), field) == ("json_schema", {"type": "object"}, "response_format")
+    assert chat(guided_choice=["a", "b"]).guided_spec()[0] == GuidedSpec("choice", '["a", "b"]')
+    assert chat(structured_outputs={"regex": "[0-9]+"}).guided_spec() == (GuidedSpec("regex", "[0-9]+"),
+                                                                          "structured_outputs.regex")
+    assert chat(response_format={"type": "text"}).guided_spec() is None
+    with pytest.raises(RequestError, match="guided_regex both constrain"):
+        chat(response_format={"type": "json_object"}, guided_regex="a").guided_spec()
+    with pytest.raises(RequestError, match="ignore_eos cannot be combined"):
+        chat(ignore_eos=True).sampling_params(8, EOS, VOCAB, GuidedSpec("json_object"))
+
+
+def test_tool_calls_in_history_are_accepted_from_the_assistant_only() -> None:
     call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    message, param = chat_error(messages=[{"role": "assistant", "content": "", "tool_calls": [call]}])
-    assert param == "messages.0.tool_calls" and "not supported" in message
+    request = chat(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "1", "content": "42"}])
+    assert request.template_messages()[1]["tool_calls"][0]["function"]["name"] == "f"
+    message, param = chat_error(messages=[{"role": "user", "content": "", "tool_calls": [call]}])
+    assert param == "messages.0.tool_calls" and "only assistant messages" in message
 
 
-@pytest.mark.parametrize("fields", [{"logprobs": 0}, {"echo": True}, {"suffix": "end"}, {"best_of": 3}])
+@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "end"}, {"best_of": 3}])
 def test_unsupported_completion_features_are_refused_by_name(fields: dict[str, Any]) -> None:
     (name,) = fields
     message, param = completion_error(**fields)
