@@ -98,6 +98,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from bench.interference import add_interference_args
     add_interference_args(sub.add_parser("interference", help="decode TPOT while long prefills run beside it, for "
                                                               "each way of sharing the device"))
+    from bench.sampling_cost import add_sampling_args
+    add_sampling_args(sub.add_parser("sampling", help="what each sampling feature (logprobs, penalties, structured "
+                                                      "outputs...) adds to a decode step, against greedy"))
 
 
 def main(args: argparse.Namespace) -> None:
@@ -108,6 +111,10 @@ def main(args: argparse.Namespace) -> None:
     if getattr(args, "bench_command", None) == "interference":
         from bench.interference import main as interference_main
         interference_main(args)
+        return
+    if getattr(args, "bench_command", None) == "sampling":
+        from bench.sampling_cost import main as sampling_main
+        sampling_main(args)
         return
     from bench.report import parse_goodput, parse_weights
 

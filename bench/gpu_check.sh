@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Validate a GPU host for ppd-serve, writing every raw output and log into OUTDIR.
 #
-#   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine compare kernels policy policy-eval:W
-#                                             policy-verdict partition partition-compare
+#   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine sampling compare kernels policy policy-eval:W
+#                                             policy-verdict partition partition-compare interference[:NAMES]
 #                                             (default: probe tests engine compare)
 #
 #   probe    ppd probe: GPUs, CUDA IPC, MPS, kernel overlap, green contexts        -> probe.json, probe.log
 #   tests    the gpu-marked tests, then the kernel tests (their small cases run on CUDA too) -> tests.log
 #   engine   ppd bench engine on Llama-3.1-8B's config with random weights          -> engine-*.{json,md}, engine.log
+#   sampling ppd bench sampling on the same model: each sampling feature's decode step against greedy at batches
+#            1, 64, 256 (structured outputs on a byte-level stand-in tokenizer)     -> sampling/, sampling.log
 #   compare  a short ppd bench compare of pd, dlocal and aggregated on the same model -> compare/, compare.log
 #   kernels  python -m bench.kernels: each kernel's configs at real sizes (slow)     -> kernels/, kernels.log
 #   policy   ppd profile policy on the same model, 10 s runs (resumable: OUTDIR/policy.json) -> policy.*, policy.log
@@ -30,7 +32,7 @@
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,25p' "$0" >&2
+  sed -n '/^set -uo/q;2,$p' "$0" >&2
   exit 2
 fi
 out=$(mkdir -p "$1" && cd "$1" && pwd)
@@ -78,6 +80,8 @@ for step in "${steps[@]}"; do
 python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : r2 ))"; rc=$? ;;
     engine)
       run_step engine "${ppd[@]}" bench engine --out "$out"; rc=$? ;;
+    sampling)
+      run_step sampling "${ppd[@]}" bench sampling --out "$out/sampling"; rc=$? ;;
     compare)
       run_step compare "${ppd[@]}" bench compare --policies pd,dlocal,aggregated --serve-args "$llama" \
         --api completions --workload synthetic --profile balanced --turn1 short --turns 3 \
@@ -111,7 +115,7 @@ python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : 
       run_step interference "${ppd[@]}" bench interference --serve-args "$llama --device cuda --gpus 0" \
         --batch 64 --context 1024 --prefill-tokens 4096 --rounds 5 "${only[@]}" --out "$out/interference"; rc=$? ;;
     *)
-      echo "unknown step $step (probe tests engine compare kernels policy policy-eval:W policy-verdict partition" \
+      echo "unknown step $step (probe tests engine sampling compare kernels policy policy-eval:W policy-verdict partition" \
         "partition-compare interference[:NAMES])" >&2; rc=2 ;;
   esac
 done
