@@ -12,6 +12,7 @@ from typing import Literal
 import msgspec
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's limit for top_logprobs)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # logits divided or multiplied by it stay finite
 GuidedKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "structural_tag"]
 
 
@@ -82,8 +83,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
             return f"stop token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
         if not all(math.isfinite(x) for x in (self.presence_penalty, self.frequency_penalty)):
             return "presence_penalty and frequency_penalty must be finite numbers"
-        if not (0.0 < self.repetition_penalty < math.inf):
-            return f"repetition_penalty {self.repetition_penalty} must be a finite number > 0"
+        if not (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            return (f"repetition_penalty {self.repetition_penalty} must be in "
+                    f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
         ids = [t for t, _ in self.logit_bias]
         if bad := [t for t in ids if not 0 <= t < vocab_size]:
             return f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"

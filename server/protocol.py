@@ -20,7 +20,8 @@ from typing import Annotated, Any, Literal
 from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from engine.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
+from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, GuidedSpec,
+                                    SamplingParams)
 from server.tools import NamedToolChoice, Tool, ToolCall
 
 MAX_N = 16
@@ -250,7 +251,8 @@ class SamplingRequest(BaseModel):
 
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    # Bounded so that dividing a logit by it stays finite in float32 (a tiny penalty made logits infinite).
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     response_format: ResponseFormat | None = None

@@ -31,7 +31,7 @@ params = st.builds(
     min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
     presence_penalty=st.one_of(st.just(0.0), st.floats(-2.0, 2.0)),
     frequency_penalty=st.one_of(st.just(0.0), st.floats(-2.0, 2.0)),
-    repetition_penalty=st.one_of(st.just(1.0), st.floats(0.05, 5.0)),
+    repetition_penalty=st.one_of(st.just(1.0), st.floats(0.01, 100.0)),
     logit_bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0), max_size=4).map(
         lambda d: tuple(d.items())),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),

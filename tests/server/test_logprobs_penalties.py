@@ -127,6 +127,7 @@ def test_logit_bias_and_min_p(server) -> None:
     ({"logit_bias": {"100000": 1}}, "logit_bias"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # fuzzing found it: logits divided by it were infinite
     ({"min_p": 1.5}, "min_p"),
     ({"logprobs": 21}, "logprobs"),
     ({"prompt_logprobs": 1}, "prompt_logprobs"),
