@@ -372,6 +372,11 @@ def chosen_device(args: argparse.Namespace) -> torch.device:
     return torch.device(args.device)
 
 
+def chosen_model(args: argparse.Namespace, device: torch.device) -> str:
+    """--model: by default Llama-3.1-8B's configuration (random weights) on a GPU, the demo model on the CPU."""
+    return args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -382,7 +387,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     device = chosen_device(args)
-    model = args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)
+    model = chosen_model(args, device)
     grid = QUICK_GRID if args.quick else (GPU_GRID if device.type == "cuda" else CPU_GRID)
     report = run(model, device, grid, args.dtype, args.quick, args.attention_backend)
     out = Path(args.out or Path("bench") / "results" / device_slug(device))

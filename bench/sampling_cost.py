@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import (LLAMA_8B, Blocks, _fill_random, _meta, _release, add_model_args, chosen_device,
+from bench.engine import (Blocks, _fill_random, _meta, _release, add_model_args, chosen_device, chosen_model,
                           device_slug, write_results)
 from engine.config import ModelConfig, resolve_dtype
 from engine.demo import DEMO_MODEL, demo_model_path, write_byte_tokenizer
@@ -330,7 +330,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     device = chosen_device(args)
-    model = args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)
+    model = chosen_model(args, device)
     sweep = QUICK_SWEEP if args.quick else (GPU_SWEEP if device.type == "cuda" else CPU_SWEEP)
     sweep = replace(sweep, rounds=args.rounds or sweep.rounds, steps=args.steps or sweep.steps)
     if args.threads or device.type == "cpu":

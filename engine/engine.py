@@ -207,6 +207,12 @@ class Engine:
             return Sampled([], [])
         return self.sampler(logits, rows, masks)
 
+    def prepare(self, request_id: str, sampling: SamplingParams) -> None:
+        """A request arrived: start what its sampling needs before its first sample (its grammar's compile, which
+        then runs while the prompt is prefilled)."""
+        if sampling.guided is not None:
+            self.sampler.guided.start(request_id, sampling.guided)  # type: ignore[union-attr]
+
     def release(self, request_id: str) -> None:
         """Forget what sampling kept of a finished request (token counts, grammar state)."""
         self.sampler.release(request_id)

@@ -147,8 +147,8 @@ class DecodeWorker:
         if isinstance(msg, GenerateRequest):
             if (error := self.scheduler.add(msg)) is not None:
                 self.pending.append(error)
-            elif msg.sampling.guided is not None:
-                self.engine.sampler.guided.start(msg.request_id, msg.sampling.guided)  # compiles while it prefills
+            else:
+                self.engine.prepare(msg.request_id, msg.sampling)
         elif self.scheduler.abort(msg.request_id):
             self.jobs.send(self.encode(AbortPrefill(msg.request_id)))
 

@@ -100,8 +100,7 @@ class PrefillWorker:
     def handle(self, msg: ToPrefill) -> None:
         if isinstance(msg, PrefillJob):
             self.queue.append(ActiveJob(msg, msg.num_cached))
-            if msg.sampling.guided is not None:
-                self.engine.sampler.guided.start(msg.request_id, msg.sampling.guided)  # compiles while it prefills
+            self.engine.prepare(msg.request_id, msg.sampling)
         elif isinstance(msg, SetShare):
             # Between two forward passes: the next one runs on the new cores, or the new split's stream.
             if msg.split is not None:

@@ -34,7 +34,6 @@ from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestEr
                              error_type, validation_error_message)
 from server.responses import Choice, Event, TokenText, choice_body, stream_events, usage
 from server.tool_output import ToolOutput, tool_output_for
-from server.tools import template_messages
 
 log = logging.getLogger("ppd.api")
 
@@ -132,7 +131,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
 
     def chat_prompt_ids(body: ChatCompletionRequest) -> list[int]:
         try:
-            text = model.tokenizer.apply_chat_template(template_messages(body.template_messages()),
+            text = model.tokenizer.apply_chat_template(body.template_messages(),
                                                        tools=body.template_tools(), add_generation_prompt=True,
                                                        tokenize=False)
         except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)

@@ -22,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, GuidedSpec,
                                     SamplingParams)
-from server.tools import NamedToolChoice, Tool, ToolCall
+from server.tools import NamedToolChoice, Tool, ToolCall, template_messages
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; every one is matched against every new piece of text
@@ -182,14 +182,10 @@ class ChatMessage(BaseModel):
             return self.content or ""
         return "\n".join(part.text for part in self.content)
 
-    def template_dict(self) -> dict[str, Any]:
-        """The message as a chat template takes it (tool-call arguments as objects: templates render them with
-        tojson)."""
-        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
-        if self.tool_calls:
-            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
+    def openai_dict(self) -> dict[str, Any]:
+        """The message as OpenAI's JSON has it (tools.template_messages readies it for a chat template); a name is
+        kept on a tool message only, the one role templates read it for."""
+        out = self.model_dump(include={"role", "content", "tool_calls", "tool_call_id"}, exclude_none=True)
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
         return out
@@ -482,7 +478,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as dicts for tokenizer.apply_chat_template."""
-        return [m.template_dict() for m in self.messages]
+        return template_messages([m.openai_dict() for m in self.messages])
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them (OpenAI's shape), or None when there are none."""

@@ -135,7 +135,7 @@ def choice_body(c: Choice, chat: bool, body: SamplingRequest, text: TokenText) -
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
-                out["finish_reason"] = c.tools.finish_reason(c.finish_reason)
+            out["finish_reason"] = c.tools.finish_reason(c.finish_reason)
         out["message"] = message
         if asked:
             out["logprobs"] = chat_logprobs(c.token_ids, c.logprobs, text)
@@ -173,8 +173,7 @@ async def stream_events(response_id: str, body: SamplingRequest, chat: bool, cho
                 finish = event.finish_reason
                 if chat and c.tools is not None:
                     delta = c.tools.delta(event.text, final=finish is not None)
-                    if finish is not None and c.tools.called:
-                        finish = c.tools.finish_reason(finish)
+                    finish = c.tools.finish_reason(finish)
                 elif chat and event.text:
                     delta = {"content": event.text}
                 has_logprobs = asked and bool(event.token_ids)

@@ -25,14 +25,9 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama: Path) -> Path:
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def gpu_server(start_server, tiny: Path) -> ServerProcess:
+def gpu_server(start_server, tiny_llama: Path) -> ServerProcess:
     # A small budget so that the prefill worker chunks prompts; 30% of the GPU makes the pool big and unmistakable.
-    return start_server("--model", str(tiny), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
+    return start_server("--model", str(tiny_llama), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
                         "--dtype", "float32", "--policy", "ppd",
                         "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--gpu-memory-utilization", "0.3")
 
@@ -45,15 +40,15 @@ def complete(server: ServerProcess, prompt: list[int], route: str) -> tuple[list
     return resp.json()["choices"][0]["token_ids"], resp.headers["x-ppd-route"]
 
 
-def test_greedy_ids_match_hf_on_both_routes(gpu_server: ServerProcess, tiny: Path) -> None:
+def test_greedy_ids_match_hf_on_both_routes(gpu_server: ServerProcess, tiny_llama: Path) -> None:
     rng = random.Random(0)
     for append_len, expected_route in ((10, "decode"), (60, "prefill")):
         prompt = [rng.randrange(3, 256) for _ in range(45)]
         out1, route1 = complete(gpu_server, prompt, expected_route)
-        assert route1 == "prefill" and out1 == hf_greedy(tiny, prompt, NEW_TOKENS)
+        assert route1 == "prefill" and out1 == hf_greedy(tiny_llama, prompt, NEW_TOKENS)
         turn2 = prompt + out1 + [rng.randrange(3, 256) for _ in range(append_len)]
         out2, route2 = complete(gpu_server, turn2, expected_route)
-        assert route2 == expected_route and out2 == hf_greedy(tiny, turn2, NEW_TOKENS)
+        assert route2 == expected_route and out2 == hf_greedy(tiny_llama, turn2, NEW_TOKENS)
 
 
 def test_health_names_the_gpu(gpu_server: ServerProcess) -> None:
@@ -97,12 +92,12 @@ def test_the_default_partition_says_what_it_is_and_holds(gpu_server: ServerProce
 
 
 @pytest.mark.parametrize("partition", ["none", "mps", "green"])
-def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny: Path, partition: str) -> None:
+def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny_llama: Path, partition: str) -> None:
     if partition == "mps" and not (shutil.which("nvidia-cuda-mps-control") or existing_mps_pipe_dir()):
         pytest.skip("MPS is not installed on this host")
     if partition == "green" and not green_available():
         pytest.skip("green contexts need cuda-python")
-    server = start_server("--model", str(tiny), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
+    server = start_server("--model", str(tiny_llama), "--served-model-name", "tiny", "--device", "cuda", "--gpus", "0",
                           "--dtype", "float32", "--partition", partition, "--max-num-batched-tokens", "32",
                           "--max-num-seqs", "16", "--gpu-memory-utilization", "0.2")
     rng = random.Random(1)
@@ -110,7 +105,7 @@ def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny: Path, 
     out1, _ = complete(server, prompt, "prefill")
     turn2 = prompt + out1 + [rng.randrange(3, 256) for _ in range(20)]
     out2, _ = complete(server, turn2, "decode")
-    assert out1 == hf_greedy(tiny, prompt, NEW_TOKENS) and out2 == hf_greedy(tiny, turn2, NEW_TOKENS)
+    assert out1 == hf_greedy(tiny_llama, prompt, NEW_TOKENS) and out2 == hf_greedy(tiny_llama, turn2, NEW_TOKENS)
     unit = server.health()["units"][0]
     assert unit["partition"]["backend"] == partition and "problem" not in unit["partition"]
     if partition == "green":  # one process, on a split of the SMs or, with a side idle, on all of them
@@ -119,8 +114,8 @@ def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny: Path, 
         assert 0 < unit["partition"]["decode_share"] <= sms and 0 < unit["partition"]["prefill_share"] <= sms
 
 
-def test_model_that_does_not_fit_is_refused_with_numbers(tiny: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny), "--device", "cuda",
+def test_model_that_does_not_fit_is_refused_with_numbers(tiny_llama: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_llama), "--device", "cuda",
                              "--gpus", "0", "--gpu-memory-utilization", "0.01", "--port", "0"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -22,14 +22,9 @@ NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama: Path) -> Path:
-    return tiny_llama
-
-
-@pytest.fixture(scope="module")
-def server(start_server, tiny: Path) -> ServerProcess:
+def server(start_server, tiny_llama: Path) -> ServerProcess:
     # A small token budget: the prefill thread chunks prompts, and inline appends run beside it.
-    return start_server("--model", str(tiny), "--served-model-name", "tiny", "--policy", "ppd", "--partition", "none",
+    return start_server("--model", str(tiny_llama), "--served-model-name", "tiny", "--policy", "ppd", "--partition", "none",
                         "--prefill-worker", "thread", "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
                         "--num-kv-blocks", "96")
 
@@ -50,18 +45,18 @@ def test_one_process_serves_both_workers(server: ServerProcess) -> None:
     assert unit["partition"]["backend"] == "none" and "problem" not in unit["partition"]
 
 
-def test_greedy_ids_match_hf_on_both_routes_with_both_threads_busy(server: ServerProcess, tiny: Path) -> None:
+def test_greedy_ids_match_hf_on_both_routes_with_both_threads_busy(server: ServerProcess, tiny_llama: Path) -> None:
     rng = random.Random(3)
     firsts = [[rng.randrange(3, 256) for _ in range(rng.choice((20, 70)))] for _ in range(6)]
     with ThreadPoolExecutor(6) as pool:  # full prefills on the thread while earlier ones decode
         outs = list(pool.map(lambda p: complete(server, p, "prefill"), firsts))
-    assert [o for o, _ in outs] == [hf_greedy(tiny, p, NEW_TOKENS) for p in firsts]
+    assert [o for o, _ in outs] == [hf_greedy(tiny_llama, p, NEW_TOKENS) for p in firsts]
     seconds = [p + o + [rng.randrange(3, 256) for _ in range(15)] for p, (o, _) in zip(firsts, outs)]
     routes = ["prefill", "decode"] * 3
     with ThreadPoolExecutor(6) as pool:  # turn 2: appends on the thread and inlined in decode steps at once
         outs2 = list(pool.map(lambda pr: complete(server, *pr), zip(seconds, routes)))
     assert [r for _, r in outs2] == routes
-    assert [o for o, _ in outs2] == [hf_greedy(tiny, p, NEW_TOKENS) for p in seconds]
+    assert [o for o, _ in outs2] == [hf_greedy(tiny_llama, p, NEW_TOKENS) for p in seconds]
 
 
 def test_aborts_leak_no_blocks(server: ServerProcess) -> None:
@@ -87,7 +82,7 @@ def test_aborts_leak_no_blocks(server: ServerProcess) -> None:
     wait_until(idle, 30, "every KV block to be released")
 
 
-def test_killing_the_process_restarts_the_unit_with_a_new_prefill_thread(server: ServerProcess, tiny: Path) -> None:
+def test_killing_the_process_restarts_the_unit_with_a_new_prefill_thread(server: ServerProcess, tiny_llama: Path) -> None:
     victim = server.worker_pids()["decode"]
     os.kill(victim, signal.SIGKILL)
     time.sleep(0.5)
@@ -95,4 +90,4 @@ def test_killing_the_process_restarts_the_unit_with_a_new_prefill_thread(server:
                "the unit to restart")
     assert server.worker_pids()["prefill"] == server.worker_pids()["decode"]
     prompt = list(range(10, 60))
-    assert complete(server, prompt, "prefill")[0] == hf_greedy(tiny, prompt, NEW_TOKENS)
+    assert complete(server, prompt, "prefill")[0] == hf_greedy(tiny_llama, prompt, NEW_TOKENS)
