@@ -73,14 +73,16 @@ class BlockManager:
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_extra_slots: int = 0) -> int | None:
-        """Pin the longest cached prefix of token_ids and allocate blocks for the rest plus num_extra_slots slots.
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_extra_slots: int = 0,
+                 use_cache: bool = True) -> int | None:
+        """Pin the longest cached prefix of token_ids (none when not use_cache) and allocate blocks for the rest plus
+        num_extra_slots slots.
 
         Returns the number of cached tokens (always < len(token_ids) when token_ids is non-empty), or None,
         changing nothing, if there are not enough free blocks.
         """
         assert seq_id not in self._seqs, f"sequence {seq_id!r} is already allocated"
-        matched = self._match(token_ids)
+        matched = self._match(token_ids) if use_cache else []
         if matched and len(matched) * self.block_size == len(token_ids):
             # At least one token must run to produce logits; recomputing the whole last block into a fresh
             # one keeps cached blocks immutable.

@@ -21,9 +21,10 @@ from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import GiB, KVPlan, MemoryMeasurement, plan_from_measurement, plan_from_request
 from engine.model import kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
+from engine.prompt_logprobs import prompt_logprobs
 from engine.guided import GuidedDecoding
 from engine.sampler import Row, SampleRow, Sampled, Sampler
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from engine.sampling_params import MAX_LOGPROBS, RequestFailure, SamplingParams, TokenLogprobs
 from engine.shared_memory import SharedHandle, create_shared, open_shared
 
 log = logging.getLogger("ppd.engine")
@@ -164,7 +165,8 @@ class Engine:
         """step(), but a failure ends only the inputs that fail: when the batch raises, each input runs again alone
         (rewriting its KV slots with the same values), and those that still raise are returned as
         {input position: error} with None for their token. Raises when every input fails in MAX_FAILED_STEPS steps in
-        a row: the engine itself is broken (on a GPU, a fault poisons the context), and the process must restart."""
+        a row, none of them for a reason of its own request (RequestFailure): the engine itself is broken (on a GPU, a
+        fault poisons the context), and the process must restart."""
         try:
             sampled = self.step(inputs, rows)
             self._failed_steps = 0
@@ -175,7 +177,8 @@ class Engine:
             batch_error = exc
         tokens: list[int | None] = []
         logprobs: list[TokenLogprobs | None] = []
-        failed, k = {}, 0
+        prompt: dict[int, list[TokenLogprobs]] = {}
+        failed, k, own_failures = {}, 0, 0
         for pos, inp in enumerate(inputs):
             one = slice(k, k + 1) if inp.sample else slice(k, k)
             k += inp.sample
@@ -183,29 +186,38 @@ class Engine:
                 got = self.step([inp], rows[one])
                 tokens += got.tokens
                 logprobs += got.logprobs
+                if got.prompt_logprobs:
+                    prompt[pos] = got.prompt_logprobs[0]
             except Exception as exc:  # noqa: BLE001
                 failed[pos] = f"{type(exc).__name__}: {exc}"
                 tokens += [None] * inp.sample
                 logprobs += [None] * inp.sample
-        if len(failed) < len(inputs):
+                own_failures += isinstance(exc, RequestFailure)
+        if len(failed) < len(inputs) or own_failures:
             self._failed_steps = 0
         else:
             self._failed_steps += 1
             if self._failed_steps >= MAX_FAILED_STEPS:
                 raise RuntimeError(f"{MAX_FAILED_STEPS} steps in a row failed for every input") from batch_error
-        return Sampled(tokens, logprobs), failed  # type: ignore[arg-type]
+        return Sampled(tokens, logprobs, prompt), failed  # type: ignore[arg-type]
 
     def step(self, inputs: list[StepInput], rows: list[SampleRow]) -> Sampled:
         """Run one forward pass and sample a token for each input with sample=True (rows: their requests, in that
         order). The grammar masks are filled on the host while the pass runs. The sampled ids are the step's one
-        copy to the host, so when this returns the step's KV is written."""
+        copy to the host (two when an input asks for prompt logprobs), so when this returns the step's KV is written."""
         masks = self.sampler.start_masks(rows)
-        logits = self.runner.forward(inputs)
+        logits, hidden = self.runner.run(inputs)
+        prompt = {}
+        if hidden is not None:  # its copy to the host waits for the step
+            asks = [(pos, inp.prompt_logprobs) for pos, inp in enumerate(inputs) if inp.prompt_logprobs is not None]
+            prompt = prompt_logprobs(self.runner.model, hidden, asks, self.cfg.max_num_seqs)
         if not rows:
             if self.device.type == "cuda":
                 torch.cuda.current_stream().synchronize()
-            return Sampled([], [])
-        return self.sampler(logits, rows, masks)
+            return Sampled([], [], prompt)
+        sampled = self.sampler(logits, rows, masks)
+        sampled.prompt_logprobs = prompt
+        return sampled
 
     def prepare(self, request_id: str, sampling: SamplingParams) -> None:
         """A request arrived: start what its sampling needs before its first sample (its grammar's compile, which

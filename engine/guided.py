@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling_params import GuidedSpec
+from engine.sampling_params import GuidedSpec, RequestFailure
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -46,7 +46,7 @@ _BOUNDED_CHAR = r'[^\"\\\r\n]'
 _JSON_CHAR = r'[^\"\\\0-\x1f]'
 
 
-class GuidedError(ValueError):
+class GuidedError(RequestFailure, ValueError):
     """A guided request cannot go on: its spec does not compile, or its output left the grammar."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,26 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.model import Model
 
 
+@dataclass(frozen=True)
+class PromptLogprobsAsk:
+    """Logprobs of prompt tokens from an input's leading positions: the position start_pos + i predicts targets[i]
+    (the prompt's next token); top alternatives beside each."""
+
+    targets: list[int]
+    top: int
+
+    @classmethod
+    def for_chunk(cls, top: int | None, token_ids: Sequence[int], num_prompt: int, start: int,
+                  end: int) -> PromptLogprobsAsk | None:
+        """What a chunk computing positions [start, end) of a request's first pass asks (None: nothing; top None: the
+        request asked for no prompt logprobs). The last prompt position predicts the first output token, not a
+        prompt token, so it asks nothing."""
+        last = min(end, num_prompt - 1)
+        if top is None or last <= start:
+            return None
+        return cls(list(token_ids[start + 1:last + 1]), top)
+
+
 @dataclass
 class StepInput:
     """One sequence's share of a step: the tokens whose KV is computed now, on top of start_pos cached ones."""
@@ -21,6 +42,7 @@ class StepInput:
     start_pos: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # blocks covering at least start_pos + len(token_ids) tokens
     sample: bool = True  # return logits for the last token of this input
+    prompt_logprobs: PromptLogprobsAsk | None = None  # keep the hidden states of the leading positions it names
 
 
 class ModelRunner:
@@ -66,18 +88,27 @@ class ModelRunner:
         if self.graph_sets:
             self.graphs = self.graph_sets[key]
 
-    @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> Tensor:
         """float32 logits [number of inputs with sample=True, vocab], in input order."""
+        return self.run(inputs)[0]
+
+    @torch.inference_mode()
+    def run(self, inputs: list[StepInput]) -> tuple[Tensor, Tensor | None]:
+        """forward's logits, and the final hidden states of the positions the inputs ask prompt logprobs for (in
+        input order; None when none asks)."""
         batch = self.make_batch(inputs)
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch), None
         meta = self.backend.prepare(batch)
         ids_pos = torch.tensor([batch.token_ids, batch.positions], dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(ids_pos[0], ids_pos[1], self.backend, meta)
+        kept = hidden[self._rows(batch.hidden_rows)] if batch.hidden_rows else None
         if len(batch.sample_rows) < len(batch.token_ids):
-            hidden = hidden[torch.tensor(batch.sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)]
-        return self.model.compute_logits(hidden)
+            hidden = hidden[self._rows(batch.sample_rows)]
+        return self.model.compute_logits(hidden), kept
+
+    def _rows(self, rows: list[int]) -> Tensor:
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def make_batch(self, inputs: list[StepInput]) -> StepBatch:
         """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets)."""
@@ -86,8 +117,11 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start, seq_lens, sample_rows = [0], [], []
+        query_start, seq_lens, sample_rows, hidden_rows = [0], [], [], []
         for inp in inputs:
+            if inp.prompt_logprobs is not None:
+                assert len(inp.prompt_logprobs.targets) <= len(inp.token_ids), "prompt logprobs beyond the input"
+                hidden_rows += range(len(token_ids), len(token_ids) + len(inp.prompt_logprobs.targets))
             end = inp.start_pos + len(inp.token_ids)
             assert inp.token_ids and len(inp.block_table) * bs >= end, "empty input or block table too short"
             assert end <= max_len, f"sequence longer than max_model_len ({max_len})"
@@ -105,4 +139,4 @@ class ModelRunner:
             if inp.sample:
                 sample_rows.append(len(token_ids) - 1)
         return StepBatch(token_ids, positions, slots, query_start, seq_lens, [inp.block_table for inp in inputs],
-                         sample_rows, bs)
+                         sample_rows, bs, hidden_rows)

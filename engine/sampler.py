@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -50,10 +50,12 @@ class Row:
 
 @dataclass
 class Sampled:
-    """One token per row, and its logprobs where the row's request asked for them (else None)."""
+    """One token per row, and its logprobs where the row's request asked for them (else None); the step's prompt
+    logprobs by input position, for the inputs that asked (engine/prompt_logprobs.py)."""
 
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass

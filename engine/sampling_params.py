@@ -97,6 +97,11 @@ class SamplingParams(msgspec.Struct, frozen=True):
         return None
 
 
+class RequestFailure(Exception):
+    """A request cannot go on for a reason of its own (its grammar, its parameters), not the engine's: a step in which
+    only such failures happen says nothing about the device."""
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True):
     """One sampled token's log-probability, its rank in the distribution (1: the most likely), and the top
     alternatives (ids and log-probabilities, most likely first; as many as the request asked for)."""

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.model_runner import StepInput
+from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.messages import GenerateRequest, PrefillDone, PrefillJob, RequestOutput, Route, WorkerStats
 
@@ -41,6 +41,12 @@ class Sequence:
     route: Route | None = None
     aborted: bool = False
     reported: bool = False     # route and cached tokens already sent with an output
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # inline prefill's, until the first token
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """The prompt logprobs' top count while the first pass runs (None: not asked, or a recompute)."""
+        return self.sampling.prompt_logprobs if self.num_output == 0 else None
 
     @property
     def num_output(self) -> int:
@@ -150,19 +156,24 @@ class DecodeScheduler:
                 break
             todo = len(seq.token_ids) - seq.num_computed
             chunk = min(todo, budget)
+            ask = PromptLogprobsAsk.for_chunk(seq.prompt_logprobs_asked, seq.token_ids, seq.num_prompt,
+                                              seq.num_computed, seq.num_computed + chunk)
             step.inputs.append(StepInput(seq.token_ids[seq.num_computed:seq.num_computed + chunk], seq.num_computed,
-                                         self.blocks.block_table(seq.request_id), sample=chunk == todo))
+                                         self.blocks.block_table(seq.request_id), sample=chunk == todo,
+                                         prompt_logprobs=ask))
             step.seqs.append(seq)
             budget -= chunk
         return step
 
     def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None,
-                    logprobs: list[TokenLogprobs | None] | None = None) -> list[RequestOutput]:
-        """Record the step's KV and sampled tokens (with their logprobs, where asked); returns the outputs for the
-        API server. failed: the step's inputs (by position) that raised in the engine, with why; their requests end
-        with that error."""
+                    logprobs: list[TokenLogprobs | None] | None = None,
+                    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+        """Record the step's KV and sampled tokens (with their logprobs, where asked, and the prompt logprobs of the
+        inputs that asked, by position); returns the outputs for the API server. failed: the step's inputs (by
+        position) that raised in the engine, with why; their requests end with that error."""
         failed = failed or {}
         logprobs = logprobs or [None] * len(tokens)
+        prompt_logprobs = prompt_logprobs or {}
         outputs = []
         for pos, (seq, inp) in enumerate(zip(step.seqs, step.inputs)):
             if pos in failed:
@@ -170,13 +181,17 @@ class DecodeScheduler:
                                              error=f"the decode worker failed on this request ({failed[pos]})"))
                 self._finish(seq)
                 continue
+            seq.prompt_logprobs += prompt_logprobs.get(pos, [])
             seq.num_computed += len(inp.token_ids)
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
         for seq, token, lp in zip(step.sampling_seqs, tokens, logprobs, strict=True):
             if token is None:
                 continue  # failed above
+            asked_prompt = seq.prompt_logprobs_asked
             seq.token_ids.append(token)
             out = RequestOutput(seq.request_id, seq.num_output - 1, [token], logprobs=None if lp is None else [lp])
+            if asked_prompt is not None:
+                out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
             if not seq.reported:
                 out.route, out.num_cached_tokens, seq.reported = seq.route, seq.num_cached, True
             if seq.state is SeqState.PREFILLING:
@@ -233,7 +248,9 @@ class DecodeScheduler:
                 return
             if self.blocks.num_free_blocks < self._blocks_for(len(seq.token_ids) + 1) + self.watermark and self.running:
                 return
-            cached = self.blocks.allocate(seq.request_id, seq.token_ids, num_extra_slots=1)
+            # A cached prefix has no logits: a request for prompt logprobs computes its whole prompt.
+            cached = self.blocks.allocate(seq.request_id, seq.token_ids, num_extra_slots=1,
+                                          use_cache=seq.prompt_logprobs_asked is None)
             if cached is None:
                 return
             self.waiting.popleft()

@@ -123,7 +123,8 @@ class DecodeWorker:
                     sampled, failed = self.engine.step_each(step.inputs, seqs)
                 if not failed:
                     self.times.record(step.inputs, time.perf_counter() - started)
-                self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs)
+                self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs,
+                                                          sampled.prompt_logprobs)
             for request_id in self.scheduler.finished:
                 self.engine.release(request_id)
             self.scheduler.finished.clear()

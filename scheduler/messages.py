@@ -106,6 +106,8 @@ class RequestOutput(msgspec.Struct):
     error: str | None = None
     error_status: int = 500  # the HTTP status the error is answered with: 400 for a request no worker can run
     logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids, when the request asked for them
+    # With the first token, when the request asked for prompt logprobs: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class WorkerStats(msgspec.Struct):

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -28,7 +28,7 @@ import torch
 import zmq
 
 from engine.engine import Engine, device_info
-from engine.model_runner import StepInput
+from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits
@@ -44,6 +44,12 @@ log = logging.getLogger("ppd.prefill")
 class ActiveJob:
     job: PrefillJob
     num_computed: int  # leading tokens whose KV is in the pool (starts at the cached prefix)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # so far, when the job asked for them
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """The prompt logprobs' top count, when this job computes them (a request's first pass; a recompute after
+        preemption sent them already)."""
+        return self.job.sampling.prompt_logprobs if self.job.output_index == 0 else None
 
 
 class PrefillWorker:
@@ -81,6 +87,8 @@ class PrefillWorker:
             # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
             with self.on_stream():
                 sampled, failed = self.engine.step_each(inputs, [a.job for a in done])
+            for pos, logprobs in sampled.prompt_logprobs.items():
+                active[pos].prompt_logprobs += logprobs
             if not failed:
                 seconds = time.perf_counter() - started
                 self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
@@ -126,8 +134,10 @@ class PrefillWorker:
                 break
             todo = len(a.job.token_ids) - a.num_computed
             chunk = min(todo, budget)
+            ask = PromptLogprobsAsk.for_chunk(a.prompt_logprobs_asked(), a.job.token_ids, a.job.num_prompt,
+                                              a.num_computed, a.num_computed + chunk)
             inputs.append(StepInput(a.job.token_ids[a.num_computed:a.num_computed + chunk], a.num_computed,
-                                    a.job.block_table, sample=chunk == todo))
+                                    a.job.block_table, sample=chunk == todo, prompt_logprobs=ask))
             active.append(a)
             a.num_computed += chunk
             budget -= chunk
@@ -142,7 +152,8 @@ class PrefillWorker:
         """First tokens to the API server (with the measured speed, which the router reads), then the notifications
         that hand the blocks back to the decode worker."""
         outputs = [RequestOutput(a.job.request_id, a.job.output_index, [t], route="prefill", num_cached_tokens=a.job.num_cached,
-                                 logprobs=None if lp is None else [lp])
+                                 logprobs=None if lp is None else [lp],
+                                 prompt_logprobs=None if a.prompt_logprobs_asked() is None else a.prompt_logprobs)
                    for a, t, lp in done]
         self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s))))
         for a, t, _ in done:

@@ -32,7 +32,7 @@ from server.engine_client import EngineClient, EngineError
 from server.guard import Guard, GuardMiddleware
 from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
                              error_type, validation_error_message)
-from server.responses import Choice, Event, TokenText, choice_body, stream_events, usage
+from server.responses import Choice, Event, Prompt, TokenText, choice_body, prompt_logprobs_body, stream_events, usage
 from server.tool_output import ToolOutput, tool_output_for
 
 log = logging.getLogger("ppd.api")
@@ -127,7 +127,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                                "/v1/completions with a prompt, or serve a tokenizer that has one (--tokenizer)",
                                param="messages")
         prompt_ids = await off_loop(chat_prompt_ids, body)
-        return await respond(body, prompt_ids, request, chat=True)
+        return await respond(body, Prompt(prompt_ids), request, chat=True)
 
     def chat_prompt_ids(body: ChatCompletionRequest) -> list[int]:
         try:
@@ -156,7 +156,11 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
             if (bad := max(prompt_ids)) >= model.vocab_size:
                 raise RequestError(f"token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
                                    f"tokens (ids 0..{model.vocab_size - 1})", param="prompt")
-        return await respond(body, prompt_ids, request, chat=False)
+        echo = None
+        if body.echo:
+            need_tokenizer("echo")
+            echo = body.prompt if isinstance(body.prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
+        return await respond(body, Prompt(prompt_ids, echo), request, chat=False)
 
     def need_tokenizer(param: str) -> None:
         if model.tokenizer is None:
@@ -197,13 +201,16 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
             raise RequestError(f"{field}: {problem}", param=field)
         return spec, tools
 
-    async def respond(body: SamplingRequest, prompt_ids: list[int], request: Request, chat: bool) -> Response:
+    async def respond(body: SamplingRequest, prompt: Prompt, request: Request, chat: bool) -> Response:
+        prompt_ids = prompt.token_ids
         if body.stop_token_ids and (bad := max(body.stop_token_ids)) >= model.vocab_size:
             raise RequestError(f"stop token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
                                f"tokens (ids 0..{model.vocab_size - 1})", param="stop_token_ids")
         guided, tools = await off_loop(output_rules, body)  # the grammar library's first use imports it: seconds
-        sampling = body.sampling_params(resolve_max_tokens(body, len(prompt_ids)), model.eos_token_ids,
-                                        model.vocab_size, guided)
+        score_only = isinstance(body, CompletionRequest) and body.score_only
+        # Scoring a prompt (max_tokens 0) still samples one token, which run_choice drops.
+        max_tokens = max(1, resolve_max_tokens(body, len(prompt_ids)))
+        sampling = body.sampling_params(max_tokens, model.eos_token_ids, model.vocab_size, guided)
         if model.tokenizer is None:
             if body.stop_strings:
                 raise RequestError("stop strings need a tokenizer, and this server runs without one "
@@ -220,7 +227,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
         if hint is not None and hint not in ("prefill", "decode"):
             raise RequestError(f"header {ROUTE_HEADER}: {hint!r} is not a route; use prefill or decode (or leave it "
                                "out and let the server's policy choose)", param=ROUTE_HEADER)
-        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s), session, hint)
+        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s), session, hint, score_only)
                         for c, s in zip(choices, seeds)])
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
@@ -238,7 +245,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 return Response(status_code=499)
             first = waiting.result()
             headers = {ROUTE_HEADER: choices[0].route or "prefill"}
-            sse = stream_events(response_id, body, chat, choices, prompt_ids, events, first, model.token_text)
+            sse = stream_events(response_id, body, chat, choices, prompt, events, first, model.token_text)
             return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
         async with aclosing(events):
             collect = asyncio.ensure_future(drain(events))
@@ -253,18 +260,27 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 return Response(status_code=499)
             collect.result()
         result = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                  "model": model.name, "choices": [choice_body(c, chat, body, model.token_text) for c in choices],
+                  "model": model.name, "choices": [choice_body(c, chat, body, model.token_text, prompt) for c in choices],
                   "usage": usage(prompt_ids, choices)}
+        if chat and body.prompt_logprobs is not None:
+            result["prompt_logprobs"] = prompt_logprobs_body(body, prompt, choices[0], model.token_text)
         if body.return_token_ids:
             result["prompt_token_ids"] = prompt_ids
         return Response(_json.encode(result), media_type="application/json", headers={ROUTE_HEADER: choices[0].route or "prefill"})
 
     async def run_choice(choice: Choice, prompt_ids: list[int], sampling: SamplingParams, session: str | None,
-                         hint: str | None) -> AsyncIterator[Event]:
+                         hint: str | None, score_only: bool) -> AsyncIterator[Event]:
+        """A choice's events; score_only: the prompt alone is the answer, the sampled token is dropped."""
         async with aclosing(client.generate(prompt_ids, sampling, session, hint)) as deltas:
             async for delta in deltas:
                 if delta.route is not None:
                     choice.route, choice.num_cached = delta.route, delta.num_cached_tokens or 0
+                if delta.prompt_logprobs is not None:
+                    choice.prompt_logprobs = delta.prompt_logprobs
+                if score_only:
+                    choice.finish_reason = "length"
+                    yield Event(choice, "", [], None, choice.finish_reason)
+                    return
                 choice.token_ids += delta.token_ids
                 choice.logprobs += delta.logprobs or []
                 text = choice.detok.add(delta.token_ids)

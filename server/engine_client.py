@@ -66,6 +66,7 @@ class Delta:
     route: Route | None = None
     num_cached_tokens: int | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # on the first delta, when the request asked for them
 
 
 @dataclass
@@ -234,7 +235,7 @@ class EngineClient:
                     logprobs = None if item.logprobs is None else item.logprobs + (nxt.logprobs or [])
                     item = Delta(item.token_ids + nxt.token_ids, nxt.finish_reason,
                                  item.route or nxt.route, item.num_cached_tokens if item.route else nxt.num_cached_tokens,
-                                 logprobs)
+                                 logprobs, item.prompt_logprobs if item.prompt_logprobs is not None else nxt.prompt_logprobs)
                 if isinstance(item, EngineError):
                     raise item
                 yield item
@@ -306,7 +307,8 @@ class EngineClient:
             req.last_token = now
             req.output_ids += out.token_ids
         req.next_index += len(out.token_ids)
-        req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens, out.logprobs))
+        req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens, out.logprobs,
+                                   out.prompt_logprobs))
         if out.finish_reason:
             self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
             if req.output_ids:

@@ -258,9 +258,10 @@ class SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's; its -1 (the whole vocabulary) is not
+
     # Not implemented: accepted only when absent, null or set to a value that asks for nothing.
     use_beam_search: Annotated[Any, _unsupported(False)] = None
-    prompt_logprobs: Annotated[Any, _unsupported()] = None
     include_stop_str_in_output: Annotated[Any, _unsupported(False)] = None
     skip_special_tokens: Annotated[Any, _unsupported(True)] = None
     truncate_prompt_tokens: Annotated[Any, _unsupported()] = None
@@ -331,6 +332,11 @@ class SamplingRequest(BaseModel):
     def logprobs_asked(self) -> int | None:
         """Top alternatives per output token, or None when no logprobs are asked for."""
         return None
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        """Top alternatives per prompt token the engine computes (None: none); prompt_logprobs, or what echo shows."""
+        return self.prompt_logprobs
 
     def guided_spec(self) -> tuple[GuidedSpec, str] | None:
         """The structured-output constraint the request asks for, and the field that asked (None: none)."""
@@ -411,6 +417,7 @@ class SamplingRequest(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=tuple(bias.items()),
             logprobs=self.logprobs_asked,
+            prompt_logprobs=self.prompt_logprobs_asked,
             guided=guided,
         )
 
@@ -489,12 +496,12 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions: one prompt, as text or as token ids."""
 
     prompt: str | list[int]
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)  # 0 only with echo: score the prompt
 
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = Field(False, validate_default=True)  # the prompt comes back before the completion, with its logprobs when logprobs is set
 
     # Not implemented, as in SamplingRequest.
-    echo: Annotated[Any, _unsupported(False)] = None
     suffix: Annotated[Any, _unsupported("")] = None
     best_of: int | None = None
 
@@ -519,9 +526,28 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("token ids must be integers >= 0")
         return prompt
 
+    @field_validator("echo")
+    @classmethod
+    def _zero_tokens_with_echo(cls, echo: bool, info: ValidationInfo) -> bool:
+        if info.data.get("max_tokens") == 0 and not echo:
+            raise ValueError("max_tokens 0 asks for the prompt alone, which needs echo; set echo to true or raise "
+                             "max_tokens to at least 1")
+        return echo
+
     @property
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    @property
+    def prompt_logprobs_asked(self) -> int | None:
+        shown = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(shown) if shown else None
+
+    @property
+    def score_only(self) -> bool:
+        """max_tokens 0 with echo: the prompt and its logprobs, no completion (the engine still samples one token,
+        which is dropped)."""
+        return self.echo and self.max_tokens == 0
 
     @field_validator("best_of")
     @classmethod

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -36,9 +36,19 @@ class Choice:
     tools: ToolOutput | None = None  # how tool calls come out of the text (None: the text is the content)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first, when asked
     finish_reason: str | None = None
     route: str | None = None
     num_cached: int = 0
+
+
+@dataclass
+class Prompt:
+    """A request's prompt as its responses show it: the ids, and the text echo puts before each completion (None:
+    not echoed)."""
+
+    token_ids: list[int]
+    echo: str | None = None
 
 
 @dataclass
@@ -103,18 +113,42 @@ def chat_logprobs(tokens: list[int], logprobs: list[TokenLogprobs], text: TokenT
     return {"content": content}
 
 
-def completion_logprobs(tokens: list[int], logprobs: list[TokenLogprobs], text: TokenText,
-                        offset: int) -> dict[str, Any]:
-    """The completions API's logprobs: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset
-    (each token's position in the text, counting from offset)."""
+def completion_logprobs(tokens: list[int], logprobs: Sequence[TokenLogprobs | None], text: TokenText, offset: int,
+                        top: int | None = None) -> dict[str, Any]:
+    """The completions API's logprobs: tokens, token_logprobs, top_logprobs (token -> logprob, at most top), text_offset
+    (each token's position in the text, counting from offset). A None logprob (an echoed prompt's first token, which
+    nothing predicts) shows as null in both lists."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, lp in zip(tokens, logprobs):
         token = text.text(token_id)[0]
         out["tokens"].append(token)
-        out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append({text.text(i)[0]: v for i, v in zip(lp.top_ids, lp.top_logprobs)})
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        out["top_logprobs"].append(None if lp is None else
+                                   {text.text(i)[0]: v for i, v in zip(lp.top_ids[:top], lp.top_logprobs[:top])})
         out["text_offset"].append(offset)
         offset += len(token)
+    return out
+
+
+def echoed_logprobs(prompt: Prompt, c: Choice, tokens: list[int], logprobs: list[TokenLogprobs], text: TokenText,
+                    top: int) -> dict[str, Any]:
+    """Completions logprobs over the echoed prompt (when c has not shown it yet: pass its first tokens) and then
+    tokens; the prompt's count from 0, the tokens' from the end of the echoed text."""
+    shown = completion_logprobs(prompt.token_ids, [None, *(c.prompt_logprobs or [])], text, 0, top)
+    after = completion_logprobs(tokens, logprobs, text, len(prompt.echo or ""), top)
+    return {key: shown[key] + after[key] for key in shown}
+
+
+def vllm_prompt_logprobs(prompt_ids: list[int], logprobs: list[TokenLogprobs], top: int,
+                         text: TokenText) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}
+    for the prompt's own token and then up to top alternatives."""
+    out: list[dict[str, Any] | None] = [None]
+    for token_id, lp in zip(prompt_ids[1:], logprobs):
+        entry = {str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": text.text(token_id)[0]}}
+        for rank, (i, v) in enumerate(zip(lp.top_ids[:top], lp.top_logprobs[:top]), start=1):
+            entry.setdefault(str(i), {"logprob": v, "rank": rank, "decoded_token": text.text(i)[0]})
+        out.append(entry)
     return out
 
 
@@ -124,8 +158,15 @@ def usage(prompt_ids: list[int], choices: list[Choice]) -> dict:
             "prompt_tokens_details": {"cached_tokens": choices[0].num_cached}}
 
 
-def choice_body(c: Choice, chat: bool, body: SamplingRequest, text: TokenText) -> dict:
-    """A finished choice of a non-streamed response."""
+def prompt_logprobs_body(body: SamplingRequest, prompt: Prompt, c: Choice, text: TokenText) -> list | None:
+    """The prompt_logprobs a response shows (None: not asked)."""
+    if body.prompt_logprobs is None:
+        return None
+    return vllm_prompt_logprobs(prompt.token_ids, c.prompt_logprobs or [], body.prompt_logprobs, text)
+
+
+def choice_body(c: Choice, chat: bool, body: SamplingRequest, text: TokenText, prompt: Prompt) -> dict:
+    """A finished choice of a non-streamed response (chat's prompt_logprobs go on the response, not the choice)."""
     out: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
     asked = body.logprobs_asked is not None
     if chat:
@@ -140,22 +181,27 @@ def choice_body(c: Choice, chat: bool, body: SamplingRequest, text: TokenText) -
         if asked:
             out["logprobs"] = chat_logprobs(c.token_ids, c.logprobs, text)
     else:
-        out["text"] = c.detok.text
-        if asked:
+        out["text"] = (prompt.echo or "") + c.detok.text
+        if asked and prompt.echo is not None:
+            out["logprobs"] = echoed_logprobs(prompt, c, c.token_ids, c.logprobs, text, body.logprobs_asked)
+        elif asked:
             out["logprobs"] = completion_logprobs(c.token_ids, c.logprobs, text, 0)
+        if body.prompt_logprobs is not None:
+            out["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
     if body.return_token_ids:
         out["token_ids"] = c.token_ids
     return out
 
 
-async def stream_events(response_id: str, body: SamplingRequest, chat: bool, choices: list[Choice],
-                        prompt_ids: list[int], events: AsyncIterator[Event], first: Event | None,
-                        text: TokenText) -> AsyncIterator[bytes]:
-    """The SSE body: a chunk per event, then a usage-only chunk if asked, then [DONE]; an error ends it early."""
+async def stream_events(response_id: str, body: SamplingRequest, chat: bool, choices: list[Choice], prompt: Prompt,
+                        events: AsyncIterator[Event], first: Event | None, text: TokenText) -> AsyncIterator[bytes]:
+    """The SSE body: a chunk per event, then a usage-only chunk if asked, then [DONE]; an error ends it early. A
+    choice's first chunk carries its echoed prompt and prompt logprobs (chat: the response's first chunk)."""
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
     asked = body.logprobs_asked is not None
     offsets = [0] * len(choices)  # completions: each choice's text so far, for text_offset
+    started: set[int] = set()  # choices that had a chunk
 
     def chunk(choice_bodies: list[dict], **extra: Any) -> bytes:
         obj = {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": choice_bodies, **extra}
@@ -169,6 +215,8 @@ async def stream_events(response_id: str, body: SamplingRequest, chat: bool, cho
             event = first
             while event is not None:
                 c = event.choice
+                opening = c.index not in started
+                started.add(c.index)
                 delta: dict[str, Any] = {}
                 finish = event.finish_reason
                 if chat and c.tools is not None:
@@ -177,26 +225,37 @@ async def stream_events(response_id: str, body: SamplingRequest, chat: bool, cho
                 elif chat and event.text:
                     delta = {"content": event.text}
                 has_logprobs = asked and bool(event.token_ids)
-                if not (delta or (not chat and event.text) or finish or body.return_token_ids or has_logprobs):
+                shows_prompt = opening and (prompt.echo is not None or body.prompt_logprobs is not None)
+                if not (delta or (not chat and event.text) or finish or body.return_token_ids or has_logprobs
+                        or shows_prompt):
                     event = await anext(events, None)  # e.g. half a UTF-8 character, held back
                     continue
                 part: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": finish}
+                extra: dict[str, Any] = {}
                 if chat:
                     part["delta"] = delta
                     if has_logprobs:
                         part["logprobs"] = chat_logprobs(event.token_ids, event.logprobs or [], text)
+                    if shows_prompt and len(started) == 1:
+                        extra["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
                 else:
-                    part["text"] = event.text
-                    if has_logprobs:
+                    echo = prompt.echo if opening and prompt.echo is not None else ""
+                    part["text"] = echo + event.text
+                    if asked and opening and prompt.echo is not None:
+                        part["logprobs"] = echoed_logprobs(prompt, c, event.token_ids, event.logprobs or [], text,
+                                                           body.logprobs_asked)
+                    elif has_logprobs:
                         part["logprobs"] = completion_logprobs(event.token_ids, event.logprobs or [], text,
                                                                offsets[c.index])
-                    offsets[c.index] += len(event.text)
+                    if opening and body.prompt_logprobs is not None:
+                        part["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
+                    offsets[c.index] += len(part["text"])
                 if body.return_token_ids:
                     part["token_ids"] = event.token_ids
-                yield chunk([part])
+                yield chunk([part], **extra)
                 event = await anext(events, None)
             if body.include_usage:
-                yield chunk([], usage=usage(prompt_ids, choices))
+                yield chunk([], usage=usage(prompt.token_ids, choices))
         except (EngineError, RequestError) as exc:
             status = exc.status
             yield b"data: " + _json.encode(error_body(exc.message, error_type(status), None, status)) + b"\n\n"

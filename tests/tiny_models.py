@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
 
@@ -97,3 +98,18 @@ def hf_greedy(folder: str | Path, prompt_ids: list[int], max_new_tokens: int) ->
     for _ in range(max_new_tokens):
         ids.append(int(hf_logits(folder, ids)[-1].argmax()))
     return ids[len(prompt_ids) :]
+
+
+def assert_prompt_logprobs(folder: str | Path, prompt_ids: list[int], shown: list, top: int) -> None:
+    """shown (vLLM's prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}} per prompt token) equals
+    transformers' log-softmax at the position before each token (float32, 1e-4): the token's own logprob and rank,
+    then the top alternatives."""
+    assert len(shown) == len(prompt_ids) and shown[0] is None
+    ref = hf_logits(folder, prompt_ids)[:-1].log_softmax(-1)
+    for i, token in enumerate(prompt_ids[1:]):
+        entry, row = shown[i + 1], ref[i]
+        own = entry[str(token)]
+        assert own["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
+        assert int((row > row[token] + 1e-4).sum()) + 1 <= own["rank"] <= int((row > row[token] - 1e-4).sum()) + 1
+        alternatives = sorted((v["logprob"] for v in entry.values() if v["rank"] <= top), reverse=True)
+        assert alternatives == pytest.approx(row.topk(top).values.tolist(), abs=1e-4)

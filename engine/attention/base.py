@@ -10,7 +10,7 @@ refilled in place before each replay.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -29,6 +29,7 @@ class StepBatch:
     block_tables: list[list[int]]  # [B] block ids of each sequence, covering seq_lens
     sample_rows: list[int]         # rows of T whose logits are returned (a sequence's last new token)
     block_size: int
+    hidden_rows: list[int] = field(default_factory=list)  # rows of T whose final hidden states are kept (prompt logprobs)
 
     @property
     def num_seqs(self) -> int:
@@ -41,7 +42,7 @@ class StepBatch:
     @property
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token and samples it: the shape CUDA graphs capture."""
-        return len(self.token_ids) == self.num_seqs == len(self.sample_rows)
+        return len(self.token_ids) == self.num_seqs == len(self.sample_rows) and not self.hidden_rows
 
 
 class Ops(Protocol):

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig
-from engine.model_runner import StepInput
+from engine.engine import MAX_FAILED_STEPS, Engine, EngineConfig
+from engine.guided import GuidedError
+from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampler import Row
 from engine.sampling_params import SamplingParams
 from engine.shared_memory import release_name
-from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
+from tests.tiny_models import ARCHS, hf_greedy, hf_logits, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 10
@@ -86,27 +87,72 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         prompts = [random_ids(9, seed=2), random_ids(13, seed=3)]
         free = free_blocks(engine)
         convs = [Conversation(engine, free, p) for p in prompts]
-        forward = engine.runner.forward
+        run = engine.runner.run
 
         def poisoned(inputs: list[StepInput]):  # a fault that only the second conversation's inputs trigger
             if any(i.block_table == convs[1].table for i in inputs):
                 raise ValueError("poisoned input")
-            return forward(inputs)
+            return run(inputs)
 
-        engine.runner.forward = poisoned
+        engine.runner.run = poisoned
         sampled, failed = engine.step_each([c.next_input() for c in convs], [Row(GREEDY)] * 2)
         tokens = sampled.tokens
         assert failed == {1: "ValueError: poisoned input"} and tokens[1] is None
         convs[0].tokens.append(tokens[0])
         run_together(engine, convs[:1], NEW_TOKENS - 1)
         assert convs[0].tokens[len(prompts[0]):] == hf_greedy(folder, prompts[0], NEW_TOKENS)
-        # An engine on which everything fails is broken: after a few such steps it gives up (the worker restarts).
-        engine.runner.forward = lambda inputs: (_ for _ in ()).throw(RuntimeError("device lost"))
+        # Steps in which every input fails for a reason of its own request (a grammar the output left) say nothing
+        # of the engine: it goes on.
+        engine.runner.run = lambda inputs: (_ for _ in ()).throw(GuidedError("output left the grammar"))
         inp = convs[0].next_input()
+        for _ in range(MAX_FAILED_STEPS + 1):
+            assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "GuidedError: output left the grammar"}
+        # An engine on which everything fails is broken: after a few such steps it gives up (the worker restarts).
+        engine.runner.run = lambda inputs: (_ for _ in ()).throw(RuntimeError("device lost"))
         for _ in range(2):
             assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "RuntimeError: device lost"}
         with pytest.raises(RuntimeError, match="steps in a row failed"):
             engine.step_each([inp], [Row(GREEDY)])
+    finally:
+        release_name(engine.weights_handle)
+        release_name(engine.kv_handle)
+
+
+def check_prompt_logprobs_beside_decodes(engine: Engine, folder: Path) -> None:
+    """A prompt in two chunks that ask for prompt logprobs, each in a step beside decoding conversations (with more
+    asked rows than the engine's slice of max_num_seqs rows): the logprobs equal transformers' log-softmax, and the
+    decodes are undisturbed."""
+    free = free_blocks(engine)
+    decoding = [Conversation(engine, free, random_ids(n, seed=n)) for n in (6, 11)]
+    run_together(engine, decoding, 1)
+    prompt = random_ids(30, seed=7)
+    table = [free.pop() for _ in range(-(-31 // engine.plan.block_size))]
+    got = []
+    for start, end in ((0, 17), (17, 30)):
+        ask = PromptLogprobsAsk.for_chunk(3, prompt, len(prompt), start, end)
+        chunk = StepInput(prompt[start:end], start, table, sample=end == 30, prompt_logprobs=ask)
+        inputs = [*(c.next_input() for c in decoding), chunk]
+        sampled = engine.step(inputs, [Row(GREEDY)] * (2 + chunk.sample))
+        got += sampled.prompt_logprobs[2]
+        for c, t in zip(decoding, sampled.tokens):
+            c.tokens.append(t)
+    ref = hf_logits(folder, prompt)[:-1].log_softmax(-1)
+    assert len(got) == len(prompt) - 1
+    for i, lp in enumerate(got):
+        assert lp.logprob == pytest.approx(float(ref[i, prompt[i + 1]]), abs=1e-4)
+        assert lp.top_logprobs == pytest.approx(ref[i].topk(3).values.tolist(), abs=1e-4)
+        assert lp.top_ids[0] == int(ref[i].argmax())
+    for c in decoding:
+        prompt_len = len(c.tokens) - 3
+        assert c.tokens[prompt_len:] == hf_greedy(folder, c.tokens[:prompt_len], 3)
+
+
+def test_prompt_logprobs_in_slices_beside_decodes_match_hf(tmp_path: Path) -> None:
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = Engine.create(cfg, names("plp"))
+    try:
+        check_prompt_logprobs_beside_decodes(engine, folder)
     finally:
         release_name(engine.weights_handle)
         release_name(engine.kv_handle)
@@ -149,6 +195,11 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
     assert first.tokens[len(turn2):] == hf_greedy(tiny, turn2, NEW_TOKENS)
     for conv, prompt in zip(convs[1:], prompts[1:]):
         assert conv.tokens[len(prompt):] == hf_greedy(tiny, prompt, 2 * NEW_TOKENS)
+
+
+@pytest.mark.gpu
+def test_cuda_prompt_logprobs_beside_decodes_match_hf(tiny: Path) -> None:
+    check_prompt_logprobs_beside_decodes(cuda_engine(tiny, eager=False), tiny)
 
 
 @pytest.mark.gpu

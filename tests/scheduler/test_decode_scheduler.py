@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.decode_scheduler import DecodeScheduler, SeqState
 from scheduler.messages import GenerateRequest, PrefillDone
 
@@ -212,3 +212,35 @@ def test_a_failed_input_ends_its_request_alone_and_frees_its_blocks() -> None:
     assert "b" not in s.by_id and "b" not in s.blocks
     decode_steps(s, 3)
     assert [q.token_ids[-4:] for q in (s.by_id["a"], s.by_id["c"])] == [[61, 60, 60, 60], [62, 60, 60, 60]]
+
+
+def test_prompt_logprobs_skip_the_cache_and_ask_in_the_first_pass_only() -> None:
+    s = make(budget=8, aggregated=True)
+    history = list(range(10, 30))
+    s.add(req("t1", history, max_tokens=1))
+    while s.by_id:
+        step = s.schedule()
+        s.postprocess(step, [50] * len(step.sampling_seqs))
+    # The same prompt again, with prompt logprobs: none of it comes from the cache; every chunk asks for the
+    # logprobs of its positions' next prompt tokens, the last position (which predicts the output) excepted.
+    s.add(req("t2", history, prompt_logprobs=2))
+    asked = []
+    while True:
+        step = s.schedule()
+        (inp,) = step.inputs
+        if not asked:
+            assert inp.start_pos == 0
+        asked += inp.prompt_logprobs.targets
+        assert inp.prompt_logprobs.top == 2
+        fake = {0: [TokenLogprobs(-1.0, 1, [], [])] * len(inp.prompt_logprobs.targets)}
+        outputs = s.postprocess(step, [60] * len(step.sampling_seqs), prompt_logprobs=fake)
+        if inp.sample:
+            break
+    assert asked == history[1:]
+    (out,) = outputs
+    assert out.index == 0 and len(out.prompt_logprobs) == len(history) - 1
+    assert s.by_id["t2"].num_cached == 0
+    # Decoding after that asks nothing, and a later output carries none.
+    step = s.schedule()
+    assert step.inputs[0].prompt_logprobs is None
+    assert s.postprocess(step, [61])[0].prompt_logprobs is None

@@ -13,9 +13,10 @@ import random
 import httpx
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.server_process import ServerProcess
-from tests.tiny_models import hf_logits, hf_model
+from tests.tiny_models import assert_prompt_logprobs, hf_logits, hf_model
 
 NEW_TOKENS = 6
 
@@ -91,6 +92,74 @@ def test_chat_logprobs_shape_and_values_streamed_and_not(server, tiny_llama) -> 
     assert [e["token"] for e in streamed] == [e["token"] for e in content]
 
 
+def test_prompt_logprobs_equal_transformers_and_bypass_the_cache(server, tiny_llama) -> None:
+    """A 40-token prompt runs in two chunks on the prefill worker; its logprobs are computed in both. A later turn
+    asks for them too: it cannot read its prefix from the cache (a cached block has no logits), so it computes its
+    whole prompt, and its blocks are cached for the next turn all the same."""
+    rng = random.Random(4)
+    prompt = ids(rng, 40)
+    first = complete(server, prompt, prompt_logprobs=3)
+    assert_prompt_logprobs(tiny_llama, prompt, first["choices"][0]["prompt_logprobs"], 3)
+    assert first["choices"][0]["token_ids"] == complete(server, prompt)["choices"][0]["token_ids"]
+    turn2 = prompt + first["choices"][0]["token_ids"] + ids(rng, 10)
+    for route in ("decode", "prefill"):
+        resp = complete(server, turn2, route=route, prompt_logprobs=0)
+        assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        shown = resp["choices"][0]["prompt_logprobs"]
+        assert all(len(entry) == 1 for entry in shown[1:])  # the prompt's own token alone
+        assert_prompt_logprobs(tiny_llama, turn2, shown, 0)
+    assert complete(server, turn2)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_echo_with_logprobs_covers_prompt_and_completion(server, tiny_llama) -> None:
+    """The completions API's echo (as evaluation harnesses score text): the prompt's text comes first, its tokens
+    open the logprobs with a null for the first one; max_tokens 0 gives the prompt alone."""
+    rng = random.Random(5)
+    prompt = ids(rng, 12)
+    ref = hf_logits(tiny_llama, prompt).log_softmax(-1)
+    resp = complete(server, prompt, echo=True, logprobs=2)
+    choice = resp["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == len(prompt) + NEW_TOKENS
+    for i, token in enumerate(prompt[1:]):
+        assert lp["token_logprobs"][i + 1] == pytest.approx(float(ref[i, token]), abs=1e-4)
+    prompt_text = AutoTokenizer.from_pretrained(tiny_llama).decode(prompt)
+    plain = complete(server, prompt, logprobs=2)["choices"][0]
+    assert choice["text"] == prompt_text + plain["text"]
+    assert lp["token_logprobs"][len(prompt):] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-4)
+    assert "prompt_logprobs" not in choice  # not asked: echo's own logprobs carry them
+
+    scored = complete(server, prompt, echo=True, logprobs=1, max_tokens=0)
+    assert scored["choices"][0]["text"] == prompt_text and scored["choices"][0]["finish_reason"] == "length"
+    assert scored["usage"]["completion_tokens"] == 0 and scored["choices"][0]["token_ids"] == []
+    assert scored["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(prompt)]
+
+    # Streamed: the first chunk opens with the prompt; the chunks join to the whole answer.
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 2, "prompt_logprobs": 1, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(p["text"] for p in parts) == choice["text"]
+    assert parts[0]["text"].startswith(prompt_text)
+    assert [v for p in parts for v in p["logprobs"]["token_logprobs"]] == pytest.approx(lp["token_logprobs"], abs=1e-4)
+    assert_prompt_logprobs(tiny_llama, prompt, parts[0]["prompt_logprobs"], 1)
+    assert all("prompt_logprobs" not in p for p in parts[1:])
+
+
+def test_chat_prompt_logprobs(server, tiny_llama) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2, "return_token_ids": True}
+    whole = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120).json()
+    assert_prompt_logprobs(tiny_llama, whole["prompt_token_ids"], whole["prompt_logprobs"], 2)
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    shown = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+    assert len(shown) == 1
+    assert shown[0] == whole["prompt_logprobs"]
+
+
 def test_repetition_penalty_greedy_equals_transformers_generate(server, tiny_llama) -> None:
     model = hf_model(tiny_llama)
     for prompt, resp in turns(server, seed=1, repetition_penalty=1.8):
@@ -130,7 +199,10 @@ def test_logit_bias_and_min_p(server) -> None:
     ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # fuzzing found it: logits divided by it were infinite
     ({"min_p": 1.5}, "min_p"),
     ({"logprobs": 21}, "logprobs"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"max_tokens": 0}, "echo"),
+    ({"suffix": "x"}, "suffix"),
     ({"use_beam_search": True}, "use_beam_search"),
 ])
 def test_refusals_name_their_field(server, fields, param) -> None:

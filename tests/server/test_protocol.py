@@ -239,7 +239,17 @@ def test_tool_calls_in_history_are_accepted_from_the_assistant_only() -> None:
     assert param == "messages.0.tool_calls" and "only assistant messages" in message
 
 
-@pytest.mark.parametrize("fields", [{"echo": True}, {"suffix": "end"}, {"best_of": 3}])
+def test_echo_and_prompt_logprobs_map_to_the_engine() -> None:
+    assert completion(echo=True, logprobs=2).sampling_params(8, EOS, VOCAB).prompt_logprobs == 2
+    assert completion(echo=True, logprobs=2, prompt_logprobs=5).sampling_params(8, EOS, VOCAB).prompt_logprobs == 5
+    assert completion(echo=True).sampling_params(8, EOS, VOCAB).prompt_logprobs is None  # the text alone
+    assert completion(logprobs=2).sampling_params(8, EOS, VOCAB).prompt_logprobs is None
+    assert completion(echo=True, max_tokens=0).score_only
+    message, param = completion_error(max_tokens=0)
+    assert param == "echo" and "needs echo" in message
+
+
+@pytest.mark.parametrize("fields", [{"suffix": "end"}, {"best_of": 3}])
 def test_unsupported_completion_features_are_refused_by_name(fields: dict[str, Any]) -> None:
     (name,) = fields
     message, param = completion_error(**fields)

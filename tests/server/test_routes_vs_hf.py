@@ -15,7 +15,7 @@ import pytest
 
 from engine.demo import write_byte_tokenizer
 from tests.server_process import ServerProcess
-from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
+from tests.tiny_models import ARCHS, assert_prompt_logprobs, hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
 
@@ -86,3 +86,8 @@ def test_aggregated_baseline_matches_hf(start_server, tmp_path_factory) -> None:
     out2, route2, cached2 = complete(server, turn2)
     assert out1 == hf_greedy(folder, prompt, NEW_TOKENS) and out2 == hf_greedy(folder, turn2, NEW_TOKENS)
     assert route1 == route2 == "decode" and cached2 > 0
+    # Prompt logprobs inline, over two chunks, without the cached prefix (which has no logits).
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                      json={"model": "tiny", "prompt": turn2, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+    assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert_prompt_logprobs(folder, turn2, resp.json()["choices"][0]["prompt_logprobs"], 2)
