@@ -29,10 +29,19 @@ from engine.guided import spec_problem
 from engine.sampling_params import GuidedSpec, SamplingParams
 from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient, EngineError
+from server.errors import RequestError, error_body, error_type, validation_error_message
 from server.guard import Guard, GuardMiddleware
-from server.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, SamplingRequest, error_body,
-                             error_type, validation_error_message)
-from server.responses import Choice, Event, Prompt, TokenText, choice_body, prompt_logprobs_body, stream_events, usage
+from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.responses import (
+    Choice,
+    Event,
+    Prompt,
+    TokenText,
+    choice_body,
+    prompt_logprobs_body,
+    stream_events,
+    usage,
+)
 from server.tool_output import ToolOutput, tool_output_for
 
 log = logging.getLogger("ppd.api")

@@ -105,7 +105,7 @@ def _too_large(size: int, limit: int, at_least: bool = False) -> str:
 
 
 async def _send_error(send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] = ()) -> None:
-    from server.protocol import error_body, error_type
+    from server.errors import error_body, error_type
 
     body = _json.encode(error_body(message, error_type(status), None, status))
     await send({"type": "http.response.start", "status": status,

@@ -20,7 +20,8 @@ import msgspec
 from engine.sampling_params import TokenLogprobs
 from server.detokenizer import Detokenizer
 from server.engine_client import EngineError
-from server.protocol import RequestError, SamplingRequest, error_body, error_type
+from server.errors import RequestError, error_body, error_type
+from server.protocol import SamplingRequest
 from server.tool_output import ToolOutput
 
 log = logging.getLogger("ppd.api")

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import GuidedSpec
-from server.protocol import ChatCompletionRequest, NamedToolChoice, RequestError
+from server.errors import RequestError
+from server.protocol import ChatCompletionRequest, NamedToolChoice
 from server.tools import DeltaItem, Tool, ToolParser, ToolStream, calls_from_forced, forced_tool_schema, new_call_id, \
     parser_for
 

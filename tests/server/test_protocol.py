@@ -10,13 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from engine.sampling_params import GuidedSpec
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestError,
-    error_body,
-    validation_error_message,
-)
+from server.errors import RequestError, error_body, validation_error_message
+from server.protocol import ChatCompletionRequest, CompletionRequest
 
 EOS = (261, 257)
 VOCAB = 320
