@@ -101,6 +101,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from bench.sampling_cost import add_sampling_args
     add_sampling_args(sub.add_parser("sampling", help="what each sampling feature (logprobs, penalties, structured "
                                                       "outputs...) adds to a decode step, against greedy"))
+    from bench.frontend import add_frontend_args
+    add_frontend_args(sub.add_parser("frontend", help="streamed tokens/s and inter-chunk delay the API server delivers "
+                                                      "over a stub engine, by concurrent streams"))
 
 
 def main(args: argparse.Namespace) -> None:
@@ -115,6 +118,10 @@ def main(args: argparse.Namespace) -> None:
     if getattr(args, "bench_command", None) == "sampling":
         from bench.sampling_cost import main as sampling_main
         sampling_main(args)
+        return
+    if getattr(args, "bench_command", None) == "frontend":
+        from bench.frontend import run_frontend
+        run_frontend(args)
         return
     from bench.report import parse_goodput, parse_weights
 

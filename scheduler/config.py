@@ -26,6 +26,7 @@ class UnitConfig:
     partition_profile: str | None = None  # the partition profile the share manager reads (None: none found)
     itl_slo_ms: float | None = None  # the share manager keeps decode steps within it
     log_level: str = "info"
+    stub_step_ms: float | None = None  # no model: a stand-in worker emits a token per request this often (stub_worker.py)
 
     @property
     def aggregated(self) -> bool:

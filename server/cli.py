@@ -72,6 +72,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
                    help="auto (default): triton on CUDA, torch on the CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--stub-engine", type=float, default=None, metavar="MS",
+                   help="run no model: each unit answers every request with its own prompt's tokens, one per request "
+                        "every MS milliseconds, to measure the API server alone (ppd bench frontend)")
     p.add_argument("--policy", default="ppd", choices=POLICIES,
                    help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd = per request, "
                         "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline)")

@@ -17,6 +17,7 @@ from engine.shared_memory import remove_leftover
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import run_decode_worker
 from scheduler.prefill_worker import run_prefill_worker
+from scheduler.stub_worker import run_stub_worker
 from server.engine_client import EngineClient
 
 log = logging.getLogger("ppd.launcher")
@@ -74,6 +75,8 @@ class Launcher:
         # A one-process unit's prefill worker is a thread the decode worker starts.
         one = cfg.aggregated or cfg.partition.prefill_thread
         roles = {"decode": run_decode_worker} if one else {"decode": run_decode_worker, "prefill": run_prefill_worker}
+        if cfg.stub_step_ms is not None:
+            roles = {"decode": run_stub_worker}
         for role, target in roles.items():
             proc = self.ctx.Process(target=target, args=(cfg,), name=f"ppd-u{unit}-{role}", daemon=True)
             proc.start()

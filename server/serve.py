@@ -88,6 +88,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                  "max_queue_time_s", "shutdown_timeout"):
         if (value := getattr(args, name)) is not None and value < 0:
             raise UsageError(f"--{name.replace('_', '-')} must not be negative")
+    if args.stub_engine is not None and not args.stub_engine > 0:
+        raise UsageError(f"--stub-engine {args.stub_engine}: the step must be a positive number of milliseconds")
     if args.units is not None and args.units < 1:
         raise UsageError("--units must be at least 1")
     if args.max_num_batched_tokens < args.max_num_seqs:
@@ -157,7 +159,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                         gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
                         partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms,
-                        log_level=args.log_level)
+                        log_level=args.log_level, stub_step_ms=args.stub_engine)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)

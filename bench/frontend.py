@@ -1,0 +1,148 @@
+"""`ppd bench frontend`: how many streamed tokens per second the API server itself can deliver.
+
+The server runs with the stub engine (`ppd serve --stub-engine MS`: a token per running request every MS
+milliseconds, no model), so the engine is never the limit. For each count of concurrent streams, every stream asks
+for the same number of tokens at once; the run reports what the clients received (tokens/s, chunks/s, the
+inter-chunk delay's median and p99, which a perfect front end keeps at MS) and what the API server process spent
+(its CPU seconds, read from /proc, per thousand tokens: the front end's cost, whatever the client's).
+
+On a small machine the client shares the cores with the server; the API server's CPU per token is then the figure
+to compare, and its ceiling is one core's worth of it (a single event loop uses one core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+from pathlib import Path
+from time import perf_counter
+
+import aiohttp
+import msgspec
+
+from bench.cli import start_server, stop_server
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+class _Choice(msgspec.Struct):
+    token_ids: list[int] = []
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+
+
+def add_frontend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--streams", default="64,256,1024", help="concurrent stream counts, comma-separated")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    p.add_argument("--step-ms", type=float, default=20.0, help="the stub engine's step (one token per stream each)")
+    p.add_argument("--rounds", type=int, default=3, help="runs per stream count (figures are medians)")
+    p.add_argument("--serve-args", default="", help="more `ppd serve` arguments, e.g. '--units 2'")
+    p.add_argument("--out", default=None, help="folder for results.json and results.md")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int, gaps: list[float],
+                     counts: list[int]) -> None:
+    decode = msgspec.json.Decoder(_Chunk).decode
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    last = None
+    got = 0
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            now = perf_counter()
+            n = sum(len(c.token_ids) for c in decode(line[6:]).choices)
+            if not n:
+                continue
+            if last is not None:
+                gaps.append(now - last)
+            last, got = now, got + n
+    counts.append(got)
+
+
+async def load(url: str, streams: int, tokens: int) -> dict:
+    gaps: list[float] = []
+    counts: list[int] = []
+    connector = aiohttp.TCPConnector(limit=streams)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        started = perf_counter()
+        results = await asyncio.gather(*(one_stream(session, url, tokens, gaps, counts) for _ in range(streams)),
+                                       return_exceptions=True)
+        seconds = perf_counter() - started
+    errors = [r for r in results if isinstance(r, BaseException)]
+    gaps.sort()
+    return {"seconds": seconds, "tokens": sum(counts), "chunks": len(gaps) + len(counts), "errors": len(errors),
+            "short_streams": sum(1 for c in counts if c != tokens),
+            "error": repr(errors[0]) if errors else None,
+            "gap_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
+            "gap_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)] if gaps else None}
+
+
+def run_frontend(args: argparse.Namespace) -> dict:
+    counts = [int(s) for s in args.streams.split(",")]
+    most = max(counts)
+    out = Path(args.out or os.path.join("bench", "results", "frontend"))
+    serve = ["--model", "demo", "--served-model-name", "demo", "--stub-engine", str(args.step_ms),
+             "--max-num-seqs", str(most), "--max-num-batched-tokens", str(max(most, 2048)),
+             "--max-waiting-requests", str(most), *args.serve_args.split()]
+    proc, url = start_server(serve, out / "server.log")
+    rows = []
+    try:
+        for streams in counts:
+            runs = []
+            for _ in range(args.rounds):
+                cpu0 = cpu_seconds(proc.pid)
+                run = asyncio.run(load(url, streams, args.tokens))
+                run["server_cpu_s"] = cpu_seconds(proc.pid) - cpu0
+                runs.append(run)
+            rows.append(summarize(streams, args, runs))
+            print(json.dumps(rows[-1]))
+    finally:
+        stop_server(proc)
+    result = {"command": "ppd bench frontend " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                                                          if k in ("streams", "tokens", "step_ms", "rounds")),
+              "cpus": os.cpu_count(), "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(result))
+    return result
+
+
+def summarize(streams: int, args: argparse.Namespace, runs: list[dict]) -> dict:
+    def med(key: str) -> float | None:
+        values = [r[key] for r in runs if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {"streams": streams, "tokens_per_stream": args.tokens, "step_ms": args.step_ms,
+            "tokens_per_s": statistics.median(r["tokens"] / r["seconds"] for r in runs),
+            "chunks_per_s": statistics.median(r["chunks"] / r["seconds"] for r in runs),
+            "gap_p50_ms": med("gap_p50_ms"), "gap_p99_ms": med("gap_p99_ms"),
+            "server_cores": statistics.median(r["server_cpu_s"] / r["seconds"] for r in runs),
+            "server_cpu_ms_per_1k_tokens": statistics.median(1e6 * r["server_cpu_s"] / r["tokens"] for r in runs),
+            "errors": sum(r["errors"] for r in runs), "short_streams": sum(r["short_streams"] for r in runs),
+            "first_error": next((r["error"] for r in runs if r["error"]), None),
+            "rounds": len(runs)}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"`{result['command']}` on {result['cpus']} CPUs; medians of the rounds.", "",
+             "| streams | tokens/s | chunks/s | gap p50 ms | gap p99 ms | API server cores | server CPU ms / 1k tokens | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['streams']} | {r['tokens_per_s']:.0f} | {r['chunks_per_s']:.0f} | {r['gap_p50_ms']:.1f} | "
+                     f"{r['gap_p99_ms']:.1f} | {r['server_cores']:.2f} | {r['server_cpu_ms_per_1k_tokens']:.1f} | "
+                     f"{r['errors']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,23 @@
+"""`ppd bench frontend` over `ppd serve --stub-engine`: every stream gets all its tokens, and the report says so."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from bench.frontend import add_frontend_args, run_frontend
+
+
+def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_frontend_args(parser)
+    args = parser.parse_args(["--streams", "3,8", "--tokens", "12", "--step-ms", "5", "--rounds", "1",
+                              "--out", str(tmp_path)])
+    result = run_frontend(args)
+    assert [r["streams"] for r in result["rows"]] == [3, 8]
+    for row in result["rows"]:
+        assert row["errors"] == row["short_streams"] == 0, row["first_error"]
+        assert row["tokens_per_s"] > 0 and row["server_cpu_ms_per_1k_tokens"] > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["rows"] == result["rows"]
+    assert "| 8 |" in (tmp_path / "results.md").read_text()
