@@ -18,14 +18,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampling_params import SamplingParams, TokenLogprobs
-from scheduler.messages import (
-    GenerateRequest,
-    PrefillDone,
-    PrefillJob,
-    RequestOutput,
-    Route,
-    WorkerStats,
-)
+from scheduler.messages import GenerateRequest, PrefillDone, PrefillJob, RequestOutput, Route, WorkerStats
 
 
 class SeqState(enum.Enum):

@@ -33,26 +33,9 @@ from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits
 from scheduler.config import UnitConfig
-from scheduler.messages import (
-    AbortPrefill,
-    PrefillDone,
-    PrefillJob,
-    PrefillReady,
-    PrefillStats,
-    RequestOutput,
-    SetShare,
-    ToPrefill,
-    UnitSetup,
-    WorkerOutput,
-    WorkerReady,
-)
-from scheduler.worker_setup import (
-    ema,
-    init_worker_process,
-    recv_nowait,
-    run_or_report,
-    zmq_socket,
-)
+from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
+                                SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
+from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 log = logging.getLogger("ppd.prefill")
 

@@ -20,15 +20,8 @@ import zmq
 from engine.sampling_params import TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import STATS_INTERVAL_S
-from scheduler.messages import (
-    AbortRequest,
-    GenerateRequest,
-    RequestOutput,
-    ToDecode,
-    WorkerOutput,
-    WorkerReady,
-    WorkerStats,
-)
+from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, ToDecode, WorkerOutput, WorkerReady,
+                                WorkerStats)
 from scheduler.worker_setup import init_worker_process, recv_nowait, zmq_socket
 
 log = logging.getLogger("ppd.stub")

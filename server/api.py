@@ -32,16 +32,8 @@ from server.engine_client import EngineClient, EngineError
 from server.errors import RequestError, error_body, error_type, validation_error_message
 from server.guard import Guard, GuardMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from server.responses import (
-    Choice,
-    Event,
-    Prompt,
-    TokenText,
-    choice_body,
-    prompt_logprobs_body,
-    stream_events,
-    usage,
-)
+from server.responses import (Choice, Event, Prompt, TokenText, choice_body, prompt_logprobs_body, stream_events,
+                              usage)
 from server.tool_output import ToolOutput, tool_output_for
 
 log = logging.getLogger("ppd.api")
