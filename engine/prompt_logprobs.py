@@ -12,6 +12,7 @@ from torch import Tensor
 
 from engine.model import Model
 from engine.model_runner import PromptLogprobsAsk
+from engine.sampler import read_logprobs, token_logprobs
 from engine.sampling_params import TokenLogprobs
 
 
@@ -22,23 +23,14 @@ def prompt_logprobs(model: Model, hidden: Tensor, asks: list[tuple[int, PromptLo
     targets = torch.tensor([t for _, ask in asks for t in ask.targets], dtype=torch.int64).to(hidden.device)
     assert targets.shape[0] == hidden.shape[0], "one hidden row per target"
     k = max(ask.top for _, ask in asks)
-    chosen, rank, top_lp, top_ids = [], [], [], []
+    slices = []
     for start in range(0, hidden.shape[0], rows_per_slice):
         lp = model.compute_logits(hidden[start:start + rows_per_slice]).log_softmax(dim=-1)
-        got = lp.gather(1, targets[start:start + rows_per_slice].unsqueeze(1))
-        chosen.append(got.squeeze(1))
-        rank.append((lp > got).sum(dim=-1) + 1)
-        if k:
-            values, ids = lp.topk(k, dim=-1)
-            top_lp.append(values)
-            top_ids.append(ids)
-    chosen_l, rank_l = torch.cat(chosen).tolist(), torch.cat(rank).tolist()
-    top_lp_l = torch.cat(top_lp).tolist() if k else [[]] * len(chosen_l)
-    top_ids_l = torch.cat(top_ids).tolist() if k else [[]] * len(chosen_l)
+        slices.append(read_logprobs(lp, targets[start:start + rows_per_slice], k))
+    rows = token_logprobs(*(torch.cat(parts) for parts in zip(*slices)),
+                          [ask.top for _, ask in asks for _ in ask.targets])
     out, row = {}, 0
     for pos, ask in asks:
-        n = len(ask.targets)
-        out[pos] = [TokenLogprobs(chosen_l[r], rank_l[r], top_ids_l[r][:ask.top], top_lp_l[r][:ask.top])
-                    for r in range(row, row + n)]
-        row += n
+        out[pos] = rows[row:row + len(ask.targets)]
+        row += len(ask.targets)
     return out

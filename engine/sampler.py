@@ -194,13 +194,11 @@ class Sampler:
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not want:
             return Sampled(_to_host(tokens), [None] * len(rows))
-        chosen, rank, top_lp, top_ids = self._logprobs(logits, tokens, want, params)
+        read = self._logprobs(logits, tokens, want, params)
         host_tokens = _to_host(tokens)
-        chosen_l, rank_l, top_lp_l, top_ids_l = chosen.tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        for k, i in enumerate(want):
-            n = params[i].logprobs or 0
-            logprobs[i] = TokenLogprobs(chosen_l[k], rank_l[k], top_ids_l[k][:n], top_lp_l[k][:n])
+        for i, lp in zip(want, token_logprobs(*read, [params[i].logprobs or 0 for i in want])):
+            logprobs[i] = lp
         return Sampled(host_tokens, logprobs)
 
     # ---- the logits a token is drawn from ------------------------------------------------------------
@@ -337,11 +335,24 @@ class Sampler:
         device = logits.device
         idx = torch.tensor(want, dtype=torch.int64).to(device, non_blocking=True)
         lp = logits.index_select(0, idx).log_softmax(dim=-1)
-        chosen = lp.gather(1, tokens.index_select(0, idx).unsqueeze(1))
-        rank = (lp > chosen).sum(dim=-1) + 1
         k = max(params[i].logprobs or 0 for i in want)
-        top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], idx[:, None][:, :0])
-        return chosen.squeeze(1).clamp_min(NO_LOGPROB), rank, top_lp.clamp_min(NO_LOGPROB), top_ids
+        chosen, rank, top_lp, top_ids = read_logprobs(lp, tokens.index_select(0, idx), k)
+        return chosen.clamp_min(NO_LOGPROB), rank, top_lp.clamp_min(NO_LOGPROB), top_ids
+
+
+def read_logprobs(lp: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """From log-probabilities [N, vocab] and a token per row (int64 [N]): each token's logprob and rank (1: the most
+    likely), and each row's k most likely (logprobs and ids, [N, k]); on the device."""
+    chosen = lp.gather(1, tokens.unsqueeze(1))
+    rank = (lp > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0])
+    return chosen.squeeze(1), rank, top_lp, top_ids
+
+
+def token_logprobs(chosen: Tensor, rank: Tensor, top_lp: Tensor, top_ids: Tensor, tops: list[int]) -> list[TokenLogprobs]:
+    """read_logprobs' rows on the host, row i keeping its first tops[i] alternatives (one copy per tensor)."""
+    c, r, lp, ids = chosen.tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
+    return [TokenLogprobs(c[i], r[i], ids[i][:n], lp[i][:n]) for i, n in enumerate(tops)]
 
 
 def _to_host(tokens: Tensor) -> list[int]:
