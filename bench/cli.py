@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import os
 import shlex
 import signal
@@ -106,22 +107,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                                                       "over a stub engine, by concurrent streams"))
 
 
+# Subcommands that are programs of their own: the module whose main(args) runs each (imported only when chosen).
+OWN_MAIN = {"engine": "bench.engine", "interference": "bench.interference", "sampling": "bench.sampling_cost",
+            "frontend": "bench.frontend"}
+
+
 def main(args: argparse.Namespace) -> None:
-    if getattr(args, "bench_command", None) == "engine":
-        from bench.engine import main as engine_main
-        engine_main(args)
-        return
-    if getattr(args, "bench_command", None) == "interference":
-        from bench.interference import main as interference_main
-        interference_main(args)
-        return
-    if getattr(args, "bench_command", None) == "sampling":
-        from bench.sampling_cost import main as sampling_main
-        sampling_main(args)
-        return
-    if getattr(args, "bench_command", None) == "frontend":
-        from bench.frontend import run_frontend
-        run_frontend(args)
+    if (module := OWN_MAIN.get(getattr(args, "bench_command", None))) is not None:
+        importlib.import_module(module).main(args)
         return
     from bench.report import parse_goodput, parse_weights
 

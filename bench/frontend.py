@@ -91,7 +91,7 @@ async def load(url: str, streams: int, tokens: int) -> dict:
             "gap_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)] if gaps else None}
 
 
-def run_frontend(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace) -> dict:
     counts = [int(s) for s in args.streams.split(",")]
     most = max(counts)
     out = Path(args.out or os.path.join("bench", "results", "frontend"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.frontend import add_frontend_args, run_frontend
+from bench.frontend import add_frontend_args, main
 
 
 def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) -> None:
@@ -13,7 +13,7 @@ def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) ->
     add_frontend_args(parser)
     args = parser.parse_args(["--streams", "3,8", "--tokens", "12", "--step-ms", "5", "--rounds", "1",
                               "--out", str(tmp_path)])
-    result = run_frontend(args)
+    result = main(args)
     assert [r["streams"] for r in result["rows"]] == [3, 8]
     for row in result["rows"]:
         assert row["errors"] == row["short_streams"] == 0, row["first_error"]
