@@ -181,7 +181,8 @@ class DecodeScheduler:
                                              error=f"the decode worker failed on this request ({failed[pos]})"))
                 self._finish(seq)
                 continue
-            seq.prompt_logprobs += prompt_logprobs.get(pos, [])
+            if pos in prompt_logprobs:
+                seq.prompt_logprobs += prompt_logprobs[pos]
             seq.num_computed += len(inp.token_ids)
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
         for seq, token, lp in zip(step.sampling_seqs, tokens, logprobs, strict=True):
