@@ -102,7 +102,7 @@ class RequestFailure(Exception):
     only such failures happen says nothing about the device."""
 
 
-class TokenLogprobs(msgspec.Struct, array_like=True):
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """One sampled token's log-probability, its rank in the distribution (1: the most likely), and the top
     alternatives (ids and log-probabilities, most likely first; as many as the request asked for)."""
 

@@ -9,6 +9,11 @@ A request's generated tokens reach the API server from up to two senders (the
 prefill worker samples the first token, the decode worker the rest), so each
 RequestOutput carries the output index of its first token and the API server
 puts them in order.
+
+The structs the workers send every step are declared gc=False: they never hold
+a reference cycle, and untracked they cost the receiving API server no garbage
+collection, which had been its largest cost per streamed token (several
+microseconds per output; bench/results/cpu-2core/frontend-*).
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ class PrefillDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-class RequestOutput(msgspec.Struct):
+class RequestOutput(msgspec.Struct, gc=False):
     """New tokens of one request, starting at output index `index`. The first output of a request also
     says where its prefill ran and how many prompt tokens were cached. A set finish_reason or error ends it."""
 
@@ -110,7 +115,7 @@ class RequestOutput(msgspec.Struct):
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
-class WorkerStats(msgspec.Struct):
+class WorkerStats(msgspec.Struct, gc=False):
     """A decode worker's gauges and counters (counters are cumulative since the worker started)."""
 
     num_running: int
@@ -129,13 +134,13 @@ class WorkerStats(msgspec.Struct):
     partition_problem: str | None = None  # why the unit's partition does not hold (e.g. not an MPS client)
 
 
-class PrefillStats(msgspec.Struct):
+class PrefillStats(msgspec.Struct, gc=False):
     """The prefill worker's measured speed (moving average over its forward passes)."""
 
     tokens_per_s: float
 
 
-class WorkerReady(msgspec.Struct):
+class WorkerReady(msgspec.Struct, gc=False):
     """A worker finished starting; the unit is ready when both of its workers are (or the decode worker alone, aggregated)."""
 
     role: Literal["prefill", "decode"]
@@ -146,7 +151,7 @@ class WorkerReady(msgspec.Struct):
     max_model_len: int | None = None
 
 
-class WorkerOutput(msgspec.Struct, tag=True):
+class WorkerOutput(msgspec.Struct, tag=True, gc=False):
     """One message per worker step to the API server."""
 
     unit: int

@@ -9,6 +9,7 @@ token is therefore O(1) amortized, whatever the output length.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -18,6 +19,20 @@ REPLACEMENT_CHAR = "\ufffd"
 # holds invalid bytes (a random model emits them): emitting it as it is keeps
 # the window, and so the cost per token, bounded.
 MAX_PENDING_TOKENS = 64
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids of a tokenizer's special tokens, read once per tokenizer (transformers rebuilds the added-token table on
+    every read, which per request cost more than a short answer's detokenizing)."""
+    if (ids := _SPECIAL_IDS.get(tokenizer)) is None:
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        ids = frozenset({i for i, token in added.items() if getattr(token, "special", False)}
+                        | set(tokenizer.all_special_ids))
+        _SPECIAL_IDS[tokenizer] = ids
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -41,9 +56,11 @@ class IncrementalDetokenizer:
         # keeps a long run of them from growing the window.
         self._skipped_ids: frozenset[int] = frozenset(drop_ids)  # ids that never become text
         if skip_special_tokens:
-            added = getattr(tokenizer, "added_tokens_decoder", {})
-            special = {i for i, token in added.items() if getattr(token, "special", False)}
-            self._skipped_ids |= frozenset(special | set(tokenizer.all_special_ids))
+            self._skipped_ids |= special_ids(tokenizer)
+        # A fast tokenizer's Rust decoder, called directly: with clean_up_tokenization_spaces off, transformers'
+        # decode returns exactly what it does, after several Python layers that cost more than the decoding.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_ids = backend.decode if backend is not None else self._decode_slow
         self._window: list[int] = []  # context tokens, then tokens not yet turned into text
         self._read = 0  # self._window[:self._read] is the context
         self._context_text = ""  # the decoded context
@@ -69,9 +86,10 @@ class IncrementalDetokenizer:
         return self._emit(self._decode_new(None), final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_slow(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def _decode_new(self, token_id: int | None) -> str:
         """Add one token (None: the end of the output) and return the text it completes."""

@@ -58,6 +58,39 @@ MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
+class StartRate:
+    """The mean time between two starts (first tokens) on a unit while requests were queued, as a moving average.
+
+    Starts come in batches: every request whose first token came in one worker message starts at the same moment
+    (a decode step that finished many prefills). A batch is one sample, its gap from the previous start shared
+    among its requests; counting the first request of a batch at the whole gap and the others at zero would let
+    the first sample alone say "one start per step" after a burst, and answer 429 to a queue the next step clears.
+    """
+
+    interval_s: float | None = None  # None: not measured yet
+    last_start: float = 0.0
+    _batch_gap: float | None = None  # the current batch's gap from the previous one (None: not a backlog sample)
+    _batch_size: int = 0
+
+    def started(self, now: float, arrival: float) -> None:
+        """A request that arrived at `arrival` had its first token at `now`."""
+        if now != self.last_start:  # a new batch: the previous one's sample is complete
+            self._fold()
+            # A request already queued at the previous start: the gap measures the unit, not the arrivals.
+            self._batch_gap = now - self.last_start if 0.0 < self.last_start and arrival <= self.last_start else None
+            self._batch_size = 0
+            self.last_start = now
+        self._batch_size += 1
+
+    def _fold(self) -> None:
+        if self._batch_gap is None or not self._batch_size:
+            return
+        sample, old = self._batch_gap / self._batch_size, self.interval_s
+        self.interval_s = sample if old is None else old + START_INTERVAL_WEIGHT * (sample - old)
+        self._batch_gap = None
+
+
+@dataclass
 class Delta:
     """New tokens of one request, in order. route and num_cached_tokens are set on the first delta."""
 
@@ -69,13 +102,24 @@ class Delta:
     prompt_logprobs: list[TokenLogprobs] | None = None  # on the first delta, when the request asked for them
 
 
+def coalesce(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one."""
+    first = deltas[0]
+    logprobs = None if first.logprobs is None else [lp for d in deltas for lp in d.logprobs or []]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    route = next((d for d in deltas if d.route is not None), None)
+    return Delta([t for d in deltas for t in d.token_ids], deltas[-1].finish_reason,
+                 route.route if route else None, route.num_cached_tokens if route else None, logprobs, prompt_logprobs)
+
+
 @dataclass
 class _Request:
     request_id: str
     unit: int
     decision: Decision
     prompt_ids: list[int]
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: list[Delta | EngineError] = field(default_factory=list)  # delivered, not yet taken by the caller
+    waiter: asyncio.Future | None = None  # set while the caller waits for pending to fill
     next_index: int = 0
     early: dict[int, RequestOutput] = field(default_factory=dict)  # outputs that arrived before their predecessors
     output_ids: list[int] = field(default_factory=list)
@@ -85,13 +129,30 @@ class _Request:
     route: Route | None = None
     done: bool = False
 
+    def put(self, item: Delta | EngineError) -> None:
+        self.pending.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self, timeout: float | None) -> list[Delta | EngineError]:
+        """Everything delivered since the last take, waiting for something first (TimeoutError after timeout s).
+        A list and one future instead of an asyncio.Queue: a token costs an append, and a wake-up only when the
+        caller is already waiting."""
+        if not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await (self.waiter if timeout is None else asyncio.wait_for(self.waiter, timeout))
+            finally:
+                self.waiter = None
+        items, self.pending = self.pending, []
+        return items
+
 
 @dataclass
 class UnitState:
     ready_roles: set[str] = field(default_factory=set)
     waiting: int = 0  # requests sent to the unit that have not had their first token
-    last_start: float = 0.0  # when a request last had its first token
-    start_interval_s: float | None = None  # moving average of the time between starts under a backlog
+    starts: StartRate = field(default_factory=StartRate)
     stats: WorkerStats | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)  # set when ready, or when it cannot start
     fatal: str | None = None  # why the unit cannot start
@@ -147,7 +208,7 @@ class EngineClient:
     def predicted_wait(self, unit: int) -> float | None:
         """Seconds a new request would wait for its first token on unit (None: not measured yet)."""
         state = self.state[unit]
-        return None if state.start_interval_s is None else state.waiting * state.start_interval_s
+        return None if state.starts.interval_s is None else state.waiting * state.starts.interval_s
 
     def overloaded(self, unit: int) -> str | None:
         """Why the unit takes no new request now (None: it does)."""
@@ -216,31 +277,25 @@ class EngineClient:
         try:
             await self.to_units[req.unit].send(message)
             while True:
-                if req.first_token or self.admission.max_queue_s is None:
-                    item = await req.queue.get()
-                else:
-                    try:
-                        item = await asyncio.wait_for(req.queue.get(), req.arrival + self.admission.max_queue_s
-                                                      - time.monotonic())
-                    except TimeoutError:
-                        self.metrics.rejected("queue_time")
-                        raise EngineError(429, f"the server is overloaded: this request waited "
-                                               f"{self.admission.max_queue_s:g}s without starting (--max-queue-time-s); "
-                                               "retry later", retry_after=self._retry_after([req.unit])) from None
-                while not req.queue.empty() and isinstance(item, Delta) and not item.finish_reason:
-                    nxt = req.queue.get_nowait()  # coalesce what piled up while the caller was busy
-                    if isinstance(nxt, EngineError):
-                        item = nxt
-                        break
-                    logprobs = None if item.logprobs is None else item.logprobs + (nxt.logprobs or [])
-                    item = Delta(item.token_ids + nxt.token_ids, nxt.finish_reason,
-                                 item.route or nxt.route, item.num_cached_tokens if item.route else nxt.num_cached_tokens,
-                                 logprobs, item.prompt_logprobs if item.prompt_logprobs is not None else nxt.prompt_logprobs)
-                if isinstance(item, EngineError):
-                    raise item
-                yield item
-                if item.finish_reason:
-                    return
+                timeout = None
+                if not req.first_token and self.admission.max_queue_s is not None:
+                    timeout = req.arrival + self.admission.max_queue_s - time.monotonic()
+                try:
+                    items = await req.take(timeout)
+                except TimeoutError:
+                    self.metrics.rejected("queue_time")
+                    raise EngineError(429, f"the server is overloaded: this request waited "
+                                           f"{self.admission.max_queue_s:g}s without starting (--max-queue-time-s); "
+                                           "retry later", retry_after=self._retry_after([req.unit])) from None
+                # What piled up while the caller was busy goes out as one delta.
+                deltas = [d for d in items if isinstance(d, Delta)]
+                if deltas:
+                    delta = deltas[0] if len(deltas) == 1 else coalesce(deltas)
+                    yield delta
+                    if delta.finish_reason:
+                        return
+                if len(deltas) < len(items):
+                    raise next(e for e in items if isinstance(e, EngineError))
         finally:
             if not req.done:
                 self._end(req, None, finished=False)
@@ -307,8 +362,8 @@ class EngineClient:
             req.last_token = now
             req.output_ids += out.token_ids
         req.next_index += len(out.token_ids)
-        req.queue.put_nowait(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens, out.logprobs,
-                                   out.prompt_logprobs))
+        req.put(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens, out.logprobs,
+                      out.prompt_logprobs))
         if out.finish_reason:
             self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
             if req.output_ids:
@@ -320,12 +375,7 @@ class EngineClient:
     def _started(self, req: _Request, now: float) -> None:
         state = self.state[req.unit]
         state.waiting -= 1
-        if 0.0 < state.last_start and req.arrival <= state.last_start:
-            # This request was already queued at the previous start: the gap measures the unit, not the arrivals.
-            gap = now - state.last_start
-            old = state.start_interval_s
-            state.start_interval_s = gap if old is None else old + START_INTERVAL_WEIGHT * (gap - old)
-        state.last_start = now
+        state.starts.started(now, req.arrival)
 
     def _end(self, req: _Request, error: EngineError | None, finished: bool) -> None:
         """Forget a request; when it finished normally its unit's router index learns the answer too."""
@@ -337,4 +387,4 @@ class EngineClient:
         self.requests.pop(req.request_id, None)
         self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids)
         if error is not None:
-            req.queue.put_nowait(error)
+            req.put(error)

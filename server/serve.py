@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import gc
 import logging
 import os
 import re
@@ -381,6 +382,10 @@ def serve(args: argparse.Namespace) -> None:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         loops.append(asyncio.get_running_loop())
+        # What was loaded so far (the web stack, the tokenizer, transformers) lives as long as the server: kept out
+        # of the collector's generations, a collection no longer walks it while tokens stream.
+        gc.collect()
+        gc.freeze()
         client.start()
         starting = asyncio.get_running_loop().create_task(launcher.start())
 

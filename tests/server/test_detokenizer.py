@@ -70,6 +70,23 @@ def test_pieces_concatenate_to_the_full_decode(name: str, chunk: int, request: p
         assert detok.text == text and not detok.stopped
 
 
+class _PythonOnlyTokenizer:
+    """A tokenizer with transformers' decode but no Rust backend (a slow, Python tokenizer)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode = tokenizer.decode
+        self.all_special_ids = tokenizer.all_special_ids
+
+
+def test_a_tokenizer_without_a_rust_backend_gives_the_same_text(bpe_tokenizer: Any) -> None:
+    slow = _PythonOnlyTokenizer(bpe_tokenizer)
+    assert not hasattr(slow, "backend_tokenizer")
+    for text in TEXTS:
+        ids = bpe_tokenizer.encode(text, add_special_tokens=False)
+        pieces, rest, _ = stream(slow, ids, chunk=2)
+        assert "".join(pieces) + rest == text
+
+
 def test_bpe_tokens_really_span_characters(bpe_tokenizer: Any) -> None:
     ids = bpe_tokenizer.encode(TEXTS[0], add_special_tokens=False)
     assert len(ids) < len(TEXTS[0]) / 2
@@ -173,7 +190,8 @@ def test_flush_renders_an_unfinished_character_like_decode(byte_tokenizer: Any) 
 
 
 class _CountingTokenizer:
-    """Wraps a tokenizer and records the longest id list it was asked to decode."""
+    """Wraps a tokenizer and records the longest id list it was asked to decode (by transformers' decode or, as
+    the detokenizer calls it, its Rust backend's)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -182,9 +200,22 @@ class _CountingTokenizer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        return _CountingBackend(self, self._tokenizer.backend_tokenizer)
+
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
         self.longest = max(self.longest, len(ids))
         return self._tokenizer.decode(ids, **kwargs)
+
+
+class _CountingBackend:
+    def __init__(self, counter: _CountingTokenizer, backend: Any) -> None:
+        self.counter, self.backend = counter, backend
+
+    def decode(self, ids: Sequence[int], **kwargs: Any) -> str:
+        self.counter.longest = max(self.counter.longest, len(ids))
+        return self.backend.decode(ids, **kwargs)
 
 
 def test_each_step_decodes_a_bounded_window(byte_tokenizer: Any) -> None:
@@ -196,5 +227,5 @@ def test_each_step_decodes_a_bounded_window(byte_tokenizer: Any) -> None:
     counting = _CountingTokenizer(byte_tokenizer)
     pieces, rest, _ = stream(counting, ids, stop=["never appears"])
     # The context and the pending tokens, each at most MAX_PENDING_TOKENS + 1 long.
-    assert counting.longest <= 2 * MAX_PENDING_TOKENS + 2 < len(ids) / 10
+    assert 0 < counting.longest <= 2 * MAX_PENDING_TOKENS + 2 < len(ids) / 10
     assert "".join(pieces) + rest == byte_tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,36 @@
+"""The lock-free histograms render exactly what prometheus_client's Histogram renders for the same observations."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from server.metrics import E2E_BUCKETS, ITL_BUCKETS, Metrics
+
+
+def _lines(text: bytes, name: str) -> list[str]:
+    return [line for line in text.decode().splitlines() if name in line and "_created" not in line]
+
+
+def test_inter_token_histogram_matches_prometheus_client() -> None:
+    metrics = Metrics("demo")
+    metrics.inter_token(0.06, 3)  # three tokens in one chunk: three observations of 0.02
+    metrics.inter_token(0.01, 1)  # on a bucket bound: counted in it (le)
+    metrics.inter_token(100.0, 2)  # above every bound
+    reference = CollectorRegistry()
+    hist = Histogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", ["model_name"],
+                     buckets=ITL_BUCKETS, registry=reference).labels("demo")
+    for value in (0.02, 0.02, 0.02, 0.01, 50.0, 50.0):
+        hist.observe(value)
+    name = "vllm:inter_token_latency_seconds"
+    assert _lines(metrics.render(), name) == _lines(generate_latest(reference), name)
+    assert f'{name}_count{{model_name="demo"}} 6.0' in _lines(metrics.render(), name)
+
+
+def test_request_histograms_render_their_observations() -> None:
+    metrics = Metrics("demo")
+    metrics.request_finished(2.0, 10, 5, "stop")
+    reference = CollectorRegistry()
+    Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", ["model_name"], buckets=E2E_BUCKETS,
+              registry=reference).labels("demo").observe(2.0)
+    name = "vllm:e2e_request_latency_seconds"
+    assert _lines(metrics.render(), name) == _lines(generate_latest(reference), name)
