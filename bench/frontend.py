@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from time import perf_counter
 
 import aiohttp
+import httpx
 import msgspec
 
 from bench.cli import start_server, stop_server
@@ -41,14 +44,38 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     p.add_argument("--step-ms", type=float, default=20.0, help="the stub engine's step (one token per stream each)")
     p.add_argument("--rounds", type=int, default=3, help="runs per stream count (figures are medians)")
-    p.add_argument("--serve-args", default="", help="more `ppd serve` arguments, e.g. '--units 2'")
+    p.add_argument("--serve-args", default="", help="more `ppd serve` arguments, e.g. '--api-server-count 4'")
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="client processes sharing the streams (on a many-core host one client process is a limit)")
     p.add_argument("--out", default=None, help="folder for results.json and results.md")
 
 
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pids: list[int]) -> float:
+    """utime + stime of processes, in seconds."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def api_server_pids(pid: int, url: str) -> list[int]:
+    """The API-server processes of a server: its main process and its children that are no unit's worker
+    (--api-server-count)."""
+    workers = {w["pid"] for unit in httpx.get(f"{url}/health", timeout=5).json()["units"] for w in unit["workers"]}
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return [pid, *(c for c in children if c not in workers and _is_api_server(c))]
+
+
+def _is_api_server(pid: int) -> bool:
+    """A child started by multiprocessing's spawn (the API servers, the workers), not its resource tracker."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+    return b"spawn_main" in cmdline
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int, gaps: list[float],
@@ -83,10 +110,29 @@ async def load(url: str, streams: int, tokens: int) -> dict:
                                        return_exceptions=True)
         seconds = perf_counter() - started
     errors = [r for r in results if isinstance(r, BaseException)]
-    gaps.sort()
     return {"seconds": seconds, "tokens": sum(counts), "chunks": len(gaps) + len(counts), "errors": len(errors),
-            "short_streams": sum(1 for c in counts if c != tokens),
-            "error": repr(errors[0]) if errors else None,
+            "short_streams": sum(1 for c in counts if c != tokens), "error": repr(errors[0]) if errors else None,
+            "gaps": gaps}
+
+
+def _load_in_process(url: str, streams: int, tokens: int) -> dict:
+    return asyncio.run(load(url, streams, tokens))
+
+
+def run_load(url: str, streams: int, tokens: int, procs: int = 1) -> dict:
+    """`streams` streams from `procs` client processes (one client process's core is a limit of its own on a
+    many-core host), merged: the delays of all, the time of the slowest."""
+    if procs <= 1:
+        parts = [_load_in_process(url, streams, tokens)]
+    else:
+        shares = [streams // procs + (i < streams % procs) for i in range(procs)]
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            parts = list(pool.map(_load_in_process, [url] * procs, shares, [tokens] * procs))
+    gaps = sorted(g for p in parts for g in p["gaps"])
+    return {"seconds": max(p["seconds"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
+            "chunks": sum(p["chunks"] for p in parts), "errors": sum(p["errors"] for p in parts),
+            "short_streams": sum(p["short_streams"] for p in parts),
+            "error": next((p["error"] for p in parts if p["error"]), None),
             "gap_p50_ms": 1000 * gaps[len(gaps) // 2] if gaps else None,
             "gap_p99_ms": 1000 * gaps[int(len(gaps) * 0.99)] if gaps else None}
 
@@ -104,16 +150,19 @@ def main(args: argparse.Namespace) -> dict:
         for streams in counts:
             runs = []
             for _ in range(args.rounds):
-                cpu0 = cpu_seconds(proc.pid)
-                run = asyncio.run(load(url, streams, args.tokens))
-                run["server_cpu_s"] = cpu_seconds(proc.pid) - cpu0
+                pids = api_server_pids(proc.pid, url)
+                cpu0 = cpu_seconds(pids)
+                run = run_load(url, streams, args.tokens, args.client_procs)
+                run["server_cpu_s"] = cpu_seconds(pids) - cpu0
+                run["api_servers"] = len(pids)
                 runs.append(run)
             rows.append(summarize(streams, args, runs))
             print(json.dumps(rows[-1]))
     finally:
         stop_server(proc)
     result = {"command": "ppd bench frontend " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                                          if k in ("streams", "tokens", "step_ms", "rounds")),
+                                                          if k in ("streams", "tokens", "step_ms", "rounds", "serve_args",
+                                                                   "client_procs") and v not in ("", 1)),
               "cpus": os.cpu_count(), "rows": rows}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -134,7 +183,7 @@ def summarize(streams: int, args: argparse.Namespace, runs: list[dict]) -> dict:
             "server_cpu_ms_per_1k_tokens": statistics.median(1e6 * r["server_cpu_s"] / r["tokens"] for r in runs),
             "errors": sum(r["errors"] for r in runs), "short_streams": sum(r["short_streams"] for r in runs),
             "first_error": next((r["error"] for r in runs if r["error"]), None),
-            "rounds": len(runs)}
+            "api_servers": runs[0]["api_servers"], "rounds": len(runs)}
 
 
 def markdown(result: dict) -> str:

@@ -3,6 +3,7 @@
 #
 #   bench/gpu_check.sh OUTDIR [STEP ...]      steps: probe tests engine sampling compare kernels policy policy-eval:W
 #                                             policy-verdict partition partition-compare interference[:NAMES]
+#                                             frontend[:COUNTS]
 #                                             (default: probe tests engine compare)
 #
 #   probe    ppd probe: GPUs, CUDA IPC, MPS, kernel overlap, green contexts        -> probe.json, probe.log
@@ -25,9 +26,11 @@
 #                                                                                -> partition-compare/{none,mps,green}/
 #   interference[:NAMES]  decode TPOT at batch 64 alone and beside 4K-token prefills, for aggregated, none, mps and
 #              green in one run (or the comma list NAMES of them)             -> interference/, interference.log
+#   frontend[:COUNTS]  ppd bench frontend (the stub engine, no GPU used) at 500, 1,000 and 2,000 streams from 4 client
+#              processes, for each --api-server-count in COUNTS (default 1,4,8)   -> frontend/api-N/, frontend-N.log
 #
 # Run it from the repository root. Python packages the host lacks can come as wheels in .whl/
-# (../shared/device/wheels.sh openai distro jiter): they are installed into /tmp/site first.
+# (../shared/device/wheels.sh openai distro jiter uvloop httptools aiohttp): they are installed into /tmp/site first.
 # Each step's exit status is in OUTDIR/status.txt; the script's own status is that of the last step.
 set -uo pipefail
 
@@ -114,9 +117,15 @@ python3 -m pytest -q -rs tests/engine/kernels; r2=\$?; exit \$(( r1 > r2 ? r1 : 
       only=(); [ "$step" != interference ] && only=(--only "${step#interference:}")
       run_step interference "${ppd[@]}" bench interference --serve-args "$llama --device cuda --gpus 0" \
         --batch 64 --context 1024 --prefill-tokens 4096 --rounds 5 "${only[@]}" --out "$out/interference"; rc=$? ;;
+    frontend|frontend:*)
+      counts=1,4,8; [ "$step" != frontend ] && counts=${step#frontend:}
+      for n in ${counts//,/ }; do
+        run_step "frontend-$n" "${ppd[@]}" bench frontend --streams 500,1000,2000 --tokens 256 --step-ms 20 --rounds 3 \
+          --client-procs 4 --serve-args "--device cpu --api-server-count $n" --out "$out/frontend/api-$n"; rc=$?
+      done ;;
     *)
       echo "unknown step $step (probe tests engine sampling compare kernels policy policy-eval:W policy-verdict partition" \
-        "partition-compare interference[:NAMES])" >&2; rc=2 ;;
+        "partition-compare interference[:NAMES] frontend[:COUNTS])" >&2; rc=2 ;;
   esac
 done
 exit "$rc"

@@ -27,6 +27,7 @@ class UnitConfig:
     itl_slo_ms: float | None = None  # the share manager keeps decode steps within it
     log_level: str = "info"
     stub_step_ms: float | None = None  # no model: a stand-in worker emits a token per request this often (stub_worker.py)
+    api_servers: int = 1  # API-server processes sending to the unit (--api-server-count)
 
     @property
     def aggregated(self) -> bool:
@@ -40,13 +41,23 @@ class UnitConfig:
         """The host name of this unit's shared "weights" or "kv" memory (a /dev/shm file on the CPU)."""
         return f"{self.shm_prefix}-u{self.unit}-{kind}"
 
-    @property
-    def requests_address(self) -> str:
-        return self.address(f"u{self.unit}-requests")
+    def requests_address(self, api_server: int) -> str:
+        """Where API server `api_server` sends this unit its requests (it binds, the decode worker connects)."""
+        return self.address(f"u{self.unit}-requests-{api_server}")
+
+    def outputs_address(self, api_server: int) -> str:
+        """Where every unit's workers send API server `api_server` its outputs (it binds, the workers connect)."""
+        return self.address(f"outputs-{api_server}")
 
     @property
-    def outputs_address(self) -> str:
-        return self.address("outputs")
+    def router_bus_address(self) -> str:
+        """API server 0 publishes every router event here (with several API servers)."""
+        return self.address("router-bus")
+
+    @property
+    def router_events_address(self) -> str:
+        """The other API servers push their router events to API server 0 here."""
+        return self.address("router-events")
 
     @property
     def jobs_address(self) -> str:

@@ -37,7 +37,8 @@ from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
                                 RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.prefill_worker import start_prefill_thread
-from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
+from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
+                                    zmq_socket)
 
 STATS_INTERVAL_S = 0.25
 THREAD_SWITCH_INTERVAL_S = 0.001  # a one-process unit: how long one worker's thread may hold the GIL (default 5 ms)
@@ -61,7 +62,7 @@ class StepTimes:
 
 
 class DecodeWorker:
-    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context) -> None:
+    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context) -> None:
         self.cfg, self.out, self.ctx = cfg, out, ctx
         self.partition_problem: str | None = None
         self.streams: StreamSplits | None = None  # a one-process unit on a GPU: each worker's stream per split
@@ -74,7 +75,7 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size), self.engine.mcfg.eos_token_ids,
                                          plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
                                          cfg.aggregated, self.engine.mcfg.vocab_size)
-        self.requests = zmq_socket(ctx, zmq.PULL, cfg.requests_address)
+        self.requests = requests_socket(ctx, cfg)
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
         self.encode = msgspec.msgpack.Encoder().encode
@@ -222,7 +223,7 @@ class DecodeWorker:
                 free, total = torch.cuda.mem_get_info()
                 self.memory_used, self.memory_read = total - free, now
             stats.device_memory_used = self.memory_used
-        self.out.send(self.encode(WorkerOutput(self.cfg.unit, self.pending, stats, ready)))
+        self.out.send(WorkerOutput(self.cfg.unit, self.pending, stats, ready))
         self.pending = []
 
     def _release_names(self) -> None:
@@ -273,5 +274,5 @@ def run_decode_worker(cfg: UnitConfig) -> None:
     """Process entry point."""
     init_worker_process(cfg, "decode")
     ctx = zmq.Context()
-    out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
+    out = ApiServers(ctx, cfg)
     run_or_report(cfg.unit, out, lambda: DecodeWorker(cfg, out, ctx).run())

@@ -4,6 +4,11 @@
     decode worker --UnitSetup/PrefillJob/AbortPrefill--> prefill worker
     prefill worker --PrefillReady/PrefillDone--> decode worker
     both workers --WorkerOutput--> API server
+    API server <--Placed/Finished/UnitReset--> the other API servers (--api-server-count)
+
+With several API servers, a request's outputs go back to the one that sent it:
+its request id begins with that server's index (new_request_id), and the
+workers send every other part of a WorkerOutput (stats, ready) to all of them.
 
 A request's generated tokens reach the API server from up to two senders (the
 prefill worker samples the first token, the decode worker the rest), so each
@@ -26,6 +31,15 @@ from engine.sampling_params import SamplingParams, TokenLogprobs
 from engine.shared_memory import SharedHandle
 
 Route = Literal["prefill", "decode"]
+
+
+def new_request_id(api_server: int, serial: int, suffix: str) -> str:
+    return f"{api_server}-{serial}-{suffix}"
+
+
+def api_server_of(request_id: str) -> int:
+    """The index of the API server that sent a request (see new_request_id)."""
+    return int(request_id.partition("-")[0])
 
 
 class GenerateRequest(msgspec.Struct, tag=True):
@@ -165,3 +179,32 @@ class WorkerOutput(msgspec.Struct, tag=True, gc=False):
 ToDecode = GenerateRequest | AbortRequest
 ToPrefill = UnitSetup | PrefillJob | AbortPrefill | SetShare
 FromPrefill = PrefillReady | PrefillDone
+
+
+class Placed(msgspec.Struct, tag=True, gc=False):
+    """An API server placed a request on `unit` (its prompt's block hashes; the session it keeps there, if any):
+    the others count it in the unit's load and remember its prefix there, as if they had placed it."""
+
+    origin: int  # the API server's index
+    unit: int
+    hashes: list[int]
+    session: str | None = None
+
+
+class Finished(msgspec.Struct, tag=True, gc=False):
+    """A request placed by `origin` ended; `hashes`: its prompt and answer, now likely cached on the unit."""
+
+    origin: int
+    unit: int
+    hashes: list[int]
+
+
+class UnitReset(msgspec.Struct, tag=True):
+    """The launcher (in API server 0) restarts a unit: every API server ends its requests there with `message`."""
+
+    origin: int
+    unit: int
+    message: str
+
+
+RouterEvent = Placed | Finished | UnitReset

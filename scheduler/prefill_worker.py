@@ -35,7 +35,7 @@ from partition.green import WHOLE, StreamSplits
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
                                 SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
-from scheduler.worker_setup import ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
+from scheduler.worker_setup import ApiServers, ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 log = logging.getLogger("ppd.prefill")
 
@@ -53,7 +53,7 @@ class ActiveJob:
 
 
 class PrefillWorker:
-    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context, owner: Engine | None = None,
+    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context, owner: Engine | None = None,
                  streams: StreamSplits | None = None, key: int = WHOLE) -> None:
         """owner: the decode worker's engine, when this worker is a thread of its process; streams and key: the
         stream splits there (a GPU) and the split to start on."""
@@ -72,8 +72,7 @@ class PrefillWorker:
         self.tokens_per_s = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
         info = device_info(self.engine.device)
-        self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), info.name,
-                                                                           info.total_memory))))
+        self.out.send(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), info.name, info.total_memory)))
 
     def run(self) -> None:
         while True:
@@ -155,7 +154,7 @@ class PrefillWorker:
                                  logprobs=None if lp is None else [lp],
                                  prompt_logprobs=None if a.prompt_logprobs_asked() is None else a.prompt_logprobs)
                    for a, t, lp in done]
-        self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s))))
+        self.out.send(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s)))
         for a, t, _ in done:
             self.drop(a)
             self.notify.send(self.encode(PrefillDone(a.job.request_id, t)))
@@ -169,7 +168,7 @@ def run_prefill_worker(cfg: UnitConfig) -> None:
         # measurement then sees the context as in use.
         torch.zeros(1, device="cuda")
     ctx = zmq.Context()
-    out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
+    out = ApiServers(ctx, cfg)
     run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx).run())
 
 
@@ -179,7 +178,7 @@ def start_prefill_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, strea
     the process exits, and the launcher restarts the unit as it does when a worker process dies."""
     def main() -> None:
         torch.set_grad_enabled(False)  # per thread
-        out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
+        out = ApiServers(ctx, cfg)
         code = 1
         try:
             run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx, owner, streams, key).run())

@@ -4,7 +4,10 @@ A conversation's later turns go to the unit that holds its prefix. With a sessio
 header) a conversation stays on the unit it was placed on, until the session has been idle for session_ttl_s
 or the unit restarts. Otherwise the router keeps, per unit, an LRU index of the chained block hashes it sent
 there (prompts when sent, prompt + answer when finished); the longest match wins, ties and misses go to the
-least-loaded unit (then the one given fewest requests). Both are only guesses (the unit may have evicted the
+least-loaded unit (then the one given fewest requests). With several API servers (--api-server-count), each has a Router and
+they keep one another's up to date: every placement and every end is published
+(`publish`) and applied by the others (`apply`), so a conversation's next turn
+finds its unit whichever API server it reaches. Both are only guesses (the unit may have evicted the
 blocks): the unit's own prefix cache decides, by tokens, what is really reused, so an edited history or a lost
 prefix gets a correct answer, only a slower one. The route then comes from the policy (scheduler/policy.py),
 which reads each unit's live state as its workers last reported it.
@@ -19,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.prefix_hash import block_hashes
-from scheduler.messages import Route
+from scheduler.messages import Finished, Placed, Route, RouterEvent
 from scheduler.policy import Decision, Policy, UnitLive
 
 DEFAULT_SESSION_TTL_S = 3600.0
@@ -50,6 +53,8 @@ class Router:
         self.sessions: OrderedDict[str, tuple[int, float]] = OrderedDict()  # session -> (unit, last use), LRU first
         self.session_ttl_s = session_ttl_s
         self.clock = clock
+        self.origin = 0  # this API server's index, in the events it publishes
+        self.publish: Callable[[RouterEvent], None] | None = None  # set with several API servers
 
     def route(self, token_ids: list[int], available: Sequence[int], output_tokens: int = 1,
               session: str | None = None, route_hint: Route | None = None) -> Placement:
@@ -71,18 +76,36 @@ class Router:
                       "tokens/s, decode step %.2f ms, inline %.0f tokens/s", decision.route, decision.reason, unit,
                       cached, new, output_tokens, load, decision.cell, live.prefill_queue_tokens,
                       live.prefill_tokens_per_s, live.decode_step_ms, live.inline_tokens_per_s)
+        self._placed(unit, hashes, session)
+        if self.publish is not None:
+            self.publish(Placed(self.origin, unit, hashes, session))
+        return Placement(unit, decision, cached)
+
+    def finished(self, unit: int, token_ids: list[int]) -> None:
+        """A request on unit ended; token_ids (prompt + answer) are now likely cached there."""
+        hashes = block_hashes(token_ids, self.block_size)
+        self._finished(unit, hashes)
+        if self.publish is not None:
+            self.publish(Finished(self.origin, unit, hashes))
+
+    def apply(self, event: RouterEvent) -> None:
+        """Another API server's placement or end, as if it had been ours."""
+        if isinstance(event, Placed):
+            self._placed(event.unit, event.hashes, event.session)
+        elif isinstance(event, Finished):
+            self._finished(event.unit, event.hashes)
+
+    def _placed(self, unit: int, hashes: list[int], session: str | None) -> None:
         self.load[unit] += 1
         self.assigned[unit] += 1
         if session is not None:
             self.sessions[session] = (unit, self.clock())
             self.sessions.move_to_end(session)
-        self.remember(unit, token_ids, hashes)
-        return Placement(unit, decision, cached)
+        self.remember(unit, [], hashes)
 
-    def finished(self, unit: int, token_ids: list[int]) -> None:
-        """A request on unit ended; token_ids (prompt + answer) are now likely cached there."""
-        self.load[unit] -= 1
-        self.remember(unit, token_ids)
+    def _finished(self, unit: int, hashes: list[int]) -> None:
+        self.load[unit] = max(0, self.load[unit] - 1)  # an event from before a unit's restart may come after it
+        self.remember(unit, [], hashes)
 
     def remember(self, unit: int, token_ids: list[int], hashes: list[int] | None = None) -> None:
         index = self.index[unit]

@@ -22,7 +22,7 @@ from scheduler.config import UnitConfig
 from scheduler.decode_worker import STATS_INTERVAL_S
 from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, ToDecode, WorkerOutput, WorkerReady,
                                 WorkerStats)
-from scheduler.worker_setup import init_worker_process, recv_nowait, zmq_socket
+from scheduler.worker_setup import ApiServers, init_worker_process, recv_nowait, requests_socket
 
 log = logging.getLogger("ppd.stub")
 
@@ -34,10 +34,10 @@ class _Running:
 
 
 class StubWorker:
-    def __init__(self, cfg: UnitConfig, out: zmq.Socket, ctx: zmq.Context) -> None:
+    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context) -> None:
         assert cfg.stub_step_ms is not None
         self.cfg, self.out, self.step_s = cfg, out, cfg.stub_step_ms / 1000
-        self.requests = zmq_socket(ctx, zmq.PULL, cfg.requests_address)
+        self.requests = requests_socket(ctx, cfg)
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode = msgspec.msgpack.Decoder(ToDecode).decode
         self.running: dict[str, _Running] = {}
@@ -45,9 +45,9 @@ class StubWorker:
         blocks = cfg.engine.num_kv_blocks or 0
         max_len = cfg.engine.max_model_len or 0
         if not cfg.aggregated:  # it stands in for both workers
-            self.out.send(self.encode(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), "stub"))))
-        self.out.send(self.encode(WorkerOutput(cfg.unit, stats=self.stats(), ready=WorkerReady(
-            "decode", os.getpid(), "stub", 0, blocks, max_len))))
+            self.out.send(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), "stub")))
+        self.out.send(WorkerOutput(cfg.unit, stats=self.stats(), ready=WorkerReady(
+            "decode", os.getpid(), "stub", 0, blocks, max_len)))
         log.info("stub engine: a token per running request every %g ms", cfg.stub_step_ms)
 
     def stats(self) -> WorkerStats:
@@ -69,7 +69,7 @@ class StubWorker:
             if now - self.last_stats >= STATS_INTERVAL_S:
                 stats, self.last_stats = self.stats(), now
             if outputs or stats:
-                self.out.send(self.encode(WorkerOutput(self.cfg.unit, outputs, stats)))
+                self.out.send(WorkerOutput(self.cfg.unit, outputs, stats))
 
     def handle(self, msg: GenerateRequest | AbortRequest) -> None:
         if isinstance(msg, GenerateRequest):
@@ -96,5 +96,4 @@ def run_stub_worker(cfg: UnitConfig) -> None:
     """Process entry point."""
     init_worker_process(cfg, "decode")
     ctx = zmq.Context()
-    out = zmq_socket(ctx, zmq.PUSH, cfg.outputs_address)
-    StubWorker(cfg, out, ctx).run()
+    StubWorker(cfg, ApiServers(ctx, cfg), ctx).run()

@@ -18,7 +18,7 @@ from engine.config import ModelError
 from engine.memory_plan import StartupError
 from partition.backends import apply_at_start
 from scheduler.config import UnitConfig
-from scheduler.messages import WorkerOutput
+from scheduler.messages import WorkerOutput, api_server_of
 
 PR_SET_PDEATHSIG = 1
 EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report (the router's policy reads them)
@@ -59,6 +59,35 @@ def zmq_socket(ctx: zmq.Context, kind: int, address: str, bind: bool = False) ->
     return sock
 
 
+class ApiServers:
+    """A worker's way to the API servers: each request's outputs go to the API server that sent it, and the rest of
+    a WorkerOutput (stats, ready, fatal) to every one. With a single API server, the message goes as it is."""
+
+    def __init__(self, ctx: zmq.Context, cfg: UnitConfig) -> None:
+        self.socks = [zmq_socket(ctx, zmq.PUSH, cfg.outputs_address(i)) for i in range(cfg.api_servers)]
+        self.encode = msgspec.msgpack.Encoder().encode
+
+    def send(self, msg: WorkerOutput) -> None:
+        if len(self.socks) == 1:
+            self.socks[0].send(self.encode(msg))
+            return
+        outputs: list[list] = [[] for _ in self.socks]
+        for out in msg.outputs:
+            outputs[api_server_of(out.request_id)].append(out)
+        to_all = msg.stats is not None or msg.ready is not None or msg.fatal is not None or msg.prefill_stats is not None
+        for sock, mine in zip(self.socks, outputs):
+            if mine or to_all:
+                sock.send(self.encode(msgspec.structs.replace(msg, outputs=mine)))
+
+
+def requests_socket(ctx: zmq.Context, cfg: UnitConfig) -> zmq.Socket:
+    """The decode worker's one socket for the requests of every API server (PULL takes from each in turn)."""
+    sock = zmq_socket(ctx, zmq.PULL, cfg.requests_address(0))
+    for i in range(1, cfg.api_servers):
+        sock.connect(cfg.requests_address(i))
+    return sock
+
+
 def recv_nowait(sock: zmq.Socket) -> bytes | None:
     """The next message waiting on sock, or None if there is none."""
     try:
@@ -67,13 +96,13 @@ def recv_nowait(sock: zmq.Socket) -> bytes | None:
         return None
 
 
-def run_or_report(unit: int, out: zmq.Socket, main: Callable[[], None]) -> None:
+def run_or_report(unit: int, out: ApiServers, main: Callable[[], None]) -> None:
     """Run a worker; if it cannot start for a reason the operator must fix (the model does not fit, a bad
     folder), tell the API server, which stops with that message, and exit instead of being restarted forever."""
     try:
         main()
     except (StartupError, ModelError) as exc:
-        out.send(msgspec.msgpack.encode(WorkerOutput(unit, fatal=str(exc))))
+        out.send(WorkerOutput(unit, fatal=str(exc)))
         time.sleep(0.5)  # let the message leave before the process (and its socket) goes
         sys.exit(3)
 

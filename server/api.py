@@ -39,6 +39,7 @@ from server.tool_output import ToolOutput, tool_output_for
 log = logging.getLogger("ppd.api")
 
 ROUTE_HEADER = "x-ppd-route"  # on a response: where the prefill ran; on a request: where to run an append-prefill
+API_SERVER_HEADER = "x-ppd-api-server"  # on a response: which API-server process served it (--api-server-count)
 SESSION_HEADER = "x-session-id"  # keeps a conversation on one unit
 _json = msgspec.json.Encoder()
 
@@ -245,7 +246,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
                 await events.aclose()
                 return Response(status_code=499)
             first = waiting.result()
-            headers = {ROUTE_HEADER: choices[0].route or "prefill"}
+            headers = {ROUTE_HEADER: choices[0].route or "prefill", API_SERVER_HEADER: str(client.api_server)}
             sse = stream_events(response_id, body, chat, choices, prompt, events, first, model.token_text)
             return StreamingResponse(sse, media_type="text/event-stream", headers=headers)
         async with aclosing(events):
@@ -267,7 +268,8 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
             result["prompt_logprobs"] = prompt_logprobs_body(body, prompt, choices[0], model.token_text)
         if body.return_token_ids:
             result["prompt_token_ids"] = prompt_ids
-        return Response(_json.encode(result), media_type="application/json", headers={ROUTE_HEADER: choices[0].route or "prefill"})
+        return Response(_json.encode(result), media_type="application/json",
+                        headers={ROUTE_HEADER: choices[0].route or "prefill", API_SERVER_HEADER: str(client.api_server)})
 
     async def run_choice(choice: Choice, prompt_ids: list[int], sampling: SamplingParams, session: str | None,
                          hint: str | None, score_only: bool) -> AsyncIterator[Event]:

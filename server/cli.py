@@ -75,6 +75,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stub-engine", type=float, default=None, metavar="MS",
                    help="run no model: each unit answers every request with its own prompt's tokens, one per request "
                         "every MS milliseconds, to measure the API server alone (ppd bench frontend)")
+    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                   help="API-server processes (tokenizing, detokenizing, streaming) sharing the port and the units, as "
+                        "vLLM's flag: more where one process's core limits the streamed tokens/s (ppd bench frontend)")
     p.add_argument("--policy", default="ppd", choices=POLICIES,
                    help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd = per request, "
                         "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline)")

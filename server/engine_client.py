@@ -21,11 +21,11 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
-from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, WorkerOutput, WorkerReady,
-                                WorkerStats)
+from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent, UnitReset,
+                                WorkerOutput, WorkerReady, WorkerStats, new_request_id)
 from scheduler.policy import Decision
 from scheduler.router import Router
-from server.metrics import Metrics
+from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
 
 
 class EngineError(Exception):
@@ -151,6 +151,7 @@ class _Request:
 @dataclass
 class UnitState:
     ready_roles: set[str] = field(default_factory=set)
+    pids: dict[str, int] = field(default_factory=dict)  # role -> the worker's pid, from its ready message
     waiting: int = 0  # requests sent to the unit that have not had their first token
     starts: StartRate = field(default_factory=StartRate)
     stats: WorkerStats | None = None
@@ -163,36 +164,59 @@ class UnitState:
 
 
 class EngineClient:
-    def __init__(self, units: list[UnitConfig], router: Router, metrics: Metrics, admission: Admission = Admission()) -> None:
+    def __init__(self, units: list[UnitConfig], router: Router, metrics: Metrics, admission: Admission = Admission(),
+                 api_server: int = 0) -> None:
+        """api_server: this process's index among the API servers (--api-server-count); 0 runs the launcher."""
         self.units = units
         self.router = router
         self.metrics = metrics
         self.admission = admission
+        self.api_server = api_server
         self.state = [UnitState() for _ in units]
         self.requests: dict[str, _Request] = {}
         self.ctx = zmq.asyncio.Context()
         self.outputs = self.ctx.socket(zmq.PULL)
-        self.outputs.bind(units[0].outputs_address)
+        self.outputs.bind(units[0].outputs_address(api_server))
         self.to_units = []
         for cfg in units:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(cfg.requests_address)
+            sock.bind(cfg.requests_address(api_server))
             self.to_units.append(sock)
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode = msgspec.msgpack.Decoder(WorkerOutput).decode
         self.reader: asyncio.Task | None = None
+        self.bus: RouterBus | None = None
+        if units[0].api_servers > 1:
+            self.bus = RouterBus(self.ctx, units[0], api_server)
+            router.origin, router.publish = api_server, self.bus.publish
         self._ids = itertools.count()
         self.on_ready: Callable[[], None] | None = None  # called whenever a unit becomes ready
         self.draining = False  # shutting down: no new request; those in flight may finish
 
     def start(self) -> None:
-        self.reader = asyncio.get_running_loop().create_task(self._read_outputs())
+        loop = asyncio.get_running_loop()
+        self.reader = loop.create_task(self._read_outputs())
+        if self.bus is not None:
+            self.bus.task = loop.create_task(self.bus.run(self._router_event))
+            self.bus.metrics_task = loop.create_task(self._write_metrics())
 
     def close(self) -> None:
-        if self.reader:
-            self.reader.cancel()
+        for task in (self.reader, self.bus and self.bus.task, self.bus and self.bus.metrics_task):
+            if task:
+                task.cancel()
         self.ctx.destroy(linger=0)
+
+    def _router_event(self, event: RouterEvent) -> None:
+        if isinstance(event, UnitReset):
+            self._reset(event.unit, event.message)
+        else:
+            self.router.apply(event)
+
+    async def _write_metrics(self) -> None:
+        while True:
+            self.metrics.write_state()
+            await asyncio.sleep(SNAPSHOT_INTERVAL_S)
 
     # ---- units ---------------------------------------------------------------------------------------
 
@@ -249,7 +273,13 @@ class EngineClient:
         return len(reqs)
 
     def reset_unit(self, unit: int, message: str) -> None:
-        """The unit's workers are gone: end its requests with a 503 and forget its state until it is ready again."""
+        """The unit's workers are gone: end its requests with a 503 and forget its state until it is ready again
+        (in every API server)."""
+        self._reset(unit, message)
+        if self.bus is not None:
+            self.bus.publish(UnitReset(self.api_server, unit, message))
+
+    def _reset(self, unit: int, message: str) -> None:
         for req in [r for r in self.requests.values() if r.unit == unit]:
             self._end(req, EngineError(503, message), finished=False)
         self.state[unit] = UnitState()
@@ -266,7 +296,8 @@ class EngineClient:
         available = [u for u in range(len(self.units)) if self.unit_ready(u) and self.overloaded(u) is None]
         placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint)
         self.metrics.route_decision(placed.decision.route, placed.decision.reason)
-        req = _Request(f"{next(self._ids)}-{uuid.uuid4().hex[:8]}", placed.unit, placed.decision, prompt_ids)
+        req = _Request(new_request_id(self.api_server, next(self._ids), uuid.uuid4().hex[:8]), placed.unit,
+                       placed.decision, prompt_ids)
         try:
             message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
@@ -338,6 +369,7 @@ class EngineClient:
     def _worker_ready(self, unit: int, ready: WorkerReady) -> None:
         state = self.state[unit]
         state.ready_roles.add(ready.role)
+        state.pids[ready.role] = ready.pid
         state.device_name, state.device_memory_total = ready.device, ready.device_memory_total
         if ready.num_kv_blocks is not None:
             state.num_kv_blocks, state.max_model_len = ready.num_kv_blocks, ready.max_model_len
@@ -388,3 +420,44 @@ class EngineClient:
         self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids)
         if error is not None:
             req.put(error)
+
+
+class RouterBus:
+    """Keeps the API servers' routers (and unit resets) in step: API server 0 publishes every event, its own and
+    those the others push to it; each applies the events of the others. Events cost a message per request, never
+    per token."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, cfg: UnitConfig, api_server: int) -> None:
+        self.api_server = api_server
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.decode = msgspec.msgpack.Decoder(RouterEvent).decode
+        self.task: asyncio.Task | None = None
+        self.metrics_task: asyncio.Task | None = None
+        if api_server == 0:
+            self.pub = ctx.socket(zmq.PUB)
+            self.pub.bind(cfg.router_bus_address)
+            self.inbox = ctx.socket(zmq.PULL)  # the others' events
+            self.inbox.bind(cfg.router_events_address)
+        else:
+            self.push = ctx.socket(zmq.PUSH)
+            self.push.connect(cfg.router_events_address)
+            self.inbox = ctx.socket(zmq.SUB)  # everyone's events, as API server 0 publishes them
+            self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
+            self.inbox.connect(cfg.router_bus_address)
+        for sock in (self.inbox, getattr(self, "pub", None), getattr(self, "push", None)):
+            if sock is not None:
+                sock.setsockopt(zmq.LINGER, 0)
+
+    def publish(self, event: RouterEvent) -> None:
+        raw = self.encode(event)
+        (self.pub if self.api_server == 0 else self.push).send(raw, zmq.NOBLOCK)
+
+    async def run(self, apply: Callable[[RouterEvent], None]) -> None:
+        while True:
+            raw = await self.inbox.recv()
+            event = self.decode(raw)
+            if event.origin == self.api_server:
+                continue  # our own, back from API server 0
+            if self.api_server == 0:
+                self.pub.send(raw, zmq.NOBLOCK)
+            apply(event)

@@ -5,8 +5,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
+from pathlib import Path
+
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from scheduler.messages import WorkerStats
 
@@ -18,17 +21,49 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 
 
+SNAPSHOT_INTERVAL_S = 1.0
+
+
+class PeerStates:
+    """What the other API servers (--api-server-count) have observed, so that a scrape, whichever process answers
+    it, counts every request: each process writes its own request-side state to a file in the run's folder every
+    SNAPSHOT_INTERVAL_S, and reads the others' when scraped (a second stale at most)."""
+
+    def __init__(self, folder: str | None = None, me: int = 0, count: int = 1) -> None:
+        self.files = [Path(folder) / f"metrics-{i}.msgpack" for i in range(count)] if folder else []
+        self.me = me
+
+    def write(self, state: dict) -> None:
+        if not self.files:
+            return
+        tmp = self.files[self.me].with_suffix(".tmp")
+        tmp.write_bytes(msgspec.msgpack.encode(state))
+        tmp.replace(self.files[self.me])  # atomic: a reader sees the old state or the new one
+
+    def read(self) -> list[dict]:
+        states = []
+        for i, file in enumerate(self.files):
+            if i == self.me:
+                continue
+            try:
+                states.append(msgspec.msgpack.decode(file.read_bytes()))
+            except (FileNotFoundError, msgspec.DecodeError):  # not written yet, or being replaced
+                continue
+        return states
+
+
 class FastHistogram:
     """A Prometheus histogram with one label set, observed without a lock: a bisect and two additions per call.
 
     prometheus_client's Histogram takes a mutex per bucket and per sum on every observation, which, per streamed
     token, cost more than detokenizing it. Observations come only from the event loop's thread; a scrape (also on
-    it) renders the counts, cumulated, in the same exposition as prometheus_client's.
+    it) renders the counts, cumulated and added to the other API servers', in the same exposition as
+    prometheus_client's.
     """
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], label: tuple[str, str],
-                 registry: CollectorRegistry) -> None:
-        self.name, self.documentation, self.label = name, documentation, label
+                 registry: CollectorRegistry, peers: PeerStates) -> None:
+        self.name, self.documentation, self.label, self.peers = name, documentation, label, peers
         self.bounds = tuple(buckets)
         self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
@@ -39,25 +74,67 @@ class FastHistogram:
         self.counts[bisect_left(self.bounds, value)] += count
         self.sum += value * count
 
+    def state(self) -> list:
+        return [self.counts, self.sum]
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
+        counts, total = list(self.counts), self.sum
+        for peer in self.peers.read():
+            if (state := peer.get(self.name)) is not None:
+                counts = [a + b for a, b in zip(counts, state[0])]
+                total += state[1]
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label[0]])
         cumulative, buckets = 0, []
-        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+        for bound, n in zip((*self.bounds, float("inf")), counts):
             cumulative += n
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-        family.add_metric([self.label[1]], buckets, self.sum)
+        family.add_metric([self.label[1]], buckets, total)
         yield family
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label[0]])
 
 
-class Metrics:
-    """Observations from the API server and the workers' stats, rendered as Prometheus text."""
+class FastCounter:
+    """A Prometheus counter (name_total) counted per API server and rendered as the sum over them, like FastHistogram."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, name: str, documentation: str, labels: Sequence[str], registry: CollectorRegistry,
+                 peers: PeerStates) -> None:
+        self.name, self.documentation, self.labels, self.peers = name, documentation, list(labels), peers
+        self.values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def inc(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def state(self) -> list:
+        return [[list(k), v] for k, v in self.values.items()]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        values = dict(self.values)
+        for peer in self.peers.read():
+            for labels, value in peer.get(self.name, []):
+                values[tuple(labels)] = values.get(tuple(labels), 0.0) + value
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for labels, value in sorted(values.items()):
+            family.add_metric(list(labels), value)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+
+
+class Metrics:
+    """Observations from the API server and the workers' stats, rendered as Prometheus text.
+
+    The workers' stats reach every API server alike, so each renders them itself; what an API server observes of
+    its own requests (latencies, tokens, finishes, routes, rejections) is summed over all of them (PeerStates).
+    """
+
+    def __init__(self, model_name: str, peers: PeerStates | None = None) -> None:
         disable_created_metrics()
         self.registry = CollectorRegistry()
+        self.peers = p = peers or PeerStates()
         self.model = model_name
         labels = ["model_name", "engine"]
         r = self.registry
@@ -68,26 +145,32 @@ class Metrics:
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", labels, registry=r)
         self.preemptions = Counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.", labels, registry=r)
         model = ("model_name", model_name)
-        self.ttft = FastHistogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS, model, r)
+        self.ttft = FastHistogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS, model, r, p)
         self.itl = FastHistogram("vllm:inter_token_latency_seconds", "Time between consecutive tokens.", ITL_BUCKETS,
-                                 model, r)
+                                 model, r, p)
         self.e2e = FastHistogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS,
-                                 model, r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", ["model_name"], registry=r).labels(model_name)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens of finished requests.", ["model_name"], registry=r).labels(model_name)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r)
-        self.prefills = Counter("ppd:prefills", "Prefills by where they ran (prefill worker or inline on the decode worker).",
-                                ["model_name", "route"], registry=r)
-        self.decisions = Counter("ppd:route_decisions", "The router's route decisions, by route and reason (miss, static, "
-                                 "table, queue, model, itl_slo, ttft_slo, client).", ["model_name", "route", "reason"],
-                                 registry=r)
+                                 model, r, p)
+        self.prompt_tokens = FastCounter("vllm:prompt_tokens", "Prompt tokens of finished requests.", ["model_name"], r, p)
+        self.generation_tokens = FastCounter("vllm:generation_tokens", "Generated tokens of finished requests.",
+                                             ["model_name"], r, p)
+        self.success = FastCounter("vllm:request_success", "Finished requests by finish reason.",
+                                   ["model_name", "finished_reason"], r, p)
+        self.prefills = FastCounter("ppd:prefills", "Prefills by where they ran (prefill worker or inline on the decode "
+                                    "worker).", ["model_name", "route"], r, p)
+        self.decisions = FastCounter("ppd:route_decisions", "The router's route decisions, by route and reason (miss, "
+                                     "static, table, queue, model, itl_slo, ttft_slo, client).",
+                                     ["model_name", "route", "reason"], r, p)
         self.prefill_queue = Gauge("ppd:prefill_queue_tokens", "Uncached prompt tokens queued on the prefill worker.",
                                    labels, registry=r)
         self.prefill_speed = Gauge("ppd:prefill_tokens_per_second", "The prefill worker's measured speed.", labels,
                                    registry=r)
-        self.rejections = Counter("ppd:requests_rejected", "Requests answered 429 because the server was overloaded, by "
-                                  "reason (overloaded: refused on arrival; queue_time: waited too long to start).",
-                                  ["model_name", "reason"], registry=r)
+        self.rejections = FastCounter("ppd:requests_rejected", "Requests answered 429 because the server was overloaded, "
+                                      "by reason (overloaded: refused on arrival; queue_time: waited too long to start).",
+                                      ["model_name", "reason"], r, p)
+        for counter in (self.prompt_tokens, self.generation_tokens):  # shown from the start, as vLLM's are
+            counter.inc((model_name,), 0)
+        self.request_side = (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
+                             self.prefills, self.decisions, self.rejections)
         self.decode_step = Gauge("ppd:decode_step_seconds", "The decode worker's recent decode-only step time.", labels,
                                  registry=r)
         self.share = Gauge("ppd:partition_share", "Each worker's share of its unit's device now (cores on the CPU).",
@@ -118,13 +201,13 @@ class Metrics:
         self.prefill_speed.labels(self.model, str(unit)).set(tokens_per_s)
 
     def rejected(self, reason: str) -> None:
-        self.rejections.labels(self.model, reason).inc()
+        self.rejections.inc((self.model, reason))
 
     def route_decision(self, route: str, reason: str) -> None:
-        self.decisions.labels(self.model, route, reason).inc()
+        self.decisions.inc((self.model, route, reason))
 
     def prefill_routed(self, route: str) -> None:
-        self.prefills.labels(self.model, route).inc()
+        self.prefills.inc((self.model, route))
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -135,9 +218,13 @@ class Metrics:
 
     def request_finished(self, e2e_seconds: float, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
         self.e2e.observe(e2e_seconds)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generated_tokens)
-        self.success.labels(self.model, reason).inc()
+        self.prompt_tokens.inc((self.model,), prompt_tokens)
+        self.generation_tokens.inc((self.model,), generated_tokens)
+        self.success.inc((self.model, reason))
+
+    def write_state(self) -> None:
+        """Publish this API server's request-side counts to the others (with several API servers)."""
+        self.peers.write({m.name: m.state() for m in self.request_side})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
-import gc
 import logging
 import os
 import re
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +93,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         raise UsageError(f"--stub-engine {args.stub_engine}: the step must be a positive number of milliseconds")
     if args.units is not None and args.units < 1:
         raise UsageError("--units must be at least 1")
+    if args.api_server_count < 1:
+        raise UsageError(f"--api-server-count {args.api_server_count}: at least 1")
     if args.max_num_batched_tokens < args.max_num_seqs:
         raise UsageError(f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least --max-num-seqs "
                          f"({args.max_num_seqs}): every running sequence decodes one token per step")
@@ -160,7 +162,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                         gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
                         partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms,
-                        log_level=args.log_level, stub_step_ms=args.stub_engine)
+                        log_level=args.log_level, stub_step_ms=args.stub_engine, api_servers=args.api_server_count)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
@@ -235,23 +237,41 @@ def load_tokenizer(path: str | None):
     return tokenizer
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound before any worker starts, so a port in use is reported at once."""
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The server's listening socket, bound before any worker starts, so a port in use is reported at once.
+    reuse_port: other API servers (--api-server-count) bind the port too, and the kernel spreads the connections
+    over them; a plain bind first makes sure no other server holds the port, with reuse_port or without."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as exc:
         raise UsageError(f"--host {host}: not an address of this machine ({exc})") from exc
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock = None
     try:
-        sock.bind((host, port))
+        for reuse in (False, True) if reuse_port else (False,):
+            if sock is not None:
+                sock.close()
+            sock = bound_socket(family, host, port, reuse)
     except OSError as exc:
-        sock.close()
+        if sock is not None:
+            sock.close()
         what = "is in use (another server, or one that has not exited yet)" if exc.errno == errno.EADDRINUSE else \
             f"cannot be opened ({exc.strerror})"
         raise UsageError(f"port {port} on {host} {what}: stop that process or choose another with --port") from exc
     sock.listen(2048)
     sock.set_inheritable(True)
+    return sock
+
+
+def bound_socket(family: int, host: str, port: int, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
@@ -309,9 +329,10 @@ def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
     from profiles import cpu_device_name
     from scheduler.router import Router
-    from server.engine_client import Admission, EngineClient, EngineError
+    from server.api_servers import ApiServerProcesses, DrainingServer, admission_for, freeze_startup_heap
+    from server.engine_client import EngineClient
     from server.launcher import Launcher
-    from server.metrics import Metrics
+    from server.metrics import Metrics, PeerStates
 
     plan = plan_serve(args)
     guard = request_guard(args)
@@ -324,16 +345,15 @@ def serve(args: argparse.Namespace) -> None:
     # What can fail on the operator's side fails now, before any worker starts: the port, the tokenizer.
     sock = None
     try:
-        sock = listen_socket(args.host, args.port)
+        sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
         tokenizer = load_tokenizer(plan.tokenizer_path)
     except UsageError:
         if sock is not None:
             sock.close()
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
         raise
-    max_waiting = args.max_num_seqs if args.max_waiting_requests is None else args.max_waiting_requests
-    admission = Admission(max_waiting or None, args.max_queue_time_s or None)
-    client = EngineClient(plan.units, router, Metrics(plan.model_name), admission)
+    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, 0, args.api_server_count))
+    client = EngineClient(plan.units, router, metrics, admission_for(args))
     launcher = Launcher(plan.units, client)
     mps_daemon = None
     if plan.mps is not None and plan.mps.start:
@@ -362,6 +382,8 @@ def serve(args: argparse.Namespace) -> None:
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.units[0].partition.describe(), args.policy)
     launcher.spawn_all()  # the workers load the model while this process loads the web stack
+    helpers = ApiServerProcesses(args, plan)  # API servers 1..N-1 (--api-server-count)
+    helpers.spawn_all()
     import uvicorn
 
     from server.api import ServedModel, build_app
@@ -377,17 +399,14 @@ def serve(args: argparse.Namespace) -> None:
     client.on_ready = on_ready
 
     fatal: list[str] = []
-    loops: list[asyncio.AbstractEventLoop] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        loops.append(asyncio.get_running_loop())
-        # What was loaded so far (the web stack, the tokenizer, transformers) lives as long as the server: kept out
-        # of the collector's generations, a collection no longer walks it while tokens stream.
-        gc.collect()
-        gc.freeze()
+        server.loop = asyncio.get_running_loop()
+        freeze_startup_heap()
         client.start()
         starting = asyncio.get_running_loop().create_task(launcher.start())
+        watching = asyncio.get_running_loop().create_task(helpers.watch())
 
         def started(task: asyncio.Task) -> None:
             if task.cancelled():
@@ -404,32 +423,23 @@ def serve(args: argparse.Namespace) -> None:
             yield
         finally:
             starting.cancel()
+            watching.cancel()
+            # The other API servers drain too, and their requests need the workers until they are done.
+            await asyncio.to_thread(helpers.stop, args.shutdown_timeout + 5)
             launcher.shutdown()
             client.close()
             if mps_daemon is not None:
                 mps_daemon.stop()  # after the workers, its clients, are gone
             shutil.rmtree(plan.ipc_dir, ignore_errors=True)
 
-    def end_the_rest() -> None:
-        if (n := client.fail_all(EngineError(503, f"the server is shutting down and this request did not finish "
-                                                  f"within --shutdown-timeout ({args.shutdown_timeout:g}s); retry"))):
-            log.warning("shutdown: ended %d request(s) that were still running", n)
+    def on_signal(sig: int) -> None:
+        launcher.stopping = True  # the workers stop after the requests in flight (lifespan)
+        helpers.signal(sig)
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # SIGTERM or Ctrl-C: stop taking requests, let those in flight finish for up to --shutdown-timeout,
-            # end the rest with an error (streams get an error event and [DONE]), then stop the workers (lifespan).
-            launcher.stopping = True
-            if not client.draining and loops:
-                client.draining = True
-                log.info("shutting down: %d request(s) in flight get up to %gs to finish (a second Ctrl-C cuts them)",
-                         len(client.requests), args.shutdown_timeout)
-                loops[0].call_soon_threadsafe(loops[0].call_later, args.shutdown_timeout, end_the_rest)
-            super().handle_exit(sig, frame)
-
-    app = build_app(model, client, lambda: health(plan, client, launcher), lifespan, guard)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=args.shutdown_timeout + 5))
+    app = build_app(model, client, lambda: health(plan, client, launcher.pids), lifespan, guard)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout + 5),
+                            client, args.shutdown_timeout, on_signal)
     try:
         server.run(sockets=[sock])
     finally:
@@ -439,8 +449,8 @@ def serve(args: argparse.Namespace) -> None:
         raise UsageError(fatal[0])
 
 
-def health(plan: ServePlan, client, launcher) -> list[dict]:
-    """Each unit's readiness, device and workers, for GET /health."""
+def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | None, bool]]]) -> list[dict]:
+    """Each unit's readiness, device and workers (pids(unit): role -> (pid, alive)), for GET /health."""
     units = []
     for u, cfg in enumerate(plan.units):
         state = client.state[u]
@@ -458,7 +468,7 @@ def health(plan: ServePlan, client, launcher) -> list[dict]:
         units.append({"unit": u, "ready": client.unit_ready(u), "device": device, "partition": partition,
                       "waiting": state.waiting,
                       "overloaded": overloaded is not None, **({"overload": overloaded} if overloaded else {}),
-                      "workers": workers_of(launcher.pids(u), cfg)})
+                      "workers": workers_of(pids(u), cfg)})
     return units
 
 

@@ -21,3 +21,14 @@ def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) ->
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == result["rows"]
     assert "| 8 |" in (tmp_path / "results.md").read_text()
+
+
+def test_frontend_bench_over_two_api_servers_and_two_client_processes(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_frontend_args(parser)
+    args = parser.parse_args(["--streams", "16", "--tokens", "12", "--step-ms", "5", "--rounds", "1",
+                              "--serve-args", "--api-server-count 2", "--client-procs", "2", "--out", str(tmp_path)])
+    (row,) = main(args)["rows"]
+    assert row["errors"] == row["short_streams"] == 0, row["first_error"]
+    assert row["api_servers"] == 2  # both processes' CPU is counted
+    assert row["tokens_per_s"] > 0 and row["server_cpu_ms_per_1k_tokens"] > 0

@@ -113,3 +113,39 @@ def test_client_route_hint_overrides_the_policy_for_an_append_only() -> None:
     assert router.route(list(range(16)), available=[0], route_hint="decode").route == "prefill"  # a miss
     placed = router.route(list(range(16)) + [5, 6], available=[0], route_hint="decode")
     assert (placed.route, placed.decision.reason) == ("decode", "client")
+
+
+def _api_servers(n: int) -> list[Router]:
+    """n API servers' routers joined as the router bus joins them: every event reaches every other one."""
+    routers = [Router(num_units=2, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100) for _ in range(n)]
+    for i, router in enumerate(routers):
+        router.origin = i
+        router.publish = lambda event, i=i: [r.apply(event) for j, r in enumerate(routers) if j != i]
+    return routers
+
+
+def test_api_servers_share_placements_sessions_and_load() -> None:
+    a, b = _api_servers(2)
+    a.route([99] * BS, [0])  # unit 0 is busier: the conversation goes to unit 1, where b alone would not look
+    first = list(range(3 * BS))
+    placed = a.route(first, [0, 1])
+    assert placed.unit == 1
+    # A conversation's next turn reaches the other API server: it follows its prefix there too.
+    answer = [900 + i for i in range(BS)]
+    a.finished(placed.unit, first + answer)
+    again = b.route(first + answer + [7] * BS, [0, 1])
+    assert again.unit == placed.unit and again.est_cached_tokens == len(first) + BS
+    # A session placed through one API server keeps its unit through the other, against the prefix.
+    s = b.route([5] * BS, [0, 1], session="s")
+    other = 1 - s.unit
+    a.route([42] * (4 * BS), [other])  # the other unit now holds a longer match for the next prompt
+    a.finished(other, [42] * (4 * BS))
+    assert a.route([42] * (4 * BS), [0, 1], session="s").unit == s.unit
+    # Each counts the other's requests in the units' load: both see the same.
+    assert a.load == b.load and sum(a.load) == 4
+
+
+def test_an_api_servers_new_conversations_balance_with_the_others() -> None:
+    a, b = _api_servers(2)
+    units = [r.route([1000 * i + t for t in range(BS)], [0, 1]).unit for i, r in enumerate([a, b, a, b])]
+    assert sorted(units) == [0, 0, 1, 1]  # alone, each would have put its first two on unit 0 then 1: the same

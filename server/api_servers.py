@@ -1,0 +1,203 @@
+"""Several API-server processes over the same units (`ppd serve --api-server-count N`), as vLLM's flag.
+
+One event loop tokenizes, detokenizes and streams every request; past about one core of that work, streamed
+tokens wait for it (ppd bench frontend). With N > 1 the main process (API server 0: the launcher, the units'
+restarts, MPS) starts N - 1 more, which listen on the same port (SO_REUSEPORT), so the kernel spreads the
+connections over them evenly (a shared listening socket goes mostly to whichever process wakes first); each one
+listens only once it has heard from every unit. Each has its own EngineClient: its requests go straight to the units, and the units send
+its requests' tokens straight back to it (scheduler/worker_setup.py ApiServers). What must be the same everywhere
+is shared without touching a token: the routers' placements and the units' restarts over a bus through API
+server 0 (engine_client.RouterBus), the request-side metrics through files (metrics.PeerStates).
+
+An API server that dies is started again; the requests it was streaming are lost with their connections (their
+units finish them and drop the tokens). Each one admits at most its share of --max-waiting-requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import gc
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+
+import uvicorn
+
+from partition.processes import process_alive
+from server.engine_client import Admission, EngineClient, EngineError
+
+log = logging.getLogger("ppd.api")
+
+WATCH_INTERVAL_S = 0.5
+PR_SET_PDEATHSIG = 1
+PASSED_ON = {signal.SIGTERM: signal.SIGUSR1, signal.SIGINT: signal.SIGUSR2}  # see HelperServer
+
+
+def admission_for(args: argparse.Namespace) -> Admission:
+    """The admission limits of one API server: its share of --max-waiting-requests (rounded up)."""
+    max_waiting = args.max_num_seqs if args.max_waiting_requests is None else args.max_waiting_requests
+    share = math.ceil(max_waiting / args.api_server_count) if max_waiting else None
+    return Admission(share, args.max_queue_time_s or None)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, stopping as a server in a pool should: on SIGTERM or Ctrl-C it takes no new request (503), lets those
+    in flight finish for up to shutdown_timeout, ends the rest with an error (streams get an error event and
+    [DONE]), then stops. on_signal runs first (API server 0 passes the signal on to the others)."""
+
+    def __init__(self, config: uvicorn.Config, client: EngineClient, shutdown_timeout: float,
+                 on_signal: Callable[[int], None] | None = None) -> None:
+        super().__init__(config)
+        self.client, self.shutdown_timeout, self.on_signal = client, shutdown_timeout, on_signal
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the app's lifespan
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.on_signal is not None:
+            self.on_signal(sig)
+        if not self.client.draining and self.loop is not None:
+            self.client.draining = True
+            log.info("shutting down: %d request(s) in flight get up to %gs to finish (a second Ctrl-C cuts them)",
+                     len(self.client.requests), self.shutdown_timeout)
+            self.loop.call_soon_threadsafe(self.loop.call_later, self.shutdown_timeout, self.end_the_rest)
+        super().handle_exit(sig, frame)
+
+    def end_the_rest(self) -> None:
+        error = EngineError(503, f"the server is shutting down and this request did not finish within "
+                                 f"--shutdown-timeout ({self.shutdown_timeout:g}s); retry")
+        if n := self.client.fail_all(error):
+            log.warning("shutdown: ended %d request(s) that were still running", n)
+
+
+def freeze_startup_heap() -> None:
+    """What was loaded so far (the web stack, the tokenizer, transformers) lives as long as the server: kept out of
+    the collector's generations, a collection no longer walks it while tokens stream."""
+    gc.collect()
+    gc.freeze()
+
+
+class ApiServerProcesses:
+    """API servers 1..N-1, started, watched and stopped by API server 0."""
+
+    def __init__(self, args: argparse.Namespace, plan) -> None:
+        self.args, self.plan = args, plan
+        self.ctx = mp.get_context("spawn")
+        self.procs: dict[int, BaseProcess] = {}
+        self.stopping = self.signalled = False
+
+    def spawn_all(self) -> None:
+        for index in range(1, self.args.api_server_count):
+            self._spawn(index)
+
+    def _spawn(self, index: int) -> None:
+        proc = self.ctx.Process(target=run_api_server, args=(self.args, self.plan, index),
+                                name=f"ppd-api-{index}", daemon=False)
+        proc.start()
+        self.procs[index] = proc
+
+    async def watch(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for index, proc in list(self.procs.items()):
+                if not self.stopping and not proc.is_alive():
+                    log.error("API server %d died (exit code %s); starting it again (the streams it served are lost)",
+                              index, proc.exitcode)
+                    self._spawn(index)
+
+    def signal(self, sig: int) -> None:
+        """Pass API server 0's shutdown signal on (see HelperServer): each API server drains its own requests."""
+        self.stopping = self.signalled = True
+        for proc in self.procs.values():
+            if proc.pid is not None and proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, PASSED_ON[sig])
+
+    def stop(self, timeout: float) -> None:
+        """Let them drain for up to timeout (told to, unless a signal was passed on already), then end what is left."""
+        if not self.signalled:
+            self.signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+class HelperServer(DrainingServer):
+    """API servers 1..N-1 take their shutdown signals from API server 0 only, passed on as SIGUSR1 (for SIGTERM) and
+    SIGUSR2 (for SIGINT): a Ctrl-C or a service manager's SIGTERM that reaches the whole process group would
+    otherwise come twice, and a second Ctrl-C cuts the streams in flight."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for original, passed in PASSED_ON.items():
+            signal.signal(passed, lambda _sig, frame, original=original: self.handle_exit(original, frame))
+        yield
+
+
+def worker_pids(client: EngineClient, unit: int) -> dict[str, tuple[int | None, bool]]:
+    """role -> (pid, alive) of a unit's workers, as their ready messages gave them (API servers 1..N-1 have no
+    launcher)."""
+    return {role: (pid, process_alive(pid)) for role, pid in client.state[unit].pids.items()}
+
+
+def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
+    """Process entry point of API server `index` (1..N-1)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphan
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
+    from profiles import cpu_device_name
+    from scheduler.router import Router
+    from server.api import ServedModel, build_app
+    from server.metrics import Metrics, PeerStates
+    from server.serve import bound_socket, find_shipped_table, health, load_tokenizer, make_policy_for, request_guard
+
+    policy = make_policy_for(args)
+    model_slug = plan.model_path.rstrip("/").rsplit("/", 1)[-1]
+    if plan.device == "cpu":
+        find_shipped_table(policy, cpu_device_name(), model_slug)
+    router = Router(len(plan.units), args.block_size, policy, plan.units[0].engine.num_kv_blocks or 0,
+                    session_ttl_s=args.session_ttl_s)
+    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, index, args.api_server_count))
+    client = EngineClient(plan.units, router, metrics, admission_for(args), api_server=index)
+    model = ServedModel(plan.model_name, plan.model_path, load_tokenizer(plan.tokenizer_path), plan.max_model_len,
+                        plan.mcfg.vocab_size, plan.mcfg.eos_token_ids, args.tool_call_parser)
+
+    def on_ready() -> None:
+        model.max_model_len = client.max_model_len() or model.max_model_len
+        if plan.device == "cuda":
+            find_shipped_table(policy, client.state[0].device_name or "cuda", model_slug)
+
+    client.on_ready = on_ready
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
+        freeze_startup_heap()
+        client.start()
+        # uvicorn accepts connections only after this: until then API server 0 takes them all, and none gets a 503
+        # from an API server that has not heard from the units yet.
+        await asyncio.gather(*(state.ready_event.wait() for state in client.state))
+        log.info("ready")
+        try:
+            yield
+        finally:
+            client.close()
+
+    app = build_app(model, client, lambda: health(plan, client, lambda u: worker_pids(client, u)), lifespan,
+                    request_guard(args))
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = HelperServer(config, client, args.shutdown_timeout)
+    # Bound now and listening once uvicorn starts serving, after the lifespan saw the units ready.
+    family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+    server.run(sockets=[bound_socket(family, args.host, args.port, reuse_port=True)])

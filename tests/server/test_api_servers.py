@@ -1,0 +1,121 @@
+"""`ppd serve --api-server-count 2`: two API-server processes on one port over the same unit (the stub engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from engine.demo import demo_model_path
+from tests.server.test_overload import read_sse, wait_until
+
+COMPLETIONS = "/v1/completions"
+STEP_MS = 10
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server("--stub-engine", str(STEP_MS), "--api-server-count", "2", "--shutdown-timeout", "20")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_model_path())
+
+
+def complete(url: str, i: int, max_tokens: int = 6) -> httpx.Response:
+    body = {"model": "demo", "prompt": f"request {i}: the quick brown fox", "max_tokens": max_tokens,
+            "return_token_ids": True}
+    with httpx.Client() as client:  # a connection of its own: the kernel picks the API server that accepts it
+        return client.post(f"{url}{COMPLETIONS}", json=body, timeout=30)
+
+
+def served_by_both(url: str, n: int) -> list[httpx.Response]:
+    """n concurrent requests, again until both API servers answered some: the kernel spreads the connections over
+    the API servers that listen, and API server 1 listens only once it is up, which can be after /health says ready
+    (API server 0 serves everything meanwhile)."""
+    responses: list[httpx.Response] = []
+    deadline = time.monotonic() + 60
+    with ThreadPoolExecutor(16) as pool:
+        while time.monotonic() < deadline:
+            responses += pool.map(lambda i: complete(url, i), range(len(responses), len(responses) + n))
+            if {r.headers["x-ppd-api-server"] for r in responses} == {"0", "1"}:
+                break
+            time.sleep(0.5)
+    return responses
+
+
+def test_both_api_servers_answer_correctly(server, tokenizer) -> None:
+    responses = served_by_both(server.url, 32)
+    assert {r.headers["x-ppd-api-server"] for r in responses} == {"0", "1"}
+    for i, r in enumerate(responses):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        prompt = body["prompt_token_ids"]
+        # The stub engine answers a request with its own prompt's tokens: another request's would show here.
+        assert body["choices"][0]["token_ids"] == prompt[:6], i
+        assert body["choices"][0]["text"] == tokenizer.decode(prompt[:6])
+
+
+def test_every_scrape_counts_the_requests_of_both(server) -> None:
+    time.sleep(1.5)  # each API server publishes its counts every second: the counts are at most that stale
+    before = server.metrics().get("vllm:request_success_total", 0)
+    responses = served_by_both(server.url, 16)
+    time.sleep(1.5)
+    for _ in range(8):  # new connections: both API servers answer some of the scrapes
+        with httpx.Client() as client:
+            text = client.get(f"{server.url}/metrics", timeout=10).text
+        total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith("vllm:request_success_total"))
+        assert total == before + len(responses)
+
+
+def stream_until_done(url: str, i: int, max_tokens: int, outcomes: list) -> None:
+    body = {"model": "demo", "prompt": f"stream {i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.Client() as client, client.stream("POST", f"{url}{COMPLETIONS}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        outcomes.append((r.headers.get("x-ppd-api-server"), read_sse(r), time.monotonic()))
+
+
+def start_streams(url: str, n: int, max_tokens: int) -> tuple[list[threading.Thread], list]:
+    outcomes: list = []
+    threads = [threading.Thread(target=stream_until_done, args=(url, i, max_tokens, outcomes)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, outcomes
+
+
+def test_a_dead_unit_ends_the_streams_of_every_api_server_and_comes_back(server) -> None:
+    threads, outcomes = start_streams(server.url, 24, 3000)  # 30 s: far longer than the test
+    wait_until(lambda: server.metrics().get("vllm:num_requests_running", 0) >= 24, 30, "every stream to run")
+    killed = time.monotonic()
+    os.kill(server.worker_pids()["decode"], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=30)
+    assert len(outcomes) == 24
+    assert {api for api, _, _ in outcomes} == {"0", "1"}
+    for api, events, ended in outcomes:
+        # API server 1 learns of the restart from API server 0 (the launcher): its streams do not hang either.
+        assert events[-1] == "[DONE]" and "died" in events[-2], api
+        assert ended - killed < 10
+    wait_until(lambda: server.health()["units"][0]["ready"], 60, "the unit to restart")
+    assert all(r.status_code == 200 for r in served_by_both(server.url, 16))
+
+
+def test_sigterm_drains_the_streams_of_every_api_server(server) -> None:
+    threads, outcomes = start_streams(server.url, 16, 1000 // STEP_MS)  # about a second each
+    wait_until(lambda: server.metrics().get("vllm:num_requests_running", 0) >= 16, 30, "every stream to run")
+    server.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=30)
+    assert server.proc.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert len(outcomes) == 16 and {api for api, _, _ in outcomes} == {"0", "1"}
+    for _, events, _ in outcomes:
+        assert events[-1] == "[DONE]" and '"finish_reason":"length"' in events[-2]
