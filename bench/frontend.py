@@ -143,7 +143,7 @@ def main(args: argparse.Namespace) -> dict:
     out = Path(args.out or os.path.join("bench", "results", "frontend"))
     serve = ["--model", "demo", "--served-model-name", "demo", "--stub-engine", str(args.step_ms),
              "--max-num-seqs", str(most), "--max-num-batched-tokens", str(max(most, 2048)),
-             "--max-waiting-requests", str(most), *args.serve_args.split()]
+             "--max-waiting-requests", "0", "--max-queue-time-s", "0", *args.serve_args.split()]  # no 429: all stream
     proc, url = start_server(serve, out / "server.log")
     rows = []
     try:
