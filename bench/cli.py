@@ -270,7 +270,7 @@ def _tokenizer_folder(args: argparse.Namespace, served: dict) -> str | None:
     from engine.demo import DEMO_MODEL, demo_model_path
 
     root = served.get("root")
-    model = _option(shlex.split(getattr(args, "serve_args", "") or ""), "--model")
+    model = option_value(shlex.split(getattr(args, "serve_args", "") or ""), "--model")
     for folder in (args.tokenizer, root, model):
         if folder and os.path.isdir(folder):
             return folder
@@ -333,7 +333,7 @@ def _server_model(url: str, model: str | None, headers: dict[str, str] | None = 
 def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = None,
                  timeout: float = SERVER_START_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
     """`ppd serve <serve_args>` on a free port, returned once /health says ready; its output goes to log."""
-    port, host = _option(serve_args, "--port"), _option(serve_args, "--host")
+    port, host = option_value(serve_args, "--port"), option_value(serve_args, "--host")
     if port is None:  # a free one, unless the serve arguments name one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -357,7 +357,7 @@ def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = 
     raise BenchError(f"`{shlex.join(cmd)}` not ready after {timeout}s:\n{log.read_text()}")
 
 
-def _option(args: list[str], name: str) -> str | None:
+def option_value(args: list[str], name: str) -> str | None:
     """The value of option `name` in a command line (its last one, as argparse takes it), or None."""
     value = None
     for i, arg in enumerate(args):

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, _option, start_server, stop_server
+from bench.cli import BenchError, _default_out, option_value, start_server, stop_server
 
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
                "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
@@ -54,7 +54,7 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> None:
     serve_args = shlex.split(args.serve_args)
-    gpu = _option(serve_args, "--device") != "cpu" and _cuda_available()
+    gpu = option_value(serve_args, "--device") != "cpu" and _cuda_available()
     configs = dict(c.split("=", 1) for c in args.config) if args.config else (GPU_CONFIGS if gpu else CPU_CONFIGS)
     if args.only:
         names = args.only.split(",")

@@ -24,13 +24,19 @@ PR_SET_PDEATHSIG = 1
 EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report (the router's policy reads them)
 
 
+def die_with_parent() -> None:
+    """Be killed when the process that started this one dies (Linux), even by SIGKILL: no orphan keeps a GPU or a
+    port."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
 def init_worker_process(cfg: UnitConfig, role: str) -> None:
     """Die with the launcher (no orphans even if it is killed), leave Ctrl-C and SIGTERM to it, see only the unit's GPU,
     and take our share of it (cores, or the MPS daemon and thread percentage). Runs before anything touches CUDA."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() == 1:  # the launcher died before prctl took effect
-            os._exit(1)
+    die_with_parent()
     # Ctrl-C and SIGTERM reach the whole process group (a terminal, systemd): the launcher drains the requests in
     # flight and then stops the workers itself, so they ignore both (and die with it all the same, above).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

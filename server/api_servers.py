@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import math
@@ -26,19 +25,18 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import uvicorn
 
 from partition.processes import process_alive
+from scheduler.worker_setup import die_with_parent
 from server.engine_client import Admission, EngineClient, EngineError
 
 log = logging.getLogger("ppd.api")
 
 WATCH_INTERVAL_S = 0.5
-PR_SET_PDEATHSIG = 1
 PASSED_ON = {signal.SIGTERM: signal.SIGUSR1, signal.SIGINT: signal.SIGUSR2}  # see HelperServer
 
 
@@ -153,32 +151,15 @@ def worker_pids(client: EngineClient, unit: int) -> dict[str, tuple[int | None, 
 
 def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
     """Process entry point of API server `index` (1..N-1)."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # no orphan
+    die_with_parent()  # no orphan
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
-    from profiles import cpu_device_name
-    from scheduler.router import Router
-    from server.api import ServedModel, build_app
-    from server.metrics import Metrics, PeerStates
-    from server.serve import bound_socket, find_shipped_table, health, load_tokenizer, make_policy_for, request_guard
+    from server.api import build_app
+    from server.serve import (api_client, bound_socket, health, load_tokenizer, policy_for, request_guard,
+                              served_model)
 
-    policy = make_policy_for(args)
-    model_slug = plan.model_path.rstrip("/").rsplit("/", 1)[-1]
-    if plan.device == "cpu":
-        find_shipped_table(policy, cpu_device_name(), model_slug)
-    router = Router(len(plan.units), args.block_size, policy, plan.units[0].engine.num_kv_blocks or 0,
-                    session_ttl_s=args.session_ttl_s)
-    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, index, args.api_server_count))
-    client = EngineClient(plan.units, router, metrics, admission_for(args), api_server=index)
-    model = ServedModel(plan.model_name, plan.model_path, load_tokenizer(plan.tokenizer_path), plan.max_model_len,
-                        plan.mcfg.vocab_size, plan.mcfg.eos_token_ids, args.tool_call_parser)
-
-    def on_ready() -> None:
-        model.max_model_len = client.max_model_len() or model.max_model_len
-        if plan.device == "cuda":
-            find_shipped_table(policy, client.state[0].device_name or "cuda", model_slug)
-
-    client.on_ready = on_ready
+    policy = policy_for(args, plan)
+    client = api_client(args, plan, policy, index)
+    model = served_model(args, plan, load_tokenizer(plan.tokenizer_path), client, policy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

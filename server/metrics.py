@@ -32,6 +32,7 @@ class PeerStates:
     def __init__(self, folder: str | None = None, me: int = 0, count: int = 1) -> None:
         self.files = [Path(folder) / f"metrics-{i}.msgpack" for i in range(count)] if folder else []
         self.me = me
+        self.states: list[dict] = []  # the others' states as read for the scrape being rendered
 
     def write(self, state: dict) -> None:
         if not self.files:
@@ -40,16 +41,16 @@ class PeerStates:
         tmp.write_bytes(msgspec.msgpack.encode(state))
         tmp.replace(self.files[self.me])  # atomic: a reader sees the old state or the new one
 
-    def read(self) -> list[dict]:
-        states = []
+    def read(self) -> None:
+        """Read the others' states once per scrape (every request-side metric adds them)."""
+        self.states = []
         for i, file in enumerate(self.files):
             if i == self.me:
                 continue
             try:
-                states.append(msgspec.msgpack.decode(file.read_bytes()))
+                self.states.append(msgspec.msgpack.decode(file.read_bytes()))
             except (FileNotFoundError, msgspec.DecodeError):  # not written yet, or being replaced
                 continue
-        return states
 
 
 class FastHistogram:
@@ -79,7 +80,7 @@ class FastHistogram:
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
         counts, total = list(self.counts), self.sum
-        for peer in self.peers.read():
+        for peer in self.peers.states:
             if (state := peer.get(self.name)) is not None:
                 counts = [a + b for a, b in zip(counts, state[0])]
                 total += state[1]
@@ -112,7 +113,7 @@ class FastCounter:
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         values = dict(self.values)
-        for peer in self.peers.read():
+        for peer in self.peers.states:
             for labels, value in peer.get(self.name, []):
                 values[tuple(labels)] = values.get(tuple(labels), 0.0) + value
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
@@ -227,4 +228,5 @@ class Metrics:
         self.peers.write({m.name: m.state() for m in self.request_side})
 
     def render(self) -> bytes:
+        self.peers.read()
         return generate_latest(self.registry)

@@ -325,23 +325,58 @@ def find_shipped_table(policy, device: str, model: str) -> None:
         log.warning("ppd policy: %s; a cost model from live measurements stands in", exc)
 
 
+def policy_for(args: argparse.Namespace, plan: ServePlan):
+    """The routing policy of an API server, with its table where the device is known before the units start."""
+    from profiles import cpu_device_name
+
+    policy = make_policy_for(args)
+    if plan.device == "cpu":
+        find_shipped_table(policy, cpu_device_name(), model_slug(plan))
+    return policy
+
+
+def model_slug(plan: ServePlan) -> str:
+    return os.path.basename(plan.model_path.rstrip("/"))
+
+
+def api_client(args: argparse.Namespace, plan: ServePlan, policy, api_server: int):
+    """API server `api_server`'s engine client, with its router and its metrics (--api-server-count)."""
+    from scheduler.router import Router
+    from server.api_servers import admission_for
+    from server.engine_client import EngineClient
+    from server.metrics import Metrics, PeerStates
+
+    router = Router(len(plan.units), args.block_size, policy, plan.units[0].engine.num_kv_blocks or 0,
+                    session_ttl_s=args.session_ttl_s)
+    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, api_server, args.api_server_count))
+    return EngineClient(plan.units, router, metrics, admission_for(args), api_server)
+
+
+def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, policy):
+    """What the API serves; once the units are ready it takes their context length, and on a GPU the ppd policy
+    its device's table."""
+    from server.api import ServedModel
+
+    model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
+                        plan.mcfg.eos_token_ids, args.tool_call_parser)
+
+    def on_ready() -> None:
+        model.max_model_len = client.max_model_len() or model.max_model_len
+        if plan.device == "cuda":
+            find_shipped_table(policy, client.state[0].device_name or "cuda", model_slug(plan))
+
+    client.on_ready = on_ready
+    return model
+
+
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
-    from profiles import cpu_device_name
-    from scheduler.router import Router
-    from server.api_servers import ApiServerProcesses, DrainingServer, admission_for, freeze_startup_heap
-    from server.engine_client import EngineClient
+    from server.api_servers import ApiServerProcesses, DrainingServer, freeze_startup_heap
     from server.launcher import Launcher
-    from server.metrics import Metrics, PeerStates
 
     plan = plan_serve(args)
     guard = request_guard(args)
-    capacity = plan.units[0].engine.num_kv_blocks or 0
-    policy = make_policy_for(args)
-    model_slug = os.path.basename(plan.model_path.rstrip("/"))
-    if plan.device == "cpu":
-        find_shipped_table(policy, cpu_device_name(), model_slug)
-    router = Router(len(plan.units), args.block_size, policy, capacity, session_ttl_s=args.session_ttl_s)
+    policy = policy_for(args, plan)
     # What can fail on the operator's side fails now, before any worker starts: the port, the tokenizer.
     sock = None
     try:
@@ -352,8 +387,7 @@ def serve(args: argparse.Namespace) -> None:
             sock.close()
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
         raise
-    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, 0, args.api_server_count))
-    client = EngineClient(plan.units, router, metrics, admission_for(args))
+    client = api_client(args, plan, policy, 0)
     launcher = Launcher(plan.units, client)
     mps_daemon = None
     if plan.mps is not None and plan.mps.start:
@@ -386,17 +420,9 @@ def serve(args: argparse.Namespace) -> None:
     helpers.spawn_all()
     import uvicorn
 
-    from server.api import ServedModel, build_app
+    from server.api import build_app
 
-    model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
-                        plan.mcfg.eos_token_ids, args.tool_call_parser)
-
-    def on_ready() -> None:
-        model.max_model_len = client.max_model_len() or model.max_model_len
-        if plan.device == "cuda":
-            find_shipped_table(policy, client.state[0].device_name or "cuda", model_slug)
-
-    client.on_ready = on_ready
+    model = served_model(args, plan, tokenizer, client, policy)
 
     fatal: list[str] = []
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.cli import option_value as flag  # --name value or --name=value; the last one wins
 from scheduler.messages import WorkerStats
 from server.metrics import Metrics
 
@@ -44,17 +45,6 @@ def find(folder: str, kind: str, name: str | None = None) -> dict:
 
 def container(deployment: dict) -> dict:
     return deployment["spec"]["template"]["spec"]["containers"][0]
-
-
-def flag(args: list[str], name: str) -> str | None:
-    """The value of --name in an argument list, written `--name value` or `--name=value`; the last one wins."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def dockerfile(name: str) -> dict[str, list[str]]:
