@@ -6,6 +6,10 @@ LRU). A cached block has a chain hash, its token ids and the serial of the
 cached block before it; a prefix matches only if all three agree, so neither a
 hash collision nor a parent block evicted and reused for other tokens can ever
 serve wrong KV.
+
+With a BlockHasher (KV-cache events on), each cached block also carries its
+vLLM block hash, and every block cached or dropped is recorded as a vLLM
+BlockStored / BlockRemoved event for the decode worker to publish.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.kv_events import BlockHasher, KVCacheEvent, removed, stored
 from engine.prefix_hash import chain_hash
 
 _ROOT = 0  # parent serial of a sequence's first block; real serials start at 1
@@ -23,7 +28,7 @@ _ROOT = 0  # parent serial of a sequence's first block; real serials start at 1
 class Block:
     """One KV block: reference count and, once cached, its hash, token ids, serial and parent's serial."""
 
-    __slots__ = ("block_id", "hash", "parent", "ref_count", "serial", "token_ids")
+    __slots__ = ("block_id", "ext", "hash", "parent", "ref_count", "serial", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -32,6 +37,7 @@ class Block:
 
     def reset(self) -> None:
         self.hash: int | None = None
+        self.ext: bytes | None = None  # the vLLM block hash, with KV-cache events on
         self.token_ids: tuple[int, ...] | None = None
         # A fresh serial per registration: a child records its parent's serial, so reusing the
         # parent's block for other tokens breaks the link even if the new content hashes the same.
@@ -45,14 +51,17 @@ class _Seq:
     num_hashed: int  # leading blocks already matched or registered in the cache
     last_hash: int | None
     last_serial: int
+    last_ext: bytes | None  # the vLLM hash of the last hashed block (KV-cache events on)
 
 
 class BlockManager:
     """Allocates KV blocks to sequences and keeps finished prefixes cached (ref-counted, LRU-evicted)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.hasher = hasher
+        self.events: list[KVCacheEvent] = []  # since the last take_events(), with a hasher
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
@@ -97,7 +106,8 @@ class BlockManager:
             block.ref_count += 1
         table = [block.block_id for block in matched] + [self._take() for _ in range(num_new)]
         last = matched[-1] if matched else None
-        self._seqs[seq_id] = _Seq(table, len(matched), last.hash if last else None, last.serial if last else _ROOT)
+        self._seqs[seq_id] = _Seq(table, len(matched), last.hash if last else None, last.serial if last else _ROOT,
+                                  last.ext if last else None)
         return len(matched) * self.block_size
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -123,24 +133,39 @@ class BlockManager:
         bs = self.block_size
         num_full = min(num_computed, len(token_ids)) // bs
         assert num_full <= len(seq.table), "KV written beyond the sequence's blocks"
+        run: list[Block] = []  # blocks newly cached in a row, for one BlockStored event
+        run_parent = seq.last_ext
         for i in range(seq.num_hashed, num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(seq.last_hash, tokens)
+            ext = self.hasher.block(seq.last_ext, tokens) if self.hasher else None
             existing = self._hash_to_block.get(h)
             if existing is not None:
                 other = self._blocks[existing]
                 if other.token_ids == tokens and other.parent == seq.last_serial:
-                    seq.last_hash, seq.last_serial = h, other.serial
+                    self._record_stored(run, run_parent)
+                    run, run_parent = [], other.ext
+                    seq.last_hash, seq.last_serial, seq.last_ext = h, other.serial, other.ext
                     continue
                 # A collision, or an orphan whose parent was evicted: neither can ever match, so make way.
+                if any(b is other for b in run):  # a collision within this sequence: report it stored, then removed
+                    self._record_stored(run, run_parent)
+                    run, run_parent = [], seq.last_ext
                 self._uncache(other)
             block = self._blocks[seq.table[i]]
             assert block.hash is None and block.ref_count > 0
-            block.hash, block.token_ids, block.parent = h, tokens, seq.last_serial
+            block.hash, block.token_ids, block.parent, block.ext = h, tokens, seq.last_serial, ext
             block.serial = next(self._serials)
             self._hash_to_block[h] = block.block_id
-            seq.last_hash, seq.last_serial = h, block.serial
+            seq.last_hash, seq.last_serial, seq.last_ext = h, block.serial, ext
+            run.append(block)
+        self._record_stored(run, run_parent)
         seq.num_hashed = max(seq.num_hashed, num_full)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events recorded since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
 
     def free(self, seq_id: str) -> None:
         """Drop the sequence's references; unreferenced cached blocks become evictable, others free."""
@@ -194,7 +219,17 @@ class BlockManager:
     def _forget(self, block: Block) -> None:
         assert block.hash is not None and self._hash_to_block[block.hash] == block.block_id
         del self._hash_to_block[block.hash]
+        if self.hasher is not None:
+            self.events.append(removed([self.hasher.external(block.ext)]))
         block.reset()
+
+    def _record_stored(self, run: list[Block], parent: bytes | None) -> None:
+        """One BlockStored for blocks of one sequence cached in a row; parent: the vLLM hash of the block before."""
+        if not run or self.hasher is None:
+            return
+        ext = self.hasher.external
+        self.events.append(stored([ext(b.ext) for b in run], None if parent is None else ext(parent),
+                                  [t for b in run for t in b.token_ids], self.block_size))
 
     def _uncache(self, block: Block) -> None:
         self._forget(block)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.engine import EngineConfig
+from engine.kv_events import KVEventsConfig
 from partition.backends import UnitPartition
 
 POLICIES = ("pd", "dlocal", "ppd", "aggregated")
@@ -28,6 +29,12 @@ class UnitConfig:
     log_level: str = "info"
     stub_step_ms: float | None = None  # no model: a stand-in worker emits a token per request this often (stub_worker.py)
     api_servers: int = 1  # API-server processes sending to the unit (--api-server-count)
+    kv_events: KVEventsConfig | None = None  # the decode worker publishes KV-cache events (--kv-events-config)
+    hash_algo: str = "sha256"  # the events' block hashes (--prefix-caching-hash-algo)
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        return self.kv_events is not None and self.kv_events.publishing
 
     @property
     def aggregated(self) -> bool:

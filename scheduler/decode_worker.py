@@ -25,6 +25,7 @@ import zmq
 
 from engine.block_manager import BlockManager
 from engine.engine import Engine, device_info
+from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, KVEventsError, offset_endpoint
 from engine.model_runner import StepInput
 from engine.shared_memory import release_name
 from partition.backends import check_in_worker
@@ -72,7 +73,10 @@ class DecodeWorker:
         graph_streams = {k: self.streams.stream("decode", k) for k in self.streams.keys} if self.streams else None
         self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams)
         plan = self.engine.plan
-        self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size), self.engine.mcfg.eos_token_ids,
+        self.kv_events = kv_event_publisher(cfg, ctx)
+        hasher = BlockHasher(cfg.hash_algo) if self.kv_events is not None else None
+        self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size, hasher),
+                                         self.engine.mcfg.eos_token_ids,
                                          plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
                                          cfg.aggregated, self.engine.mcfg.vocab_size)
         self.requests = requests_socket(ctx, cfg)
@@ -130,6 +134,8 @@ class DecodeWorker:
                 self.engine.release(request_id)
             self.scheduler.finished.clear()
             self.send()
+            if self.kv_events is not None and (events := self.scheduler.blocks.take_events()):
+                self.kv_events.publish(events)
 
     def receive(self, block: bool) -> None:
         """Take every message waiting; when idle, wait for one (waking up now and then to report stats)."""
@@ -230,6 +236,23 @@ class DecodeWorker:
         """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the workers."""
         release_name(self.engine.weights_handle)
         release_name(self.engine.kv_handle)
+
+
+def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | None:
+    """The unit's KV-event publisher (--kv-events-config), its first event clearing what a subscriber knew of the
+    unit: a restarted worker starts with an empty cache."""
+    if not cfg.publishes_kv_events:
+        return None
+    try:
+        publisher = KVEventPublisher(cfg.kv_events, cfg.unit, ctx)
+    except zmq.ZMQError as exc:
+        raise KVEventsError(f"--kv-events-config: unit {cfg.unit} cannot open "
+                            f"{offset_endpoint(cfg.kv_events.endpoint, cfg.unit)}: {exc}; is another server (or "
+                            "another unit's endpoint) on that port?") from exc
+    publisher.publish([AllBlocksCleared()])
+    log.info("KV events: publishing on %s%s", publisher.endpoint,
+             f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+    return publisher
 
 
 def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: Engine | None = None) -> ShareManager | None:

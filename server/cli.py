@@ -124,6 +124,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="cpu: the partition profile (ppd profile partition) the share manager reads with "
                         "--itl-slo-ms; default: the shipped profile of this device and model, else an even split")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV-cache events as vLLM does (its flag and JSON), for routers that place requests "
+                        "where their blocks are (vllm-router --policy kv_aware): e.g. '{\"enable_kv_cache_events\": "
+                        "true, \"endpoint\": \"tcp://*:5557\"}'. Unit u publishes on the endpoint's port + u")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "sha256_cbor"],
+                   help="how KV-cache events hash blocks, as vLLM's flag: sha256 over pickle (vLLM's default) or "
+                        "over canonical CBOR (needs cbor2); the seed is $PYTHONHASHSEED, else vLLM's default")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of each GPU's memory to use: the KV cache gets what the weights, activations and "
                         "graphs leave")

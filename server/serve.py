@@ -20,6 +20,7 @@ from pathlib import Path
 from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import EngineConfig
+from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describe
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
@@ -93,6 +94,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         raise UsageError(f"--stub-engine {args.stub_engine}: the step must be a positive number of milliseconds")
     if args.units is not None and args.units < 1:
         raise UsageError("--units must be at least 1")
+    kv_events = kv_events_config(args)
     if args.api_server_count < 1:
         raise UsageError(f"--api-server-count {args.api_server_count}: at least 1")
     if args.max_num_batched_tokens < args.max_num_seqs:
@@ -162,10 +164,28 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                         gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
                         partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms,
-                        log_level=args.log_level, stub_step_ms=args.stub_engine, api_servers=args.api_server_count)
+                        log_level=args.log_level, stub_step_ms=args.stub_engine, api_servers=args.api_server_count,
+                        kv_events=kv_events, hash_algo=args.prefix_caching_hash_algo)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
+    if kv_events is not None and kv_events.publishing:
+        log.info("%s", describe(kv_events, len(units)))
     name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
+
+
+def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
+    """--kv-events-config, checked (with the hash algorithm it needs) before any process starts."""
+    if args.kv_events_config is None:
+        return None
+    try:
+        cfg = KVEventsConfig.parse(args.kv_events_config)
+        BlockHasher(args.prefix_caching_hash_algo)
+    except KVEventsError as exc:
+        raise UsageError(str(exc)) from exc
+    if cfg.publishing and args.stub_engine is not None:
+        raise UsageError("--kv-events-config: the stub engine keeps no KV cache, so it has no events to publish; "
+                         "drop one of the two")
+    return cfg
 
 
 def share_manager_on(asked: bool | None, partition: str) -> bool:
