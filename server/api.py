@@ -34,6 +34,7 @@ from server.guard import Guard, GuardMiddleware
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.responses import (Choice, Event, Prompt, TokenText, choice_body, prompt_logprobs_body, stream_events,
                               usage)
+from server.tokenize_api import add_token_routes
 from server.tool_output import ToolOutput, tool_output_for
 
 log = logging.getLogger("ppd.api")
@@ -59,6 +60,56 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.token_text = TokenText(self.tokenizer)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in (self.name, self.path):
+            raise RequestError(f"The model `{name}` does not exist; this server serves `{self.name}`", status=404,
+                               param="model")
+
+    def need_tokenizer(self, param: str) -> None:
+        if self.tokenizer is None:
+            raise RequestError("this server runs without a tokenizer (--skip-tokenizer-init): send the prompt as a "
+                               "list of token ids to /v1/completions", param=param)
+
+    def need_chat_template(self) -> None:
+        self.need_tokenizer("messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError(f"the model {self.name} has no chat template (its tokenizer_config.json has none): use "
+                               "/v1/completions with a prompt, or serve a tokenizer that has one (--tokenizer)",
+                               param="messages")
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        add_special_tokens: bool = False) -> list[int]:
+        """The token ids the chat template makes of messages (what /v1/chat/completions runs)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, tokenize=False)
+        except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
+            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+        return self.encode(text, "messages", add_special_tokens=add_special_tokens)
+
+    def encode(self, text: str, param: str, **kw: Any) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, **kw)
+        except Exception as exc:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
+            raise RequestError(f"the text cannot be tokenized ({type(exc).__name__}: {exc}); send valid Unicode",
+                               param=param) from exc
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if token_ids and (bad := max(token_ids)) >= self.vocab_size:
+            raise RequestError(f"token id {bad} is out of range: the model's vocabulary has {self.vocab_size} "
+                               f"tokens (ids 0..{self.vocab_size - 1})", param=param)
+
+    def resolve_max_tokens(self, body: SamplingRequest, num_prompt: int) -> int:
+        room = self.max_model_len - num_prompt
+        requested = body.requested_max_tokens
+        if room < 1 or (requested is not None and requested > room):
+            asked = f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in the completion)" \
+                if requested is not None else f"{num_prompt} tokens in the prompt, leaving no room for the completion"
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {asked}. Shorten the prompt or lower max_tokens.", param="max_tokens")
+        return requested if requested is not None else room
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -122,67 +173,31 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        need_tokenizer("messages")
-        if not getattr(model.tokenizer, "chat_template", None):
-            raise RequestError(f"the model {model.name} has no chat template (its tokenizer_config.json has none): use "
-                               "/v1/completions with a prompt, or serve a tokenizer that has one (--tokenizer)",
-                               param="messages")
-        prompt_ids = await off_loop(chat_prompt_ids, body)
-        return await respond(body, Prompt(prompt_ids), request, chat=True)
+        return await respond(body, Prompt(await chat_prompt(body)), request, chat=True)
 
-    def chat_prompt_ids(body: ChatCompletionRequest) -> list[int]:
-        try:
-            text = model.tokenizer.apply_chat_template(body.template_messages(),
-                                                       tools=body.template_tools(), add_generation_prompt=True,
-                                                       tokenize=False)
-        except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
-            raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-        return encode(text, "messages", add_special_tokens=False)
-
-    def encode(text: str, param: str, **kw: Any) -> list[int]:
-        try:
-            return model.tokenizer.encode(text, **kw)
-        except Exception as exc:  # e.g. a lone surrogate, which JSON allows and UTF-8 does not
-            raise RequestError(f"the text cannot be tokenized ({type(exc).__name__}: {exc}); send valid Unicode",
-                               param=param) from exc
+    async def chat_prompt(body: ChatCompletionRequest) -> list[int]:
+        model.check_model(body.model)
+        model.need_chat_template()
+        return await off_loop(model.chat_prompt_ids, body.template_messages(), body.template_tools())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        if isinstance(body.prompt, str):
-            need_tokenizer("prompt")
-            prompt_ids = await off_loop(encode, body.prompt, "prompt")
-        else:
-            prompt_ids = body.prompt
-            if (bad := max(prompt_ids)) >= model.vocab_size:
-                raise RequestError(f"token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
-                                   f"tokens (ids 0..{model.vocab_size - 1})", param="prompt")
         echo = None
+        prompt_ids = await completion_prompt(body)
         if body.echo:
-            need_tokenizer("echo")
+            model.need_tokenizer("echo")
             echo = body.prompt if isinstance(body.prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
         return await respond(body, Prompt(prompt_ids, echo), request, chat=False)
 
-    def need_tokenizer(param: str) -> None:
-        if model.tokenizer is None:
-            raise RequestError("this server runs without a tokenizer (--skip-tokenizer-init): send the prompt as a "
-                               "list of token ids to /v1/completions", param=param)
+    async def completion_prompt(body: CompletionRequest) -> list[int]:
+        model.check_model(body.model)
+        if isinstance(body.prompt, str):
+            model.need_tokenizer("prompt")
+            return await off_loop(model.encode, body.prompt, "prompt")
+        model.check_token_ids(body.prompt, "prompt")
+        return body.prompt
 
-    def check_model(name: str) -> None:
-        if name not in (model.name, model.path):
-            raise RequestError(f"The model `{name}` does not exist; this server serves `{model.name}`", status=404,
-                               param="model")
-
-    def resolve_max_tokens(body: SamplingRequest, num_prompt: int) -> int:
-        room = model.max_model_len - num_prompt
-        requested = body.requested_max_tokens
-        if room < 1 or (requested is not None and requested > room):
-            asked = f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in the completion)" \
-                if requested is not None else f"{num_prompt} tokens in the prompt, leaving no room for the completion"
-            raise RequestError(f"This model's maximum context length is {model.max_model_len} tokens. However, you "
-                               f"requested {asked}. Shorten the prompt or lower max_tokens.", param="max_tokens")
-        return requested if requested is not None else room
+    add_token_routes(app, model, off_loop, chat_prompt, completion_prompt)
 
     def output_rules(body: SamplingRequest) -> tuple[GuidedSpec | None, ToolOutput | None]:
         """The constraint on the output (structured outputs, or a tool choice that forces calls) and how tool calls
@@ -205,13 +220,11 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
 
     async def respond(body: SamplingRequest, prompt: Prompt, request: Request, chat: bool) -> Response:
         prompt_ids = prompt.token_ids
-        if body.stop_token_ids and (bad := max(body.stop_token_ids)) >= model.vocab_size:
-            raise RequestError(f"stop token id {bad} is out of range: the model's vocabulary has {model.vocab_size} "
-                               f"tokens (ids 0..{model.vocab_size - 1})", param="stop_token_ids")
+        model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         guided, tools = await off_loop(output_rules, body)  # the grammar library's first use imports it: seconds
         score_only = isinstance(body, CompletionRequest) and body.score_only
         # Scoring a prompt (max_tokens 0) still samples one token, which run_choice drops.
-        max_tokens = max(1, resolve_max_tokens(body, len(prompt_ids)))
+        max_tokens = max(1, model.resolve_max_tokens(body, len(prompt_ids)))
         sampling = body.sampling_params(max_tokens, model.eos_token_ids, model.vocab_size, guided)
         if model.tokenizer is None:
             if body.stop_strings:

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
+import msgspec
 import openai
 import pytest
+import zmq
 
+from engine.kv_events import BlockHasher, BlockStored, KVEventBatch
 from tests.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(start_server) -> ServerProcess:
-    return start_server("--policy", "dlocal")
+def kv_events_endpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return f"ipc://{tmp_path_factory.mktemp('kv')}/events"
+
+
+@pytest.fixture(scope="module")
+def server(start_server, kv_events_endpoint: str) -> ServerProcess:
+    events = {"enable_kv_cache_events": True, "endpoint": kv_events_endpoint}
+    return start_server("--policy", "dlocal", "--kv-events-config", json.dumps(events))
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +199,66 @@ def test_completions_stream_matches_non_stream(client: openai.OpenAI) -> None:
     full = client.completions.create(**kw)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
     assert streamed == full.choices[0].text and full.choices[0].finish_reason == "length"
+
+
+def test_tokenize_render_and_detokenize_give_what_chat_runs(server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM's token endpoints, which routers use to hash a request's blocks: the ids are those the chat runs."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]
+    resp, _ = chat(client, messages, max_tokens=2, extra_body={"return_token_ids": True})
+    ran = resp.model_extra["prompt_token_ids"]
+    tok = httpx.post(f"{server.url}/tokenize", json={"model": "demo", "messages": messages}, timeout=30).json()
+    assert tok["tokens"] == ran and tok["count"] == len(ran) and tok["max_model_len"] == 4096
+    render = httpx.post(f"{server.url}/v1/chat/completions/render", timeout=30,
+                        json={"model": "demo", "messages": messages, "max_tokens": 7}).json()
+    assert render["token_ids"] == ran and render["sampling_params"]["max_tokens"] == 7
+    text = httpx.post(f"{server.url}/tokenize", json={"prompt": "abc", "return_token_strs": True}, timeout=30).json()
+    done = httpx.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": "abc", "max_tokens": 1,
+                                                             "return_token_ids": True}, timeout=30).json()
+    assert text["tokens"] == done["prompt_token_ids"] and "".join(text["token_strs"]) == "abc"
+    rendered = httpx.post(f"{server.url}/v1/completions/render", json={"model": "demo", "prompt": "abc"},
+                          timeout=30).json()
+    assert [r["token_ids"] for r in rendered] == [done["prompt_token_ids"]]
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": text["tokens"]}, timeout=30).json()
+    assert back == {"prompt": "abc"}
+
+
+@pytest.mark.parametrize("path, body, status, needle", [
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "nope"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400, "chat_template"),
+    ("/detokenize", {"tokens": [99999]}, 400, "99999"),
+    ("/v1/chat/completions/render", {"model": "demo", "messages": []}, 400, "messages"),
+])
+def test_token_endpoint_errors(server: ServerProcess, path: str, body: dict, status: int, needle: str) -> None:
+    resp = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert needle in error["message"] + str(error["param"])
+
+
+def test_kv_events_report_the_prompts_blocks_with_vllms_hashes(server: ServerProcess, client: openai.OpenAI,
+                                                              kv_events_endpoint: str) -> None:
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(kv_events_endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.5)  # PUB drops what it sends before the subscription arrives
+    try:
+        resp, _ = chat(client, [{"role": "user", "content": "Events, please. " * 6}], max_tokens=20, temperature=0,
+                       extra_body={"ignore_eos": True, "return_token_ids": True})
+        tokens = resp.model_extra["prompt_token_ids"] + resp.choices[0].model_extra["token_ids"]
+        hasher = BlockHasher()
+        want = [hasher.external(h) for h in hasher.chain(tokens[:-1], 16)]  # the last token's KV is never written
+        stored: list[int] = []
+        decode = msgspec.msgpack.Decoder(KVEventBatch).decode
+        deadline = time.monotonic() + 10
+        while stored != want and time.monotonic() < deadline:
+            if sub.poll(500):
+                batch = decode(sub.recv_multipart()[-1])
+                assert batch.data_parallel_rank == 0
+                stored += [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+        assert stored == want and len(want) >= 6
+    finally:
+        sub.close(0)
+        ctx.term()
