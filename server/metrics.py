@@ -178,6 +178,16 @@ class Metrics:
                            [*labels, "role"], registry=r)
         self.share_switches = Counter("ppd:partition_switches", "Times the share manager changed the workers' split.",
                                       labels, registry=r)
+        # The node as one engine, for schedulers that read a single series per family (llm-d's endpoint picker):
+        # the requests of all units, and their mean KV usage (the node's router balances its units).
+        node = ["model_name"]
+        self.node_running = Gauge("ppd:node_num_requests_running", "vllm:num_requests_running summed over the units.",
+                                  node, registry=r)
+        self.node_waiting = Gauge("ppd:node_num_requests_waiting", "vllm:num_requests_waiting summed over the units.",
+                                  node, registry=r)
+        self.node_kv_usage = Gauge("ppd:node_kv_cache_usage_perc", "vllm:kv_cache_usage_perc averaged over the units.",
+                                   node, registry=r)
+        self._units: dict[int, WorkerStats] = {}
 
     def worker_stats(self, unit: int, old: WorkerStats | None, new: WorkerStats) -> None:
         labels = (self.model, str(unit))
@@ -186,6 +196,11 @@ class Metrics:
         self.kv_usage.labels(*labels).set(new.kv_usage)
         self.prefill_queue.labels(*labels).set(new.prefill_queue_tokens)
         self.decode_step.labels(*labels).set(new.decode_step_ms / 1000)
+        self._units[unit] = new
+        units = self._units.values()
+        self.node_running.labels(self.model).set(sum(u.num_running for u in units))
+        self.node_waiting.labels(self.model).set(sum(u.num_waiting for u in units))
+        self.node_kv_usage.labels(self.model).set(sum(u.kv_usage for u in units) / len(self._units))
         # Worker counters restart from zero with the worker; Prometheus counters must not go down.
         if new.decode_share:
             self.share.labels(*labels, "decode").set(new.decode_share)

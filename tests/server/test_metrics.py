@@ -34,3 +34,17 @@ def test_request_histograms_render_their_observations() -> None:
               registry=reference).labels("demo").observe(2.0)
     name = "vllm:e2e_request_latency_seconds"
     assert _lines(metrics.render(), name) == _lines(generate_latest(reference), name)
+
+
+def test_node_series_sum_the_units_queues_and_average_their_kv_usage() -> None:
+    """What a scheduler reading one series per family (llm-d's endpoint picker) must see: the whole node."""
+    from scheduler.messages import WorkerStats
+
+    metrics = Metrics("demo")
+    for unit, (running, waiting, usage) in enumerate([(3, 1, 0.5), (1, 4, 0.25)]):
+        metrics.worker_stats(unit, None, WorkerStats(num_running=running, num_waiting=waiting, kv_usage=usage,
+                                                     prefix_queries=0, prefix_hits=0, num_preemptions=0))
+    text = metrics.render().decode()
+    assert 'ppd:node_num_requests_running{model_name="demo"} 4.0' in text
+    assert 'ppd:node_num_requests_waiting{model_name="demo"} 5.0' in text
+    assert 'ppd:node_kv_cache_usage_perc{model_name="demo"} 0.375' in text
