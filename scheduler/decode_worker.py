@@ -25,7 +25,8 @@ import zmq
 
 from engine.block_manager import BlockManager
 from engine.engine import Engine, device_info
-from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, KVEventsError, offset_endpoint
+from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, offset_endpoint
+from engine.memory_plan import StartupError
 from engine.model_runner import StepInput
 from engine.shared_memory import release_name
 from partition.backends import check_in_worker
@@ -246,7 +247,7 @@ def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | 
     try:
         publisher = KVEventPublisher(cfg.kv_events, cfg.unit, ctx)
     except zmq.ZMQError as exc:
-        raise KVEventsError(f"--kv-events-config: unit {cfg.unit} cannot open "
+        raise StartupError(f"--kv-events-config: unit {cfg.unit} cannot open "
                             f"{offset_endpoint(cfg.kv_events.endpoint, cfg.unit)}: {exc}; is another server (or "
                             "another unit's endpoint) on that port?") from exc
     publisher.publish([AllBlocksCleared()])

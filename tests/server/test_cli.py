@@ -124,3 +124,29 @@ def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
     removed = remove_dead_leftovers((tmp_path,))
     assert sorted(p.name for p in removed) == [f"ppd-{dead.pid}-abcd", f"ppd-{dead.pid}-u0-kv"]
     assert all(p.exists() for p in mine)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'], "unknown key(s) endpont"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true}', "--stub-engine", "5"], "stub engine keeps no KV"),
+])
+def test_bad_kv_events_config_is_refused(args: list[str], needle: str) -> None:
+    result = serve(*args)
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_kv_events_endpoint_in_use_stops_the_server_with_its_name(tmp_path: Path) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://*")
+    try:
+        result = serve("--kv-events-config", json.dumps({"enable_kv_cache_events": True,
+                                                         "endpoint": f"tcp://*:{port}"}),
+                       "--policy", "aggregated")
+    finally:
+        taken.close(0)
+        ctx.term()
+    assert result.returncode == 2
+    assert f"cannot open tcp://*:{port}" in result.stderr and "Address already in use" in result.stderr
