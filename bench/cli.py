@@ -105,11 +105,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     from bench.frontend import add_frontend_args
     add_frontend_args(sub.add_parser("frontend", help="streamed tokens/s and inter-chunk delay the API server delivers "
                                                       "over a stub engine, by concurrent streams"))
+    from bench.router import add_router_args
+    add_router_args(sub.add_parser("router", help="ppd serve nodes behind vllm-router: how often a later turn finds "
+                                                  "its cached prefix, per routing policy (kv_aware reads the nodes' "
+                                                  "KV-cache events)"))
 
 
 # Subcommands that are programs of their own: the module whose main(args) runs each (imported only when chosen).
 OWN_MAIN = {"engine": "bench.engine", "interference": "bench.interference", "sampling": "bench.sampling_cost",
-            "frontend": "bench.frontend"}
+            "frontend": "bench.frontend", "router": "bench.router"}
 
 
 def main(args: argparse.Namespace) -> None:
