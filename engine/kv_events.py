@@ -175,12 +175,13 @@ class KVEventsConfig:
         if unknown := sorted(set(raw) - set(known)):
             raise KVEventsError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
         kinds = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
+        words = {bool: "true or false", int: "an integer", str: "a string"}
         for key, value in raw.items():
             want = kinds.get(key, str)
             ok = (isinstance(value, want) and (want is bool or not isinstance(value, bool))) or (
                 value is None and key in ("publisher", "replay_endpoint"))
             if not ok:
-                raise KVEventsError(f"--kv-events-config: {key} must be a {want.__name__}, got {value!r}")
+                raise KVEventsError(f"--kv-events-config: {key} must be {words[want]}, not {json.dumps(value)}")
         cfg = cls(**raw)
         if cfg.publisher not in (None, "zmq", "null"):
             raise KVEventsError(f"--kv-events-config: publisher {cfg.publisher!r} is not one of zmq, null")
@@ -249,6 +250,9 @@ class KVEventPublisher:
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         if len(self._queue) >= self._max_queue:
+            if self.dropped == 0:
+                log.warning("kv events: the queue is full (%d batches): dropping batches until it drains",
+                            self._max_queue)
             self.dropped += 1
             return
         self._queue.append(KVEventBatch(time.time(), events, self.rank))
@@ -276,8 +280,12 @@ class KVEventPublisher:
                 batch = self._queue.popleft()
                 if batch is None:
                     return
-                payload = encode(batch)
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+                try:
+                    payload = encode(batch)
+                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+                except (zmq.ZMQError, TypeError, ValueError) as exc:  # one batch lost, not the publisher
+                    log.error("kv events: batch %d not sent: %s", seq, exc)
+                    continue
                 self._buffer.append((seq, payload))
                 seq += 1
 

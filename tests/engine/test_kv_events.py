@@ -57,7 +57,8 @@ def test_config_parses_vllms_json_and_names_mistakes() -> None:
     assert not KVEventsConfig.parse('{"enable_kv_cache_events": false}').publishing
     assert not KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "null"}').publishing
     for text, needle in [("{", "not JSON"), ("[]", "JSON object"), ('{"endpont": "x"}', "unknown key(s) endpont"),
-                         ('{"hwm": "10"}', "hwm must be a int"), ('{"enable_kv_cache_events": 1}', "must be a bool"),
+                         ('{"hwm": "10"}', 'hwm must be an integer, not "10"'),
+                         ('{"enable_kv_cache_events": 1}', "must be true or false"),
                          ('{"publisher": "kafka"}', "kafka"), ('{"buffer_steps": 0}', "at least 1"),
                          ('{"endpoint": "tcp://*"}', "needs a port"), ('{"endpoint": "udp://x:1"}', "tcp://")]:
         with pytest.raises(KVEventsError, match=needle.replace("(", r"\(").replace(")", r"\)")):
