@@ -72,6 +72,7 @@ def test_ctrl_c_reports_what_was_measured(stub, tmp_path: Path) -> None:
     assert summary["interrupted"] and summary["requests"] > 0
 
 
+@pytest.mark.slow
 def test_compare_our_policy_and_a_peer_with_repeats(stub, tmp_path: Path) -> None:
     out = tmp_path / "compare"
     result = ppd("bench", "compare", "--policies", "dlocal", "--server", f"stub={stub.url}", "--qps", "2,4",
@@ -88,6 +89,7 @@ def test_compare_our_policy_and_a_peer_with_repeats(stub, tmp_path: Path) -> Non
     assert (out / "serve-dlocal.log").exists() and (out / "latency_vs_qps.png").read_bytes().startswith(PNG)
 
 
+@pytest.mark.slow
 def test_compare_interleaved_runs_each_server_once_per_round(stub, tmp_path: Path) -> None:
     out = tmp_path / "interleaved"
     result = ppd("bench", "compare", "--policies", "dlocal", "--server", f"stub={stub.url}", "--qps", "3",
@@ -124,6 +126,7 @@ def test_serve_args_with_a_port_are_polled_on_that_port(tmp_path) -> None:
         stop_server(proc)
 
 
+@pytest.mark.slow
 def test_bench_against_the_demo_fits_its_context_and_shows_failures(start_server, cache_dir: Path,
                                                                     tmp_path: Path) -> None:
     import os

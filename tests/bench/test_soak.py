@@ -6,9 +6,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+import pytest
+
 from bench.soak import report, run
 
 
+@pytest.mark.slow
 def test_a_short_soak_loses_nothing(start_server) -> None:
     server = start_server("--policy", "ppd")
     args = argparse.Namespace(requests=80, concurrency=8, abort_fraction=0.2, timeout=120.0, sample_every=20, seed=3,

@@ -1,4 +1,4 @@
-"""`ppd serve` nodes behind the real vllm-router (the `router` suite: `python -m pytest -m router`).
+"""`ppd serve` nodes behind the real vllm-router (the second suite: `python -m pytest -m 'router or slow'`).
 
 Each routing policy a multi-node deployment would use: kv_aware (placing by the
 nodes' KV-cache events), cache_aware (by the prompts it has routed) and
