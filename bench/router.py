@@ -86,17 +86,25 @@ class Router:
 class Node:
     proc: subprocess.Popen
     url: str
-    events: str  # its KV-event endpoint, as the router connects to it
+    events: list[str]  # its units' KV-event endpoints, as the router connects to them
+
+    @property
+    def units(self) -> int:
+        return len(self.events)
 
 
-def start_nodes(count: int, serve_args: list[str], out: Path, env: dict[str, str] | None = None) -> list[Node]:
-    """count `ppd serve` nodes, each publishing KV events on its own tcp port, started side by side."""
+def start_nodes(count: int, serve_args: list[str], out: Path, env: dict[str, str] | None = None,
+                units: int = 1) -> list[Node]:
+    """count `ppd serve` nodes of `units` units, each unit publishing KV events on its own tcp port (the node's
+    port + unit), started side by side."""
     ports = [free_port() for _ in range(count)]
+    if units > 1:
+        serve_args = [*serve_args, "--units", str(units)]
 
     def start(i: int) -> Node:
         config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{ports[i]}"})
         proc, url = start_server([*serve_args, "--kv-events-config", config], out / f"node{i}.log", env=env)
-        return Node(proc, url, f"tcp://127.0.0.1:{ports[i]}")
+        return Node(proc, url, [f"tcp://127.0.0.1:{ports[i] + u}" for u in range(units)])
 
     with concurrent.futures.ThreadPoolExecutor(count) as pool:
         futures = [pool.submit(start, i) for i in range(count)]
@@ -109,12 +117,14 @@ def start_nodes(count: int, serve_args: list[str], out: Path, env: dict[str, str
 
 
 def router_args(policy: str, nodes: list[Node], model_folder: str) -> list[str]:
-    """What each policy needs beyond the URLs: kv_aware reads every node's events."""
+    """What each policy needs beyond the URLs: nodes of several units are data-parallel workers to the router
+    (it sends each request's unit in X-data-parallel-rank); kv_aware reads every unit's events."""
+    args = ["--intra-node-data-parallel-size", str(nodes[0].units)] if nodes[0].units > 1 else []
     if policy != "kv_aware":
-        return []
-    args = ["--kv-event-block-size", "16", "--kv-event-model", model_folder]
+        return args
+    args += ["--kv-event-block-size", "16", "--kv-event-model", model_folder]
     for node in nodes:
-        args += ["--kv-event-source", f"{node.url}={node.events}"]
+        args += ["--kv-event-source", f"{node.url}={','.join(node.events)}"]
     return args
 
 
@@ -186,6 +196,7 @@ def summarize(turns: list[Turn]) -> dict:
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=4, help="ppd serve nodes behind the router")
+    p.add_argument("--units", type=int, default=1, help="units per node (each its own KV-event endpoint)")
     p.add_argument("--conversations", type=int, default=64, help="conversations per policy")
     p.add_argument("--turns", type=int, default=3, help="turns per conversation")
     p.add_argument("--policies", default="kv_aware,kv_aware+affinity,round_robin",
@@ -205,7 +216,7 @@ def main(args: argparse.Namespace) -> None:
 
     out = Path(args.out or _default_out("router"))
     out.mkdir(parents=True, exist_ok=True)
-    nodes = start_nodes(args.nodes, shlex.split(args.serve_args), out)
+    nodes = start_nodes(args.nodes, shlex.split(args.serve_args), out, units=args.units)
     results = {"nodes": args.nodes, "conversations": args.conversations, "turns": args.turns,
                "serve_args": args.serve_args, "policies": {}}
     try:

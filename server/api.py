@@ -42,6 +42,7 @@ log = logging.getLogger("ppd.api")
 ROUTE_HEADER = "x-ppd-route"  # on a response: where the prefill ran; on a request: where to run an append-prefill
 API_SERVER_HEADER = "x-ppd-api-server"  # on a response: which API-server process served it (--api-server-count)
 SESSION_HEADER = "x-session-id"  # keeps a conversation on one unit
+RANK_HEADER = "x-data-parallel-rank"  # vLLM's: the unit (data-parallel rank) an outside router chose
 _json = msgspec.json.Encoder()
 
 
@@ -242,8 +243,9 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
         if hint is not None and hint not in ("prefill", "decode"):
             raise RequestError(f"header {ROUTE_HEADER}: {hint!r} is not a route; use prefill or decode (or leave it "
                                "out and let the server's policy choose)", param=ROUTE_HEADER)
-        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s), session, hint, score_only)
-                        for c, s in zip(choices, seeds)])
+        unit = requested_unit(request)
+        events = merge([run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s), session, hint, score_only,
+                                   unit) for c, s in zip(choices, seeds)])
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             # The first event comes before the headers go out, so that errors get a status and the route is known;
@@ -284,10 +286,22 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
         return Response(_json.encode(result), media_type="application/json",
                         headers={ROUTE_HEADER: choices[0].route or "prefill", API_SERVER_HEADER: str(client.api_server)})
 
+    def requested_unit(request: Request) -> int | None:
+        """The unit an outside router chose (vLLM's X-data-parallel-rank: vllm-router's kv_aware sends it to a
+        node whose units it reads events from), checked."""
+        raw = request.headers.get(RANK_HEADER)
+        if raw is None:
+            return None
+        units = len(client.units)
+        if not raw.strip().isdigit() or int(raw) >= units:
+            raise RequestError(f"header {RANK_HEADER}: {raw!r} is not a unit of this server; it has {units} "
+                               f"(0..{units - 1}), one per data-parallel rank", param=RANK_HEADER)
+        return int(raw)
+
     async def run_choice(choice: Choice, prompt_ids: list[int], sampling: SamplingParams, session: str | None,
-                         hint: str | None, score_only: bool) -> AsyncIterator[Event]:
+                         hint: str | None, score_only: bool, unit: int | None) -> AsyncIterator[Event]:
         """A choice's events; score_only: the prompt alone is the answer, the sampled token is dropped."""
-        async with aclosing(client.generate(prompt_ids, sampling, session, hint)) as deltas:
+        async with aclosing(client.generate(prompt_ids, sampling, session, hint, unit)) as deltas:
             async for delta in deltas:
                 if delta.route is not None:
                     choice.route, choice.num_cached = delta.route, delta.num_cached_tokens or 0

@@ -288,12 +288,16 @@ class EngineClient:
     # ---- requests ------------------------------------------------------------------------------------
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, session: str | None = None,
-                       route_hint: Route | None = None) -> AsyncIterator[Delta]:
+                       route_hint: Route | None = None, unit: int | None = None) -> AsyncIterator[Delta]:
         """Stream a request's tokens. Raises EngineError on failure; closing the iterator early aborts the request.
-        session keeps a conversation on one unit; route_hint is a client's choice of route for an append-prefill."""
+        session keeps a conversation on one unit; route_hint is a client's choice of route for an append-prefill;
+        unit, an outside router's choice of unit (vLLM's data-parallel rank), is followed while that unit can
+        take the request, else the router here chooses."""
         if (refused := self.refusal()) is not None:
             raise refused
         available = [u for u in range(len(self.units)) if self.unit_ready(u) and self.overloaded(u) is None]
+        if unit in available:
+            available = [unit]
         placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint)
         self.metrics.route_decision(placed.decision.route, placed.decision.reason)
         req = _Request(new_request_id(self.api_server, next(self._ids), uuid.uuid4().hex[:8]), placed.unit,

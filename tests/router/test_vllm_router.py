@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import threading
 import time
@@ -119,6 +120,29 @@ def test_kv_aware_forgets_evicted_blocks(nodes: list[Node], router) -> None:
     time.sleep(0.5)
     answer = ask(r.url, next_turn(turn2, a2, 31))
     assert cached(answer) >= a1["usage"]["prompt_tokens"] // BLOCK * BLOCK
+
+
+def test_kv_aware_sends_each_turn_to_the_unit_holding_its_blocks(router, env: dict[str, str], tmp_path: Path) -> None:
+    """Nodes of two units each: the router reads every unit's events and names the unit (X-data-parallel-rank),
+    and every later turn finds its prefix, on whichever node and unit its conversation began."""
+    pair = start_nodes(2, ["--policy", "aggregated"], tmp_path, env=env, units=2)
+    try:
+        r = router("kv_aware", over=pair)
+        convs, before = [], []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # started together, so each node uses both units
+            firsts = list(pool.map(lambda i: ask(pair[i % 2].url, [{"role": "user", "content": words(40 + i)}]),
+                                   range(8)))
+        for i, first in enumerate(firsts):
+            convs.append(next_turn([{"role": "user", "content": words(40 + i)}], first, 50 + i))
+            before.append(first["usage"]["prompt_tokens"])
+        time.sleep(0.5)
+        for messages, prompt in zip(convs, before):
+            assert cached(ask(r.url, messages)) >= prompt // BLOCK * BLOCK
+        log = re.sub(r"\x1b\[[0-9;]*m", "", r.log.read_text())  # its debug log is coloured
+        assert "rank=0" in log and "rank=1" in log  # both units of the nodes were chosen
+    finally:
+        for node in pair:
+            stop_server(node.proc)
 
 
 def test_cache_aware_keeps_conversations_on_their_node(router) -> None:

@@ -76,3 +76,23 @@ def test_session_header_keeps_a_conversation_on_its_unit(server: ServerProcess) 
     after = per_engine(server, "vllm:prefix_cache_queries_total")
     grew = [u for u in after if after[u] > before.get(u, 0)]
     assert len(grew) == 1
+
+
+def test_an_outside_routers_rank_header_picks_the_unit(server: ServerProcess) -> None:
+    """vLLM's X-data-parallel-rank, which vllm-router's kv_aware sends to a node whose units' events it reads: the
+    request runs on that unit, even where this server's own router would choose another."""
+    def ask(messages: list[dict], rank: str) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/chat/completions", headers={"x-data-parallel-rank": rank}, timeout=60,
+                          json={"model": "demo", "messages": messages, "max_tokens": 4, "temperature": 0})
+
+    conv = [{"role": "user", "content": "ranked conversation: " + "pick my unit " * 8}]
+    for rank in ("1", "0", "1"):  # the second turn leaves the unit holding its prefix because the header says so
+        before = per_engine(server, "vllm:prefix_cache_queries_total")
+        resp = ask(conv, rank)
+        assert resp.status_code == 200, resp.text
+        after = per_engine(server, "vllm:prefix_cache_queries_total")
+        grew = {e for e in after if after[e] > before.get(e, 0)}
+        assert grew == {rank}
+    for bad in ("2", "-1", "one"):
+        resp = ask(conv, bad)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-data-parallel-rank"
