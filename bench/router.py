@@ -116,13 +116,14 @@ def start_nodes(count: int, serve_args: list[str], out: Path, env: dict[str, str
     return nodes
 
 
-def router_args(policy: str, nodes: list[Node], model_folder: str) -> list[str]:
+def router_args(policy: str, nodes: list[Node], model: str = "demo") -> list[str]:
     """What each policy needs beyond the URLs: nodes of several units are data-parallel workers to the router
     (it sends each request's unit in X-data-parallel-rank); kv_aware reads every unit's events."""
     args = ["--intra-node-data-parallel-size", str(nodes[0].units)] if nodes[0].units > 1 else []
     if policy != "kv_aware":
         return args
-    args += ["--kv-event-block-size", "16", "--kv-event-model", model_folder]
+    # The model is only a name to the router: it gets a request's token ids from the node's render endpoint.
+    args += ["--kv-event-block-size", "16", "--kv-event-model", model]
     for node in nodes:
         args += ["--kv-event-source", f"{node.url}={','.join(node.events)}"]
     return args
@@ -212,8 +213,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     import shlex
 
-    from engine.demo import demo_model_path
-
     out = Path(args.out or _default_out("router"))
     out.mkdir(parents=True, exist_ok=True)
     nodes = start_nodes(args.nodes, shlex.split(args.serve_args), out, units=args.units)
@@ -222,7 +221,7 @@ def main(args: argparse.Namespace) -> None:
     try:
         for i, name in enumerate(args.policies.split(",")):
             policy, _, variant = name.partition("+")
-            extra = router_args(policy, nodes, str(demo_model_path()))
+            extra = router_args(policy, nodes)
             if variant == "affinity":
                 extra += ["--kv-aware-session-affinity-ttl-secs", str(AFFINITY_TTL_S)]
             elif variant:

@@ -23,7 +23,6 @@ import pytest
 
 from bench.cli import stop_server
 from bench.router import Node, Router, router_args, run_conversations, session_header, start_nodes
-from engine.demo import demo_model_path
 
 pytestmark = pytest.mark.router
 
@@ -46,14 +45,13 @@ def nodes(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture
-def router(nodes: list[Node], env: dict[str, str], tmp_path: Path):
+def router(nodes: list[Node], tmp_path: Path):
     """router(policy, *extra) -> a running vllm-router over the two nodes, stopped after the test."""
     routers: list[Router] = []
 
     def start(policy: str, *extra: str, over: list[Node] | None = None) -> Router:
         over = over or nodes
-        r = Router(policy, [n.url for n in over], [*router_args(policy, over, str(demo_model_path(Path(env["PPD_CACHE_DIR"])))),
-                                                     *extra], tmp_path / f"router-{policy}.log")
+        r = Router(policy, [n.url for n in over], [*router_args(policy, over), *extra], tmp_path / f"router-{policy}.log")
         routers.append(r)
         return r
 
