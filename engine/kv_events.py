@@ -217,16 +217,17 @@ def _binds(endpoint: str) -> bool:
 class KVEventPublisher:
     """Sends event batches on a PUB socket from a thread, keeping the last buffer_steps for the replay socket.
 
-    publish() only queues (the decode worker's step loop must not wait on a subscriber); the thread numbers,
-    encodes and sends each batch. A full queue drops the batch, as vLLM's bounded queue would block: a
-    subscriber sees the gap in the sequence numbers and resynchronizes.
+    publish() numbers the batch and queues it (the decode worker's step loop must not wait on a subscriber); the
+    thread encodes and sends it. A full queue drops the batch (where vLLM's bounded queue would block the
+    scheduler), its number unused: a subscriber sees the gap and knows its view of the cache is incomplete.
     """
 
     def __init__(self, cfg: KVEventsConfig, rank: int = 0, ctx: zmq.Context | None = None) -> None:
         self.rank = rank
         self._ctx = ctx or zmq.Context.instance()
         self._topic = cfg.topic.encode()
-        self._queue: deque[KVEventBatch | None] = deque()
+        self._queue: deque[tuple[int, KVEventBatch] | None] = deque()
+        self._next_seq = 0
         self._max_queue = cfg.max_queue_size
         self._wake = threading.Event()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=cfg.buffer_steps)
@@ -249,13 +250,14 @@ class KVEventPublisher:
         self._thread.start()
 
     def publish(self, events: list[KVCacheEvent]) -> None:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         if len(self._queue) >= self._max_queue:
             if self.dropped == 0:
                 log.warning("kv events: the queue is full (%d batches): dropping batches until it drains",
                             self._max_queue)
             self.dropped += 1
             return
-        self._queue.append(KVEventBatch(time.time(), events, self.rank))
+        self._queue.append((seq, KVEventBatch(time.time(), events, self.rank)))
         self._wake.set()
 
     def close(self, timeout: float = 1.0) -> None:
@@ -269,7 +271,6 @@ class KVEventPublisher:
 
     def _run(self) -> None:
         encode = msgspec.msgpack.Encoder().encode
-        seq = 0
         while True:
             # The replay socket is checked every 50 ms, or at once when batches are queued.
             if self._replay is not None and self._replay.poll(0):
@@ -277,9 +278,10 @@ class KVEventPublisher:
             self._wake.wait(0.05 if self._replay is not None else None)
             self._wake.clear()
             while self._queue:
-                batch = self._queue.popleft()
-                if batch is None:
+                item = self._queue.popleft()
+                if item is None:
                     return
+                seq, batch = item
                 try:
                     payload = encode(batch)
                     self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
@@ -287,7 +289,6 @@ class KVEventPublisher:
                     log.error("kv events: batch %d not sent: %s", seq, exc)
                     continue
                 self._buffer.append((seq, payload))
-                seq += 1
 
     def _serve_replay(self) -> None:
         while True:

@@ -113,6 +113,32 @@ def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
         ctx.term()
 
 
+def test_a_dropped_batch_leaves_a_gap_in_the_numbers(tmp_path: Path) -> None:
+    """A full queue drops a batch; its sequence number stays unused, so a subscriber knows it missed one."""
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub", max_queue_size=1)
+    ctx = zmq.Context()
+    publisher = KVEventPublisher(cfg, ctx=ctx)
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(publisher.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    time.sleep(0.3)
+    try:
+        publisher._wake.wait = lambda timeout=None: time.sleep(0.2)  # the thread lags: the queue fills
+        for i in range(4):
+            publisher.publish([removed([i])])
+        assert publisher.dropped >= 1
+        time.sleep(0.6)
+        publisher.publish([removed([9])])  # the next batch after the drop
+        seqs = []
+        while sub.poll(1000):
+            seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+        assert seqs[-1] == 4 and len(seqs) == 5 - publisher.dropped  # the dropped batches' numbers are missing
+    finally:
+        sub.close(0)
+        publisher.close()
+        ctx.term()
+
+
 class Subscriber:
     """What a router learns from the events: each block hash it holds, with the whole token prefix it stands for."""
 
