@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
-
 from pathlib import Path
 
 import msgspec
@@ -187,7 +186,7 @@ class Metrics:
                                   node, registry=r)
         self.node_kv_usage = Gauge("ppd:node_kv_cache_usage_perc", "vllm:kv_cache_usage_perc averaged over the units.",
                                    node, registry=r)
-        self._units: dict[int, WorkerStats] = {}
+        self._units: dict[int, WorkerStats] = {}  # each unit's latest stats, for the node series at a scrape
 
     def worker_stats(self, unit: int, old: WorkerStats | None, new: WorkerStats) -> None:
         labels = (self.model, str(unit))
@@ -197,10 +196,6 @@ class Metrics:
         self.prefill_queue.labels(*labels).set(new.prefill_queue_tokens)
         self.decode_step.labels(*labels).set(new.decode_step_ms / 1000)
         self._units[unit] = new
-        units = self._units.values()
-        self.node_running.labels(self.model).set(sum(u.num_running for u in units))
-        self.node_waiting.labels(self.model).set(sum(u.num_waiting for u in units))
-        self.node_kv_usage.labels(self.model).set(sum(u.kv_usage for u in units) / len(self._units))
         # Worker counters restart from zero with the worker; Prometheus counters must not go down.
         if new.decode_share:
             self.share.labels(*labels, "decode").set(new.decode_share)
@@ -244,4 +239,8 @@ class Metrics:
 
     def render(self) -> bytes:
         self.peers.read()
+        if units := self._units.values():  # summed at a scrape, not on every worker message
+            self.node_running.labels(self.model).set(sum(u.num_running for u in units))
+            self.node_waiting.labels(self.model).set(sum(u.num_waiting for u in units))
+            self.node_kv_usage.labels(self.model).set(sum(u.kv_usage for u in units) / len(units))
         return generate_latest(self.registry)
