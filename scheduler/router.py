@@ -101,15 +101,16 @@ class Router:
         if session is not None:
             self.sessions[session] = (unit, self.clock())
             self.sessions.move_to_end(session)
-        self.remember(unit, [], hashes)
+        self.remember(unit, hashes)
 
     def _finished(self, unit: int, hashes: list[int]) -> None:
         self.load[unit] = max(0, self.load[unit] - 1)  # an event from before a unit's restart may come after it
-        self.remember(unit, [], hashes)
+        self.remember(unit, hashes)
 
-    def remember(self, unit: int, token_ids: list[int], hashes: list[int] | None = None) -> None:
+    def remember(self, unit: int, hashes: list[int]) -> None:
+        """Note the block hashes as (likely) cached on unit, newest last; the index keeps the newest capacity."""
         index = self.index[unit]
-        for h in hashes if hashes is not None else block_hashes(token_ids, self.block_size):
+        for h in hashes:
             index[h] = None
             index.move_to_end(h)
         while len(index) > self.capacity:
