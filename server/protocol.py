@@ -356,7 +356,20 @@ class SamplingRequest(BaseModel):
         )
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateInput:
+    """What a chat template takes from a request body with `messages` (list[ChatMessage]) and `tools`
+    (list[Tool] | None) fields: chat completions, /tokenize."""
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as dicts for tokenizer.apply_chat_template."""
+        return template_messages([m.openai_dict() for m in self.messages])
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (OpenAI's shape), or None when there are none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     """Body of POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
@@ -416,14 +429,6 @@ class ChatCompletionRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, else max_tokens (OpenAI's older name); None if neither."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        """The messages as dicts for tokenizer.apply_chat_template."""
-        return template_messages([m.openai_dict() for m in self.messages])
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them (OpenAI's shape), or None when there are none."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class CompletionRequest(SamplingRequest):

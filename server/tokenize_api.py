@@ -19,8 +19,8 @@ import msgspec
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.protocol import INT64_MAX, ChatCompletionRequest, ChatMessage, CompletionRequest, Tool, _unsupported, \
-    template_messages
+from server.protocol import (INT64_MAX, ChatCompletionRequest, ChatMessage, ChatTemplateInput, CompletionRequest, Tool,
+                             _unsupported)
 
 if TYPE_CHECKING:
     from server.api import ServedModel
@@ -37,7 +37,7 @@ class TokenizeCompletionRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(BaseModel):
+class TokenizeChatRequest(ChatTemplateInput, BaseModel):
     """POST /tokenize with messages: the ids the chat template makes of them."""
 
     model_config = ConfigDict(extra="ignore")
@@ -77,10 +77,8 @@ def add_token_routes(app: FastAPI, model: ServedModel, off_loop: Callable[..., A
         model.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             model.need_chat_template()
-            messages = template_messages([m.openai_dict() for m in body.messages])
-            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            ids = await off_loop(model.chat_prompt_ids, messages, tools, body.add_generation_prompt,
-                                 body.continue_final_message, body.add_special_tokens)
+            ids = await off_loop(model.chat_prompt_ids, body.template_messages(), body.template_tools(),
+                                 body.add_generation_prompt, body.continue_final_message, body.add_special_tokens)
         else:
             model.need_tokenizer("prompt")
             ids = await off_loop(functools.partial(model.encode, add_special_tokens=body.add_special_tokens),
