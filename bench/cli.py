@@ -334,14 +334,19 @@ def _server_model(url: str, model: str | None, headers: dict[str, str] | None = 
     return model, by_id[model]
 
 
+def free_port() -> int:
+    """A TCP port no one listens on now (for a server about to start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = None,
                  timeout: float = SERVER_START_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
     """`ppd serve <serve_args>` on a free port, returned once /health says ready; its output goes to log."""
     port, host = option_value(serve_args, "--port"), option_value(serve_args, "--host")
     if port is None:  # a free one, unless the serve arguments name one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
+        port = str(free_port())
         serve_args = ["--port", port, *serve_args]
     log.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "server.cli", "serve", *serve_args]

@@ -19,7 +19,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -27,18 +26,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, start_server, stop_server
+from bench.cli import BenchError, _default_out, free_port, start_server, stop_server
 
 ROUTER_START_TIMEOUT_S = 60
 AFFINITY_TTL_S = 600
 WORDS = ("ship sea storm harbor sail anchor wave tide coral reef whale gull lantern rope deck mast compass island "
          "cove breeze").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def router_binary() -> str:
