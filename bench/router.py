@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import asdict, dataclass
@@ -86,11 +87,25 @@ class Node:
         return len(self.events)
 
 
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
+
+
 def start_nodes(count: int, serve_args: list[str], out: Path, env: dict[str, str] | None = None,
                 units: int = 1) -> list[Node]:
     """count `ppd serve` nodes of `units` units, each unit publishing KV events on its own tcp port (the node's
     port + unit), started side by side."""
-    ports = [free_port() for _ in range(count)]
+    ports: list[int] = []
+    while len(ports) < count:  # each node's units take its port + 0..units-1: no two nodes' ranges may meet
+        port = free_port()
+        span = range(port, port + units)
+        if all(p not in span and port not in range(p, p + units) for p in ports) and all(map(port_free, span)):
+            ports.append(port)
     if units > 1:
         serve_args = [*serve_args, "--units", str(units)]
 
