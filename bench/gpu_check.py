@@ -1,0 +1,449 @@
+"""Validate a GPU host one device call at a time: `bench/gpu_check.sh [OPTIONS] OUTDIR [STEP ...]`.
+
+A device call runs at most 10 minutes and returns at most 8 files from $OUT, 16 MiB each, so a call here is built
+to always come back with its results:
+- every step runs under its own time limit, cut to what is left of the call's budget (--budget, 570 s by default),
+  and a step that overruns is stopped with every process it started (servers included);
+- every raw output and log goes into OUTDIR, servers' logs too; each step's verdict into OUTDIR/steps.json and
+  status.txt: ok, failed (its exit status), timeout, no-output (exit 0 but a file it must write is missing: a
+  step that measured nothing), or skipped (no time left);
+- with --archive FILE, OUTDIR is packed into one .tar.gz under 16 MiB at the end, whatever happened before
+  (the largest logs are cut in the middle if needed, and TRUNCATED.txt says which);
+- --from DIR first copies what an earlier call left (its committed, unpacked results) into OUTDIR, so the resumable
+  steps (policy, partition) go on where they stopped and policy-eval finds policy.json.
+
+--rehearse runs the same steps on the CPU, with a shrunk stand-in of Llama-3.1-8B (bench/models/llama-3.1-8b-
+standin: its vocabulary, rope and head size), small sizes and CPU partitions in place of MPS and green contexts:
+every step as far as it goes without CUDA, with the same checks of exit status and outputs.
+
+Only the standard library is imported here: this must run before the host's packages are known to be there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHIVE_LIMIT = 16 * 2**20  # what the device returns of one file
+DEFAULT_BUDGET_S = 570  # a device command runs at most 600 s; the rest is start-up and the transfer
+PACK_RESERVE_S = 20  # kept back from the budget for packing the archive
+MIN_STEP_S = 30  # a step is not started with less time than this
+KILL_GRACE_S = 10  # from SIGTERM to SIGKILL for a step that overran
+MARKER = "PPD_GPU_CHECK_STEP"  # in the environment of everything a step starts, to find it again
+KEEP_PER_END = 256 * 1024  # bytes kept at each end of a log cut to fit the archive
+
+LLAMA = "bench/models/llama-3.1-8b"
+STANDIN = "bench/models/llama-3.1-8b-standin"
+DEFAULT_STEPS = ("host", "probe", "tests")
+STEP_NAMES = ("host probe tests engine sampling compare kernels policy policy-eval:W policy-verdict partition "
+              "partition-compare[:NAMES] interference[:NAMES] frontend[:COUNTS]")
+# Modules every step needs on the host, beside the project's own (all imported by the host step).
+THIRD_PARTY = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "fastapi", "starlette",
+               "uvicorn", "pydantic", "zmq", "msgspec", "prometheus_client", "jsonschema", "xgrammar", "openai",
+               "aiohttp", "httpx", "tqdm", "matplotlib", "pytest", "hypothesis", "pynvml", "cuda.bindings.driver")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a call: its time limit (on a GPU, its expected duration plus a margin) and the files under
+    OUTDIR (globs) it must leave when it succeeds."""
+
+    name: str
+    argv: tuple[str, ...]
+    limit_s: int
+    outputs: tuple[str, ...] = ()
+
+
+@dataclass
+class Outcome:
+    name: str
+    verdict: str  # ok, failed, timeout, no-output, skipped, stopped (the call was stopped while it ran)
+    rc: int | None
+    seconds: float
+    limit_s: int
+    command: str
+    missing: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """What differs between the GPU host and its rehearsal on the CPU."""
+
+    rehearse: bool
+
+    @property
+    def model(self) -> list[str]:
+        folder = STANDIN if self.rehearse else LLAMA
+        return ["--model", folder, "--load-format", "dummy", "--skip-tokenizer-init"] + self.device
+
+    @property
+    def device(self) -> list[str]:
+        return ["--device", "cpu"] if self.rehearse else ["--device", "cuda"]
+
+    def pick(self, gpu, cpu):
+        return cpu if self.rehearse else gpu
+
+
+def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step]:
+    """The steps STEP name stands for (some names expand to one step per configuration); ValueError if unknown."""
+    ppd = (python, "-m", "server.cli")
+    serve = shlex.join(mode.model)
+    quick = ("--quick",) if mode.rehearse else ()
+    load = ("--api", "completions", "--workload", "synthetic", "--timeout", "120", "--repeat", "1", "--no-progress")
+    base, _, arg = name.partition(":")
+    if name == "host":
+        # ../shared/device/host_check.py where it was carried in .whl/, then every module of the project.
+        script = (f"rc=0; if [ -f .whl/host_check.py ]; then {python} .whl/host_check.py || rc=1; fi; "
+                  f"{python} -m bench.gpu_check --imports || rc=1; exit $rc")
+        return [Step("host", ("bash", "-c", script), 120)]
+    if name == "probe":
+        return [Step("probe", (*ppd, "probe", "--out", f"{out}/probe.json"), 240, ("probe.json",))]
+    if name == "tests":
+        gpu = f"{python} -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml {out}/tests-gpu.xml tests"
+        kernels = f"{python} -m pytest -q -rs -p no:cacheprovider --junitxml {out}/tests-kernels.xml tests/engine/kernels"
+        commands = [gpu, kernels]
+        if mode.rehearse:  # the kernels run in Triton's interpreter here: also compile them for the H100
+            commands.append(f"env -u TRITON_INTERPRET {python} -m tests.engine.kernels.sm90_compile")
+        script = "; ".join(f"{c}; r=$?; [ $r -gt ${{rc:-0}} ] && rc=$r" for c in commands) + "; exit ${rc:-0}"
+        return [Step("tests", ("bash", "-c", script), 540, ("tests-gpu.xml", "tests-kernels.xml"))]
+    if name == "engine":
+        argv = (*ppd, "bench", "engine", "--out", str(out), *quick)
+        if mode.rehearse:
+            argv += ("--model", STANDIN, "--device", "cpu")
+        return [Step("engine", argv, 480, ("engine-*.json",))]
+    if name == "sampling":
+        argv = (*ppd, "bench", "sampling", "--out", f"{out}/sampling", *quick)
+        if mode.rehearse:
+            argv += ("--model", STANDIN, "--device", "cpu")
+        return [Step("sampling", argv, 360, ("sampling/sampling-*.json",))]
+    if name == "compare":
+        argv = (*ppd, "bench", "compare", "--policies", "pd,dlocal,aggregated", "--serve-args", serve, *load,
+                "--profile", "balanced", "--turn1", "short", "--turns", "3", "--qps", mode.pick("2", "1"),
+                "--duration", mode.pick("40", "8"), "--goodput", "ttft:500", "tpot:50", "--out", f"{out}/compare")
+        if mode.rehearse:
+            argv += ("--scale", "0.0625")
+        return [Step("compare", argv, 540, ("compare/summary.json",))]
+    if name == "kernels":  # without CUDA it says so and writes nothing: nothing to check in a rehearsal
+        return [Step("kernels", (python, "-m", "bench.kernels", "--out", f"{out}/kernels"), 540,
+                     mode.pick(("kernels/kernels-*.json",), ()))]
+    if name == "policy":
+        argv = (*ppd, "profile", "policy", "--serve-args", serve, "--duration", mode.pick("10", "3"), "--no-progress",
+                "--out", f"{out}/policy.json", *quick)
+        return [Step("policy", argv, 540, ("policy.json",))]
+    if base == "policy-eval" and arg:
+        argv = (*ppd, "bench", "compare", "--policies", "pd,dlocal,ppd,aggregated",
+                "--serve-args", f"{serve} --policy-table {out}/policy.json", *load, "--profile", arg,
+                "--turn1", "mixed", "--qps", os.environ.get("POLICY_QPS", mode.pick("2", "1")),
+                "--duration", mode.pick("30", "8"), "--out", f"{out}/policy-eval/{arg}")
+        if mode.rehearse:
+            argv += ("--scale", "0.0625")
+        return [Step(f"policy-eval-{arg}", argv, 540, (f"policy-eval/{arg}/summary.json",))]
+    if name == "policy-verdict":
+        # The folders are listed when the step runs (a policy-eval step of the same call comes first); with none,
+        # bench.policy_eval says what produces them.
+        script = (f'shopt -s nullglob; exec {shlex.quote(python)} -m bench.policy_eval "$0"/policy-eval/*/ '
+                  f'--out "$0"/policy-eval/verdict.md')
+        return [Step("policy-verdict", ("bash", "-c", script, str(out)), 60, ("policy-eval/verdict.md",))]
+    if name == "partition":
+        argv = (*ppd, "profile", "partition", "--no-progress", "--out", f"{out}/partition.json", *quick)
+        if mode.rehearse:
+            argv += ("--model", STANDIN, "--device", "cpu")
+        return [Step("partition", argv, 540, ("partition.json",))]
+    if base == "partition-compare":
+        # On the CPU, MPS and green contexts have their nearest stand-ins: each worker on its own cores, and the
+        # prefill worker as a thread of the decode worker's process (green's layout, without the SM split).
+        partitions = {"none": "--partition none", "mps": "--partition mps", "green": "--partition green"}
+        if mode.rehearse:
+            partitions = {"none": "--partition none", "cpu": "--partition cpu", "thread": "--prefill-worker thread"}
+        names = arg.split(",") if arg else list(partitions)
+        if unknown := [n for n in names if n not in partitions]:
+            raise ValueError(f"partition-compare: unknown partitions {unknown} (here: {', '.join(partitions)})")
+        return [Step(f"partition-compare-{p}",
+                     (*ppd, "bench", "compare", "--policies", "pd,aggregated", "--serve-args",
+                      f"{serve} {partitions[p]}", *load, "--profile", "balanced", "--turn1", "mixed",
+                      "--qps", mode.pick("2", "1"), "--duration", mode.pick("30", "8"), "--goodput", "ttft:500",
+                      "tpot:50", "--out", f"{out}/partition-compare/{p}", *mode.pick((), ("--scale", "0.0625"))),
+                     300, (f"partition-compare/{p}/summary.json",)) for p in names]
+    if base == "interference":
+        sizes = mode.pick(("--batch", "64", "--context", "1024", "--prefill-tokens", "4096", "--rounds", "5"),
+                          ("--batch", "4", "--context", "256", "--prefill-tokens", "1024", "--rounds", "2",
+                           "--alone-s", "1"))
+        serve_args = serve + mode.pick(" --gpus 0", "")
+        argv = (*ppd, "bench", "interference", "--serve-args", serve_args, *sizes, "--out", f"{out}/interference")
+        if arg:
+            argv += ("--only", arg)
+        return [Step("interference", argv, 540, ("interference/interference.json",))]
+    if base == "frontend":
+        counts = (arg or "1,4,8").split(",")
+        if not all(c.isdigit() and int(c) > 0 for c in counts):
+            raise ValueError(f"frontend: API server counts must be positive integers, got {arg!r}")
+        streams = mode.pick(("--streams", "500,1000,2000", "--tokens", "256", "--rounds", "3", "--client-procs", "4"),
+                            ("--streams", "32,64", "--tokens", "64", "--rounds", "1", "--client-procs", "1"))
+        return [Step(f"frontend-{n}", (*ppd, "bench", "frontend", *streams, "--step-ms", "20", "--serve-args",
+                                       f"--device cpu --api-server-count {n}", "--out", f"{out}/frontend/api-{n}"),
+                     300, (f"frontend/api-{n}/results.json",)) for n in counts]
+    raise ValueError(f"unknown step {name!r}; steps: {STEP_NAMES}")
+
+
+# ---- running a call ----------------------------------------------------------------------------------------------
+
+
+def run_step(step: Step, out: Path, limit_s: float) -> Outcome:
+    """Run step with its output in out/<name>.log (and on our stdout), stopped with all it started past limit_s."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, MARKER: token}
+    log_path = out / f"{step.name}.log"
+    started = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(step.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        copier = threading.Thread(target=_copy, args=(proc.stdout, log), daemon=True)
+        copier.start()
+        timed_out = False
+        try:
+            proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _stop(proc, token)
+        except KeyboardInterrupt:  # the call itself is being stopped: take the step down with it
+            _stop(proc, token)
+            raise
+        finally:
+            _kill_marked(token)  # a server the step left behind would hold the device for the next step
+            copier.join(timeout=5)
+    seconds = time.monotonic() - started
+    missing = [g for g in step.outputs if not any(out.glob(g))]
+    verdict = ("timeout" if timed_out else "failed" if proc.returncode != 0 else "no-output" if missing else "ok")
+    return Outcome(step.name, verdict, None if timed_out else proc.returncode, round(seconds, 1), int(limit_s),
+                   shlex.join(step.argv), missing)
+
+
+def _copy(src, log) -> None:
+    for line in iter(src.readline, b""):
+        log.write(line)
+        log.flush()
+        sys.stdout.buffer.write(line)
+        sys.stdout.flush()
+
+
+def _stop(proc: subprocess.Popen, token: str) -> None:
+    """SIGTERM to the step's process group (servers drain), then SIGKILL to whatever still carries its marker."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_marked(token)
+    proc.wait()
+
+
+def _kill_marked(token: str) -> None:
+    """SIGKILL every process whose environment carries this step's marker (those that left its process group too)."""
+    needle = f"{MARKER}={token}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
+def resume_from(source: Path, out: Path) -> list[str]:
+    """Copy an earlier call's results into out, never over a file out has; not its logs or verdicts."""
+    copied = []
+    for path in sorted(source.rglob("*")):
+        rel = path.relative_to(source)
+        if path.is_dir() or (len(rel.parts) == 1 and (path.suffix == ".log" or path.name in CALL_FILES)):
+            continue
+        target = out / rel
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+            copied.append(str(rel))
+    return copied
+
+
+CALL_FILES = ("steps.json", "status.txt", "host.txt", "TRUNCATED.txt")
+
+
+def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> list[str]:
+    """out as one .tar.gz at archive, under limit bytes: while it is over, the largest file is cut to its two ends
+    (named in out/TRUNCATED.txt). Returns what was cut."""
+    cut: list[str] = []
+    while True:
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(archive, "w:gz") as tar:  # OUTDIR's contents at the top: unpack into the call's folder
+            for child in sorted(out.iterdir()):
+                tar.add(child, arcname=child.name)
+        if archive.stat().st_size <= limit:
+            return cut
+        files = sorted((p for p in out.rglob("*") if p.is_file() and p.stat().st_size > 2 * KEEP_PER_END + 1024),
+                       key=lambda p: p.stat().st_size, reverse=True)
+        if not files:
+            raise RuntimeError(f"{archive} is {archive.stat().st_size} bytes, over {limit}, with nothing left to cut")
+        big = files[0]
+        data = big.read_bytes()
+        note = f"\n[... {len(data) - 2 * KEEP_PER_END} bytes cut by gpu_check to fit the archive ...]\n".encode()
+        big.write_bytes(data[:KEEP_PER_END] + note + data[-KEEP_PER_END:])
+        cut.append(f"{big.relative_to(out)} ({len(data)} bytes)")
+        (out / "TRUNCATED.txt").write_text("cut in the middle to fit the archive:\n" + "\n".join(cut) + "\n")
+
+
+def host_facts(out: Path, python: str) -> None:
+    """out/host.txt: when, which commit, the GPUs and the versions the steps run with."""
+    commands = [["date", "-u"], ["git", "rev-parse", "HEAD"], ["git", "status", "--short"], ["nvidia-smi"],
+                [python, "-c", "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, "
+                               "'cuda', torch.version.cuda, 'triton', triton.__version__)"]]
+    with open(out / "host.txt", "w") as f:
+        for argv in commands:
+            f.write(f"$ {shlex.join(argv)}\n")
+            try:
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT)
+                f.write(done.stdout + done.stderr)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                f.write(f"{type(e).__name__}: {e}\n")
+
+
+def run_call(steps: list[Step], out: Path, budget_s: float, archive: Path | None = None,
+             archive_limit: int = ARCHIVE_LIMIT) -> list[Outcome]:
+    """Run steps within budget_s (packing included), recording each outcome; pack out into archive at the end,
+    also when stopped by SIGTERM or Ctrl-C."""
+    deadline = time.monotonic() + budget_s - (PACK_RESERVE_S if archive else 0)
+    outcomes: list[Outcome] = []
+
+    def record() -> None:
+        (out / "steps.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=1) + "\n")
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    started = time.monotonic()
+    step = None
+    try:
+        for step in steps:
+            started = time.monotonic()
+            left = deadline - started
+            if left < MIN_STEP_S:
+                outcomes.append(Outcome(step.name, "skipped", None, 0.0, step.limit_s, shlex.join(step.argv)))
+            else:
+                limit = min(step.limit_s, left)
+                _status(out, f"== {step.name}: {shlex.join(step.argv)} (limit {limit:.0f} s)")
+                outcomes.append(run_step(step, out, limit))
+            o = outcomes[-1]
+            _status(out, f"== {o.name}: {o.verdict}" + (f", exit {o.rc}" if o.rc is not None else "") +
+                    f" after {o.seconds:.0f} s" + (f"; missing {', '.join(o.missing)}" if o.missing else ""))
+            record()
+    except KeyboardInterrupt:
+        if step is not None and (not outcomes or outcomes[-1].name != step.name):
+            outcomes.append(Outcome(step.name, "stopped", None, round(time.monotonic() - started, 1), step.limit_s,
+                                    shlex.join(step.argv)))
+        _status(out, "== stopped by a signal; packing what there is")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        record()
+        if archive:
+            cut = pack(out, archive, archive_limit)
+            print(f"packed {out} into {archive} ({archive.stat().st_size} bytes"
+                  + (f"; cut to fit: {', '.join(cut)}" if cut else "") + ")", flush=True)
+    return outcomes
+
+
+def _status(out: Path, line: str) -> None:
+    print(line, flush=True)
+    with open(out / "status.txt", "a") as f:
+        f.write(line + "\n")
+
+
+def check_imports() -> int:
+    """Import every module the steps need and every module of the project; print each failure. 1 if any failed."""
+    import importlib
+    import pkgutil
+
+    failed = 0
+    names = list(THIRD_PARTY)
+    for package in ("engine", "scheduler", "partition", "server", "bench", "profiles"):
+        names.append(package)
+        names += [m.name for m in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}.")]
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+            print(f"ok   {name} {getattr(module, '__version__', '')}".rstrip())
+        except Exception as e:  # noqa: BLE001 (every failure is reported, not only the first)
+            failed += 1
+            print(f"FAIL {name}: {type(e).__name__}: {e}")
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        print("cuda", cuda, torch.version.cuda, torch.cuda.get_device_name(0) if cuda else "")
+        print("torch green contexts:", hasattr(torch.cuda, "green_contexts"))
+    except Exception as e:  # noqa: BLE001
+        print("torch check failed:", e)
+    print(f"{len(names) - failed} modules imported, {failed} failed")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/gpu_check.sh", description=__doc__.split("\n")[0],
+                                epilog=f"steps: {STEP_NAMES}; default: {' '.join(DEFAULT_STEPS)}")
+    p.add_argument("--rehearse", action="store_true", help="run the steps on the CPU with the stand-in model")
+    p.add_argument("--archive", type=Path, default=None, help="pack OUTDIR into this .tar.gz at the end (< 16 MiB)")
+    p.add_argument("--from", dest="resume", type=Path, action="append", default=[],
+                   help="an earlier call's unpacked results (repeatable): copied into OUTDIR first, so resumable "
+                        "steps go on")
+    p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                   help=f"seconds this call may take, packing included (default {DEFAULT_BUDGET_S})")
+    p.add_argument("--imports", action="store_true", help=argparse.SUPPRESS)  # the host step
+    p.add_argument("outdir", nargs="?", type=Path)
+    p.add_argument("steps", nargs="*")
+    args = p.parse_args(argv)
+    if args.imports:
+        return check_imports()
+    if args.outdir is None:
+        p.error("OUTDIR is required")
+    out = args.outdir.resolve()
+    archive = args.archive.resolve() if args.archive else None
+    resume = [r.resolve() for r in args.resume]
+    os.chdir(ROOT)
+    python = sys.executable
+    try:
+        steps = [s for name in args.steps or DEFAULT_STEPS for s in plan(name, out, Mode(args.rehearse), python)]
+    except ValueError as e:
+        p.error(str(e))
+    if missing := [str(r) for r in resume if not r.is_dir()]:
+        p.error(f"--from {', '.join(missing)}: no such folder (give the unpacked results of an earlier call)")
+    out.mkdir(parents=True, exist_ok=True)
+    for folder in resume:
+        copied = resume_from(folder, out)
+        print(f"resuming from {folder}: {len(copied)} files copied into {out}", flush=True)
+    host_facts(out, python)
+    _status(out, f"== call: {shlex.join(sys.argv)} (rehearsal on the CPU)" if args.rehearse
+            else f"== call: {shlex.join(sys.argv)}")
+    outcomes = run_call(steps, out, args.budget, archive)
+    bad = [o for o in outcomes if o.verdict != "ok"]
+    print(f"{len(outcomes) - len(bad)} of {len(outcomes)} steps ok" +
+          (": " + ", ".join(f"{o.name} {o.verdict}" for o in bad) if bad else ""), flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

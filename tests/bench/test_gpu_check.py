@@ -1,0 +1,188 @@
+"""bench/gpu_check: what a device call relies on: every step's command for the GPU host and for the CPU rehearsal,
+time limits that stop a step with all it started, verdicts for steps that measured nothing, an archive under the
+device's 16 MiB that is written whatever happens, and resuming from an earlier call's results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_check import LLAMA, STANDIN, Mode, Step, main, pack, plan, resume_from, run_call
+
+ALL_STEPS = ["host", "probe", "tests", "engine", "sampling", "compare", "kernels", "policy", "policy-eval:balanced",
+             "policy-verdict", "partition", "partition-compare", "interference", "frontend", "frontend:2"]
+PY = sys.executable
+
+
+@pytest.mark.parametrize("rehearse", [False, True])
+def test_every_step_plans_a_command_that_writes_inside_outdir(tmp_path: Path, rehearse: bool) -> None:
+    steps = [s for name in ALL_STEPS for s in plan(name, tmp_path, Mode(rehearse))]
+    names = [s.name for s in steps]
+    assert len(names) == len(set(names)), "two steps would write the same log"
+    for step in steps:
+        text = " ".join(step.argv)
+        assert 0 < step.limit_s < 600, step
+        for glob in step.outputs:
+            assert not glob.startswith("/") and ".." not in glob
+        for arg in step.argv:  # every path a step writes to is under OUTDIR
+            if arg.startswith("/") and arg != sys.executable and "python" not in arg:
+                assert arg.startswith(str(tmp_path)), (step.name, arg)
+        if "--serve-args" in step.argv and "frontend" not in step.name:
+            serve = step.argv[step.argv.index("--serve-args") + 1]
+            assert (STANDIN if rehearse else LLAMA) in serve and "--skip-tokenizer-init" in serve
+            assert ("--device cpu" if rehearse else "--device cuda") in serve
+            if rehearse:
+                assert "--partition mps" not in serve and "--partition green" not in serve
+        if rehearse and step.name in ("engine", "sampling", "partition"):
+            assert STANDIN in text and "--device cpu" in text
+
+
+def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
+    (interference,) = plan("interference", tmp_path, Mode(False))
+    args = " ".join(interference.argv)
+    assert "--batch 64" in args and "--prefill-tokens 4096" in args and "--gpus 0" in args
+    (some,) = plan("interference:aggregated,green", tmp_path, Mode(False))
+    assert some.argv[-2:] == ("--only", "aggregated,green")
+    compares = plan("partition-compare", tmp_path, Mode(False))
+    assert [s.name for s in compares] == ["partition-compare-none", "partition-compare-mps", "partition-compare-green"]
+    assert [s.name for s in plan("frontend:1,8", tmp_path, Mode(False))] == ["frontend-1", "frontend-8"]
+
+
+@pytest.mark.parametrize("name", ["bogus", "policy-eval", "partition-compare:mps,warp", "frontend:0", "frontend:x"])
+def test_a_bad_step_is_refused_before_anything_runs(tmp_path: Path, name: str, capsys) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main([str(out), "host", name])
+    assert e.value.code == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert "error:" in err and name.split(":")[0] in err
+
+
+def _step(name: str, code: str, limit_s: int = 60, outputs: tuple[str, ...] = ()) -> Step:
+    return Step(name, (PY, "-c", textwrap.dedent(code)), limit_s, outputs)
+
+
+def test_verdicts_ok_failed_and_a_step_that_wrote_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = [_step("writes", f"open({str(out / 'r.json')!r}, 'w').write('{{}}')", outputs=("r.json",)),
+             _step("fails", "raise SystemExit(3)", outputs=("f.json",)),
+             _step("silent", "print('nothing to measure')", outputs=("s/*.json",))]
+    outcomes = run_call(steps, out, budget_s=300)
+    assert [(o.verdict, o.rc) for o in outcomes] == [("ok", 0), ("failed", 3), ("no-output", 0)]
+    assert outcomes[2].missing == ["s/*.json"]
+    assert "nothing to measure" in (out / "silent.log").read_text()
+    recorded = json.loads((out / "steps.json").read_text())
+    assert [r["verdict"] for r in recorded] == ["ok", "failed", "no-output"]
+    assert "== silent: no-output, exit 0" in (out / "status.txt").read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    pid_file = tmp_path / "server.pid"
+    # The step starts a "server" in a session of its own (out of the step's process group) that ignores SIGTERM,
+    # then hangs: both must be gone when the call goes on, and the archive must still be written.
+    code = f"""
+        import subprocess, sys, time
+        server = subprocess.Popen([sys.executable, "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+            start_new_session=True)
+        open({str(pid_file)!r}, "w").write(str(server.pid))
+        time.sleep(600)
+    """
+    started = time.monotonic()
+    archive = tmp_path / "call.tar.gz"
+    outcomes = run_call([_step("hangs", code, limit_s=3), _step("after", "print('next')")], out, budget_s=300,
+                        archive=archive)
+    assert time.monotonic() - started < 60
+    assert [o.verdict for o in outcomes] == ["timeout", "ok"]
+    server = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server), "the step's server outlived it"
+    with tarfile.open(archive) as tar:
+        assert {"steps.json", "hangs.log", "after.log"} <= set(tar.getnames())
+
+
+def test_steps_past_the_budget_are_skipped_not_started(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    outcomes = run_call([_step("first", "import time; time.sleep(1)"), _step("second", "print('ran')")], out,
+                        budget_s=30.5)
+    assert [o.verdict for o in outcomes] == ["ok", "skipped"]
+    assert not (out / "second.log").exists()
+
+
+def test_the_archive_fits_the_limit_by_cutting_the_largest_log(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "summary.json").write_text('{"a": 1}')
+    (out / "sub" / "serve.log").write_bytes(os.urandom(3 * 2**20))  # incompressible
+    (out / "small.log").write_bytes(os.urandom(600 * 1024))
+    archive = tmp_path / "a.tar.gz"
+    cut = pack(out, archive, limit=2**20 + 200 * 1024)
+    assert archive.stat().st_size <= 2**20 + 200 * 1024
+    assert cut and cut[0].startswith("sub/serve.log")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+        assert {"summary.json", "TRUNCATED.txt", "sub/serve.log"} <= names
+        assert tar.extractfile("summary.json").read() == b'{"a": 1}'
+
+
+def test_resuming_copies_results_but_not_the_earlier_calls_logs(tmp_path: Path) -> None:
+    earlier, out = tmp_path / "call1", tmp_path / "out"
+    (earlier / "policy-eval" / "balanced").mkdir(parents=True)
+    (earlier / "policy.json").write_text("old table")
+    (earlier / "policy-eval" / "balanced" / "summary.json").write_text("[]")
+    (earlier / "policy-eval" / "balanced" / "serve.log").write_text("kept: a server's log inside a result")
+    for name in ("policy.log", "steps.json", "status.txt", "host.txt"):
+        (earlier / name).write_text("the earlier call's")
+    out.mkdir()
+    (out / "policy.json").write_text("newer table")
+    copied = resume_from(earlier, out)
+    assert sorted(copied) == ["policy-eval/balanced/serve.log", "policy-eval/balanced/summary.json"]
+    assert (out / "policy.json").read_text() == "newer table"
+    assert not (out / "steps.json").exists() and not (out / "policy.log").exists()
+
+
+def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
+    out, archive = tmp_path / "out", tmp_path / "call.tar.gz"
+    out.mkdir()
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from bench.gpu_check import Step, run_call
+        run_call([Step("long", (sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"),
+                       300)], Path({str(out)!r}), 300, Path({str(archive)!r}))
+    """)
+    proc = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    for line in proc.stdout:
+        if line.startswith("started"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    with tarfile.open(archive) as tar:
+        assert "long.log" in tar.getnames()
+    assert "stopped by a signal" in (out / "status.txt").read_text()
+    assert [o["verdict"] for o in json.loads((out / "steps.json").read_text())] == ["stopped"]
