@@ -166,7 +166,10 @@ class Engine:
         (rewriting its KV slots with the same values), and those that still raise are returned as
         {input position: error} with None for their token. Raises when every input fails in MAX_FAILED_STEPS steps in
         a row, none of them for a reason of its own request (RequestFailure): the engine itself is broken (on a GPU, a
-        fault poisons the context), and the process must restart."""
+        fault poisons the context), and the process must restart. A step that raised may have left work on the device
+        (a grammar fails after the forward pass was launched): it is waited for before the next step or the return, so
+        that a failed input's KV writes are done before its blocks are freed and handed to the other worker, whose
+        stream does not wait for ours, and the pinned staging buffers are not refilled under a pending copy."""
         try:
             sampled = self.step(inputs, rows)
             self._failed_steps = 0
@@ -175,6 +178,7 @@ class Engine:
             log.warning("a step of %d input(s) failed (%s: %s); running them one by one", len(inputs),
                         type(exc).__name__, exc)
             batch_error = exc
+            self._wait_for_device()
         tokens: list[int | None] = []
         logprobs: list[TokenLogprobs | None] = []
         prompt: dict[int, list[TokenLogprobs]] = {}
@@ -189,6 +193,7 @@ class Engine:
                 if got.prompt_logprobs:
                     prompt[pos] = got.prompt_logprobs[0]
             except Exception as exc:  # noqa: BLE001
+                self._wait_for_device()
                 failed[pos] = f"{type(exc).__name__}: {exc}"
                 tokens += [None] * inp.sample
                 logprobs += [None] * inp.sample
@@ -212,12 +217,16 @@ class Engine:
             asks = [(pos, inp.prompt_logprobs) for pos, inp in enumerate(inputs) if inp.prompt_logprobs is not None]
             prompt = prompt_logprobs(self.runner.model, hidden, asks, self.cfg.max_num_seqs)
         if not rows:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream().synchronize()
+            self._wait_for_device()
             return Sampled([], [], prompt)
         sampled = self.sampler(logits, rows, masks)
         sampled.prompt_logprobs = prompt
         return sampled
+
+    def _wait_for_device(self) -> None:
+        """Wait until the work this thread enqueued (on its current stream) has run; nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
     def prepare(self, request_id: str, sampling: SamplingParams) -> None:
         """A request arrived: start what its sampling needs before its first sample (its grammar's compile, which

@@ -262,6 +262,20 @@ class MpsDaemon:
             log.error("the MPS daemon we started did not stop: %s", found["error"])
 
 
+def check_mps_client(plan: MpsDaemonPlan, timeout: float = 60.0) -> None:
+    """PartitionError unless a CUDA client started with plan's environment runs as an MPS client. The control daemon
+    starts its server only when the first client connects, so a daemon that started may still fail there (a VM whose
+    device MPS cannot drive), and a client that cannot reach it runs time-sliced: found out now, in a child with a
+    timeout, rather than by workers that crash, restart and never come up, or hang."""
+    from partition.probe_mps import CONTROL, Daemon, check_client
+
+    found = check_client(Daemon(plan.binary or CONTROL, plan.pipe_dir, plan.log_dir), 0, None, {}, timeout)
+    if not found["is_mps_client"]:
+        why = found.get("error") or "neither the driver, the daemon nor NVML counts it as one"
+        raise PartitionError(f"--partition mps: a CUDA client of the MPS daemon at {plan.pipe_dir} does not run as an "
+                             f"MPS client ({why}); run `ppd probe` to see why, or use --partition none")
+
+
 # ---- in a worker ---------------------------------------------------------------------------------------------------
 
 

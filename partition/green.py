@@ -3,7 +3,9 @@
 A green context covers a group of SMs; work enqueued on a stream of that context runs only on those SMs. Two
 groups are disjoint only when they come from one split call, so each split here is its own call: decode's group
 of n SMs and the rest of the device for prefill. Hopper splits in multiples of 8 SMs and rounds silently, so the
-granted counts are read back (cuGreenCtxGetDevResource) and a count the driver did not grant is refused.
+granted counts are read back (cuGreenCtxGetDevResource), logged, and a count the driver did not grant is refused.
+torch's own GreenContext.create(n) (2.10, 2.11) splits the whole device on every call, so two of them may share
+SMs: it makes no split, and nothing here uses it.
 
 StreamSplits is what a one-process unit (`--partition green`, the prefill worker a thread of the decode worker's
 process) runs on: for each pre-built split i, a decode stream on n_i SMs and a prefill stream on the rest; and
@@ -16,11 +18,14 @@ stream between two forward passes. Nothing is created at run time.
 from __future__ import annotations
 
 import gc
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from partition.probe_gpus import cuda_driver, driver_call
+
+log = logging.getLogger("ppd.partition")
 
 WHOLE = -1  # the key of the ordinary streams: no partition, both workers may use every SM
 SM_GRANULARITY = 8  # Hopper's green contexts split SMs in multiples of 8 (sm_80/86/89 split in 2s)
@@ -162,7 +167,9 @@ class StreamSplits:
         except (RuntimeError, AttributeError, ValueError) as exc:  # the driver refused, or bindings too old
             greens.destroy()
             raise GreenError(f"cannot make green contexts: {exc}") from exc
-        return cls(total, plain.pairs[WHOLE], splits, greens)
+        made = cls(total, plain.pairs[WHOLE], splits, greens)
+        log.info("green contexts: %s", made.describe())
+        return made
 
     @property
     def keys(self) -> list[int]:
@@ -196,7 +203,7 @@ class StreamSplits:
 
     def describe(self) -> str:
         splits = ", ".join(f"{p.decode_sms}/{p.prefill_sms}" for k, p in self.pairs.items() if k != WHOLE)
-        return (f"{self.total_sms} SMs; decode/prefill splits {splits}" if splits
+        return (f"{self.total_sms} SMs; SMs granted to decode/prefill in each split {splits}" if splits
                 else f"{self.total_sms} SMs, both workers on ordinary streams (no split)")
 
     def destroy(self) -> list[str]:

@@ -34,6 +34,7 @@ JSON schema 1. Times in seconds, sizes in bytes. Every finding is a dict with "o
                       split_rounding: {requested: granted}, groups: {small|pair_a|pair_b: {requested, granted}},
                       matmul: {n, iters, full_s, group_s, slowdowns, small_slowdown, small_granted},
                       pair_overlap: {sequential_s, parallel_s, ratio},
+                      pair_sm_ids: {pair_a_sms, pair_b_sms, common_sms, disjoint},
                       graph: {matches_eager, max_abs_diff, green_replay_s, full_replay_s, slowdown,
                               keeps_partition, replayed_on_ordinary_stream: {replay_s, slowdown, partition_in_graph}},
                       context_restored, cleanup_errors},

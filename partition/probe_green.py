@@ -6,12 +6,13 @@ SM resource (cuDeviceGetDevResource) and splits it twice with cuDevSmResourceSpl
 64 SMs plus the rest as a disjoint pair. For each group: cuDevResourceGenerateDesc, cuGreenCtxCreate,
 cuGreenCtxStreamCreate, and the granted SM count read back with cuGreenCtxGetDevResource; torch gets the stream
 as a torch.cuda.ExternalStream. Then, in bf16 at 4096³: a matmul on the 16-SM stream vs an ordinary stream (a
-real partition is several times slower); the 64/rest pair run side by side vs one after the other; a CUDA graph
-captured on the 16-SM stream, checked against an eager result and timed against a graph captured on an
-ordinary stream (the partition must survive capture), then replayed on the ordinary stream (does the partition
-live in the graph or in the stream?). No green context is ever made current, so torch's primary context stays
-current (checked at the end with cuCtxGetCurrent). Everything made here is destroyed (cuStreamDestroy,
-cuGreenCtxDestroy).
+real partition is several times slower); the 64/rest pair run side by side vs one after the other, and the SMs
+their kernels really ran on (%smid, probe_kernels.sm_ids: disjoint on the device, not only in the driver's
+numbers); a CUDA graph captured on the 16-SM stream, checked against an eager result and timed against a graph
+captured on an ordinary stream (the partition must survive capture), then replayed on the ordinary stream (does
+the partition live in the graph or in the stream?). No green context is ever made current, so torch's primary
+context stays current (checked at the end with cuCtxGetCurrent). Everything made here is destroyed
+(cuStreamDestroy, cuGreenCtxDestroy).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SMALL_SMS = 16
 PAIR_SMS = 64
 ROUNDING_REQUESTS = (1, 8, 12, 16, 20, 24, 64, 100, 120)  # what the driver grants for each (Hopper: multiples of 8)
 MATMUL_N = 4096
+PROGRAMS_PER_SM = 8  # sm_ids programs per SM of the device: enough that every SM a stream may use gets some
 GRAPH_TOLERANCE = 0.02  # of the largest |value|: bf16 rounding differences pass, a wrong or stale result does not
 
 
@@ -96,6 +98,8 @@ def _measure(greens: GreenStreams, device: int, iters: int) -> Finding:
         "graph": guarded(_graph_check, streams["small"], ordinary, a, b, iters),
     }
     errors = [f"{name}: {step['error']}" for name, step in steps.items() if not step.get("ok")]
+    # A finding beside the verdict's: it needs a Triton kernel with inline PTX, not green contexts alone.
+    steps["pair_sm_ids"] = guarded(_pair_sm_ids, streams["pair_a"], streams["pair_b"], total)
     return {"ok": not errors, "error": "; ".join(errors) or None, "device_sm_count": total,
             "split_rounding": rounding, "groups": groups, **steps}
 
@@ -157,6 +161,22 @@ def _pair_overlap(stream_a: Any, stream_b: Any, a: Any, b: Any, iters: int) -> F
         stream.synchronize()
     parallel_s = time.perf_counter() - start
     return {"sequential_s": sequential_s, "parallel_s": parallel_s, "ratio": round(sequential_s / parallel_s, 2)}
+
+
+def _pair_sm_ids(stream_a: Any, stream_b: Any, total: int) -> Finding:
+    """The SMs each group's programs ran on, launched on both streams at once: how many, and how many in common."""
+    import torch
+
+    from partition.probe_kernels import sm_ids
+
+    ran = []
+    for stream in (stream_a, stream_b):
+        with torch.cuda.stream(stream):
+            ran.append(sm_ids(PROGRAMS_PER_SM * total))
+    stream_a.synchronize()
+    stream_b.synchronize()
+    a, b = (set(ids.tolist()) for ids in ran)
+    return {"pair_a_sms": len(a), "pair_b_sms": len(b), "common_sms": len(a & b), "disjoint": not a & b}
 
 
 def _graph_check(green: Any, ordinary: Any, a: Any, b: Any, iters: int) -> Finding:

@@ -162,19 +162,19 @@ def start_daemon(daemon: Daemon) -> Finding:
     return {"ok": True, "error": None, "pid": daemon.pid, "pipe_directory": str(daemon.pipe_dir), "servers": servers}
 
 
-def check_client(daemon: Daemon, device: int, nvml_index: int | None, extra_env: Env) -> Finding:
+def check_client(daemon: Daemon, device: int, nvml_index: int | None, extra_env: Env,
+                 timeout: float = COMMAND_TIMEOUT_S * 4) -> Finding:
     """Start a CUDA client with our daemon's environment and, while it holds its context, ask three witnesses
     whether it is an MPS client: the driver (in the client), our daemon's client list, NVML's MPS process list."""
     ready, release = SPAWN.Event(), SPAWN.Event()
-    child = start_child(mps_client, (device, ready, release, COMMAND_TIMEOUT_S * 4), {**daemon.env, **extra_env},
-                        name="mps-client")
+    child = start_child(mps_client, (device, ready, release, timeout), {**daemon.env, **extra_env}, name="mps-client")
     seen: Finding = {}
     try:
-        if ready.wait(COMMAND_TIMEOUT_S * 4):
+        if ready.wait(timeout):
             seen = _witnesses(daemon, nvml_index, child.process.pid)
     finally:
         release.set()
-        found = finish_child(child, COMMAND_TIMEOUT_S * 4)
+        found = finish_child(child, timeout)
     found.update(seen)
     found["is_mps_client"] = bool(found.get("ok") and (found.get("mps_enabled") or seen.get("in_daemon_client_list")
                                                        or seen.get("in_nvml_mps_list")))

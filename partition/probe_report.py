@@ -199,8 +199,12 @@ def _green_rows(green: dict[str, Any], label: str = "green") -> Rows:
     real, reason = green_is_real(green)
     groups = green.get("groups", {})
     granted = ", ".join(f"{name} {g.get('requested')}->{g.get('granted')}" for name, g in groups.items())
+    pair = green.get("pair_sm_ids", {})
+    ran = "" if not pair else (f"pair ran on {pair.get('pair_a_sms')} + {pair.get('pair_b_sms')} SMs, "
+                               f"{pair.get('common_sms')} in common · " if pair.get("ok")
+                               else f"pair's SMs: {_status(pair)} · ")
     return rows + [(label, f"{'real' if real else 'NOT real'}: {reason}"),
-                   (f"{label} (groups)", f"of {green.get('device_sm_count')} SMs: {granted} · "
+                   (f"{label} (groups)", f"of {green.get('device_sm_count')} SMs: {granted} · {ran}"
                                          f"split rounding {green.get('split_rounding')}"),
                    (f"{label} (cleanup)", f"torch's context restored {green.get('context_restored')} · "
                                           f"errors {green.get('cleanup_errors')}")]

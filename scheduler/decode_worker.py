@@ -198,13 +198,11 @@ class DecodeWorker:
         total = torch.cuda.get_device_properties(0).multi_processor_count
         counts = self.cfg.partition.green_sms or default_decode_sms(total)
         try:
-            streams = StreamSplits.green(counts)
+            return StreamSplits.green(counts)  # which logs the SM counts the driver granted
         except (GreenError, ValueError) as exc:
             self.partition_problem = (f"green contexts could not be made ({exc}): prefill and decode run on two "
                                       "ordinary streams, overlapping with no SM split")
             return StreamSplits.plain()
-        log.info("green contexts: %s", streams.describe())
-        return streams
 
     def send(self, ready: WorkerReady | None = None) -> None:
         """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""

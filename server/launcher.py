@@ -83,11 +83,13 @@ class Launcher:
             self.procs[unit][role] = proc
 
     def _stop(self, unit: int) -> None:
-        procs = list(self.procs[unit].values())
-        for p in procs:
+        # The prefill worker maps the decode worker's weights and KV pool (CUDA IPC): it is gone before the decode
+        # worker, their exporter, is stopped, as freeing exported memory under an importer is undefined (under MPS,
+        # a fault there would reach every client of the GPU).
+        for role in sorted(self.procs[unit], key=lambda role: role == "decode"):
+            p = self.procs[unit][role]
             if p.is_alive():
                 p.kill()
-        for p in procs:
             p.join(timeout=5)
         self.procs[unit] = {}
         for kind in ("weights", "kv"):

@@ -389,6 +389,38 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
     return model
 
 
+def start_mps(args: argparse.Namespace, plan: ServePlan):
+    """Under --partition mps (or auto's choice of it): start the MPS daemon where the plan says so, then check that
+    a CUDA client really runs under it. Returns the daemon we started (to stop at exit), else None. Where MPS does
+    not work, auto goes on with green contexts or the time-sliced baseline, saying why; mps is a UsageError."""
+    if plan.mps is None:
+        return None
+    from partition.backends import MpsDaemon, check_mps_client
+
+    daemon = MpsDaemon(plan.mps) if plan.mps.start else None
+    try:
+        if daemon is not None:
+            daemon.start()
+        check_mps_client(plan.mps)
+        return daemon
+    except PartitionError as exc:
+        if daemon is not None:
+            daemon.stop()  # once; start() stopped a half-started one already
+        if args.partition != "auto":
+            raise UsageError(str(exc)) from exc
+        problem = exc
+    # auto promised the best that works here: green contexts in one process where cuda-python can make them, else
+    # the time-sliced baseline, said plainly.
+    with_prefill = not plan.units[0].aggregated
+    kind = "green" if with_prefill and green_available() else "none"
+    log.warning("partition: %s; going on with --partition %s", problem, kind)
+    part = UnitPartition(kind, why=f"auto: MPS does not work here ({problem})", prefill_thread=kind == "green")
+    plan.units[:] = [dataclasses.replace(u, partition=part, share_manager=share_manager_on(args.share_manager, kind))
+                     for u in plan.units]
+    plan.partition, plan.mps = kind, None
+    return None
+
+
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
     from server.api_servers import ApiServerProcesses, DrainingServer, freeze_startup_heap
@@ -409,29 +441,12 @@ def serve(args: argparse.Namespace) -> None:
         raise
     client = api_client(args, plan, policy, 0)
     launcher = Launcher(plan.units, client)
-    mps_daemon = None
-    if plan.mps is not None and plan.mps.start:
-        from partition.backends import MpsDaemon
-
-        mps_daemon = MpsDaemon(plan.mps)
-        try:
-            mps_daemon.start()
-        except PartitionError as exc:
-            mps_daemon = None
-            if args.partition != "auto":
-                sock.close()
-                shutil.rmtree(plan.ipc_dir, ignore_errors=True)
-                raise UsageError(str(exc)) from exc
-            # auto promised the best that works here: green contexts in one process where cuda-python can make
-            # them, else the time-sliced baseline, said plainly.
-            with_prefill = not plan.units[0].aggregated
-            kind = "green" if with_prefill and green_available() else "none"
-            why = f"auto: MPS is installed but its daemon did not start ({exc})"
-            log.warning("partition: %s; going on with --partition %s", exc, kind)
-            part = UnitPartition(kind, why=why, prefill_thread=kind == "green")
-            plan.units[:] = [dataclasses.replace(u, partition=part, share_manager=share_manager_on(args.share_manager, kind))
-                             for u in plan.units]
-            plan.partition = kind
+    try:
+        mps_daemon = start_mps(args, plan)
+    except UsageError:
+        sock.close()
+        shutil.rmtree(plan.ipc_dir, ignore_errors=True)
+        raise
     log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.units[0].partition.describe(), args.policy)

@@ -86,3 +86,28 @@ def test_decode_through_static_buffers_matches_hf(long_llama: Path) -> None:
     for s, p in zip(seqs, prompts):
         n = len(s["tokens"]) - len(p)
         assert s["tokens"][len(p):] == hf_greedy(long_llama, p, n)
+
+
+def test_one_graph_set_per_split_stream_captured_on_that_stream(long_llama: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Green-context splits: capture_graphs captures a set per stream (keyed as use_graphs takes them), each on its
+    own stream and with every batch bucket, all in one memory pool; use_graphs picks the set a step replays."""
+    model, cfg = load_model(long_llama)
+    runner = ModelRunner(model, torch.zeros(kv_pool_shape(cfg, 8, 16)), 16, "triton")
+    captured = []
+
+    def capture(self: DecodeGraphs, stream=None, pool=None, label: str = ""):
+        captured.append((stream, pool))
+        for bs in self.sizes:
+            self.graphs[bs] = (f"graph {bs} on {stream}", None)
+        return pool or "the pool"
+
+    monkeypatch.setattr(DecodeGraphs, "capture", capture)
+    streams = {-1: "whole", 0: "decode on 32 SMs", 1: "decode on 64 SMs"}
+    runner.capture_graphs(20, streams)
+    assert captured == [("whole", None), ("decode on 32 SMs", "the pool"), ("decode on 64 SMs", "the pool")]
+    for key, stream in streams.items():
+        graphs = runner.graph_sets[key].graphs
+        assert sorted(graphs) == bucket_sizes(20) and graphs[20][0] == f"graph 20 on {stream}"
+    runner.use_graphs(1)
+    assert runner.graphs is runner.graph_sets[1]

@@ -118,6 +118,35 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         release_name(engine.kv_handle)
 
 
+def test_a_failed_step_is_waited_for_before_the_next_step_and_the_return(tmp_path: Path) -> None:
+    """A step may raise after it launched device work (a grammar fails after the forward pass): step_each waits for
+    that work before it runs anything else or hands the failures back (which frees the failed inputs' blocks)."""
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = Engine.create(cfg, names("wait"))
+    try:
+        free = free_blocks(engine)
+        convs = [Conversation(engine, free, random_ids(n, seed=n)) for n in (5, 8)]
+        events: list[str] = []
+        run = engine.runner.run
+
+        def launched_then_failed(inputs: list[StepInput]):
+            events.append(f"run {len(inputs)}")
+            result = run(inputs)
+            if any(i.block_table == convs[1].table for i in inputs):
+                raise GuidedError("output left the grammar")
+            return result
+
+        engine.runner.run = launched_then_failed
+        engine._wait_for_device = lambda: events.append("wait")
+        _, failed = engine.step_each([c.next_input() for c in convs], [Row(GREEDY)] * 2)
+        assert list(failed) == [1]
+        assert events == ["run 2", "wait", "run 1", "run 1", "wait"]
+    finally:
+        release_name(engine.weights_handle)
+        release_name(engine.kv_handle)
+
+
 def check_prompt_logprobs_beside_decodes(engine: Engine, folder: Path) -> None:
     """A prompt in two chunks that ask for prompt logprobs, each in a step beside decoding conversations (with more
     asked rows than the engine's slice of max_num_seqs rows): the logprobs equal transformers' log-softmax, and the

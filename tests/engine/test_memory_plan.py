@@ -55,3 +55,33 @@ def test_cpu_pool_from_blocks_or_gib() -> None:
 def test_context_beyond_the_model_is_refused() -> None:
     with pytest.raises(StartupError, match="exceeds the model's 4096 positions"):
         plan_from_request(None, 1.0, BLOCK, 16, 4096, 5000)
+
+
+@pytest.mark.gpu
+def test_a_second_process_context_shows_in_free_memory_and_is_small() -> None:
+    """What the plan counts on for the prefill worker's CUDA context: the worker makes it as it starts, while the
+    decode worker loads the weights, and the decode worker's measurement (in_use, from free memory) then includes
+    it; nothing reserves it explicitly. This measures that context as the decode side sees it. If it were large,
+    a prefill worker that started late (after the measurement) would have to fit in the headroom that
+    --gpu-memory-utilization leaves (8 GiB at 0.9 on an H100)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.zeros(1, device="cuda")
+    free_before, _ = torch.cuda.mem_get_info()
+    child = subprocess.Popen([sys.executable, "-c", "import sys, torch; torch.zeros(1, device='cuda'); "
+                              "torch.cuda.synchronize(); print('ready', flush=True); sys.stdin.readline()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        free_during, _ = torch.cuda.mem_get_info()
+    finally:
+        child.stdin.close()
+        child.wait(60)
+    context = free_before - free_during
+    print(f"a second process's CUDA context: {context / 2**20:.0f} MiB")
+    assert 0 < context < GiB

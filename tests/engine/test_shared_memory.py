@@ -73,3 +73,42 @@ def test_cuda_handle_survives_encoding() -> None:
     _, handle = create_shared("unused", (16,), torch.bfloat16, "cuda")
     assert isinstance(handle, CudaIpcHandle)
     assert HANDLE.decode(msgspec.msgpack.encode(handle)) == handle
+
+
+EXPANDABLE_CHILD = """
+import os, sys
+import torch  # first, as a spawned worker imports torch with its own module before init_worker_process runs
+from engine.engine import EngineConfig
+from engine.shared_memory import create_shared
+from scheduler.config import UnitConfig
+from scheduler.worker_setup import init_worker_process
+
+init_worker_process(UnitConfig(EngineConfig(model="unused"), gpu=sys.argv[1]), "decode")
+tensor, _ = create_shared("unused", (64 << 20,), torch.uint8, "cuda")
+ptr = tensor.data_ptr()
+segment = next(s for s in torch.cuda.memory._snapshot()["segments"]
+               if s["address"] <= ptr < s["address"] + s["total_size"])
+print("expandable", segment.get("is_expandable"))
+"""
+
+
+@pytest.mark.gpu
+def test_a_worker_exports_from_an_ordinary_segment_even_when_started_with_expandable_segments() -> None:
+    """The exporter must not use expandable segments (their IPC path has known bugs). A worker drops the option
+    from its environment in init_worker_process, after torch is imported but before CUDA starts: this shows that
+    torch reads the option only then, so the pool really is an ordinary cudaMalloc segment."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", EXPANDABLE_CHILD, gpu], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-2:] == ["expandable", "False"], done.stdout + done.stderr[-2000:]

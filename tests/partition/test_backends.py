@@ -76,6 +76,28 @@ def test_mps_uses_a_daemon_that_runs(no_mps, monkeypatch: pytest.MonkeyPatch, tm
     assert kind == "mps" and not daemon.start and dict(parts[0].env) == {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
 
 
+def test_an_mps_daemon_whose_client_does_not_run_under_it_is_refused_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The control daemon starts its server only for the first client, so a daemon may start and MPS still fail
+    (in a VM, say): the check runs one client, in a child with a timeout, and says what it saw."""
+    import partition.probe_mps as probe_mps
+
+    asked = []
+
+    def client_died(daemon, device, nvml_index, extra_env, timeout):
+        asked.append((daemon.pipe_dir, device, timeout))
+        return {"ok": False, "error": "mps-client: no result within 60 s; the child was killed", "is_mps_client": False}
+
+    plan = backends.MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "mps-pipe", tmp_path / "mps-log",
+                                  start=True, why="starting an MPS daemon")
+    monkeypatch.setattr(probe_mps, "check_client", client_died)
+    with pytest.raises(PartitionError, match=r"does not run as an MPS client \(mps-client: no result within 60 s"):
+        backends.check_mps_client(plan, timeout=60.0)
+    assert asked == [(tmp_path / "mps-pipe", 0, 60.0)]
+    monkeypatch.setattr(probe_mps, "check_client", lambda *args: {"ok": True, "is_mps_client": True})
+    backends.check_mps_client(plan)
+
+
 def test_a_worker_applies_its_share_before_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(backends.shutil, "which", lambda name: "/usr/bin/nvidia-cuda-mps-control")
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon"))

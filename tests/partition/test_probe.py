@@ -412,6 +412,10 @@ def test_green_contexts_on_gpu(tmp_path: Path) -> None:
     total, small = found["device_sm_count"], found["groups"]["small"]["granted"]
     assert 16 <= small < total
     assert found["groups"]["pair_a"]["granted"] + found["groups"]["pair_b"]["granted"] <= total
+    pair = found["pair_sm_ids"]
+    assert pair["ok"] and pair["disjoint"], pair  # the pair's kernels ran on different SMs, seen on the device
+    assert 0 < pair["pair_a_sms"] <= found["groups"]["pair_a"]["granted"], pair
+    assert 0 < pair["pair_b_sms"] <= found["groups"]["pair_b"]["granted"], pair
     assert found["matmul"]["small_slowdown"] > 1.0
     assert found["graph"]["matches_eager"], found["graph"]
     assert found["context_restored"] and found["cleanup_errors"] == []

@@ -108,6 +108,60 @@ def test_more_units_than_cores_warns(caplog: pytest.LogCaptureFixture, monkeypat
     assert "8 worker processes on 2 core(s)" in caplog.text and "--units 1" in caplog.text
 
 
+def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon started, but no client runs under it (its server failed, as it may in a VM): --partition auto
+    stops our daemon and goes on without MPS, saying why; --partition mps is refused with the same reason."""
+    import argparse
+    import shutil
+
+    import server.serve
+    from partition import backends
+    from partition.backends import MpsDaemonPlan, PartitionError
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args([])
+    plan = server.serve.plan_serve(args)
+    shutil.rmtree(plan.ipc_dir)
+    events = []
+
+    class Daemon:
+        def __init__(self, plan: MpsDaemonPlan) -> None:
+            pass
+
+        def start(self) -> None:
+            events.append("start")
+
+        def stop(self) -> None:
+            events.append("stop")
+
+    def no_mps_client(plan: MpsDaemonPlan) -> None:
+        events.append("check")
+        raise PartitionError("--partition mps: a CUDA client of the MPS daemon does not run as an MPS client "
+                             "(mps-client: the child exited with code 1 without a result)")
+
+    monkeypatch.setattr(backends, "MpsDaemon", Daemon)
+    monkeypatch.setattr(backends, "check_mps_client", no_mps_client)
+    monkeypatch.setattr(server.serve, "green_available", lambda: False)
+    daemon_plan = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=True,
+                                why="starting an MPS daemon")
+    plan.mps, args.partition = daemon_plan, "auto"
+    with caplog.at_level("WARNING", logger="ppd"):
+        assert server.serve.start_mps(args, plan) is None
+    assert events == ["start", "check", "stop"]
+    assert plan.partition == "none" and plan.mps is None
+    assert all(u.partition.backend == "none" and not u.partition.env for u in plan.units)
+    assert "MPS does not work here" in plan.units[0].partition.why and "exited with code 1" in caplog.text
+    assert "going on with --partition none" in caplog.text
+    events.clear()
+    plan.mps, args.partition = daemon_plan, "mps"
+    with pytest.raises(server.serve.UsageError, match="does not run as an MPS client"):
+        server.serve.start_mps(args, plan)
+    assert events == ["start", "check", "stop"]
+
+
 def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
     import os
 
