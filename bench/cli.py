@@ -15,7 +15,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -27,10 +27,16 @@ if TYPE_CHECKING:
 # The client, workloads and report (aiohttp, matplotlib) are imported where used: `ppd serve` parses these flags too.
 
 SERVER_START_TIMEOUT_S = 300
+# A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy weights has none).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 class BenchError(Exception):
     """A bad command line or an unreachable server: printed, exit code 2."""
+
+
+class Unmeasured(BenchError):
+    """The run went, but something it was asked to measure measured nothing (each named on stderr): exit code 1."""
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -139,7 +145,7 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     from bench.report import markdown_table, write_report
 
     model, served = _server_model(args.url, args.model, _auth(args))
-    conversations = _workload(args, served, args.seed)
+    conversations = _workload(args, served, args.seed, _tokenizer(args, served, args.url))
     out = Path(args.out or _default_out("bench"))
     summary, records = _measure(args, args.url, model, conversations, args.qps, args.concurrency, goodput,
                                 {"server": args.url, "qps": args.qps, "concurrency": args.concurrency})
@@ -149,9 +155,13 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     print(markdown_table([summary]))
     _print_failures(summary)
     print(f"\nwritten to {out}", file=sys.stderr)
+    if not summary["succeeded"] and not summary.get("interrupted"):
+        fail_unless_measured({args.url: _why_nothing(summary)}, 1, "run")
 
 
 def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
+    """Each server at each load, reported together; a server that does not start is skipped, and the command fails
+    (Unmeasured) when any server at any load measured nothing."""
     from bench.report import markdown_table, median_of_runs, write_report
 
     points = _sweep(args)
@@ -168,28 +178,44 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         raise BenchError("nothing to compare: give --policies and/or --server NAME=URL")
     out = Path(args.out or _default_out("compare"))
     targets = [(f"ppd:{p}", None, p) for p in policies] + [(n, u, None) for n, u in peers]
+    # What no server's start can change is checked before the first one loads a model.
+    serve_args = shlex.split(args.serve_args)
+    if policies and "--skip-tokenizer-init" in serve_args and (args.api, args.workload) != ("completions", "synthetic"):
+        raise BenchError("a server started with --skip-tokenizer-init takes token ids only: pass --api completions "
+                         "(with --workload synthetic)")
+    tokenizers = {name: _tokenizer(args, None if server else _server_model(url, args.model, _auth(args))[1], name)
+                  for name, url, server in targets}
     # Interleaved: every server gets one run per point per round, the rounds in turn, so that a drift of the
     # machine's speed over the minutes of a comparison falls on every server alike.
     rounds, per_round = (args.repeat, 1) if args.interleave else (1, args.repeat)
     runs: dict[tuple[str, int], list[dict]] = {(t[0], i): [] for t in targets for i in range(len(points))}
     records: dict[str, list] = {}
+    unstarted: dict[str, str] = {}  # a server that did not start or answer, and why
+    interrupted = False
     try:
         for rnd in range(rounds):
             for name, url, server in targets:
                 proc = None
-                if server:
-                    log = out / (f"serve-{server}-round{rnd}.log" if args.interleave else f"serve-{server}.log")
-                    proc = start_server(["--policy", server, *shlex.split(args.serve_args)], log)
-                    print(f"started {server}: {proc[1]}", file=sys.stderr)
                 try:
+                    if server:
+                        log = out / (f"serve-{server}-round{rnd}.log" if args.interleave else f"serve-{server}.log")
+                        proc = start_server(["--policy", server, *serve_args], log)
+                        print(f"started {server}: {proc[1]}", file=sys.stderr)
                     base = proc[1] if proc else url
                     model, served = _server_model(base, args.model, _auth(args))
+                except BenchError as exc:  # the others are still measured; the run fails at the end
+                    unstarted[name] = one_line(exc)
+                    print(f"{name}: {unstarted[name]}", file=sys.stderr)
+                    if proc:
+                        stop_server(proc[0])
+                    continue
+                try:
                     for i, (qps, concurrency) in enumerate(points):
                         label = {"server": name, "qps": qps, "concurrency": concurrency}
                         for r in range(per_round):
                             run = rnd + r  # one of the two is 0
                             # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
-                            conversations = _workload(args, served, args.seed + 1000 * i + run)
+                            conversations = _workload(args, served, args.seed + 1000 * i + run, tokenizers[name])
                             summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput,
                                                      label)
                             runs[(name, i)].append(summary)
@@ -201,12 +227,21 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
                     if proc:
                         stop_server(proc[0])
     except KeyboardInterrupt:
+        interrupted = True
         print("\ninterrupted: reporting what was measured", file=sys.stderr)
     summaries = [median_of_runs(runs[(t[0], i)]) for t in targets for i in range(len(points)) if runs[(t[0], i)]]
     if summaries:
         write_report(summaries, out, records)
         print(markdown_table(summaries))
         print(f"\nwritten to {out}", file=sys.stderr)
+    missing = {}
+    for name, *_ in targets:
+        for i, (qps, concurrency) in enumerate(points):
+            done = runs[(name, i)]
+            if not any(s["succeeded"] for s in done) and (done or not interrupted):
+                why = _why_nothing(median_of_runs(done)) if done else unstarted.get(name, "not run")
+                missing[f"{name} at {qps or concurrency:g}"] = why
+    fail_unless_measured(missing, len(targets) * len(points), "points (server at load)")
 
 
 def _measure(args, url: str, model: str, conversations: list[Conversation], qps: float | None, concurrency: int | None,
@@ -240,17 +275,35 @@ def _sweep(args: argparse.Namespace) -> list[tuple[float | None, int | None]]:
         raise BenchError(f"bad sweep list: {exc}; expected e.g. --qps 0.5,1,2") from exc
 
 
-def _workload(args: argparse.Namespace, served: dict, seed: int) -> list[Conversation]:
+def fail_unless_measured(missing: dict[str, str], asked: int, what: str) -> None:
+    """Raise Unmeasured when any of the `asked` things measured nothing, after one line on stderr for each: its name
+    (a key of `missing`) and why (the value)."""
+    for name, why in missing.items():
+        print(f"not measured: {name}: {why}", file=sys.stderr)
+    if missing:
+        raise Unmeasured(f"{len(missing)} of {asked} {what} measured nothing (listed above)")
+
+
+def one_line(exc: BaseException) -> str:
+    """An error on one line: a message of several lines (what failed, then the log of a server that stopped) as its
+    first line and its last, which says why."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def _why_nothing(summary: dict) -> str:
+    """Why a run's summary has no successful request, in a line."""
+    if not summary["requests"]:
+        return "no request completed"
+    reasons = "; ".join(f"{count} x {reason}" for reason, count in summary.get("errors", {}).items())
+    return f"all {summary['requests']} requests failed ({reasons})"
+
+
+def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any) -> list[Conversation]:
+    """The conversations of one run against the server `served` (its /v1/models entry), with the tokenizer
+    `_tokenizer` gave (None: there is none, and the workload does not need one)."""
     from bench.workloads import load_workload
 
-    tokenizer = None
-    folder = _tokenizer_folder(args, served)
-    needs_tokenizer = args.workload == "synthetic" and args.api == "chat"
-    if folder:
-        from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    elif needs_tokenizer:
-        raise BenchError("exact prompt lengths need the model's tokenizer: pass --tokenizer FOLDER (or --api completions)")
     if args.workload == "synthetic":
         options = dict(profile=args.profile, turn1=args.turn1, turns=args.turns, scale=_fitted_scale(args, served),
                        api=args.api)
@@ -268,19 +321,54 @@ def _workload(args: argparse.Namespace, served: dict, seed: int) -> list[Convers
         raise BenchError(str(exc)) from exc
 
 
-def _tokenizer_folder(args: argparse.Namespace, served: dict) -> str | None:
-    """The served model's tokenizer: --tokenizer, else the folder the server names as its root (vLLM does), else
-    the --model of the serve arguments (ppd bench compare), else the built-in demo model's when that is served."""
+def _tokenizer(args: argparse.Namespace, served: dict | None, name: str) -> Any:
+    """The tokenizer of the server `name` (served as in `_tokenizer_folder`), loaded, or None where there is none;
+    a BenchError naming the fix where the workload needs one (synthetic chat prompts of exact length)."""
+    folder = _tokenizer_folder(args, served)
+    if folder is None:
+        if args.workload == "synthetic" and args.api == "chat":
+            raise BenchError(f"{name}: exact prompt lengths of --api chat need the model's tokenizer, and no local "
+                             "folder of it with tokenizer files is known: pass --api completions (token ids) or "
+                             "--tokenizer PATH")
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # transformers raises many kinds for a folder without a usable tokenizer
+        raise BenchError(f"cannot load the tokenizer of {folder} ({one_line(exc)}): pass --tokenizer PATH, or "
+                         "--api completions") from exc
+
+
+def _tokenizer_folder(args: argparse.Namespace, served: dict | None) -> str | None:
+    """Where the served model's tokenizer is, a folder with tokenizer files, or None: --tokenizer; for a running
+    server (served: its /v1/models entry) the folder it names as its root (vLLM does), or the built-in demo model's
+    when it serves that; else the folder the serve arguments give `ppd serve` (the servers `ppd bench compare`
+    starts: served None), none with --skip-tokenizer-init."""
     from engine.demo import DEMO_MODEL, demo_model_path
 
-    root = served.get("root")
-    model = option_value(shlex.split(getattr(args, "serve_args", "") or ""), "--model")
-    for folder in (args.tokenizer, root, model):
-        if folder and os.path.isdir(folder):
-            return folder
-    if served.get("id") == DEMO_MODEL and model in (None, DEMO_MODEL):
-        return str(demo_model_path())
-    return None
+    if args.tokenizer:
+        if not has_tokenizer(args.tokenizer):
+            raise BenchError(f"--tokenizer {args.tokenizer}: no tokenizer files there ({', '.join(TOKENIZER_FILES)})")
+        return args.tokenizer
+    serve_args = shlex.split(getattr(args, "serve_args", "") or "")
+    model = option_value(serve_args, "--model")
+    if served is not None:
+        if served.get("root") and has_tokenizer(served["root"]):
+            return served["root"]
+        if served.get("id") == DEMO_MODEL and model in (None, DEMO_MODEL):
+            return str(demo_model_path())
+    if "--skip-tokenizer-init" in serve_args:
+        return None
+    folder = option_value(serve_args, "--tokenizer") or model
+    if folder in (None, DEMO_MODEL):
+        return str(demo_model_path()) if served is None else None
+    return folder if has_tokenizer(folder) else None
+
+
+def has_tokenizer(folder: str) -> bool:
+    """Whether `folder` holds a Hugging Face tokenizer's files."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def _fitted_scale(args: argparse.Namespace, served: dict) -> float:
@@ -357,13 +445,14 @@ def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BenchError(f"`{shlex.join(cmd)}` exited with {proc.returncode}:\n{log.read_text()}")
+            raise BenchError(f"`ppd serve {shlex.join(serve_args)}` exited with {proc.returncode} (log {log}):\n"
+                             f"{log.read_text()}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
         time.sleep(0.1)
     stop_server(proc)
-    raise BenchError(f"`{shlex.join(cmd)}` not ready after {timeout}s:\n{log.read_text()}")
+    raise BenchError(f"`ppd serve {shlex.join(serve_args)}` not ready after {timeout}s (log {log}):\n{log.read_text()}")
 
 
 def option_value(args: list[str], name: str) -> str | None:

@@ -12,7 +12,8 @@ one after another. For every configuration (a `ppd serve` command line) in one r
 A window's TPOT is its length times the batch over the tokens all streams received in it, so a stream that is
 stalled counts as slow rather than dropping out. Configurations by default: aggregated (chunked prefill in the
 decode batch), pd with time-slicing (none), and each way of overlapping this device offers: on the CPU pinned cores
-(cpu) and one process with a prefill thread (thread); on a GPU mps and green.
+(cpu) and one process with a prefill thread (thread); on a GPU mps and green. Each server logs to <out>/<name>.log;
+a configuration that measured nothing is reported with why, and makes the command exit 1.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, option_value, start_server, stop_server
+from bench.cli import BenchError, _default_out, fail_unless_measured, one_line, option_value, start_server, stop_server
 
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
                "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
@@ -70,13 +71,13 @@ def main(args: argparse.Namespace) -> None:
         try:
             proc, url = start_server(serve_args, out / f"{name}.log")
         except BenchError as exc:
-            results[name] = {"serve_args": serve_args, "error": str(exc).splitlines()[0]}
+            results[name] = {"serve_args": serve_args, "error": one_line(exc)}
             print(f"  {results[name]['error']}", flush=True)
             continue
         try:
             results[name] = {"serve_args": serve_args, **measure(url, args)}
-        except BenchError as exc:
-            results[name] = {"serve_args": serve_args, "error": str(exc)}
+        except (BenchError, httpx.HTTPError) as exc:
+            results[name] = {"serve_args": serve_args, "error": f"{one_line(exc)} (log {out / f'{name}.log'})"}
         finally:
             stop_server(proc)
         print(f"  {_line(results[name])}", flush=True)
@@ -84,6 +85,8 @@ def main(args: argparse.Namespace) -> None:
     (out / "interference.json").write_text(json.dumps({"settings": settings, "results": results}, indent=1))
     (out / "interference.md").write_text(report(settings, results))
     print(f"wrote {out / 'interference.md'}")
+    fail_unless_measured({name: r["error"] for name, r in results.items() if "error" in r}, len(results),
+                         "configurations")
 
 
 def _cuda_available() -> bool:
@@ -151,6 +154,8 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     for t in threads:
         t.join(timeout=30)
     tpot_alone = _tpot(arrivals, *alone)
+    if tpot_alone == float("inf"):
+        raise BenchError(f"no stream received a token in the {args.alone_s} s alone: the server stalled")
     tpots = [_tpot(arrivals, a, b) for a, b in beside]
     tpot_beside = statistics.median(tpots)
     return {"tpot_alone_ms": tpot_alone, "tpot_beside_ms": tpot_beside, "tpot_beside_each_ms": tpots,

@@ -6,8 +6,10 @@ of the cell's shape, `load` conversations in flight, every append-prefill forced
 x-ppd-route request header. It records the turn-2 TTFT and TPOT (medians and 90th percentiles) and the prefill
 worker's mean queue delay (sampled from /metrics), then x* = 1[w_ttft * dTTFT - w_tpot * dTPOT > 0] per cell.
 After every run the table is written (atomically), so an interrupted profile resumes where it stopped: runs
-already in the file are not repeated. Output: profiles/<device>__<model>__policy.json (see
-scheduler/policy_table.py for the schema), a heatmap of x* beside it (.png) and a markdown summary (.md).
+already in the file are not repeated, except those that measured nothing (no turn-2 request succeeded), which
+make the command exit 1, each named with why. Output: profiles/<device>__<model>__policy.json (see
+scheduler/policy_table.py for the schema), a heatmap of x* beside it (.png), a markdown summary (.md) and the log
+of the server it starts (.serve.log).
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import random
 import shlex
 import statistics
 import sys
-import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,9 +33,9 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from bench.cli import BenchError, start_server, stop_server
+from bench.cli import BenchError, fail_unless_measured, start_server, stop_server
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
-from profiles import cpu_device_name
+from profiles import PROFILES_DIR, cpu_device_name
 from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, table_path
 
 
@@ -80,7 +82,8 @@ def measure(url: str, model: str, context: int, shape: tuple[int, int], load: in
     return {"requests": len(records), "failed": sum(not r.success for r in records), "n": len(later),
             "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90),
             "tpot_p50_ms": _pct(tpot, 50), "tpot_p90_ms": _pct(tpot, 90), "queue_delay_ms": queue_ms,
-            "routes": sorted({r.route for r in later if r.route})}
+            "routes": sorted({r.route for r in later if r.route}),
+            "errors": dict(Counter((r.error or "")[:200] for r in records if not r.success).most_common(3))}
 
 
 class QueueSampler:
@@ -139,13 +142,15 @@ def measure_repeated(url: str, model: str, context: int, shape: tuple[int, int],
         values = [run[k] for run in runs if run[k] is not None]
         combined[k] = statistics.median(values) if values else None
     combined["routes"] = sorted({r for run in runs for r in run["routes"]})
+    combined["errors"] = dict(sum((Counter(run.get("errors", {})) for run in runs), Counter()))
     combined["repeats"] = runs
     return combined
 
 
 def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict, w_ttft: float, w_tpot: float,
             progress: bool = True, seed: int = 0, repeat: int = 1) -> PolicyTable:
-    """Measure every run of the grid not already in `out` (resuming), writing the table after each run."""
+    """Measure every run of the grid not already measured in `out` (resuming; a run there that measured nothing is
+    measured again), writing the table after each run."""
     raw: dict = {}
     if out.exists():
         try:
@@ -156,7 +161,7 @@ def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict
             raise BenchError(f"{out} holds a profile of {previous.model} on {previous.device}, not {model} on {device}")
         raw = dict(previous.raw)
     runs = [(c, s, ld, r) for c in grid.contexts for s in grid.shapes for ld in grid.loads for r in ROUTES]
-    todo = [run for run in runs if run_key(*run) not in raw]
+    todo = [run for run in runs if raw.get(run_key(*run), {}).get("n", 0) == 0]
     if len(todo) < len(runs):
         print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already measured", file=sys.stderr)
     served = _served_model(url)
@@ -174,6 +179,18 @@ def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict
 
 
 # ---- report ------------------------------------------------------------------------------------------
+
+
+def unmeasured(grid: Grid, raw: dict) -> dict[str, str]:
+    """The runs of the grid that measured nothing (no turn-2 request succeeded), each with why."""
+    missing = {}
+    for key in (run_key(c, s, ld, r) for c in grid.contexts for s in grid.shapes for ld in grid.loads for r in ROUTES):
+        run = raw.get(key, {"requests": 0, "failed": 0, "n": 0})
+        if run["n"] == 0:
+            errors = "; ".join(f"{count} x {error}" for error, count in run.get("errors", {}).items())
+            missing[key] = (f"no turn-2 request succeeded; {run['failed']} of {run['requests']} failed"
+                            + (f" ({errors})" if errors else ""))
+    return missing
 
 
 def markdown(table: PolicyTable) -> str:
@@ -265,12 +282,16 @@ def main(args: argparse.Namespace) -> None:
     try:
         url = args.url
         if url is None:
-            log = Path(tempfile.gettempdir()) / f"ppd-profile-serve-{os.getpid()}.log"
+            # Beside the table; by default that is named once the server says its device and model.
+            log = (Path(args.out) if args.out else PROFILES_DIR / "policy-profile").with_suffix(".serve.log")
             proc, url = start_server(["--policy", "pd", *shlex.split(args.serve_args)], log)
-            print(f"started ppd serve at {url} (log {log})", file=sys.stderr)
         device, model, gpu = _describe(url)
         grid = choose_grid(args, gpu)
         out = Path(args.out) if args.out else table_path(device, model)
+        if proc is not None:
+            if args.out is None:  # the server keeps writing to the file it opened
+                log = log.rename(out.with_suffix(".serve.log"))
+            print(f"started ppd serve at {url} (log {log})", file=sys.stderr)
         meta = {"created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "command": shlex.join(["ppd", *sys.argv[1:]]),
                 "settings": {"serve_args": args.serve_args, "turn1_output": grid.turn1_output,
@@ -285,6 +306,8 @@ def main(args: argparse.Namespace) -> None:
     heatmap(table, out.with_suffix(".png"))
     print(markdown(table))
     print(f"written {out} (+ .md, .png) in {time.monotonic() - started:.0f}s", file=sys.stderr)
+    runs = len(grid.contexts) * len(grid.shapes) * len(grid.loads) * len(ROUTES)
+    fail_unless_measured(unmeasured(grid, table.raw), runs, "runs (cell and route)")
 
 
 def _describe(url: str) -> tuple[str, str, bool]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cli import has_tokenizer
 from bench.engine import (Blocks, _fill_random, _meta, _release, add_model_args, chosen_device, chosen_model,
                           device_slug, write_results)
 from engine.config import ModelConfig, resolve_dtype
@@ -53,7 +54,6 @@ SCHEMA = json.dumps({
                               "minItems": 20}},
     "required": ["name", "age", "active", "scores"],
 })
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def run(model: str, device: torch.device, sweep: Sweep, dtype: str = "auto", tok
     folder = str(demo_model_path()) if model == DEMO_MODEL else model
     mcfg = ModelConfig.from_folder(folder)
     with tempfile.TemporaryDirectory(prefix="ppd-bench-tokenizer-") as scratch:
-        stand_in = tokenizer is None and not any((Path(folder) / f).exists() for f in TOKENIZER_FILES)
+        stand_in = tokenizer is None and not has_tokenizer(folder)
         if stand_in:
             write_byte_tokenizer(Path(scratch), mcfg.vocab_size)
         tokenizer_folder = scratch if stand_in else (tokenizer or folder)

@@ -15,7 +15,8 @@ is abandoned by its client at a random moment: before the answer, after the firs
 - KV usage and running requests back to 0 within a second or two of the last client leaving.
 - the workers' memory (resident set size, sampled as it runs) flat after warm-up.
 
-Writes soak.json (every figure) and soak.md into --out.
+Writes soak.json (every figure) and soak.md into --out (by default bench/results/soak-<time>), and there the log
+of the server it starts (serve.log).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench.cli import BenchError, _default_out, start_server, stop_server
 
 WORDS = ("sea wind ship harbour light stone river bridge garden market window paper music winter summer "
          "morning story question answer number").split()
@@ -295,7 +298,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default: 300)")
     parser.add_argument("--sample-every", type=int, default=250, help="requests between memory samples (default: 250)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for soak.json and soak.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for soak.json, soak.md and the log of the server it starts (default: "
+                             "bench/results/soak-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.add_argument("--report", type=Path, default=None, metavar="SOAK_JSON",
                         help="only write soak.md again from a soak.json (its command is taken from the old soak.md)")
@@ -311,14 +316,16 @@ def main() -> int:
         print(old_md.read_text())
         return 0
     command = "python -m bench.soak " + " ".join(sys.argv[1:])
+    out = args.out or Path(_default_out("soak"))
     proc = None
     if args.url is None:
         import shlex
-        import tempfile
 
-        from bench.cli import start_server, stop_server
-        log = (args.out or Path(tempfile.mkdtemp(prefix="ppd-soak-"))) / "serve.log"
-        proc, url = start_server(shlex.split(args.serve_args), log)
+        try:
+            proc, url = start_server(shlex.split(args.serve_args), out / "serve.log")
+        except BenchError as exc:
+            print(f"python -m bench.soak: error: {exc}", file=sys.stderr)
+            return 2
     else:
         url = args.url
     try:
@@ -328,10 +335,9 @@ def main() -> int:
             stop_server(proc)
     text = report(result, command)
     print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "soak.md").write_text(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "soak.md").write_text(text)
     o = result["outcomes"]
     return 1 if o.get("lost") or o.get("unexpected") or result["seconds_to_idle_after_last_client"] is None else 0
 

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
-    from bench.cli import BenchError, add_bench_args
+    from bench.cli import BenchError, Unmeasured, add_bench_args
     add_bench_args(sub.add_parser("bench", help="load an OpenAI-compatible server with multi-turn conversations "
                                                 "(`ppd bench compare`: policies and peers side by side; "
                                                 "`ppd bench engine`: the engine against the hardware's floors)"))
@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for name, run_profile in mains.items():
                     run_profile(profile_parsers[name].parse_args(["--quick"] if args.profile_quick else []))
+    except Unmeasured as exc:  # the run went, and what it measured is written: it fails for what it could not
+        print(f"ppd {args.command}: {exc}", file=sys.stderr)
+        return 1
     except (UsageError, BenchError) as exc:
         print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -34,6 +34,21 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def weights_only(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model's config and weights without its tokenizer files (as a configuration with dummy weights, such
+    as bench/models/llama-3.1-8b, has none)."""
+    import shutil
+
+    from engine.demo import demo_model_path
+
+    folder = tmp_path_factory.mktemp("weights-only")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        if (demo_model_path(cache_dir) / name).exists():
+            shutil.copy(demo_model_path(cache_dir) / name, folder / name)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def start_server(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """start_server(*args) -> a running ServerProcess, stopped at the end of the module."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.cli import BenchError, _tokenizer_folder
 from bench.stub_server import start_stub
 from engine.demo import demo_model_path
 
@@ -104,6 +106,61 @@ def test_compare_interleaved_runs_each_server_once_per_round(stub, tmp_path: Pat
     ours = [{r["conversation"] for r in map(json.loads, (out / f"ppd_dlocal-3.0-run{i}" / "records.jsonl").open())}
             for i in range(2)]
     assert ours[0] and not ours[0] & ours[1]
+
+
+def test_compare_refuses_chat_without_a_tokenizer_before_starting_a_server(weights_only: Path, tmp_path: Path) -> None:
+    # As bench/gpu_check.sh serves a configuration with dummy weights: its folder has no tokenizer files.
+    for serve_args, fix in ((f"--model {weights_only} --skip-tokenizer-init", "token ids only: pass --api completions"),
+                            (f"--model {weights_only}", "pass --api completions (token ids) or --tokenizer PATH")):
+        out = tmp_path / str(len(serve_args))
+        result = ppd("bench", "compare", "--policies", "dlocal", "--serve-args", serve_args, "--api", "chat",
+                     "--qps", "1", "--duration", "1", "--out", str(out), "--no-progress")
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert fix in line
+        assert not list(out.glob("serve-*.log"))  # no server was started
+
+
+def test_compare_measures_servers_without_a_tokenizer_on_token_ids(weights_only: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ids"
+    result = ppd("bench", "compare", "--policies", "dlocal", "--api", "completions", "--qps", "2", "--duration", "2",
+                 "--scale", "0.05", "--num-conversations", "4", "--out", str(out), "--no-progress",
+                 "--serve-args", f"--model {weights_only} --skip-tokenizer-init --kv-cache-memory 0.1", timeout=300)
+    assert result.returncode == 0, result.stderr
+    (summary,) = json.loads((out / "summary.json").read_text())
+    assert summary["succeeded"] > 0 and summary["success_rate"] == 1.0
+
+
+def test_the_tokenizer_comes_only_from_a_folder_that_has_one(weights_only: Path, tokenizer: str) -> None:
+    def folder(serve_args: str = "", served: dict | None = None, given: str | None = None) -> str | None:
+        return _tokenizer_folder(argparse.Namespace(tokenizer=given, serve_args=serve_args), served)
+
+    assert folder(f"--model {tokenizer}") == tokenizer
+    assert folder(f"--model {weights_only}") is None
+    assert folder(f"--model {tokenizer} --skip-tokenizer-init") is None
+    assert folder(f"--model {weights_only} --tokenizer {tokenizer}") == tokenizer
+    assert folder(served={"id": "m", "root": str(weights_only)}) is None
+    assert folder(served={"id": "m", "root": tokenizer}) == tokenizer
+    with pytest.raises(BenchError, match="--tokenizer .*: no tokenizer files"):
+        folder(given=str(weights_only))
+
+
+def test_compare_that_measured_nothing_says_what_and_fails(stub, tmp_path: Path) -> None:
+    # Every request past a 1 ms timeout: the stub answers after 5 ms.
+    timed_out = ppd("bench", "compare", "--policies", "", "--server", f"stub={stub.url}", "--qps", "2", "--duration",
+                    "2", "--api", "completions", "--scale", "0.05", "--timeout", "0.001", "--out",
+                    str(tmp_path / "timeout"), "--no-progress")
+    assert timed_out.returncode == 1, timed_out.stderr
+    assert "not measured: stub at 2: " in timed_out.stderr and "timeout" in timed_out.stderr
+    # A server that does not start: the others are still measured and reported.
+    broken = ppd("bench", "compare", "--policies", "dlocal", "--server", f"stub={stub.url}",
+                 "--serve-args=--no-such-flag", "--qps", "2", "--duration", "2", "--api", "completions",
+                 "--scale", "0.05", "--out", str(tmp_path / "broken"), "--no-progress")
+    assert broken.returncode == 1, broken.stderr
+    (line,) = [line for line in broken.stderr.splitlines() if line.startswith("not measured:")]
+    assert line.startswith("not measured: ppd:dlocal at 2: ") and "unrecognized arguments: --no-such-flag" in line
+    (summary,) = json.loads((tmp_path / "broken" / "summary.json").read_text())
+    assert summary["label"]["server"] == "stub" and summary["success_rate"] == 1.0
 
 
 def test_compare_rejects_unknown_policy() -> None:

@@ -26,10 +26,18 @@ def test_an_unknown_configuration_is_named(tmp_path: Path, capsys: pytest.Captur
     assert "no configuration 'green'" in capsys.readouterr().err
 
 
+def test_a_configuration_that_measured_nothing_fails_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["bench", "interference", "--config", "broken=--no-such-flag", "--out", str(tmp_path)]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("not measured:")]
+    assert line.startswith("not measured: broken: ") and "unrecognized arguments: --no-such-flag" in line
+    assert "error" in json.loads((tmp_path / "interference.json").read_text())["results"]["broken"]
+    assert (tmp_path / "broken.log").exists()
+
+
 def test_one_configuration_on_the_demo_model(tmp_path: Path) -> None:
     assert main(["bench", "interference", "--config", "thread=--policy pd --partition none --prefill-worker thread",
                  "--batch", "2", "--context", "16", "--prefill-tokens", "200", "--rounds", "2", "--alone-s", "0.5",
-                 "--settle-s", "0.2", "--out", str(tmp_path)]) in (0, None)
+                 "--settle-s", "0.2", "--out", str(tmp_path)]) == 0
     found = json.loads((tmp_path / "interference.json").read_text())
     result = found["results"]["thread"]
     assert "error" not in result, result

@@ -1,6 +1,8 @@
 """The policy verdict report: which cells ppd wins, misses or ties, from `ppd bench compare` summaries."""
 
 import json
+import subprocess
+import sys
 
 from bench.policy_eval import load_runs, report
 
@@ -37,3 +39,32 @@ def test_verdicts_and_the_balanced_target(tmp_path):
     assert "within 5% of the better static policy: 2 of 3 cells" in text
     assert "strictly better than both pd and dlocal: 1 of 3 cells" in text
     assert "TTFT p50 is 0.30x pd's (70% lower" in text and "TPOT p50 1.05x pd's" in text
+
+
+def test_a_policy_that_measured_nothing_is_a_cell_not_measured(tmp_path):
+    folder = write(tmp_path / "balanced", [
+        summary("pd", 2, 100.0), summary("dlocal", 2, 90.0), summary("ppd", 2, None, ttft=None, tpot=None)])
+    text = report(load_runs([folder]))
+    assert "| balanced | 2 | 100.0 | 90.0 | - | - | - | - | not measured (ppd) |" in text
+    assert "within 5% of the better static policy: 0 of 1 cells" in text
+    assert "balanced at the highest load (2): not measured." in text
+
+
+def evaluate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.policy_eval", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_missing_evaluations_are_named_with_what_makes_them(tmp_path):
+    (tmp_path / "empty").mkdir()
+    write(tmp_path / "no-ppd", [summary("pd", 2, 100.0), summary("dlocal", 2, 90.0)])
+    # bench/gpu_check.sh's policy-verdict step before any policy-eval step: the shell passes its glob unexpanded.
+    cases = [((f"{tmp_path}/policy-eval/*/", "--out", f"{tmp_path}/policy-eval/verdict.md"), "policy-eval/*: "),
+             ((str(tmp_path / "empty"),), "empty/summary.json: "),
+             ((str(tmp_path / "no-ppd"),), "no-ppd at load 2: no run of ppd"),
+             ((), "no evaluation folder given")]
+    for args, named in cases:
+        result = evaluate(*args)
+        assert result.returncode == 2 and not result.stdout, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert named in line and "ppd bench compare" in line and "gpu_check.sh OUT policy-eval:W" in line, line

@@ -9,6 +9,7 @@ import pytest
 from bench import policy_profile
 from bench.policy_profile import Grid, build_table, heatmap, markdown, profile, run_key
 from scheduler.policy_table import PolicyTable
+from server import cli
 
 GRID = Grid(contexts=(160, 544), shapes=((8, 64), (128, 8)), loads=(1, 4), turn1_output=32, duration=1.0)
 
@@ -27,11 +28,16 @@ class FakeMeasure:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.interrupt_at: int | None = None
+        self.failing: set[str] = set()  # runs whose every request fails
 
     def __call__(self, url, model, context, shape, load, route, grid, seed) -> dict:
         self.calls.append(run_key(context, shape, load, route))
         if len(self.calls) == self.interrupt_at:
             raise KeyboardInterrupt
+        if self.calls[-1] in self.failing:
+            return {"requests": 20, "failed": 20, "n": 0, "ttft_p50_ms": None, "ttft_p90_ms": None,
+                    "tpot_p50_ms": None, "tpot_p90_ms": None, "queue_delay_ms": 0.0, "routes": [],
+                    "errors": {"HTTP 500": 20}}
         return fake_summary(context, shape, load, route)
 
 
@@ -74,6 +80,27 @@ def test_a_profile_of_another_model_is_not_resumed(fake_measure: FakeMeasure, tm
     build_table(GRID, {}, "cpu-2core", "other", {}, 1.0, 10.0).save(out)
     with pytest.raises(policy_profile.BenchError, match="other on cpu-2core"):
         profile("http://unused", GRID, out, "cpu-2core", "demo", {}, 1.0, 10.0, progress=False)
+
+
+def test_runs_that_measured_nothing_fail_the_profile_and_are_measured_again(
+        fake_measure: FakeMeasure, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setattr(policy_profile, "_describe", lambda url: ("cpu-2core", "demo", False))
+    argv = ["profile", "policy", "--url", "http://unused", "--out", str(tmp_path / "t.json"), "--contexts", "160",
+            "--shapes", "8x64", "--loads", "1,4", "--no-progress"]
+    fake_measure.failing = {run_key(160, (8, 64), 1, "decode")}
+    assert cli.main(argv) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("not measured:")]
+    assert line == "not measured: 160x8x64@1:decode: no turn-2 request succeeded; 20 of 20 failed (20 x HTTP 500)"
+    fake_measure.failing = set()
+    before = len(fake_measure.calls)
+    assert cli.main(argv) == 0
+    assert fake_measure.calls[before:] == [run_key(160, (8, 64), 1, "decode")]  # only the run that measured nothing
+
+
+def test_the_server_it_starts_logs_beside_the_table(tmp_path: Path) -> None:
+    assert cli.main(["profile", "policy", "--serve-args=--no-such-flag", "--out", str(tmp_path / "t.json")]) == 2
+    assert "unrecognized arguments: --no-such-flag" in (tmp_path / "t.serve.log").read_text()
 
 
 def test_real_runs_force_each_route_on_the_demo(start_server, tmp_path: Path) -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +25,12 @@ def test_a_short_soak_loses_nothing(start_server) -> None:
     assert outcomes.get("ok", 0) >= 40 and outcomes.get("aborted", 0) >= 1
     assert result["seconds_to_idle_after_last_client"] is not None and result["worker_pids_unchanged"]
     assert "lost: 0; unexpected errors: 0" in report(result, "python -m bench.soak")
+
+
+def test_the_server_it_starts_logs_in_its_output_folder(tmp_path: Path) -> None:
+    # No --out: the default folder, bench/results/soak-<time> under the working directory.
+    result = subprocess.run([sys.executable, "-m", "bench.soak", "--serve-args=--no-such-flag", "--requests", "1"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (log,) = tmp_path.glob("bench/results/soak-*/serve.log")
+    assert "unrecognized arguments: --no-such-flag" in log.read_text()

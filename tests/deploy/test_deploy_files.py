@@ -9,8 +9,6 @@ import re
 from pathlib import Path
 
 import jsonschema
-import kubernetes_validate
-import promql_parser
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.cli import option_value as flag  # --name value or --name=value; the last one wins
 from scheduler.messages import WorkerStats
 from server.metrics import Metrics
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="in the test extra: pip install -e '.[test]'")
+promql_parser = pytest.importorskip("promql_parser", reason="in the test extra: pip install -e '.[test]'")
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

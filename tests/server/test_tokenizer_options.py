@@ -3,24 +3,12 @@ as a configuration with dummy weights needs."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import httpx
-import pytest
 
 from engine.demo import demo_model_path
 from tests.server_process import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def weights_only(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model's config and weights without its tokenizer files."""
-    folder = tmp_path_factory.mktemp("weights-only")
-    for name in ("config.json", "generation_config.json", "model.safetensors"):
-        if (demo_model_path(cache_dir) / name).exists():
-            shutil.copy(demo_model_path(cache_dir) / name, folder / name)
-    return folder
 
 
 def test_skip_tokenizer_init_serves_token_ids(start_server, weights_only: Path) -> None:
