@@ -64,29 +64,48 @@ def main(args: argparse.Namespace) -> None:
         configs = {n: configs[n] for n in names}
     out = Path(args.out or _default_out("interference"))
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
+    settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
+    results = _earlier(out, settings)
     for name, extra in configs.items():
         serve_args = [*shlex.split(args.serve_args), *shlex.split(extra)]
         print(f"{name}: ppd serve {shlex.join(serve_args)}", flush=True)
-        try:
-            proc, url = start_server(serve_args, out / f"{name}.log")
-        except BenchError as exc:
-            results[name] = {"serve_args": serve_args, "error": one_line(exc)}
-            print(f"  {results[name]['error']}", flush=True)
-            continue
-        try:
-            results[name] = {"serve_args": serve_args, **measure(url, args)}
-        except (BenchError, httpx.HTTPError) as exc:
-            results[name] = {"serve_args": serve_args, "error": f"{one_line(exc)} (log {out / f'{name}.log'})"}
-        finally:
-            stop_server(proc)
+        results[name] = {"serve_args": serve_args, **_run(serve_args, out / f"{name}.log", args)}
         print(f"  {_line(results[name])}", flush=True)
-    settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
-    (out / "interference.json").write_text(json.dumps({"settings": settings, "results": results}, indent=1))
-    (out / "interference.md").write_text(report(settings, results))
+        _write(out, settings, results)  # after each: a run stopped by a time limit keeps what it measured
     print(f"wrote {out / 'interference.md'}")
-    fail_unless_measured({name: r["error"] for name, r in results.items() if "error" in r}, len(results),
-                         "configurations")
+    fail_unless_measured({name: results[name]["error"] for name in configs if "error" in results[name]},
+                         len(configs), "configurations")
+
+
+def _run(serve_args: list[str], log: Path, args: argparse.Namespace) -> dict:
+    """One configuration's measurement, or {"error": why} when its server did not start or it measured nothing."""
+    try:
+        proc, url = start_server(serve_args, log)
+    except BenchError as exc:
+        return {"error": one_line(exc)}
+    try:
+        return measure(url, args)
+    except (BenchError, httpx.HTTPError) as exc:
+        return {"error": f"{one_line(exc)} (log {log})"}
+    finally:
+        stop_server(proc)
+
+
+def _earlier(out: Path, settings: dict) -> dict:
+    """The results an earlier run left in out with the same settings (a later run measures the configurations it
+    did not get to, and the table shows them all); none when the settings differ."""
+    path = out / "interference.json"
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    return earlier["results"] if earlier.get("settings") == settings else {}
+
+
+def _write(out: Path, settings: dict, results: dict) -> None:
+    tmp = out / "interference.json.tmp"
+    tmp.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
+    tmp.replace(out / "interference.json")
+    (out / "interference.md").write_text(report(settings, results))
 
 
 def _cuda_available() -> bool:

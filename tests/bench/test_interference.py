@@ -44,3 +44,23 @@ def test_one_configuration_on_the_demo_model(tmp_path: Path) -> None:
     assert len(result["tpot_beside_each_ms"]) == 2 and len(result["prefill_each_ms"]) == 2
     assert 0 < result["tpot_alone_ms"] < float("inf") and result["ratio"] > 0
     assert "| thread |" in (tmp_path / "interference.md").read_text()
+
+
+def test_results_are_written_after_each_configuration_and_kept_for_a_later_run(tmp_path: Path) -> None:
+    """A run stopped by a time limit keeps the configurations it measured; a later run of the others, with the same
+    settings, adds to them (bench/gpu_check.sh finishes an interference step over two device calls this way)."""
+    first = ["--config", "thread=--policy pd --partition none --prefill-worker thread", "--config", "broken=--nope"]
+    sizes = ["--batch", "2", "--context", "16", "--prefill-tokens", "200", "--rounds", "1", "--alone-s", "0.3",
+             "--settle-s", "0.1", "--out", str(tmp_path)]
+    assert main(["bench", "interference", *first, *sizes]) == 1  # broken measured nothing
+    measured = json.loads((tmp_path / "interference.json").read_text())["results"]
+    assert "error" not in measured["thread"] and "error" in measured["broken"]
+    # The later run measures only `other` (failing here too): thread's result stays, and only `other` fails it.
+    assert main(["bench", "interference", "--config", "other=--nope-either", *sizes]) == 1
+    found = json.loads((tmp_path / "interference.json").read_text())["results"]
+    assert found["thread"] == measured["thread"] and set(found) == {"thread", "broken", "other"}
+    assert "| thread |" in (tmp_path / "interference.md").read_text()
+    # Other settings start a new table.
+    assert main(["bench", "interference", "--config", "other=--nope-either", *sizes[:-4], "--settle-s", "0.2",
+                 "--out", str(tmp_path)]) == 1
+    assert set(json.loads((tmp_path / "interference.json").read_text())["results"]) == {"other"}
