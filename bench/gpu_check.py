@@ -140,7 +140,7 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         return [Step("kernels", (python, "-m", "bench.kernels", "--out", f"{out}/kernels"), 540,
                      mode.pick(("kernels/kernels-*.json",), ()))]
     if name == "policy":
-        argv = (*ppd, "profile", "policy", "--serve-args", serve, "--duration", mode.pick("10", "3"), "--no-progress",
+        argv = (*ppd, "profile", "policy", "--serve-args", serve, "--duration", mode.pick("10", "6"), "--no-progress",
                 "--out", f"{out}/policy.json", *quick)
         return [Step("policy", argv, 540, ("policy.json",))]
     if base == "policy-eval" and arg:
@@ -163,16 +163,18 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
             argv += ("--model", STANDIN, "--device", "cpu")
         return [Step("partition", argv, 540, ("partition.json",))]
     if base == "partition-compare":
+        # pd on each partition; aggregated, one worker with nothing to partition, once as the baseline (under none).
         # On the CPU, MPS and green contexts have their nearest stand-ins: each worker on its own cores, and the
         # prefill worker as a thread of the decode worker's process (green's layout, without the SM split).
         partitions = {"none": "--partition none", "mps": "--partition mps", "green": "--partition green"}
         if mode.rehearse:
-            partitions = {"none": "--partition none", "cpu": "--partition cpu", "thread": "--prefill-worker thread"}
+            partitions = {"none": "--partition none", "cpu": "--partition cpu",
+                          "thread": "--partition none --prefill-worker thread"}
         names = arg.split(",") if arg else list(partitions)
         if unknown := [n for n in names if n not in partitions]:
             raise ValueError(f"partition-compare: unknown partitions {unknown} (here: {', '.join(partitions)})")
         return [Step(f"partition-compare-{p}",
-                     (*ppd, "bench", "compare", "--policies", "pd,aggregated", "--serve-args",
+                     (*ppd, "bench", "compare", "--policies", "pd,aggregated" if p == "none" else "pd", "--serve-args",
                       f"{serve} {partitions[p]}", *load, "--profile", "balanced", "--turn1", "mixed",
                       "--qps", mode.pick("2", "1"), "--duration", mode.pick("30", "8"), "--goodput", "ttft:500",
                       "tpot:50", "--out", f"{out}/partition-compare/{p}", *mode.pick((), ("--scale", "0.0625"))),

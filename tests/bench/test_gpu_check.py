@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu_check import LLAMA, STANDIN, Mode, Step, main, pack, plan, resume_from, run_call
+from bench.interference import GPU_CONFIGS
 
 ALL_STEPS = ["host", "probe", "tests", "engine", "sampling", "compare", "kernels", "policy", "policy-eval:balanced",
              "policy-verdict", "partition", "partition-compare", "interference", "frontend", "frontend:2"]
@@ -54,6 +55,9 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
     assert some.argv[-2:] == ("--only", "aggregated,green")
     compares = plan("partition-compare", tmp_path, Mode(False))
     assert [s.name for s in compares] == ["partition-compare-none", "partition-compare-mps", "partition-compare-green"]
+    # aggregated runs one worker per unit: nothing to partition, and `ppd serve` refuses it with green
+    policies = [s.argv[s.argv.index("--policies") + 1] for s in compares]
+    assert policies == ["pd,aggregated", "pd", "pd"]
     assert [s.name for s in plan("frontend:1,8", tmp_path, Mode(False))] == ["frontend-1", "frontend-8"]
 
 
@@ -186,3 +190,37 @@ def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
         assert "long.log" in tar.getnames()
     assert "stopped by a signal" in (out / "status.txt").read_text()
     assert [o["verdict"] for o in json.loads((out / "steps.json").read_text())] == ["stopped"]
+
+
+def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (serve arguments, policy) a GPU step starts is one `ppd serve` accepts on a GPU host with MPS installed
+    and cuda-python: a combination it refuses would cost a device call to find out (aggregated under green did)."""
+    import argparse
+    import shlex
+
+    from partition import backends
+    from server.cli import add_serve_args
+
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    monkeypatch.setattr(backends.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(backends, "existing_mps_pipe_dir", lambda: None)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    started = 0
+    for name in ALL_STEPS + ["partition-compare:green", "interference"]:
+        for step in plan(name, tmp_path, Mode(False)):
+            if "--serve-args" not in step.argv or "frontend" in step.name:
+                continue
+            serve = shlex.split(step.argv[step.argv.index("--serve-args") + 1])
+            if "--policies" in step.argv:
+                extras = [["--policy", p] for p in step.argv[step.argv.index("--policies") + 1].split(",")]
+            else:  # interference: its configurations on a GPU
+                extras = [shlex.split(extra) for extra in GPU_CONFIGS.values()]
+            for extra in extras:
+                args = parser.parse_args([*serve, *extra])
+                with_prefill = args.policy != "aggregated"
+                backends.plan_partitions(args.partition, "cuda", 1, with_prefill, [0], tmp_path,
+                                         prefill_worker=args.prefill_worker, green_sms=args.green_decode_sms or ())
+                started += 1
+    assert started >= 10
