@@ -1,0 +1,422 @@
+"""Compile every Triton kernel of the project for an H100 (sm_90) on a machine without a GPU.
+
+A stand-in Triton driver reports a CUDA target of compute capability 9.0 and stops after ptxas: a launch through a
+public launcher compiles its kernel to a cubin, Triton checks the kernel's shared memory against the H100's
+per-block limit as it does when it loads a kernel on the GPU, and the launch itself is only recorded. This catches
+what Triton's interpreter (which runs the kernel tests) never sees: code or dot types the compiler rejects, and
+tiles too big for shared memory. Shapes are Llama-3.1-8B's, in bfloat16, float16 and float32; the attention
+configurations are every one the engine can choose, found by asking the engine (choose_num_splits, default_config,
+the CUDA-graph buckets) rather than listed here. Compiled kernels land in Triton's cache, so a second run is quick.
+
+Run with TRITON_INTERPRET unset, in a process of its own (the stand-in driver stays active until exit):
+    env -u TRITON_INTERPRET python -m tests.engine.kernels.sm90_compile [--part PART] [--jobs N]
+Prints one line per case (status, case, launches, the most shared memory a launched kernel needs, seconds) and
+exits 1 if any case is not OK. --part picks a share of the cases (PARTS); `oversized` compiles only a tile too big
+for shared memory, which must come out SMEM: the proof that the check can fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime.driver import driver
+from triton.runtime.errors import OutOfResources
+
+from engine.attention.base import AttentionShape, StepBatch
+from engine.attention.triton_backend import GraphBuffers, TritonBackend, TritonMetadata
+from engine.config import ModelConfig
+from engine.cuda_graphs import bucket_sizes
+from engine.engine import EngineConfig
+from engine.kernels.attention import (PREFILL_CONFIGS, AttentionConfig, choose_num_splits, default_config,
+                                     paged_attention)
+from engine.kernels.store_kv import store_kv
+from partition.probe_kernels import BLOCK, SM_ID_BLOCK, _sm_ids_kernel, spin
+
+H100_SHARED_MEMORY = 232_448  # bytes of shared memory one thread block may opt in to on sm_90 (227 KiB)
+H100_MAX_THREADS = 1024
+H100_SMS = 132
+LLAMA = ModelConfig.from_folder(Path(__file__).resolve().parents[3] / "bench" / "models" / "llama-3.1-8b")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# A decode token and a prefill chunk: the one launcher whose tile follows the token count (per-head rms_norm, rows
+# = tokens x heads) picks the same tile for every count from 2 on.
+TOKENS = (1, 256)
+CACHED_PREFIX = 1000  # tokens already in the KV cache when an append-prefill runs
+MAX_DECODE_BATCH = 512  # choose_num_splits is asked about every batch size up to this
+# Needs ~276 KB in bfloat16 (256-key K and V tiles, pipelined). Float32 tiles that big compile for minutes.
+OVERSIZED = AttentionConfig(block_m=16, tile_n=256, num_warps=4, num_stages=6)
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: str
+    shared: int  # bytes of shared memory the compiled kernel needs
+
+
+class StopAfterPtxas(DriverBase):
+    """Triton's view of an H100 that compiles kernels to cubins but loads and runs none: each launch is recorded."""
+
+    def __init__(self) -> None:
+        self.launches: list[Launch] = []
+        self.utils = self  # Triton asks its driver's C helpers (utils) for device properties and module loading
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False  # never chosen by Triton's own driver discovery, only by set_active
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def get_benchmarker(self) -> Any:
+        raise NotImplementedError("nothing runs on the stand-in driver")
+
+    def get_device_properties(self, device: int) -> dict[str, int]:
+        return {"max_shared_mem": H100_SHARED_MEMORY, "multiprocessor_count": H100_SMS, "warpSize": 32}
+
+    def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[Any, Any, int, int, int]:
+        """(module, function, registers, spills, max threads per block). Triton checks shared memory before this;
+        the CUDA driver refuses the kernel here too, so the check does not hang on Triton's."""
+        if shared > H100_SHARED_MEMORY:
+            raise OutOfResources(shared, H100_SHARED_MEMORY, "shared memory")
+        return name, name, 0, 0, H100_MAX_THREADS
+
+    def unload_module(self, module: Any) -> None:
+        pass
+
+    def launcher_cls(self, src: Any, metadata: Any) -> Callable[..., None]:
+        """The launcher Triton builds for a loaded kernel (Triton's name for it): this one records the launch."""
+        launch = Launch(metadata.name, metadata.shared)
+        return lambda *args: self.launches.append(launch)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str  # cases of one family share compiled kernels: one process runs them in turn
+    run: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Result:
+    status: str  # OK; SMEM: a kernel over H100_SHARED_MEMORY; FAIL: a compile error, or no kernel launched
+    name: str
+    launches: int
+    shared: int
+    seconds: float
+    error: str = ""
+
+    def line(self) -> str:
+        error = f"  {self.error}" if self.error else ""
+        return (f"{self.status:4s}  {self.name:62s} {self.launches} launch(es)  shared {self.shared:6d} B  "
+                f"{self.seconds:5.1f} s{error}")
+
+
+def run_case(stand_in: StopAfterPtxas, case: Case) -> Result:
+    """Run one case; a compile error, a kernel over the shared-memory limit, or no launch at all is not OK."""
+    start, before = time.perf_counter(), len(stand_in.launches)
+    status, error, shared = "OK", "", 0
+    try:
+        case.run()
+    except OutOfResources as exc:  # Triton's load-time check, as on the GPU
+        status, error, shared = "SMEM" if exc.name == "shared memory" else "FAIL", str(exc), exc.required
+    except Exception as exc:  # noqa: BLE001 - a compile error of any kind is a result to report
+        status, error = "FAIL", " | ".join(f"{type(exc).__name__}: {exc}".splitlines())[-800:]
+    new = stand_in.launches[before:]
+    shared = max([shared] + [launch.shared for launch in new])
+    if status == "OK" and not new:
+        status, error = "FAIL", "no kernel was launched"
+    return Result(status, case.name, len(new), shared, time.perf_counter() - start, error)
+
+
+# ---- the model's launches ---------------------------------------------------------------------------------
+
+
+class Model:
+    """Llama-3.1-8B's shapes, a TritonBackend, and a small KV cache: block tables point at block 0 (nothing runs)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.h, self.hkv, self.d = LLAMA.num_heads, LLAMA.num_kv_heads, LLAMA.head_dim
+        self.block_size = EngineConfig.block_size
+        shape = AttentionShape(self.h, self.hkv, self.d, self.block_size,
+                               max_blocks_per_seq=math.ceil(LLAMA.max_position_embeddings / self.block_size))
+        self.backend = TritonBackend(shape, torch.device("cpu"))
+        self.k_cache = torch.zeros(4 * self.block_size, self.hkv, self.d, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        self.cos = torch.zeros(LLAMA.max_position_embeddings, self.d // 2)  # float32, as Model.rope_cos
+        self.sin = torch.zeros_like(self.cos)
+
+    @functools.cached_property
+    def graph_buffers(self) -> GraphBuffers:
+        return self.backend.graph_metadata(EngineConfig.max_num_seqs)
+
+    def step(self, seqs: list[tuple[int, int]]) -> StepBatch:
+        """A step over sequences of (cached, new) tokens, as the scheduler hands it to the model runner."""
+        starts = [0]
+        for _, new in seqs:
+            starts.append(starts[-1] + new)
+        return StepBatch(
+            token_ids=[0] * starts[-1], positions=[c + i for c, n in seqs for i in range(n)],
+            slot_mapping=[0] * starts[-1], query_start=starts, seq_lens=[c + n for c, n in seqs],
+            block_tables=[[0] * math.ceil((c + n) / self.block_size) for c, n in seqs],
+            sample_rows=[s - 1 for s in starts[1:]], block_size=self.block_size)
+
+    def qkv(self, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as engine/model.py has them: strided views of one fused qkv projection output."""
+        h, hkv, d = self.h, self.hkv, self.d
+        q, k, v = torch.zeros(t, (h + 2 * hkv) * d, dtype=self.dtype).split([h * d, hkv * d, hkv * d], dim=-1)
+        return q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+    @staticmethod
+    def positions(t: int) -> Tensor:
+        """Positions as ModelRunner uploads them: the second row of one [2, T] int64 tensor (token ids first)."""
+        return torch.zeros(2, t, dtype=torch.int64)[1]
+
+    def attention(self, meta: TritonMetadata, t: int, positions: Tensor) -> None:
+        """One layer's attention kernels as Attention.forward runs them: rope, then the backend's store_kv and
+        paged_attention."""
+        q, k, v = self.qkv(t)
+        q, k = self.backend.ops.apply_rope(q, k, positions, self.cos, self.sin)
+        self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.d**-0.5)
+
+    def decode(self, batch: int, context: int, splits: int) -> None:
+        """A decode step of batch sequences at context, with the workspace prepare() allocates for splits."""
+        meta = self.backend.prepare(self.step([(context - 1, 1)] * batch))
+        assert meta.num_splits == splits, (meta.num_splits, splits)
+        self.attention(meta, batch, self.positions(batch))
+
+    def decode_graph(self, batch: int, splits: int) -> None:
+        """A CUDA graph's decode step: metadata and workspace are views of the graphs' static buffers."""
+        meta = self.backend.graph_view(self.graph_buffers, batch)
+        assert meta.num_splits == splits, (meta.num_splits, splits)
+        self.attention(meta, batch, torch.zeros(batch, dtype=torch.int64))
+
+    def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig) -> None:
+        """A prefill step whose tile default_config must pick as config."""
+        meta = self.backend.prepare(self.step(seqs))
+        assert default_config(meta.max_query_len, self.h // self.hkv) == config
+        t = sum(new for _, new in seqs)
+        self.attention(meta, t, self.positions(t))
+
+    def prefill_with(self, config: AttentionConfig, new: int) -> None:
+        """paged_attention over a new prompt with its tile table overridden (as bench/kernels.py sweeps it)."""
+        meta = self.backend.prepare(self.step([(0, new)]))
+        q = self.qkv(new)[0].contiguous()
+        paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
+                        block_size=self.block_size, scale=self.d**-0.5, max_query_len=new, config=config)
+
+
+@functools.cache
+def model(dtype: str) -> Model:
+    return Model(DTYPES[dtype])
+
+
+# ---- the cases ---------------------------------------------------------------------------------------------
+
+
+def first_batch_per_split() -> dict[int, tuple[int, int]]:
+    """Every split count choose_num_splits returns for Llama-3.1-8B over batches 1..MAX_DECODE_BATCH and contexts
+    up to the model's longest, each with the smallest (batch, context) that gets it."""
+    longest = LLAMA.max_position_embeddings
+    contexts = [1]
+    while contexts[-1] < longest:
+        contexts.append(min(contexts[-1] * 5 // 4 + 1, longest))
+    found: dict[int, tuple[int, int]] = {}
+    for batch in range(1, MAX_DECODE_BATCH + 1):
+        for context in contexts:
+            found.setdefault(choose_num_splits(batch, LLAMA.num_kv_heads, context, H100_SMS), (batch, context))
+    return dict(sorted(found.items()))
+
+
+def attention_cases(dt: str) -> list[Case]:
+    """Every entry of the prefill tile table, the biggest (the slowest to compile) first, each through the shortest
+    append over a cached prefix that default_config gives it, and a full-chunk prompt; then decode for every split
+    count the engine can choose, with the workspace prepare() allocates."""
+    group, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
+    longest = default_config(chunk, group)
+    cases = [Case(f"attention prefill {dt} {chunk}-token prompt", f"prefill {dt} {longest}",
+                  lambda: model(dt).prefill([(0, chunk)], longest))]
+    for config in reversed(PREFILL_CONFIGS):
+        tile = f"tile {config.block_m}x{config.tile_n} warps {config.num_warps} stages {config.num_stages}"
+        new = next((n for n in range(2, chunk + 1) if default_config(n, group) == config), None)
+        if new is None:  # an entry this model's batches never get: compile it anyway
+            cases.append(Case(f"attention prefill {dt} {tile} (override)", f"prefill {dt} {config}",
+                              lambda config=config: model(dt).prefill_with(config, chunk)))
+        else:
+            cases.append(Case(f"attention append {dt} {tile} ({new} new over {CACHED_PREFIX})",
+                              f"prefill {dt} {config}",
+                              lambda new=new, config=config: model(dt).prefill([(CACHED_PREFIX, new)], config)))
+    for splits, (batch, context) in first_batch_per_split().items():
+        cases.append(Case(f"attention decode {dt} splits={splits} (batch {batch}, context {context})",
+                          f"decode {dt} {splits}", lambda b=batch, c=context, s=splits: model(dt).decode(b, c, s)))
+    return cases
+
+
+def graph_cases(dt: str) -> list[Case]:
+    """Decode replayed from CUDA graphs (the GPU's default decode path), one batch bucket per split count. Its
+    kernels differ from eager decode's only in pointer alignment (static buffers), so one dtype is enough."""
+    max_batch, first = EngineConfig.max_num_seqs, {}
+    longest = math.ceil(LLAMA.max_position_embeddings / EngineConfig.block_size) * EngineConfig.block_size
+    for batch in bucket_sizes(max_batch):  # graphs are captured for the longest context (TritonBackend)
+        first.setdefault(choose_num_splits(batch, LLAMA.num_kv_heads, longest, H100_SMS), batch)
+    return [Case(f"attention decode graph {dt} splits={splits} (batch {batch})", f"graph {dt} {splits}",
+                 lambda b=batch, s=splits: model(dt).decode_graph(b, s)) for splits, batch in sorted(first.items())]
+
+
+def elementwise_cases(dt: str) -> list[Case]:
+    """The fused elementwise kernels through the backend's ops, on the tensors the model passes them."""
+    eps, hidden, family = LLAMA.rms_norm_eps, LLAMA.hidden_size, f"elementwise {dt}"
+
+    def norm(t: int) -> None:
+        m = model(dt)
+        m.backend.ops.rms_norm(torch.zeros(t, hidden, dtype=m.dtype), torch.ones(hidden, dtype=m.dtype), eps)
+
+    def add_norm(t: int) -> None:
+        m = model(dt)
+        x = torch.zeros(t, hidden, dtype=m.dtype)
+        m.backend.ops.add_rms_norm(x, torch.zeros_like(x), torch.ones(hidden, dtype=m.dtype), eps)
+
+    def head_norm(t: int, which: int) -> None:  # Qwen3's per-head q/k norm, on views of the qkv output
+        m = model(dt)
+        m.backend.ops.rms_norm(m.qkv(t)[which], torch.ones(m.d, dtype=m.dtype), eps)
+
+    def rope(t: int) -> None:
+        m = model(dt)
+        q, k, _ = m.qkv(t)
+        m.backend.ops.apply_rope(q, k, m.positions(t), m.cos, m.sin)
+
+    def kv_store(t: int) -> None:
+        m = model(dt)
+        _, k, v = m.qkv(t)
+        store_kv(k, v, m.k_cache, m.v_cache, torch.zeros(t, dtype=torch.int64))
+
+    def silu_mul(t: int) -> None:
+        m = model(dt)
+        m.backend.ops.silu_and_mul(torch.zeros(t, 2 * LLAMA.intermediate_size, dtype=m.dtype))
+
+    cases = []
+    for t in TOKENS:
+        cases += [
+            Case(f"rms_norm {dt} hidden t={t}", family, lambda t=t: norm(t)),
+            Case(f"add_rms_norm {dt} hidden t={t}", family, lambda t=t: add_norm(t)),
+            Case(f"rms_norm {dt} per-head q t={t}", family, lambda t=t: head_norm(t, 0)),
+            Case(f"rms_norm {dt} per-head k t={t}", family, lambda t=t: head_norm(t, 1)),
+            Case(f"apply_rope {dt} t={t}", family, lambda t=t: rope(t)),
+            Case(f"store_kv {dt} t={t}", family, lambda t=t: kv_store(t)),
+            Case(f"silu_and_mul {dt} t={t}", family, lambda t=t: silu_mul(t)),
+        ]
+    return cases
+
+
+def sm_ids_launch(programs: int = 4) -> None:
+    """The green-context probe's %smid kernel (probe_kernels.sm_ids allocates on CUDA: launched here directly)."""
+    sm = torch.empty(programs, dtype=torch.int32)
+    work = torch.empty(programs * SM_ID_BLOCK, dtype=torch.float32)
+    _sm_ids_kernel[(programs,)](sm, work, 100, BLOCK=SM_ID_BLOCK, num_warps=1)
+
+
+PARTS = {
+    "all": "every case (the default test suite)",
+    "fast": "all but float32 attention and CUDA-graph decode (a quick look while editing a kernel)",
+    "slow": "float32 attention, whose FMA dots take several times as long to compile as the rest together, and "
+            "bfloat16 decode replayed from CUDA graphs",
+    "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
+}
+
+
+def cases(part: str) -> list[Case]:
+    """The part's cases, the slowest families first so that the pool's last jobs are short."""
+    if part == "oversized":
+        return [Case(f"attention prefill bfloat16 oversized {OVERSIZED}", "oversized",
+                     lambda: model("bfloat16").prefill_with(OVERSIZED, 256))]
+    slow = attention_cases("float32") + graph_cases("bfloat16")
+    fast = [case for dt in ("bfloat16", "float16") for case in attention_cases(dt)]
+    fast += [case for dt in DTYPES for case in elementwise_cases(dt)]
+    fast.append(Case("probe spin float32", "probe", lambda: spin(torch.zeros(2 * BLOCK), 1000)))
+    fast.append(Case("probe sm_ids", "probe", sm_ids_launch))
+    return {"slow": slow, "fast": fast}.get(part, slow + fast)
+
+
+# ---- running them ------------------------------------------------------------------------------------------
+
+_stand_in: StopAfterPtxas | None = None
+_cases: list[Case] = []
+
+
+def _start_worker(part: str) -> None:
+    global _stand_in, _cases
+    torch.set_num_threads(1)
+    _stand_in = StopAfterPtxas()
+    driver.set_active(_stand_in)
+    _cases = cases(part)
+
+
+def _run_family(family: str) -> list[tuple[int, Result]]:
+    assert _stand_in is not None, "call _start_worker first"
+    return [(i, run_case(_stand_in, case)) for i, case in enumerate(_cases) if case.family == family]
+
+
+def run_part(part: str, jobs: int) -> list[Result]:
+    """The part's results in case order; each family of cases runs in one process, up to jobs at a time."""
+    _start_worker(part)
+    families = list(dict.fromkeys(case.family for case in _cases))
+    if jobs <= 1 or len(families) == 1:
+        done = [pair for family in families for pair in _run_family(family)]
+    else:
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: forking after torch's import is unsafe
+        with ProcessPoolExecutor(min(jobs, len(families)), mp_context=spawn, initializer=_start_worker,
+                                 initargs=(part,)) as pool:
+            done = [pair for pairs in pool.map(_run_family, families) for pair in pairs]
+    return [result for _, result in sorted(done, key=lambda pair: pair[0])]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(f"  {name:18s} {text}" for name, text in PARTS.items()))
+    parser.add_argument("--part", choices=PARTS, default="all", help="which cases to compile (below)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: under the interpreter nothing is compiled", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    results = run_part(args.part, args.jobs)
+    print(f"triton {triton.__version__}, torch {torch.__version__}, target cuda:90, "
+          f"shared memory limit {H100_SHARED_MEMORY} B")
+    for result in results:
+        print(result.line(), flush=True)
+    bad = [r for r in results if r.status != "OK"]
+    print(f"{len(results) - len(bad)} of {len(results)} cases OK in {time.perf_counter() - start:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Every Triton kernel compiles for an H100 (sm_90) and fits its shared memory, on any machine: sm90_compile.py.
+
+Each check runs in a process of its own, without TRITON_INTERPRET (which this test process sets, and under which
+nothing is compiled): its stand-in Triton driver stays active until that process exits, out of other tests' way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia", reason="needs Triton's NVIDIA backend (and its ptxas)")
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def compile_for_sm90(part: str) -> tuple[int, list[str], str]:
+    """(exit status, the cases that are not OK, everything printed) of sm90_compile.py --part part."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.engine.kernels.sm90_compile", "--part", part], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    not_ok = [line for line in done.stdout.splitlines() if line.startswith(("FAIL", "SMEM"))]
+    return done.returncode, not_ok, f"{done.stdout}\n{done.stderr[-4000:]}"
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """Every kernel and every configuration the engine can choose, in bfloat16, float16 and float32, eager and
+    through CUDA graphs' static buffers (about 100 s on two cores, most of it float32 attention's FMA dots)."""
+    rc, not_ok, output = compile_for_sm90("all")
+    assert rc == 0, "\n".join(not_ok) or output
+
+
+def test_a_tile_over_shared_memory_fails_the_check() -> None:
+    rc, not_ok, output = compile_for_sm90("oversized")
+    assert rc == 1 and len(not_ok) == 1 and not_ok[0].startswith("SMEM"), output
