@@ -121,6 +121,7 @@ def test_compare_refuses_chat_without_a_tokenizer_before_starting_a_server(weigh
         assert not list(out.glob("serve-*.log"))  # no server was started
 
 
+@pytest.mark.slow  # a whole run against a live server: the second suite
 def test_compare_measures_servers_without_a_tokenizer_on_token_ids(weights_only: Path, tmp_path: Path) -> None:
     out = tmp_path / "ids"
     result = ppd("bench", "compare", "--policies", "dlocal", "--api", "completions", "--qps", "2", "--duration", "2",

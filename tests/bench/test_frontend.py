@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from bench.frontend import add_frontend_args, main
 
 
@@ -23,6 +25,7 @@ def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) ->
     assert "| 8 |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow  # a whole run against a live server: the second suite
 def test_frontend_bench_over_two_api_servers_and_two_client_processes(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_frontend_args(parser)

@@ -212,6 +212,7 @@ def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.Monkey
 # ---- real runs ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole run against a live server: the second suite
 def test_a_real_run_on_the_demo_writes_a_loadable_profile(tmp_path: Path) -> None:
     # Decode on core 0 and prefill on core 1 (on a 1-core machine, both on core 0).
     grid = Grid(shares=(1,), batches=(2,), contexts=(16,), prompts=(16,), prefill_tokens=16, pairs=((1, 1),),

@@ -103,6 +103,7 @@ def test_the_server_it_starts_logs_beside_the_table(tmp_path: Path) -> None:
     assert "unrecognized arguments: --no-such-flag" in (tmp_path / "t.serve.log").read_text()
 
 
+@pytest.mark.slow  # a whole run against a live server: the second suite
 def test_real_runs_force_each_route_on_the_demo(start_server, tmp_path: Path) -> None:
     server = start_server("--policy", "pd")
     grid = Grid(contexts=(160,), shapes=((16, 16),), loads=(2,), turn1_output=16, duration=1.5)
