@@ -112,15 +112,18 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
     if name == "probe":
         return [Step("probe", (*ppd, "probe", "--out", f"{out}/probe.json"), 240, ("probe.json",))]
     if name == "tests":
-        gpu = f"{python} -m pytest -q -rs -p no:cacheprovider -m gpu --junitxml {out}/tests-gpu.xml tests"
-        # The compile check for sm_90 without a GPU is a default-suite test: on the host the kernels run for real.
-        kernels = (f"{python} -m pytest -q -rs -p no:cacheprovider --junitxml {out}/tests-kernels.xml "
-                   "--ignore tests/engine/kernels/test_sm90_compile.py tests/engine/kernels")
-        commands = [gpu, kernels]
+        # Two steps, so that gpu tests that run long still leave the kernel tests their own time and verdict. The
+        # compile check for sm_90 without a GPU is a default-suite test: on the host the kernels run for real.
+        pytest = (python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
+        steps = [Step("tests-gpu", (*pytest, "-m", "gpu", "--junitxml", f"{out}/tests-gpu.xml", "tests"), 420,
+                      ("tests-gpu.xml",)),
+                 Step("tests-kernels", (*pytest, "--junitxml", f"{out}/tests-kernels.xml", "--ignore",
+                                        "tests/engine/kernels/test_sm90_compile.py", "tests/engine/kernels"), 300,
+                      ("tests-kernels.xml",))]
         if mode.rehearse:  # the kernels run in Triton's interpreter here: also compile them for the H100
-            commands.append(f"env -u TRITON_INTERPRET {python} -m tests.engine.kernels.sm90_compile")
-        script = "; ".join(f"{c}; r=$?; [ $r -gt ${{rc:-0}} ] && rc=$r" for c in commands) + "; exit ${rc:-0}"
-        return [Step("tests", ("bash", "-c", script), 540, ("tests-gpu.xml", "tests-kernels.xml"))]
+            steps.append(Step("tests-sm90-compile", ("env", "-u", "TRITON_INTERPRET", python, "-m",
+                                                     "tests.engine.kernels.sm90_compile"), 300))
+        return steps
     if name == "engine":
         argv = (*ppd, "bench", "engine", "--out", str(out), *quick)
         if mode.rehearse:
@@ -142,8 +145,10 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         return [Step("kernels", (python, "-m", "bench.kernels", "--out", f"{out}/kernels"), 540,
                      mode.pick(("kernels/kernels-*.json",), ()))]
     if name == "policy":
-        argv = (*ppd, "profile", "policy", "--serve-args", serve, "--duration", mode.pick("10", "6"), "--no-progress",
-                "--out", f"{out}/policy.json", *quick)
+        # On the CPU a turn 1 over the longer context can outlast a short run (its turn 2 never starts): the
+        # rehearsal keeps the shorter context, every shape, load and route.
+        argv = (*ppd, "profile", "policy", "--serve-args", serve, "--duration", mode.pick("10", "8"), "--no-progress",
+                "--out", f"{out}/policy.json", *quick, *mode.pick((), ("--contexts", "160")))
         return [Step("policy", argv, 540, ("policy.json",))]
     if base == "policy-eval" and arg:
         argv = (*ppd, "bench", "compare", "--policies", "pd,dlocal,ppd,aggregated",
@@ -285,7 +290,9 @@ def resume_from(source: Path, out: Path) -> list[str]:
     return copied
 
 
-CALL_FILES = ("steps.json", "status.txt", "host.txt", "TRUNCATED.txt")
+# A call's own records, never copied into a later call: gpu_check's, and the command and output a call's committed
+# folder keeps beside its unpacked archive (bench/results/<device>/callN/).
+CALL_FILES = ("steps.json", "status.txt", "host.txt", "TRUNCATED.txt", "command.txt", "stdout.txt")
 
 
 def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> list[str]:

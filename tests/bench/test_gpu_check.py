@@ -160,14 +160,14 @@ def test_resuming_copies_results_but_not_the_earlier_calls_logs(tmp_path: Path) 
     (earlier / "policy.json").write_text("old table")
     (earlier / "policy-eval" / "balanced" / "summary.json").write_text("[]")
     (earlier / "policy-eval" / "balanced" / "serve.log").write_text("kept: a server's log inside a result")
-    for name in ("policy.log", "steps.json", "status.txt", "host.txt"):
+    for name in ("policy.log", "steps.json", "status.txt", "host.txt", "command.txt", "stdout.txt"):
         (earlier / name).write_text("the earlier call's")
     out.mkdir()
     (out / "policy.json").write_text("newer table")
     copied = resume_from(earlier, out)
     assert sorted(copied) == ["policy-eval/balanced/serve.log", "policy-eval/balanced/summary.json"]
     assert (out / "policy.json").read_text() == "newer table"
-    assert not (out / "steps.json").exists() and not (out / "policy.log").exists()
+    assert not any((out / name).exists() for name in ("steps.json", "policy.log", "command.txt", "stdout.txt"))
 
 
 def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
