@@ -275,6 +275,11 @@ def _kill_marked(token: str) -> None:
             continue
 
 
+# A call's own records, never copied into a later call: gpu_check's, and the command and output a call's committed
+# folder keeps beside its unpacked archive (bench/results/<device>/callN/).
+CALL_FILES = ("steps.json", "status.txt", "host.txt", "TRUNCATED.txt", "command.txt", "stdout.txt")
+
+
 def resume_from(source: Path, out: Path) -> list[str]:
     """Copy an earlier call's results into out, never over a file out has; not its logs or verdicts."""
     copied = []
@@ -288,11 +293,6 @@ def resume_from(source: Path, out: Path) -> list[str]:
             shutil.copy2(path, target)
             copied.append(str(rel))
     return copied
-
-
-# A call's own records, never copied into a later call: gpu_check's, and the command and output a call's committed
-# folder keeps beside its unpacked archive (bench/results/<device>/callN/).
-CALL_FILES = ("steps.json", "status.txt", "host.txt", "TRUNCATED.txt", "command.txt", "stdout.txt")
 
 
 def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> list[str]:
