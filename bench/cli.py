@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import asyncio
 import contextlib
 import importlib
@@ -364,6 +365,14 @@ def _tokenizer_folder(args: argparse.Namespace, served: dict | None) -> str | No
     if folder in (None, DEMO_MODEL):
         return str(demo_model_path()) if served is None else None
     return folder if has_tokenizer(folder) else None
+
+
+def write_json(path: Path, data: dict) -> None:
+    """data as indented JSON at path, atomically: a run stopped mid-write leaves the previous file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def has_tokenizer(folder: str) -> bool:

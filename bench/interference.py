@@ -29,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, fail_unless_measured, one_line, option_value, start_server, stop_server
+from bench.cli import (BenchError, _default_out, fail_unless_measured, one_line, option_value, start_server,
+                       stop_server, write_json)
 
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
                "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
@@ -102,9 +103,7 @@ def _earlier(out: Path, settings: dict) -> dict:
 
 
 def _write(out: Path, settings: dict, results: dict) -> None:
-    tmp = out / "interference.json.tmp"
-    tmp.write_text(json.dumps({"settings": settings, "results": results}, indent=1))
-    tmp.replace(out / "interference.json")
+    write_json(out / "interference.json", {"settings": settings, "results": results})
     (out / "interference.md").write_text(report(settings, results))
 
 

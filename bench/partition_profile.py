@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.cli import BenchError
+from bench.cli import BenchError, write_json
 from bench.engine import LLAMA_8B, Blocks, _fill_random, _median_ms, _release, _step, add_model_args, chosen_device
 from engine.config import ModelConfig
 from engine.demo import demo_model_path
@@ -493,7 +493,7 @@ def profile(bench: Bench, grid: Grid, out: Path, device: str, model: str, meta: 
             key = job_key(round_, point)
             bar.set_postfix_str(key, refresh=True)
             raw[key] = measure(bench, grid, point)
-            _write_json(partial, {"settings": settings, "raw": raw})
+            write_json(partial, {"settings": settings, "raw": raw})
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(raw)} points kept in {partial}; the same command resumes", file=sys.stderr)
         raise
@@ -525,13 +525,6 @@ def _resume(partial: Path, settings: dict) -> dict:
 def _as_json(data: dict) -> dict:
     """data as it reads back from JSON (tuples become lists), so that settings compare equal after a save."""
     return json.loads(json.dumps(data))
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def build_profile(grid: Grid, raw: dict, device: str, model: str, unit: str, total: int,
