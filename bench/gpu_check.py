@@ -93,6 +93,11 @@ class Mode:
     def device(self) -> list[str]:
         return ["--device", "cpu"] if self.rehearse else ["--device", "cuda"]
 
+    @property
+    def engine_model(self) -> tuple[str, ...]:
+        """For the steps that time the engine alone: the stand-in on the CPU; on a GPU their default, Llama-3.1-8B."""
+        return ("--model", STANDIN, "--device", "cpu") if self.rehearse else ()
+
     def pick(self, gpu, cpu):
         return cpu if self.rehearse else gpu
 
@@ -125,14 +130,10 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
                                                      "tests.engine.kernels.sm90_compile"), 300))
         return steps
     if name == "engine":
-        argv = (*ppd, "bench", "engine", "--out", str(out), *quick)
-        if mode.rehearse:
-            argv += ("--model", STANDIN, "--device", "cpu")
+        argv = (*ppd, "bench", "engine", "--out", str(out), *quick, *mode.engine_model)
         return [Step("engine", argv, 480, ("engine-*.json",))]
     if name == "sampling":
-        argv = (*ppd, "bench", "sampling", "--out", f"{out}/sampling", *quick)
-        if mode.rehearse:
-            argv += ("--model", STANDIN, "--device", "cpu")
+        argv = (*ppd, "bench", "sampling", "--out", f"{out}/sampling", *quick, *mode.engine_model)
         return [Step("sampling", argv, 360, ("sampling/sampling-*.json",))]
     if name == "compare":
         argv = (*ppd, "bench", "compare", "--policies", "pd,dlocal,aggregated", "--serve-args", serve, *load,
@@ -165,9 +166,8 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
                   f'--out "$0"/policy-eval/verdict.md')
         return [Step("policy-verdict", ("bash", "-c", script, str(out)), 60, ("policy-eval/verdict.md",))]
     if name == "partition":
-        argv = (*ppd, "profile", "partition", "--no-progress", "--out", f"{out}/partition.json", *quick)
-        if mode.rehearse:
-            argv += ("--model", STANDIN, "--device", "cpu")
+        argv = (*ppd, "profile", "partition", "--no-progress", "--out", f"{out}/partition.json", *quick,
+                *mode.engine_model)
         return [Step("partition", argv, 540, ("partition.json",))]
     if base == "partition-compare":
         # pd on each partition; aggregated, one worker with nothing to partition, once as the baseline (under none).
