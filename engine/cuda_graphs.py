@@ -62,6 +62,9 @@ class DecodeGraphs:
         the pool's memory; pool: a pool to share with other sets. Returns the pool."""
         started = time.monotonic()
         stream = stream or torch.cuda.Stream()
+        # The static buffers were filled on the current stream: the warm-up steps on stream must not read them
+        # (a slot mapping of -1s not yet written is a store anywhere in memory) before those fills ran.
+        stream.wait_stream(torch.cuda.current_stream())
         for bs in reversed(self.sizes):
             meta = self.backend.graph_view(self.static, bs)
             with torch.cuda.stream(stream):

@@ -259,3 +259,40 @@ def test_cuda_pool_is_sized_from_free_memory(tmp_path: Path) -> None:
     # The pool took most of what 20% of the device allowed, and the device still has the rest.
     assert 0.1 * total < pool_bytes < 0.2 * total and free > 0.7 * total
     assert "GiB allowed" in engine.plan.summary
+
+
+RACE_SCRIPT = """
+import sys, torch
+from engine.engine import Engine, EngineConfig
+cfg = EngineConfig(model=sys.argv[1], dtype="float32", device="cuda", gpu_memory_utilization=0.05, max_num_seqs=8,
+                   max_num_batched_tokens=256, enforce_eager=True)
+engine = Engine.create(cfg)
+pool = engine.runner.kv_pool
+before = pool.double().abs().sum().item()
+# Leave small blocks full of huge indices in torch's cache, where the graphs' static buffers will be allocated, and
+# keep the current stream busy for about a second, so that those buffers' fills run late.
+junk = [torch.full((65536,), 2**40, dtype=torch.int64, device="cuda") for _ in range(256)]
+del junk
+torch.cuda._sleep(2_000_000_000)
+engine.runner.capture_graphs(cfg.max_num_seqs)
+torch.cuda.synchronize()
+assert pool.double().abs().sum().item() == before, "capturing the graphs wrote into the KV pool"
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_waits_for_its_buffers_to_be_filled(tmp_path: Path) -> None:
+    """Capture's warm-up steps run on a side stream: they must wait for the static buffers' fills on the current
+    stream, or the padding rows' slot mapping (-1: write nothing) is whatever the allocator's cache held, and the
+    warm-up stores KV anywhere (an illegal address, seen on an H200 when an earlier test had left such blocks). In
+    a child process, since an illegal address poisons the process's CUDA context for every later test."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import subprocess
+    import sys
+
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    proc = subprocess.run([sys.executable, "-c", RACE_SCRIPT, str(folder)], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
