@@ -18,7 +18,8 @@ import torch
 
 from engine.config import ModelConfig, resolve_dtype
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
-from engine.memory_plan import GiB, KVPlan, MemoryMeasurement, plan_from_measurement, plan_from_request
+from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, check_free_at_start, plan_from_measurement,
+                                plan_from_request)
 from engine.model import kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.prompt_logprobs import prompt_logprobs
@@ -83,6 +84,12 @@ class Engine:
         device = torch.device(cfg.device)
         mcfg = ModelConfig.from_folder(cfg.model)
         dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
+        others = 0
+        if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
+            torch.cuda.empty_cache()  # this process's cached blocks are free for the share, not held by others
+            free, total = torch.cuda.mem_get_info(device)
+            check_free_at_start(free, total, cfg.gpu_memory_utilization, device_info(device).name)
+            others = total - free
         model = build_model(mcfg, dtype)
         arena, weights_handle = create_shared(names[0], (arena_nbytes(model),), torch.uint8, device)
         bind_arena(model, arena)
@@ -97,7 +104,7 @@ class Engine:
             scratch = _scratch_pool(mcfg, cfg, dtype, device)
             runner = ModelRunner(model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_len)
             if cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
-                measured = _measure(runner, cfg, arena.numel(), scratch.numel() * scratch.element_size(),
+                measured = _measure(runner, cfg, arena.numel(), scratch.numel() * scratch.element_size(), others,
                                     len(graph_streams) if graph_streams else 1)
                 plan = plan_from_measurement(measured, cfg.gpu_memory_utilization, block_bytes, cfg.block_size,
                                              mcfg.max_position_embeddings, cfg.max_model_len, device_info(device).name)
@@ -311,8 +318,10 @@ def _warm_up_kernels(runner: ModelRunner) -> None:
     torch.cuda.synchronize()
 
 
-def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int, graph_sets: int = 1) -> MemoryMeasurement:
+def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int, others: int,
+             graph_sets: int = 1) -> MemoryMeasurement:
     """Run the largest step and the largest decode step, measuring the memory each needs above what is allocated.
+    others: what the device held when the engine started, outside this instance's share.
     graph_sets: decode-graph sets to be captured (one per green split and one whole; each on its own stream, whose
     blocks the allocator does not share with another stream's, so each set needs its own)."""
     torch.cuda.synchronize()
@@ -328,5 +337,6 @@ def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int,
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     # The scratch pool is still allocated here, and freed before the real pool is made: it is not in use after.
-    return MemoryMeasurement(total=total, in_use=total - free - scratch, weights=weights, activation_peak=activation,
-                             graph_peak=graphs, peer_activation_peak=activation if cfg.shares_device else 0)
+    return MemoryMeasurement(total=total, in_use=total - free - scratch - others, weights=weights,
+                             activation_peak=activation, graph_peak=graphs,
+                             peer_activation_peak=activation if cfg.shares_device else 0, others=others)

@@ -1,13 +1,16 @@
 """How many KV blocks a device gets.
 
 On the CPU the pool is what the operator asks for (--num-kv-blocks or
---kv-cache-memory). On a GPU it is what remains of --gpu-memory-utilization of
-the device after everything else: what is already in use (the weights, this
-process's and its peer's CUDA contexts, other processes), the activation peak
-of the largest step (measured by running it), as much again for the prefill
-worker that shares the device, and the decode graphs' memory pool (measured as
-the peak of the largest decode step). A model that does not fit gets an error
-that names every number.
+--kv-cache-memory). On a GPU, --gpu-memory-utilization is this instance's share
+of the device, as vLLM's flag is: what other processes held when the engine
+started is outside it (two servers at 0.5 each share a GPU), and a device
+without that much free at start is refused. The pool gets what remains of the
+share after everything else this instance uses: what it has in use after
+loading (the weights, the peer's CUDA context when it has started by then), the
+activation peak of the largest step (measured by running it), as much again for
+the prefill worker that shares the device, and the decode graphs' memory pool
+(measured as the peak of the largest decode step). A model that does not fit
+gets an error that names every number.
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ class MemoryMeasurement:
     """What the start-up measured on a GPU, in bytes."""
 
     total: int               # the device's memory
-    in_use: int              # used on the device by every process, after the weights were loaded
+    in_use: int              # used on the device by this instance after the weights were loaded (not `others`)
     weights: int
     activation_peak: int     # the largest eager step (token budget, most sampled rows), above weights
     graph_peak: int          # the largest captured decode step, for the graphs' pool (0 without graphs)
     peer_activation_peak: int  # the prefill worker's steps on the same device (0 when there is none)
+    others: int = 0          # held on the device when the engine started (other processes, this one's CUDA context)
 
 
 @dataclass(frozen=True)
@@ -73,10 +77,23 @@ def plan_from_measurement(m: MemoryMeasurement, utilization: float, block_bytes:
         parts += f", prefill worker's peak {gib(m.peer_activation_peak)}"
     if m.graph_peak:
         parts += f", CUDA graphs {gib(m.graph_peak)}"
+    if m.others:
+        parts += f"; {gib(m.others)} held before start, outside this share"
     summary = f"KV cache: {num_blocks} blocks of {block_size} tokens ({gib(num_blocks * block_bytes)}): {parts}"
     return _finish(num_blocks, block_bytes, block_size, model_max_len, max_model_len, summary,
                    "raise --gpu-memory-utilization, lower --max-model-len, --max-num-batched-tokens or --max-num-seqs, "
                    "or use a GPU with more memory")
+
+
+def check_free_at_start(free: int, total: int, utilization: float, device_name: str) -> None:
+    """Refuse a share of the device larger than what is free as the engine starts (other processes hold the rest)."""
+    if free < utilization * total:
+        held = total - free
+        raise StartupError(
+            f"--gpu-memory-utilization {utilization:.2f} asks for {gib(utilization * total)} of {device_name}'s "
+            f"{gib(total)}, but only {gib(free)} is free as the engine starts ({gib(held)} is held by other processes "
+            f"and this one's CUDA context). Fix: lower --gpu-memory-utilization to at most {free / total:.2f}, or stop "
+            f"what holds the memory (nvidia-smi lists it)")
 
 
 def _finish(num_blocks: int, block_bytes: int, block_size: int, model_max_len: int, max_model_len: int | None,

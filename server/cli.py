@@ -132,8 +132,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="how KV-cache events hash blocks, as vLLM's flag: sha256 over pickle (vLLM's default) or "
                         "over canonical CBOR (needs cbor2); the seed is $PYTHONHASHSEED, else vLLM's default")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of each GPU's memory to use: the KV cache gets what the weights, activations and "
-                        "graphs leave")
+                   help="this instance's share of each GPU's memory, as vLLM's flag (what other processes hold is "
+                        "outside it, and must leave the share free): the KV cache gets what the weights, activations "
+                        "and graphs leave of it")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="GiB of KV cache per unit (default: 0.5 on the CPU; on GPUs sized by --gpu-memory-utilization)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per unit (overrides --kv-cache-memory)")

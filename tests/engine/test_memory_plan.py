@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.memory_plan import GiB, MemoryMeasurement, StartupError, plan_from_measurement, plan_from_request
+from engine.memory_plan import (GiB, MemoryMeasurement, StartupError, check_free_at_start, plan_from_measurement,
+                                plan_from_request)
 
 BLOCK = 2 * 2**20  # bytes per block (Llama-3.1-8B bf16: 16 tokens x 128 KiB)
 
@@ -38,6 +39,26 @@ def test_model_that_does_not_fit_names_the_numbers_and_the_fix() -> None:
     message = str(err.value)
     assert "8192 tokens" in message and "in use 75.00 GiB" in message and "NVIDIA H100" in message
     assert "--gpu-memory-utilization" in message and "512 blocks" in message
+
+
+def test_memory_other_processes_held_at_start_is_outside_the_share() -> None:
+    """--gpu-memory-utilization is this instance's share, as vLLM's is: a second server beside one that holds 30 GiB
+    gets the same pool as it would alone, and its log line says what was held before it started."""
+    alone = plan_from_measurement(measured(), 0.5, BLOCK, 16, 131072, None, "H100")
+    beside = plan_from_measurement(measured(others=30 * GiB), 0.5, BLOCK, 16, 131072, None, "H100")
+    assert beside.num_blocks == alone.num_blocks == (40 * GiB - 21 * GiB - GiB // 2) // BLOCK
+    assert "30.00 GiB held before start, outside this share" in beside.summary
+    assert "held before start" not in alone.summary
+
+
+def test_a_share_larger_than_the_free_memory_is_refused_with_the_numbers() -> None:
+    check_free_at_start(50 * GiB, 80 * GiB, 0.6, "NVIDIA H100")  # 48 GiB asked, 50 free: starts
+    with pytest.raises(StartupError) as err:
+        check_free_at_start(50 * GiB, 80 * GiB, 0.9, "NVIDIA H100")
+    message = str(err.value)
+    for figure in ("--gpu-memory-utilization 0.90", "72.00 GiB", "only 50.00 GiB is free", "30.00 GiB is held",
+                   "at most 0.62", "NVIDIA H100"):
+        assert figure in message
 
 
 def test_requested_context_longer_than_the_pool_is_refused() -> None:
