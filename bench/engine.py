@@ -379,8 +379,8 @@ def chosen_model(args: argparse.Namespace, device: torch.device) -> str:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: triton on CUDA, cpu on the CPU")
     p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; what the tests run)")
 

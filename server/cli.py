@@ -70,7 +70,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy: random weights of the folder's config (for benchmarks without the weights)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
-                   help="auto (default): triton on CUDA, torch on the CPU")
+                   help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--stub-engine", type=float, default=None, metavar="MS",
                    help="run no model: each unit answers every request with its own prompt's tokens, one per request "

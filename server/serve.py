@@ -116,7 +116,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         raise UsageError("--device cuda: no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES), "
                          "or serve on the CPU with --device cpu")
     if args.attention_backend == "triton" and device == "cpu":
-        raise UsageError("--attention-backend triton runs on CUDA; on the CPU use --attention-backend torch (or auto)")
+        raise UsageError("--attention-backend triton runs on CUDA; on the CPU use --attention-backend cpu, torch or auto")
+    if args.attention_backend == "cpu" and device != "cpu":
+        raise UsageError("--attention-backend cpu runs on the CPU; on a GPU use --attention-backend triton or auto")
     with_prefill = args.policy != "aggregated"
     # On the CPU the pool is sized here, as the engine will size it, so a bad size is refused before any process
     # starts; on a GPU only the worker can measure what is left, and reports the size when ready.

@@ -65,8 +65,18 @@ def reference_attention(
     Writes k, v at meta.slot_mapping, then for each sequence attends its new queries over all its KV
     (gathered through its block table up to context_len) with a causal mask: the query at absolute position p
     sees keys 0..p. GQA by head groups. Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return sdpa_attention(q, k_cache, v_cache, meta, scale)
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write the step's new keys and values [T, Hkv, D] at their flat slots of one layer's pool."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+    """reference_attention after the store: PyTorch's SDPA per sequence over its gathered blocks."""
     gather = meta.kv_gather(q.device)
     # One gather of whole blocks per layer for all sequences (a few large row copies), then per-sequence views.
     num_slots, hkv, d = k_cache.shape

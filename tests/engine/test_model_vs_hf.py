@@ -79,7 +79,7 @@ class Engine:
 
 
 # The Triton backend runs its kernels here in Triton's interpreter (tests/conftest.py), the GPU's code path.
-BACKENDS = pytest.mark.parametrize("backend", ["torch", "triton"])
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 
 
 @BACKENDS
@@ -97,7 +97,7 @@ def test_turn1_prefill_then_decode_matches_hf(tiny: tuple[Path, Model], backend:
     torch.testing.assert_close(torch.stack(logits), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("block_size", "backend"), [(16, "torch"), (8, "torch"), (8, "triton")])
+@pytest.mark.parametrize(("block_size", "backend"), [(16, "torch"), (8, "torch"), (8, "cpu"), (8, "triton")])
 def test_turn2_append_prefill_over_cached_prefix_matches_hf(tiny: tuple[Path, Model], block_size: int,
                                                             backend: str) -> None:
     folder, model = tiny
@@ -137,7 +137,7 @@ def test_non_final_chunk_returns_no_logits(tiny: tuple[Path, Model]) -> None:
     assert logits.shape == (0, model.cfg.vocab_size) and len(seq.tokens) == 30
 
 
-@pytest.mark.parametrize(("block_size", "backend"), [(4, "torch"), (16, "torch"), (16, "triton")])
+@pytest.mark.parametrize(("block_size", "backend"), [(4, "torch"), (16, "torch"), (4, "cpu"), (16, "cpu"), (16, "triton")])
 def test_mixed_batch_decode_prefill_and_append_prefill_match_hf(tiny: tuple[Path, Model], block_size: int,
                                                                 backend: str) -> None:
     folder, model = tiny

@@ -1,0 +1,108 @@
+"""Our CPU kernels (cpu_decode.c): built once per machine with the host's C compiler, loaded with ctypes.
+
+The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
+the CPU's flags (it is built for this CPU, -march=native). Without a compiler, or if the build fails, load()
+returns None with the reason in the log, and attention falls back to PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("ppd.engine")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    """$CC where set (and only it), else cc or gcc."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def build() -> Path:
+    """The shared library for this machine, compiled now unless the cache has it; RuntimeError if it cannot be."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler on this machine ({os.environ.get('CC') or 'cc or gcc'}; set $CC to one)")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), *version, *FLAGS, platform.machine(), _cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve") / "cpu-kernels"
+    target = cache / f"cpu_decode-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: workers may build at once
+        built = Path(tmp) / target.name
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-1500:]}")
+        os.replace(built, target)
+    log.info("built the CPU attention kernel: %s", target)
+    return target
+
+
+class CpuKernels:
+    """The loaded library's entry points, with their argument types."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        for name in DTYPES.values():
+            fn = getattr(self.lib, name)
+            fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i64]
+            fn.restype = ctypes.c_int
+
+    def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                     scale: float, block_size: int) -> Tensor:
+        """q [B, H, D] (one query per sequence); k_cache/v_cache [num_slots, Hkv, D]; block_tables [B, max_blocks]
+        and seq_lens [B] int32. Sequence b's query attends its keys 0..seq_lens[b]-1. Returns [B, H, D]."""
+        assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES, "one supported dtype throughout"
+        assert block_tables.dtype == seq_lens.dtype == torch.int32
+        assert all(t.is_contiguous() for t in (k_cache, v_cache, block_tables, seq_lens))
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        b, h, d = q.shape
+        failed = getattr(self.lib, DTYPES[q.dtype])(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+            out.data_ptr(), b, h, k_cache.shape[1], d, block_size, block_tables.shape[1], scale,
+            torch.get_num_threads())
+        if failed:
+            raise MemoryError("the CPU attention kernel could not allocate its scores")
+        return out
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels for this machine, or None (the reason logged once) where they cannot be built."""
+    try:
+        return CpuKernels(build())
+    except (RuntimeError, OSError) as exc:
+        log.warning("CPU attention kernel unavailable, using PyTorch's: %s", exc)
+        return None

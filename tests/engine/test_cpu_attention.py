@@ -1,0 +1,113 @@
+"""The CPU backend: our decode kernel (engine/attention/cpu_decode.c) against float64 reference attention, and the
+backend's mixed steps against the torch backend's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention import AttentionShape, StepBatch, create_backend
+from engine.attention import cpu_kernel
+from engine.attention.cpu_backend import CpuBackend
+from engine.attention.torch_backend import AttentionMetadata, TorchBackend, reference_attention
+
+kernels = cpu_kernel.load()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler here to build the CPU kernel")
+
+
+def paged(lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    """A pool of random K/V with each sequence's blocks scattered over it, and its block tables."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    num_blocks = sum(need) + 7
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    for n in need:
+        tables.append(order[i:i + n])
+        i += n
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (16, 8, 64), (8, 2, 128)])
+def test_decode_kernel_matches_float64_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                                                 head_dim: int) -> None:
+    block_size, lens = 16, [1, 15, 16, 17, 100, 513]
+    k_cache, v_cache, tables = paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=num_heads + head_dim)
+    q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    # The reference writes the new token's K/V itself; here they are already in the pool at the last slot.
+    last = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lens)])
+    meta = AttentionMetadata(last, list(range(len(lens) + 1)), lens, tables, block_size)
+    k64, v64 = k_cache.double(), v_cache.double()
+    ref = reference_attention(q.double(), k64[last], v64[last], k64, v64, meta, 0.125)
+    width = max(map(len, tables))
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = kernels.paged_decode(q, k_cache, v_cache, table_tensor, torch.tensor(lens, dtype=torch.int32), 0.125,
+                               block_size)
+    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
+def mixed_batch(block_size: int, seed: int) -> tuple[StepBatch, list[int]]:
+    """Decode rows, a full prefill and an append-prefill in one step, interleaved."""
+    rng = random.Random(seed)
+    news, cached = [1, 23, 1, 9, 1], [40, 0, 7, 30, 129]
+    tables, next_block, slots, starts = [], 0, [], [0]
+    for n, c in zip(news, cached):
+        blocks = -(-(n + c) // block_size)
+        table = list(range(next_block, next_block + blocks))
+        rng.shuffle(table)
+        next_block += blocks
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c, c + n)]
+        starts.append(starts[-1] + n)
+    total = starts[-1]
+    batch = StepBatch(token_ids=[1] * total, positions=[0] * total, slot_mapping=slots, query_start=starts,
+                      seq_lens=[n + c for n, c in zip(news, cached)], block_tables=tables,
+                      sample_rows=[s - 1 for s in starts[1:]], block_size=block_size)
+    return batch, [next_block]
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "without-kernel"])
+def test_a_mixed_step_equals_the_torch_backend(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode rows through the kernel, prefill and append rows through SDPA, in their places; without the kernel
+    (no compiler) every row through SDPA."""
+    if kernel and kernels is None:
+        pytest.skip("no C compiler here to build the CPU kernel")
+    block_size, heads, kv_heads, dim = 8, 8, 4, 64
+    batch, (num_blocks,) = mixed_batch(block_size, seed=3)
+    shape = AttentionShape(heads, kv_heads, dim, block_size, 32)
+    cpu, ref = CpuBackend(shape, torch.device("cpu")), TorchBackend(shape, torch.device("cpu"))
+    if not kernel:
+        cpu.kernels = None
+    total = len(batch.token_ids)
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    caches = [torch.randn(num_blocks * block_size, kv_heads, dim) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    out = cpu.forward(q, k, v, *caches, cpu.prepare(batch), 0.125)
+    expected = ref.forward(q, k, v, *ref_caches, ref.prepare(batch), 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches, ref_caches)  # both stored the step's K/V at the same slots
+
+
+def test_the_cpu_backend_is_the_cpu_default_and_refuses_a_gpu() -> None:
+    shape = AttentionShape(4, 2, 64, 16, 8)
+    assert isinstance(create_backend("auto", shape, torch.device("cpu")), CpuBackend)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        create_backend("cpu", shape, torch.device("cuda"))
+
+
+def test_a_failed_build_says_what_failed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="failed to build cpu_decode.c"):
+        cpu_kernel.build()
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_kernel.build()
