@@ -100,9 +100,9 @@ class Attention(nn.Module):
         ops = step.backend.ops
         t = x.shape[0]
         if self.qkv_weight is not None:
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+            q, k, v = ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = (ops.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -110,7 +110,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
         q, k = ops.apply_rope(q, k, step.positions, step.cos, step.sin)
         o = step.backend.forward(q, k, v, self.k_cache, self.v_cache, step.meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -128,8 +128,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, ops: Ops) -> Tensor:
         if self.gate_up_weight is not None:
-            return self.down_proj(ops.silu_and_mul(F.linear(x, self.gate_up_weight)))
-        return self.down_proj(ops.silu_and_mul(torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)))
+            gate_up = ops.linear(x, self.gate_up_weight)
+        else:
+            gate_up = torch.cat((ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)), dim=-1)
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -206,7 +208,7 @@ class Model(nn.Module):
             h, residual = layer(h, residual, step)
         return self.model.norm(h, backend.ops, residual)[0]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: Tensor, ops: Ops | None = None) -> Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab]; ops: the backend's, for its linear (default torch's)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return (ops.linear if ops is not None else F.linear)(hidden, weight).float()

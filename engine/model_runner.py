@@ -105,7 +105,7 @@ class ModelRunner:
         kept = hidden[self._rows(batch.hidden_rows)] if batch.hidden_rows else None
         if len(batch.sample_rows) < len(batch.token_ids):
             hidden = hidden[self._rows(batch.sample_rows)]
-        return self.model.compute_logits(hidden), kept
+        return self.model.compute_logits(hidden, self.backend.ops), kept
 
     def _rows(self, rows: list[int]) -> Tensor:
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -1,7 +1,8 @@
 """The model's elementwise operations in plain PyTorch: the CPU path, and the reference the fused kernels match.
 
-An attention backend carries an `ops` object with these four methods; the Triton
-backend's (engine/kernels/) fuse each into one kernel on the GPU.
+An attention backend carries an `ops` object with these methods; the Triton
+backend's (engine/kernels/) fuse each elementwise one into one kernel on the GPU,
+and the CPU backend's runs the linear layers on prepacked weights (cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class TorchOps:
             return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
         return rotate(q), rotate(k)
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """x @ weight.T + bias, as torch.nn.functional.linear."""
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def silu_and_mul(x: Tensor) -> Tensor:

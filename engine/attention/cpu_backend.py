@@ -1,4 +1,5 @@
-"""Paged attention on the CPU: decode rows in our kernel (cpu_decode.c), the rest in PyTorch's SDPA.
+"""Paged attention on the CPU: decode rows in our kernel (cpu_decode.c), the rest in PyTorch's SDPA; the linear
+layers on prepacked weights (cpu_linear.py).
 
 A decode row (a sequence adding one token) reads its context in place through its block table, each key and
 value once, all of a step's decode rows in one call per layer, across the CPU's threads. Prefill and
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from engine.attention.base import StepBatch
 from engine.attention.cpu_kernel import DTYPES, load
+from engine.attention.cpu_linear import CpuOps
 from engine.attention.torch_backend import AttentionMetadata, TorchBackend, sdpa_attention, store_kv
 
 
@@ -31,6 +33,7 @@ class CpuMetadata:
 
 class CpuBackend(TorchBackend):
     name = "cpu"
+    ops = CpuOps()
 
     def __init__(self, shape, device: torch.device) -> None:
         super().__init__(shape, device)

@@ -29,6 +29,7 @@ class TritonOps:
     add_rms_norm = staticmethod(add_rms_norm)
     apply_rope = staticmethod(apply_rope)
     silu_and_mul = staticmethod(silu_and_mul)
+    linear = staticmethod(torch.nn.functional.linear)  # cuBLAS
 
 
 @dataclass

@@ -111,3 +111,22 @@ def test_a_failed_build_says_what_failed(tmp_path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(RuntimeError, match="no C compiler"):
         cpu_kernel.build()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_packed_linear_equals_torchs_and_follows_its_weight(dtype: torch.dtype) -> None:
+    """The CPU ops' linear on a prepacked weight gives F.linear's result; a weight that is freed frees its packed
+    copy, so a later weight that reuses its memory is never served the old one."""
+    from engine.attention import cpu_linear
+
+    ops = cpu_linear.CpuOps()
+    x, bias = torch.randn(5, 64).to(dtype), torch.randn(48).to(dtype)
+    for _ in range(3):
+        weight = torch.randn(48, 64).to(dtype)
+        for rows in (x, x[:1], x[:0]):
+            expected = torch.nn.functional.linear(rows, weight, bias)
+            torch.testing.assert_close(ops.linear(rows, weight, bias), expected, atol=1e-2, rtol=1e-2)
+        key = id(weight)
+        assert (key in cpu_linear._packed) == (cpu_linear.packed(weight) is not None)
+        del weight
+        assert key not in cpu_linear._packed

@@ -1,0 +1,55 @@
+"""The CPU backend's ops: PyTorch's, with the linear layers on weights prepacked for oneDNN.
+
+oneDNN reorders a weight once into the blocked layout its GEMM kernels read; on a 2-core Zen 4 that ran a
+bfloat16 [5632 x 1024] linear 1.4x faster at 1 row and 1.5x at 8 rows than torch's linear on the plain weight
+(and no slower at 2,048). The packed copy is this process's own memory: a worker's weights take about twice their
+size (the shared arena and the packed copy), and every runner of a process shares one packed copy per weight.
+Where oneDNN is unavailable, or the dtype is not float32 or bfloat16, the plain weight is used.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.ops import TorchOps
+
+# id(weight) -> (a weak reference to the weight, its packed copy). Weak, so that a weight freed (an engine closed)
+# frees its copy, and an id reused by a later tensor is told apart by the reference.
+_packed: dict[int, tuple[weakref.ref, Tensor]] = {}
+_lock = threading.Lock()
+
+
+def _can_pack(dtype: torch.dtype) -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+def packed(weight: Tensor) -> Tensor | None:
+    """weight [out, in] prepacked (made on first use, then reused), or None where it cannot be."""
+    entry = _packed.get(id(weight))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    if weight.dim() != 2 or weight.device.type != "cpu" or not _can_pack(weight.dtype):
+        return None
+    with _lock:
+        key = id(weight)
+        copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), copy)
+    return copy
+
+
+class CpuOps(TorchOps):
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        w = packed(weight) if x.shape[0] and x.dim() == 2 and x.dtype == weight.dtype else None
+        if w is None:
+            return F.linear(x, weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
