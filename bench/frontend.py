@@ -26,7 +26,7 @@ import aiohttp
 import httpx
 import msgspec
 
-from bench.cli import start_server, stop_server
+from bench.servers import start_server, stop_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 

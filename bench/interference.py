@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import (BenchError, _default_out, fail_unless_measured, one_line, option_value, start_server,
-                       stop_server, write_json)
+from bench.common import BenchError, default_out, fail_unless_measured, one_line, write_json
+from bench.servers import option_value, start_server, stop_server
 
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
                "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
@@ -63,7 +63,7 @@ def main(args: argparse.Namespace) -> None:
         if unknown := [n for n in names if n not in configs]:
             raise BenchError(f"--only {args.only}: no configuration {unknown[0]!r} (there are {', '.join(configs)})")
         configs = {n: configs[n] for n in names}
-    out = Path(args.out or _default_out("interference"))
+    out = Path(args.out or default_out("interference"))
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
     results = _earlier(out, settings)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.cli import BenchError, write_json
+from bench.common import BenchError, write_json
 from bench.engine import LLAMA_8B, Blocks, _fill_random, _median_ms, _release, _step, add_model_args, chosen_device
 from engine.config import ModelConfig
 from engine.demo import demo_model_path

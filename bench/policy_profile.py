@@ -33,7 +33,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from bench.cli import BenchError, fail_unless_measured, start_server, stop_server
+from bench.common import BenchError, fail_unless_measured
+from bench.servers import start_server, stop_server
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from profiles import PROFILES_DIR, cpu_device_name
 from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, table_path

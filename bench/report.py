@@ -206,6 +206,48 @@ def markdown_table(summaries: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+# Figures a peer comparison divides (ours over the peer's at the same load): below 1 is ours faster for the
+# latencies, above 1 ours faster for the throughputs.
+RATIO_COLUMNS = [
+    ("TTFT turn 1 p50", "ttft_turn1_ms_p50"),
+    ("TTFT turn 2+ p50", "ttft_turn2plus_ms_p50"),
+    ("TTFT turn 2+ p99", "ttft_turn2plus_ms_p99"),
+    ("TPOT p50", "tpot_ms_p50"),
+    ("TPOT p99", "tpot_ms_p99"),
+    ("E2E p50", "e2e_ms_p50"),
+    ("objective turn 2+", "objective_turn2plus"),
+    ("output tok/s", "output_tokens_per_s"),
+    ("req/s", "requests_per_s"),
+]
+
+
+def add_ratios(summaries: Sequence[dict], peer: str) -> None:
+    """Give each summary of another server a "ratio_to": the peer's name and, per RATIO_COLUMNS key, its figure over
+    the peer's at the same load (None where either has none)."""
+    def load(s: dict) -> tuple:
+        return tuple(s["label"].get(k) for k in X_KEYS)
+
+    theirs = {load(s): s for s in summaries if s["label"].get("server") == peer}
+    for s in summaries:
+        if (base := theirs.get(load(s))) is not None and base is not s:
+            s["ratio_to"] = {"server": peer, **{key: s[key] / base[key] if s.get(key) is not None and base.get(key)
+                                                else None for _, key in RATIO_COLUMNS}}
+
+
+def ratio_table(summaries: Sequence[dict]) -> str:
+    """One row per summary that add_ratios gave a ratio: its label, then each RATIO_COLUMNS figure over the peer's;
+    "" when none has one."""
+    rows = [s for s in summaries if "ratio_to" in s]
+    if not rows:
+        return ""
+    keys = _label_keys(rows)
+    header = [*keys, "over"] + [f"{name} ratio" for name, _ in RATIO_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join([_cell(s["label"].get(k)) for k in keys] + [_cell(s["ratio_to"]["server"])]
+                                + [_num(s["ratio_to"][key], ".2f") for _, key in RATIO_COLUMNS]) + " |" for s in rows]
+    return "\n".join(lines)
+
+
 def _cell(value: Any) -> str:
     return "-" if value is None else str(value).replace("|", "\\|")
 
@@ -226,7 +268,10 @@ def write_report(summaries: Sequence[dict], out_dir: Path, records_by_run: dict[
     except ImportError:
         log.warning("no plots: matplotlib is not installed (pip install matplotlib)")
     report = out_dir / "report.md"
+    ratios = ratio_table(summaries)
     report.write_text("# ppd bench\n\n" + markdown_table(summaries) + "\n\n"
+                      + (f"Ours over the peer's, at the same load (latency below 1, throughput above 1: ours "
+                         f"faster):\n\n{ratios}\n\n" if ratios else "")
                       + "".join(f"![{p.stem}]({p.name})\n\n" for p in plots)
                       + "TTFT turn 2+: every turn after the first. TPOT: (latency - TTFT) / (output tokens - 1). "
                         "Objective turn 2+: w_ttft * TTFT p50 + w_tpot * TPOT p50 of turns 2+ (ms; the weights are "

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, free_port, start_server, stop_server
+from bench.common import BenchError, default_out
+from bench.servers import free_port, start_server, stop_server
 
 ROUTER_START_TIMEOUT_S = 60
 AFFINITY_TTL_S = 600
@@ -221,7 +222,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     import shlex
 
-    out = Path(args.out or _default_out("router"))
+    out = Path(args.out or default_out("router"))
     out.mkdir(parents=True, exist_ok=True)
     nodes = start_nodes(args.nodes, shlex.split(args.serve_args), out, units=args.units)
     results = {"nodes": args.nodes, "conversations": args.conversations, "turns": args.turns,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.cli import has_tokenizer
+from bench.common import has_tokenizer
 from bench.engine import (Blocks, _fill_random, _meta, _release, add_model_args, chosen_device, chosen_model,
                           device_slug, write_results)
 from engine.config import ModelConfig, resolve_dtype

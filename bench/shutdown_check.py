@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import start_server
+from bench.servers import start_server
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import BenchError, _default_out, start_server, stop_server
+from bench.common import BenchError, default_out
+from bench.servers import start_server, stop_server
 
 WORDS = ("sea wind ship harbour light stone river bridge garden market window paper music winter summer "
          "morning story question answer number").split()
@@ -316,7 +317,7 @@ def main() -> int:
         print(old_md.read_text())
         return 0
     command = "python -m bench.soak " + " ".join(sys.argv[1:])
-    out = args.out or Path(_default_out("soak"))
+    out = args.out or Path(default_out("soak"))
     proc = None
     if args.url is None:
         import shlex

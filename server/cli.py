@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
-    from bench.cli import BenchError, Unmeasured, add_bench_args
+    from bench.cli import add_bench_args
+    from bench.common import BenchError, Unmeasured
     add_bench_args(sub.add_parser("bench", help="load an OpenAI-compatible server with multi-turn conversations "
                                                 "(`ppd bench compare`: policies and peers side by side; "
                                                 "`ppd bench engine`: the engine against the hardware's floors)"))

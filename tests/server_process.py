@@ -7,7 +7,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.cli import start_server, stop_server
+from bench.servers import start_server, stop_server
 from bench.soak import gauges
 
 

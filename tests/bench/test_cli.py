@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import BenchError, _tokenizer_folder
+from bench.cli import _tokenizer_folder
+from bench.common import BenchError
 from bench.stub_server import start_stub
 from engine.demo import demo_model_path
 
@@ -172,7 +173,7 @@ def test_compare_rejects_unknown_policy() -> None:
 def test_serve_args_with_a_port_are_polled_on_that_port(tmp_path) -> None:
     import socket
 
-    from bench.cli import start_server, stop_server
+    from bench.servers import start_server, stop_server
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

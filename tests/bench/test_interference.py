@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import BenchError
+from bench.common import BenchError
 from bench.interference import _tpot
 from server.cli import main
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import partition_profile
-from bench.cli import BenchError
+from bench.common import BenchError
 from bench.partition_profile import CpuBench, Grid, engine_setup, job_key, jobs, markdown, partial_path, plot, profile
 from engine.demo import demo_model_path
 from partition.profile import DecodePoint, InterferencePoint, PartitionProfile, PrefillPoint, ProfileError

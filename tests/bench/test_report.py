@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.client import RequestRecord
-from bench.report import markdown_table, parse_goodput, plot_latency_vs_qps, summarize, write_report
+from bench.report import (add_ratios, markdown_table, parse_goodput, plot_latency_vs_qps, ratio_table, summarize,
+                          write_report)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -152,6 +153,21 @@ def test_markdown_table_has_one_row_per_run() -> None:
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert lines[2].startswith("| ppd:pd | 1.0 |") and lines[-1].startswith("| ppd:ppd | 4.0 |")
     assert markdown_table([summarize([], 0.0, label={"server": "a|b"})]).splitlines()[2].startswith("| a\\|b |")
+
+
+def test_ratios_divide_ours_by_the_peers_at_the_same_load() -> None:
+    def run(server: str, qps: float, ttft: float) -> dict:
+        return summarize([rec(ttft=ttft), rec(turn=1, ttft=ttft)], 2.0, label={"server": server, "qps": qps})
+
+    ours, ours_alone, theirs = run("ppd:ppd", 1, 0.05), run("ppd:ppd", 2, 0.1), run("vllm", 1, 0.1)
+    assert ratio_table([ours, theirs]) == ""
+    add_ratios([ours, ours_alone, theirs], "vllm")
+    ratio = ours["ratio_to"]
+    assert ratio["server"] == "vllm" and ratio["ttft_turn2plus_ms_p50"] == pytest.approx(0.5)
+    assert ratio["tpot_ms_p50"] == pytest.approx(0.95 / 0.9) and ratio["output_tokens_per_s"] == pytest.approx(1.0)
+    assert "ratio_to" not in ours_alone and "ratio_to" not in theirs  # no vllm run at qps 2; the peer has none
+    table = ratio_table([ours, ours_alone, theirs]).splitlines()
+    assert len(table) == 3 and table[2].startswith("| ppd:ppd | 1 | vllm | 0.50 | 0.50 | 0.50 | 1.06 |")
 
 
 def test_write_report_writes_summary_table_plots_and_records(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.cli import option_value as flag  # --name value or --name=value; the last one wins
+from bench.servers import option_value as flag  # --name value or --name=value; the last one wins
 from scheduler.messages import WorkerStats
 from server.metrics import Metrics
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.cli import stop_server
+from bench.servers import stop_server
 from bench.router import Node, Router, router_args, run_conversations, session_header, start_nodes
 
 pytestmark = pytest.mark.router

@@ -69,7 +69,7 @@ def test_cuda_without_a_gpu_is_refused() -> None:
 
 def test_triton_backend_on_the_cpu_is_refused() -> None:
     result = serve("--attention-backend", "triton", "--device", "cpu")
-    assert result.returncode == 2 and "--attention-backend torch" in result.stderr
+    assert result.returncode == 2 and "--attention-backend cpu" in result.stderr
 
 
 def test_bad_memory_utilization_is_refused() -> None:

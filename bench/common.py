@@ -1,0 +1,54 @@
+"""What every benchmark shares: its errors, how it fails for what it did not measure, and where it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+# A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy weights has none).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+class BenchError(Exception):
+    """A bad command line or an unreachable server: printed, exit code 2."""
+
+
+class Unmeasured(BenchError):
+    """The run went, but something it was asked to measure measured nothing (each named on stderr): exit code 1."""
+
+
+def fail_unless_measured(missing: dict[str, str], asked: int, what: str) -> None:
+    """Raise Unmeasured when any of the `asked` things measured nothing, after one line on stderr for each: its name
+    (a key of `missing`) and why (the value)."""
+    for name, why in missing.items():
+        print(f"not measured: {name}: {why}", file=sys.stderr)
+    if missing:
+        raise Unmeasured(f"{len(missing)} of {asked} {what} measured nothing (listed above)")
+
+
+def one_line(exc: BaseException) -> str:
+    """An error on one line: a message of several lines (what failed, then the log of a server that stopped) as its
+    first line and its last, which says why."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    return lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """data as indented JSON at path, atomically: a run stopped mid-write leaves the previous file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def has_tokenizer(folder: str) -> bool:
+    """Whether `folder` holds a Hugging Face tokenizer's files."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def default_out(kind: str) -> str:
+    """The results folder of a `kind` run begun now: bench/results/<kind>-<UTC time>."""
+    return os.path.join("bench", "results", f"{kind}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
