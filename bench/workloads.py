@@ -164,6 +164,20 @@ def synthetic(profile: str, turn1: str, num_conversations: int, seed: int, token
     return conversations
 
 
+def uniform(num_conversations: int, seed: int, user_tokens: tuple[int, int], output_tokens: int, turns: int = 4,
+            tokenizer: Any = None, api: str = "chat") -> list[Conversation]:
+    """Conversations of `turns` turns, each turn's new user message a length drawn uniformly from user_tokens
+    (inclusive) and each answer exactly output_tokens long (ignore_eos): every turn 2+ an append-prefill of a few
+    hundred tokens over a growing history, as a chat session is."""
+    low, high = user_tokens
+    if not 1 <= low <= high or output_tokens < 1 or turns < 1:
+        raise ValueError(f"need 1 <= user tokens low <= high, output tokens >= 1 and turns >= 1; got {low}-{high}, "
+                         f"{output_tokens}, {turns}")
+    rng = random.Random(seed)
+    shapes = [[(rng.randint(low, high), output_tokens) for _ in range(turns)] for _ in range(max(1, num_conversations))]
+    return shaped(shapes, num_conversations, rng, tokenizer, api, 1.0, f"uniform-{seed}")
+
+
 def synthetic_longest(profile: str, turn1: str, turns: int) -> int:
     """Tokens of context (all inputs and outputs) that the longest synthetic conversation of these choices needs
     at scale 1."""
@@ -341,6 +355,7 @@ def mt_bench(path: str | None, num_conversations: int, seed: int, max_tokens: in
 
 WORKLOADS: dict[str, Callable[..., list[Conversation]]] = {
     "synthetic": synthetic,
+    "uniform": uniform,
     "sharegpt": sharegpt,
     "mt-bench": mt_bench,
 }

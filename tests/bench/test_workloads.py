@@ -302,7 +302,21 @@ def test_load_workload_dispatches_by_name(byte_tokenizer) -> None:
     assert len(convs) == 2
     # The CLI passes its tokenizer to every workload; one that does not use it ignores it.
     assert len(load_workload("mt-bench", path=None, num_conversations=3, seed=0, tokenizer=byte_tokenizer)) == 3
-    with pytest.raises(ValueError, match="synthetic, sharegpt, mt-bench"):
+    with pytest.raises(ValueError, match="synthetic, uniform, sharegpt, mt-bench"):
         load_workload("nope")
     with pytest.raises(ValueError, match="no option bogus"):
         load_workload("mt-bench", path=None, num_conversations=3, seed=0, bogus=1)
+
+
+def test_uniform_turns_draw_their_user_lengths_in_the_range_and_answer_exactly() -> None:
+    conversations = load_workload("uniform", num_conversations=6, seed=3, user_tokens=(200, 400), output_tokens=64,
+                                  turns=4, api="completions")
+    lengths = [len(turn.user) for c in conversations for turn in c.turns]
+    assert len(conversations) == 6 and all(len(c.turns) == 4 for c in conversations)
+    assert all(200 <= n <= 400 for n in lengths) and len(set(lengths)) > 10  # drawn, not one length
+    assert all(turn.max_tokens == 64 for c in conversations for turn in c.turns) and all(c.ignore_eos for c in conversations)
+    again = load_workload("uniform", num_conversations=6, seed=3, user_tokens=(200, 400), output_tokens=64, turns=4,
+                          api="completions")
+    assert [c.turns[0].user for c in again] == [c.turns[0].user for c in conversations]  # seeded
+    with pytest.raises(ValueError, match="low <= high"):
+        load_workload("uniform", num_conversations=1, seed=0, user_tokens=(400, 200), output_tokens=64)
