@@ -78,9 +78,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="API-server processes (tokenizing, detokenizing, streaming) sharing the port and the units, as "
                         "vLLM's flag: more where one process's core limits the streamed tokens/s (ppd bench frontend)")
-    p.add_argument("--policy", default="ppd", choices=POLICIES,
+    p.add_argument("--policy", default="auto", choices=("auto", *POLICIES),
                    help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd = per request, "
-                        "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline)")
+                        "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline); auto "
+                        "(default): ppd, except aggregated on a CPU unit of fewer than 4 cores (the log says why)")
     p.add_argument("--policy-table", default=None,
                    help="ppd: the profiled table (ppd profile policy); default: the shipped profile of this device and "
                         "model, else a cost model from live measurements")

@@ -101,11 +101,34 @@ def test_more_units_than_cores_warns(caplog: pytest.LogCaptureFixture, monkeypat
     add_serve_args(parser)
     monkeypatch.setattr(server.serve, "available_cores", lambda: [0, 1])
     with caplog.at_level("WARNING", logger="ppd"):
-        plan = server.serve.plan_serve(parser.parse_args(["--units", "4"]))
+        plan = server.serve.plan_serve(parser.parse_args(["--units", "4", "--policy", "ppd"]))
     import shutil
     shutil.rmtree(plan.ipc_dir)
     assert len(plan.units) == 4
     assert "8 worker processes on 2 core(s)" in caplog.text and "--units 1" in caplog.text
+
+
+@pytest.mark.parametrize(("cores", "asked", "chosen"), [(2, "auto", "aggregated"), (3, "auto", "aggregated"),
+                                                        (4, "auto", "ppd"), (8, "auto", "ppd"), (2, "ppd", "ppd"),
+                                                        (2, "dlocal", "dlocal")])
+def test_the_default_policy_on_the_cpu_fits_its_cores_and_says_why(
+        cores: int, asked: str, chosen: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--policy auto: one engine on every core below 4 cores per unit (a 1+1 split lost to it on 2 cores), the
+    split from 4; an explicit policy is kept. The log line says which and why."""
+    import argparse
+    import shutil
+
+    import server.serve
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    monkeypatch.setattr(server.serve, "available_cores", lambda: list(range(cores)))
+    with caplog.at_level("INFO", logger="ppd"):
+        plan = server.serve.plan_serve(parser.parse_args(["--device", "cpu", "--policy", asked]))
+    shutil.rmtree(plan.ipc_dir)
+    assert [u.policy for u in plan.units] == [chosen]
+    assert (f"policy: auto: {chosen}" in caplog.text) == (asked == "auto")
 
 
 def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
