@@ -24,7 +24,10 @@ from torch import Tensor
 log = logging.getLogger("ppd.engine")
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compiling
+# Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
+# the library loads, and every float in the server (torch's too) would lose its subnormals.
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
@@ -51,7 +54,7 @@ def build() -> Path:
     if cc is None:
         raise RuntimeError(f"no C compiler on this machine ({os.environ.get('CC') or 'cc or gcc'}; set $CC to one)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *version, *FLAGS, platform.machine(), _cpu_flags()])
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), *version, *FLAGS, *LINK_FLAGS, platform.machine(), _cpu_flags()])
                          .encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve") / "cpu-kernels"
     target = cache / f"cpu_decode-{key}.so"
@@ -60,9 +63,11 @@ def build() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: workers may build at once
         built = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-1500:]}")
+        obj = built.with_suffix(".o")
+        for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(obj)], [cc, str(obj), *LINK_FLAGS, "-o", str(built)]):
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-1500:]}")
         os.replace(built, target)
     log.info("built the CPU attention kernel: %s", target)
     return target

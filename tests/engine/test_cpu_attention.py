@@ -132,3 +132,18 @@ def test_the_packed_linear_equals_torchs_and_follows_its_weight(dtype: torch.dty
         assert (key in cpu_linear._packed) == (cpu_linear.packed(weight) is not None)
         del weight
         assert key not in cpu_linear._packed
+
+
+def test_loading_the_kernel_keeps_subnormal_floats() -> None:
+    """The kernel is compiled with -ffast-math; linked with it, the library would set flush-to-zero for the whole
+    process as it loads (hypothesis caught that: it refuses to draw floats in such a process)."""
+    import subprocess
+    import sys
+
+    script = ("import sys; from engine.attention.cpu_kernel import load; assert load() is not None; "
+              "import torch; tiny = sys.float_info.min / 4; "
+              "assert tiny > 0 and (torch.tensor([1e-40]) * 1.0).item() > 0, 'subnormals flushed to zero'")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    if kernels is None:
+        pytest.skip("no C compiler here to build the CPU kernel")
+    assert proc.returncode == 0, proc.stderr[-2000:]
