@@ -102,4 +102,4 @@ class DecodeGraphs:
 
     def _forward(self, bs: int, meta: Any) -> Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.backend, meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, self.backend.ops)

@@ -222,7 +222,7 @@ class Engine:
         prompt = {}
         if hidden is not None:  # its copy to the host waits for the step
             asks = [(pos, inp.prompt_logprobs) for pos, inp in enumerate(inputs) if inp.prompt_logprobs is not None]
-            prompt = prompt_logprobs(self.runner.model, hidden, asks, self.cfg.max_num_seqs)
+            prompt = prompt_logprobs(self.runner.model, self.runner.backend.ops, hidden, asks, self.cfg.max_num_seqs)
         if not rows:
             self._wait_for_device()
             return Sampled([], [], prompt)

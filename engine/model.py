@@ -10,7 +10,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.attention.base import AttentionBackend, Ops
@@ -208,7 +207,7 @@ class Model(nn.Module):
             h, residual = layer(h, residual, step)
         return self.model.norm(h, backend.ops, residual)[0]
 
-    def compute_logits(self, hidden: Tensor, ops: Ops | None = None) -> Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab]; ops: the backend's, for its linear (default torch's)."""
+    def compute_logits(self, hidden: Tensor, ops: Ops) -> Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (ops.linear if ops is not None else F.linear)(hidden, weight).float()
+        return ops.linear(hidden, weight).float()
