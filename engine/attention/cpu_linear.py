@@ -34,16 +34,18 @@ def _can_pack(dtype: torch.dtype) -> bool:
 
 def packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] prepacked (made on first use, then reused), or None where it cannot be."""
-    entry = _packed.get(id(weight))
+    key = id(weight)
+    entry = _packed.get(key)
     if entry is not None and entry[0]() is weight:
         return entry[1]
     if weight.dim() != 2 or weight.device.type != "cpu" or not _can_pack(weight.dtype):
         return None
-    with _lock:
-        key = id(weight)
-        copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), copy)
-    return copy
+    with _lock:  # the runners of a process (the prefill thread's too) pack each weight once
+        entry = _packed.get(key)
+        if entry is None or entry[0]() is not weight:
+            copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            entry = _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), copy)
+    return entry[1]
 
 
 class CpuOps(TorchOps):
