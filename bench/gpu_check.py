@@ -48,7 +48,7 @@ KEEP_PER_END = 256 * 1024  # bytes kept at each end of a log cut to fit the arch
 LLAMA = "bench/models/llama-3.1-8b"
 STANDIN = "bench/models/llama-3.1-8b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
-STEP_NAMES = ("host probe tests engine sampling compare kernels policy policy-eval:W policy-verdict partition "
+STEP_NAMES = ("host probe tests tests-gpu tests-kernels engine sampling compare kernels policy policy-eval:W policy-verdict partition "
               "partition-compare[:NAMES] interference[:NAMES] frontend[:COUNTS]")
 # Modules every step needs on the host, beside the project's own (all imported by the host step).
 THIRD_PARTY = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "fastapi", "starlette",
@@ -116,6 +116,8 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         return [Step("host", ("bash", "-c", script), 120)]
     if name == "probe":
         return [Step("probe", (*ppd, "probe", "--out", f"{out}/probe.json"), 240, ("probe.json",))]
+    if name in ("tests-gpu", "tests-kernels"):  # one of the two, where a call has no time for both
+        return [s for s in plan("tests", out, mode, python) if s.name == name]
     if name == "tests":
         # Two steps, so that gpu tests that run long still leave the kernel tests their own time and verdict. The
         # compile check for sm_90 without a GPU is a default-suite test: on the host the kernels run for real.

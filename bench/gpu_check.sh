@@ -7,6 +7,7 @@
 #              ../shared/device/host_check.py when it is in .whl/
 #   probe      ppd probe: GPUs, CUDA IPC, MPS, kernel overlap, green contexts          -> probe.json
 #   tests      the gpu-marked tests, then the kernel tests (their small cases run on CUDA)  -> tests-*.xml
+#              (tests-gpu or tests-kernels: one of the two)
 #   engine     ppd bench engine on Llama-3.1-8B's config with random weights            -> engine-*.{json,md}
 #   sampling   ppd bench sampling: each sampling feature's decode step against greedy   -> sampling/
 #   compare    ppd bench compare of pd, dlocal and aggregated, balanced workload, 2 conversations/s -> compare/

@@ -59,6 +59,10 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
     policies = [s.argv[s.argv.index("--policies") + 1] for s in compares]
     assert policies == ["pd,aggregated", "pd", "pd"]
     assert [s.name for s in plan("frontend:1,8", tmp_path, Mode(False))] == ["frontend-1", "frontend-8"]
+    both = plan("tests", tmp_path, Mode(False))
+    assert [s.name for s in both] == ["tests-gpu", "tests-kernels"]
+    assert plan("tests-gpu", tmp_path, Mode(False)) == both[:1]
+    assert plan("tests-kernels", tmp_path, Mode(False)) == both[1:]
 
 
 @pytest.mark.parametrize("name", ["bogus", "policy-eval", "partition-compare:mps,warp", "frontend:0", "frontend:x"])
