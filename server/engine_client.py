@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import statistics
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -53,24 +55,36 @@ class Admission:
     max_queue_s: float | None = None
 
 
-START_INTERVAL_WEIGHT = 0.05  # of the newest sample in the moving average of the time between starts
+START_INTERVAL_SAMPLES = 16  # the latest backlog samples the time between starts is the median of
+START_INTERVAL_MIN_SAMPLES = 4  # samples before the median predicts a wait (and so refuses a request)
 MAX_RETRY_AFTER_S = 60
 
 
 @dataclass
 class StartRate:
-    """The mean time between two starts (first tokens) on a unit while requests were queued, as a moving average.
+    """The time between two starts (first tokens) on a unit while requests were queued: the median of the latest
+    samples.
 
     Starts come in batches: every request whose first token came in one worker message starts at the same moment
     (a decode step that finished many prefills). A batch is one sample, its gap from the previous start shared
     among its requests; counting the first request of a batch at the whole gap and the others at zero would let
     the first sample alone say "one start per step" after a burst, and answer 429 to a queue the next step clears.
+
+    A median, and none before START_INTERVAL_MIN_SAMPLES: one slow step (a partition's first prefill of a burst)
+    must not be the estimate the rest of the burst is refused on. With a moving average started from one sample,
+    a 64-request burst at start-up on an H200 had 4 of its requests answered 429 by a unit that started them all
+    within seconds (bench/results/nvidia-h200/call4, interference under MPS).
     """
 
-    interval_s: float | None = None  # None: not measured yet
     last_start: float = 0.0
+    _samples: deque[float] = field(default_factory=lambda: deque(maxlen=START_INTERVAL_SAMPLES))
     _batch_gap: float | None = None  # the current batch's gap from the previous one (None: not a backlog sample)
     _batch_size: int = 0
+
+    @property
+    def interval_s(self) -> float | None:
+        """The time between starts, or None while too few samples were taken to say."""
+        return statistics.median(self._samples) if len(self._samples) >= START_INTERVAL_MIN_SAMPLES else None
 
     def started(self, now: float, arrival: float) -> None:
         """A request that arrived at `arrival` had its first token at `now`."""
@@ -83,10 +97,8 @@ class StartRate:
         self._batch_size += 1
 
     def _fold(self) -> None:
-        if self._batch_gap is None or not self._batch_size:
-            return
-        sample, old = self._batch_gap / self._batch_size, self.interval_s
-        self.interval_s = sample if old is None else old + START_INTERVAL_WEIGHT * (sample - old)
+        if self._batch_gap is not None and self._batch_size:
+            self._samples.append(self._batch_gap / self._batch_size)
         self._batch_gap = None
 
 
