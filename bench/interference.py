@@ -123,6 +123,7 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     rng = random.Random(0)
     arrivals: list[list[float]] = [[] for _ in range(args.batch)]
     ended: list[float | None] = [None] * args.batch
+    refusals: list[str] = []  # what a stream answered other than 200, for the error
     stop = threading.Event()
 
     def stream(i: int) -> None:
@@ -130,6 +131,9 @@ def measure(url: str, args: argparse.Namespace) -> dict:
                 "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "return_token_ids": True}
         try:
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as resp:
+                if resp.status_code != 200:
+                    refusals.append(f"{resp.status_code}: {resp.read().decode(errors='replace')[:200]}")
+                    return
                 for line in resp.iter_lines():
                     if stop.is_set():
                         return  # leaving closes the connection: the server aborts the request
@@ -147,7 +151,8 @@ def measure(url: str, args: argparse.Namespace) -> dict:
         deadline = time.monotonic() + 600
         while not all(arrivals) and time.monotonic() < deadline:
             if any(e is not None for e in ended):
-                raise BenchError("a stream ended before every stream was decoding (see the server's log)")
+                said = f"; one was answered {refusals[0]}" if refusals else ""
+                raise BenchError(f"a stream ended before every stream was decoding{said} (see the server's log)")
             time.sleep(0.05)
         time.sleep(args.settle_s)
         start = time.monotonic()
