@@ -1,4 +1,4 @@
-"""Our CPU kernels (cpu_decode.c): built once per machine with the host's C compiler, loaded with ctypes.
+"""Our CPU attention kernels (cpu_decode.c, cpu_prefill.c): built once per machine with the host's C compiler, loaded with ctypes.
 
 The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
 the CPU's flags (it is built for this CPU, -march=native). Without a compiler, or if the build fails, load()
@@ -23,12 +23,12 @@ from torch import Tensor
 
 log = logging.getLogger("ppd.engine")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = [Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_prefill.c")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compiling
 # Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
 # the library loads, and every float in the server (torch's too) would lose its subnormals.
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
-DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the suffix of each entry point
 
 
 def _cpu_flags() -> str:
@@ -48,28 +48,31 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build() -> Path:
-    """The shared library for this machine, compiled now unless the cache has it; RuntimeError if it cannot be."""
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The shared library for this machine, compiled now unless the cache has it; RuntimeError if it cannot be.
+    extra_flags go after FLAGS (the tests build without the CPU's bfloat16 instructions, for the other path)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler on this machine ({os.environ.get('CC') or 'cc or gcc'}; set $CC to one)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), *version, *FLAGS, *LINK_FLAGS, platform.machine(), _cpu_flags()])
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), *version, *flags, *LINK_FLAGS, platform.machine(), _cpu_flags()])
                          .encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve") / "cpu-kernels"
-    target = cache / f"cpu_decode-{key}.so"
+    target = cache / f"cpu_attention-{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:  # built aside, then renamed: workers may build at once
         built = Path(tmp) / target.name
-        obj = built.with_suffix(".o")
-        for cmd in ([cc, *FLAGS, "-c", str(SOURCE), "-o", str(obj)], [cc, str(obj), *LINK_FLAGS, "-o", str(built)]):
+        objects = [str(Path(tmp) / f"{s.stem}.o") for s in SOURCES]
+        steps = [([cc, *flags, "-c", str(s), "-o", o], s.name) for s, o in zip(SOURCES, objects)]
+        for cmd, name in [*steps, ([cc, *objects, *LINK_FLAGS, "-o", str(built)], "the library")]:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-1500:]}")
+                raise RuntimeError(f"{cc} failed to build {name}: {proc.stderr.strip()[-1500:]}")
         os.replace(built, target)
-    log.info("built the CPU attention kernel: %s", target)
+    log.info("built the CPU attention kernels: %s", target)
     return target
 
 
@@ -79,10 +82,11 @@ class CpuKernels:
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for name in DTYPES.values():
-            fn = getattr(self.lib, name)
-            fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i64]
-            fn.restype = ctypes.c_int
+        for suffix in DTYPES.values():
+            decode, prefill = getattr(self.lib, f"paged_decode_{suffix}"), getattr(self.lib, f"paged_prefill_{suffix}")
+            decode.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i64]
+            prefill.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64]
+            decode.restype = prefill.restype = ctypes.c_int
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                      scale: float, block_size: int) -> Tensor:
@@ -94,12 +98,32 @@ class CpuKernels:
         q = q.contiguous()
         out = torch.empty_like(q)
         b, h, d = q.shape
-        failed = getattr(self.lib, DTYPES[q.dtype])(
+        failed = getattr(self.lib, f"paged_decode_{DTYPES[q.dtype]}")(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
             out.data_ptr(), b, h, k_cache.shape[1], d, block_size, block_tables.shape[1], scale,
             torch.get_num_threads())
         if failed:
             raise MemoryError("the CPU attention kernel could not allocate its scores")
+        return out
+
+    def paged_prefill(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+                      query_start: Tensor, scale: float, block_size: int) -> Tensor:
+        """q [rows, H, D], sequence b's new queries in rows query_start[b] .. query_start[b+1]-1 (int32 [B + 1]);
+        k_cache/v_cache [num_slots, Hkv, D] holding every sequence's context, the new tokens' K/V included;
+        block_tables [B, max_blocks] and seq_lens [B] int32. The n new queries of sequence b sit at positions
+        seq_lens[b] - n .. seq_lens[b] - 1 and attend causally. Returns [rows, H, D]."""
+        assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES, "one supported dtype throughout"
+        assert block_tables.dtype == seq_lens.dtype == query_start.dtype == torch.int32
+        assert all(t.is_contiguous() for t in (k_cache, v_cache, block_tables, seq_lens, query_start))
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        _, h, d = q.shape
+        failed = getattr(self.lib, f"paged_prefill_{DTYPES[q.dtype]}")(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+            query_start.data_ptr(), out.data_ptr(), len(seq_lens), h, k_cache.shape[1], d, block_size,
+            block_tables.shape[1], scale, torch.get_num_threads())
+        if failed:
+            raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
         return out
 
 

@@ -1,4 +1,5 @@
-"""The CPU backend: our decode kernel (engine/attention/cpu_decode.c) against float64 reference attention, and the
+"""The CPU backend: our decode and prefill kernels (engine/attention/cpu_decode.c, cpu_prefill.c) against float64
+reference attention, and the
 backend's mixed steps against the torch backend's."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from engine.attention import AttentionShape, StepBatch, create_backend
 from engine.attention import cpu_kernel
 from engine.attention.cpu_backend import CpuBackend
-from engine.attention.torch_backend import AttentionMetadata, TorchBackend, reference_attention
+from engine.attention.torch_backend import AttentionMetadata, TorchBackend, reference_attention, sdpa_attention
 
 kernels = cpu_kernel.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler here to build the CPU kernel")
@@ -56,6 +57,57 @@ def test_decode_kernel_matches_float64_reference(dtype: torch.dtype, num_heads: 
     assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("lens", "news", "heads", "block_size"), [
+    ([17], [17], (4, 4, 64), 16),                        # a prompt inside one key tile
+    ([100, 513, 40], [30, 513, 2], (16, 8, 64), 16),     # appends, a prompt over 9 key tiles, a 2-token append
+    ([300, 77], [5, 77], (8, 2, 128), 16),               # a short append over a long context (few rows an item)
+    ([200], [200], (28, 4, 128), 16),                    # G = 7: query tiles of 9 tokens, 63 rows
+    ([50, 90], [50, 3], (6, 6, 48), 8),                  # a head size that is no multiple of 16
+    ([33], [20], (4, 1, 80), 32),                        # G = 4 over one KV head, larger blocks
+], ids=["one-tile", "appends", "short-append", "group-of-7", "head-48", "head-80"])
+def test_prefill_kernel_matches_float64_reference(dtype: torch.dtype, lens: list[int], news: list[int],
+                                                  heads: tuple[int, int, int], block_size: int) -> None:
+    """Sequence b's news[b] new queries are the last of its lens[b] tokens and attend causally, over blocks
+    scattered in the pool."""
+    check_prefill(kernels, dtype, lens, news, heads, block_size)
+
+
+@needs_kernel
+def test_prefill_kernel_without_the_cpus_bfloat16_instructions() -> None:
+    """Where the CPU has AVX512-BF16 the bfloat16 rows take the dot-product path; the path every other CPU takes
+    (bfloat16 widened to float32) is built here without those instructions and checked the same way."""
+    try:
+        plain = cpu_kernel.CpuKernels(cpu_kernel.build(("-mno-avx512bf16",)))
+    except RuntimeError as exc:
+        pytest.skip(f"this compiler has no -mno-avx512bf16: {exc}")
+    for lens, news, heads in [([100, 513, 40], [30, 513, 2], (16, 8, 64)), ([50, 90], [50, 3], (6, 6, 48))]:
+        check_prefill(plain, torch.bfloat16, lens, news, heads, 16)
+
+
+def check_prefill(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, lens: list[int], news: list[int],
+                  heads: tuple[int, int, int], block_size: int) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    k_cache, v_cache, tables = paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=num_heads + head_dim)
+    starts = [0]
+    for n in news:
+        starts.append(starts[-1] + n)
+    q = torch.randn(starts[-1], num_heads, head_dim).to(dtype)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), starts, lens, tables, block_size)
+    ref = sdpa_attention(q.double(), k_cache.double(), v_cache.double(), meta, 0.125)
+    width = max(map(len, tables))
+    table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = kernels.paged_prefill(q, k_cache, v_cache, table_tensor, torch.tensor(lens, dtype=torch.int32),
+                                torch.tensor(starts, dtype=torch.int32), 0.125, block_size)
+    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+    # Each row on its own: a wrong mask or a dropped tile on one row is not averaged away by the others.
+    row_err = ((out.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)).max().item()
+    assert row_err < (1e-5 if dtype == torch.float32 else 2e-2), row_err
+
+
 def mixed_batch(block_size: int, seed: int) -> tuple[StepBatch, list[int]]:
     """Decode rows, a full prefill and an append-prefill in one step, interleaved."""
     rng = random.Random(seed)
@@ -78,8 +130,8 @@ def mixed_batch(block_size: int, seed: int) -> tuple[StepBatch, list[int]]:
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "without-kernel"])
 def test_a_mixed_step_equals_the_torch_backend(kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode rows through the kernel, prefill and append rows through SDPA, in their places; without the kernel
-    (no compiler) every row through SDPA."""
+    """Decode rows through the decode kernel, prefill and append rows through the prefill kernel, in their places;
+    without the kernels (no compiler) every row through SDPA."""
     if kernel and kernels is None:
         pytest.skip("no C compiler here to build the CPU kernel")
     block_size, heads, kv_heads, dim = 8, 8, 4, 64
