@@ -101,4 +101,173 @@ static inline float f32_store(float x) { return x; }
     }
 
 DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE(decode_bf16_widened, uint16_t, bf16_to_f32, f32_to_bf16)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* The bfloat16 decode where the CPU has AVX512-BF16 (vdpbf16ps: a pair of bfloat16 products added into a float32
+ * lane), for head sizes that are multiples of 32. Scores: a key row's 32-element chunks against the query head's
+ * (two instructions a key and head at D = 64), the 16 lanes of partial sums of 16 keys then reduced together
+ * (reduce16: about three instructions a key, where a sum per key costs six). Values: two value rows interleaved
+ * (v[k][d], v[k+1][d]) against the pair of their weights, rounded to bfloat16 as flash attention does. */
+
+/* r[i] = the sum of v[i]'s 16 lanes. */
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 w[4];
+    for (int g = 0; g < 4; g++) {
+        const __m512 *x = v + 4 * g;
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+        /* each 128-bit lane: x[0..3]'s partial sums over that lane's four elements */
+        w[g] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
+    }
+    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
+}
+
+static const short INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+#define MAX_CHUNKS 8 /* head size up to 256 */
+
+/* Read the item's part (from, width elements) of the 16 rows from key t0 on, a byte a cache line, in address order,
+ * before the passes that read them a head at a time. Each row holds every KV head, and reading a head's slice of
+ * 16 rows before the next head's is a stride the hardware prefetchers do not follow: with the rows in DRAM the
+ * loads stalled for most of the kernel's time (10 GB/s at batch 32, context 1K, against 37 GB/s with the same
+ * rows in L3). Read in order first, the rows stream in (21 GB/s); prefetch instructions, a chunk or more ahead,
+ * did less (12-14 GB/s). */
+static inline void touch_rows(const uint16_t *cache, const int32_t *table, int64_t t0, int64_t L,
+                              int64_t block_size, int64_t row, int64_t from, int64_t width) {
+    char seen = 0;
+    for (int64_t t = t0; t < t0 + 16 && t < L; t++) {
+        const char *r = (const char *)(cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row
+                                       + from);
+        for (int64_t off = 0; off < width * 2; off += 64) seen ^= *(volatile const char *)(r + off);
+    }
+    (void)seen;
+}
+
+static int decode_bf16_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size,
+                          int64_t max_blocks, float scale, int64_t num_threads) {
+    const int64_t G = num_heads / num_kv_heads, row = num_kv_heads * D, C = D / 32;
+    int64_t parts = (2 * num_threads + num_seqs - 1) / num_seqs;
+    parts = parts < 1 ? 1 : parts > num_kv_heads ? num_kv_heads : parts;
+    const __m512i order = _mm512_loadu_si512(INTERLEAVE);
+    static const uint16_t zeros[256] = {0};
+    int failed = 0;
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")
+    for (int64_t item = 0; item < num_seqs * parts; item++) {
+        const int64_t b = item / parts, part = item % parts;
+        const int64_t g0 = part * num_kv_heads / parts, g1 = (part + 1) * num_kv_heads / parts;
+        const int64_t HI = (g1 - g0) * G;                /* the item's query heads */
+        const int64_t L = seq_lens[b], Lp = (L + 16) / 16 * 16; /* padded: whole chunks of 16, and a pair's end */
+        const int32_t *table = block_tables + b * max_blocks;
+        /* scores [HI][Lp] float; the weights in pairs [HI][Lp / 2] and 16 words of slack; accumulators [HI][D],
+         * from a multiple of 16 floats (64 bytes) */
+        const int64_t at_accs = (HI * Lp + HI * Lp / 2 + 16 + 15) / 16 * 16;
+        float *p = aligned_alloc(64, sizeof(float) * (size_t)(at_accs + (HI * D + 15) / 16 * 16));
+        if (!p) { failed = 1; continue; }
+        uint32_t *pp = (uint32_t *)(p + HI * Lp);
+        float *accs = p + at_accs;
+        /* Scores, 16 keys at a time, every head of the item on each key row before the next rows. */
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            const uint16_t *krow[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t t = t0 + i < L ? t0 + i : L - 1;
+                krow[i] = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+            }
+            const int64_t n = L - t0 < 16 ? L - t0 : 16;
+            touch_rows(k_cache, table, t0, L, block_size, row, g0 * D, (g1 - g0) * D);
+            for (int64_t g = g0; g < g1; g++)
+                for (int64_t h = 0; h < G; h++) {
+                    __m512bh qv[MAX_CHUNKS];
+                    const uint16_t *qh = q + (b * num_heads + g * G + h) * D;
+                    for (int64_t c = 0; c < C; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+                    __m512 part16[16];
+                    for (int64_t i = 0; i < 16; i++) {
+                        __m512 acc = _mm512_setzero_ps();
+                        if (i < n)
+                            for (int64_t c = 0; c < C; c++)
+                                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(krow[i] + g * D + 32 * c),
+                                                       qv[c]);
+                        part16[i] = acc;
+                    }
+                    _mm512_store_ps(p + ((g - g0) * G + h) * Lp + t0,
+                                    _mm512_mul_ps(reduce16(part16), _mm512_set1_ps(scale)));
+                }
+        }
+        /* Softmax over each head's L scores, then its weights in pairs of keys as bfloat16 (zeros past L). */
+        for (int64_t h = 0; h < HI; h++) {
+            float *ph = p + h * Lp, m = -3.0e38f, sum = 0.0f;
+            for (int64_t t = 0; t < L; t++) m = ph[t] > m ? ph[t] : m;
+            _Pragma("omp simd reduction(+ : sum)")
+            for (int64_t t = 0; t < L; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
+            const __m512 inv = _mm512_set1_ps(1.0f / sum);
+            for (int64_t t = L; t < Lp; t++) ph[t] = 0.0f;
+            for (int64_t t = 0; t < Lp; t += 32) {
+                const __m512 lo = _mm512_mul_ps(_mm512_load_ps(ph + t), inv);
+                const __m512 hi = t + 16 < Lp ? _mm512_mul_ps(_mm512_load_ps(ph + t + 16), inv) : _mm512_setzero_ps();
+                /* bfloat16 elements 0-15: lo, 16-31: hi, so word j is the pair (t + 2j, t + 2j + 1). A last
+                 * half-full store runs into the next head's row, written after it, or the slack at the end. */
+                _mm512_storeu_si512(pp + h * (Lp / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+        /* Values, 16 keys at a time: each KV head's accumulators in registers over the chunk's 8 pairs of rows,
+         * interleaved, against each head's pair of weights. */
+        for (int64_t i = 0; i < HI * D; i++) accs[i] = 0.0f;
+        for (int64_t t0 = 0; t0 < L; t0 += 16) {
+            const uint16_t *vrow[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t t = t0 + i;
+                vrow[i] = t < L ? v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row
+                                : NULL; /* past L: zeros (its weight is zero too) */
+            }
+            const int64_t pairs = (L - t0 < 16 ? L - t0 + 1 : 16) / 2;
+            touch_rows(v_cache, table, t0, L, block_size, row, g0 * D, (g1 - g0) * D);
+            for (int64_t g = g0; g < g1; g++) {
+                __m512 acc[8 * 2 * MAX_CHUNKS];
+                float *ag = accs + (g - g0) * G * D;
+                for (int64_t i = 0; i < G * 2 * C; i++) acc[i] = _mm512_load_ps(ag + 16 * i);
+                for (int64_t j = 0; j < pairs; j++) {
+                    const uint16_t *va = vrow[2 * j] ? vrow[2 * j] + g * D : zeros;
+                    const uint16_t *vb = vrow[2 * j + 1] ? vrow[2 * j + 1] + g * D : zeros;
+                    for (int64_t c = 0; c < 2 * C; c++) {
+                        const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_inserti64x4(
+                            _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(va + 16 * c))),
+                            _mm256_loadu_si256((const void *)(vb + 16 * c)), 1));
+                        for (int64_t h = 0; h < G; h++)
+                            acc[h * 2 * C + c] = _mm512_dpbf16_ps(
+                                acc[h * 2 * C + c], vv,
+                                (__m512bh)_mm512_set1_epi32((int)pp[((g - g0) * G + h) * (Lp / 2) + t0 / 2 + j]));
+                    }
+                }
+                for (int64_t i = 0; i < G * 2 * C; i++) _mm512_store_ps(ag + 16 * i, acc[i]);
+            }
+        }
+        for (int64_t h = 0; h < HI; h++) {
+            uint16_t *o = out + (b * num_heads + g0 * G + h) * D;
+            for (int64_t c = 0; c < 2 * C; c++)
+                _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(accs + h * D + 16 * c)));
+        }
+        free(p);
+    }
+    return failed;
+}
+#endif
+
+int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                      int64_t max_blocks, float scale, int64_t num_threads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (head_dim % 32 == 0 && head_dim <= 32 * MAX_CHUNKS && num_heads / num_kv_heads <= 8)
+        return decode_bf16_dp(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                              head_dim, block_size, max_blocks, scale, num_threads);
+#endif
+    return decode_bf16_widened(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                               head_dim, block_size, max_blocks, scale, num_threads);
+}

@@ -40,6 +40,11 @@ def paged(lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dt
 def test_decode_kernel_matches_float64_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                                                  head_dim: int, lens: list[int]) -> None:
     """Many sequences (one per work item) and one or two (their KV heads split among the threads)."""
+    check_decode(kernels, dtype, num_heads, num_kv_heads, head_dim, lens)
+
+
+def check_decode(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int, lens: list[int]) -> None:
     block_size = 16
     k_cache, v_cache, tables = paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=num_heads + head_dim)
     q = torch.randn(len(lens), num_heads, head_dim).to(dtype)
@@ -75,15 +80,17 @@ def test_prefill_kernel_matches_float64_reference(dtype: torch.dtype, lens: list
 
 
 @needs_kernel
-def test_prefill_kernel_without_the_cpus_bfloat16_instructions() -> None:
-    """Where the CPU has AVX512-BF16 the bfloat16 rows take the dot-product path; the path every other CPU takes
-    (bfloat16 widened to float32) is built here without those instructions and checked the same way."""
+def test_the_kernels_without_the_cpus_bfloat16_instructions() -> None:
+    """Where the CPU has AVX512-BF16 the bfloat16 rows take the dot-product paths; the paths every other CPU takes
+    (bfloat16 widened to float32) are built here without those instructions and checked the same way."""
     try:
         plain = cpu_kernel.CpuKernels(cpu_kernel.build(("-mno-avx512bf16",)))
     except RuntimeError as exc:
         pytest.skip(f"this compiler has no -mno-avx512bf16: {exc}")
     for lens, news, heads in [([100, 513, 40], [30, 513, 2], (16, 8, 64)), ([50, 90], [50, 3], (6, 6, 48))]:
         check_prefill(plain, torch.bfloat16, lens, news, heads, 16)
+    for lens in ([1, 15, 16, 17, 100, 513], [700]):
+        check_decode(plain, torch.bfloat16, 16, 8, 64, lens)
 
 
 def check_prefill(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, lens: list[int], news: list[int],
