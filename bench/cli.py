@@ -52,6 +52,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="tokenizer folder for exact text lengths (default: the served model's folder when it is local)")
     g.add_argument("--api", default="chat", choices=["chat", "completions"],
                    help="completions sends token ids (exact lengths, needs return_token_ids for later turns)")
+    g.add_argument("--token-timing", action="store_true",
+                   help="ask for return_token_ids (vLLM's extension) on every request, so that TTFT and ITL time the "
+                        "tokens, not the text: a detokenizer holds back incomplete UTF-8, and random weights on a "
+                        "byte-level tokenizer can emit it for tens of tokens, which then read as one late chunk")
     g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
     load = p.add_argument_group("load")
     load.add_argument("--duration", type=float, default=60.0, help="seconds; no new turn is sent after it")
@@ -284,7 +288,7 @@ def _measure(args, url: str, model: str, conversations: list[Conversation], qps:
 
     cfg = LoadConfig(base_url=url, model=model, api=args.api, qps=qps, concurrency=concurrency, duration=args.duration,
                      timeout=args.timeout, seed=args.seed, headers=_auth(args),
-                     honor_retry_after=not args.ignore_retry_after)
+                     honor_retry_after=not args.ignore_retry_after, token_timing=args.token_timing)
     records: list[RequestRecord] = []
     started = time.perf_counter()
     interrupted = False

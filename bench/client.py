@@ -86,6 +86,7 @@ class LoadConfig:
     extra_body: dict = field(default_factory=dict)   # merged into every request body
     headers: dict = field(default_factory=dict)      # sent with every request (e.g. x-ppd-route to force a route)
     honor_retry_after: bool = True   # closed loop: a slot refused with Retry-After waits that long, as OpenAI's SDK does
+    token_timing: bool = False  # ask for return_token_ids on every request: TTFT and ITL time tokens, not text
 
 
 # Only the fields the client reads; msgspec skips the rest without building them.
@@ -233,7 +234,7 @@ class _Load:
                 "temperature": cfg.temperature}
         if conv.ignore_eos:
             base["ignore_eos"] = True
-        if not chat and len(conv.turns) > 1:
+        if cfg.token_timing or (not chat and len(conv.turns) > 1):
             base["return_token_ids"] = True
         history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system is not None else []
         prompt_ids: list[int] = []

@@ -65,6 +65,20 @@ def test_chat_sends_the_full_history_with_the_servers_answers(stub):
         assert "return_token_ids" not in body
 
 
+def test_token_timing_asks_for_token_ids_and_times_the_first_token_not_the_first_text(stub):
+    conv = Conversation("c0", [Turn("hello there", 3), Turn("tell me more", 2)], ignore_eos=True)
+    records = once(stub, conv, extra_body=FAST, token_timing=True)
+    assert [r.error for r in records] == [None, None]
+    assert all(entry["body"]["return_token_ids"] is True for entry in call(stub, "/stub/log"))
+    # A detokenizer holding back half a character: the tokens' chunks carry ids and no text until it completes.
+    stream = _Stream(start=0.0)
+    stream.feed(b'data: {"choices":[{"delta":{"content":""},"token_ids":[195]}]}\n\n', 1.0)
+    stream.feed(b'data: {"choices":[{"delta":{},"token_ids":[168]}]}\n\n', 2.0)
+    stream.feed(b'data: {"choices":[{"delta":{"content":"\xc3\xa8!"},"token_ids":[33]}]}\n\ndata: [DONE]\n\n', 3.0)
+    record = stream.record("c", 0, None)
+    assert (record.ttft, record.itl, record.output_tokens) == (1.0, [1.0, 1.0], 3)
+
+
 def test_completions_sends_prompt_plus_generated_plus_new_ids(stub):
     conv = Conversation("c0", [Turn([1, 2, 3], 3), Turn([4, 5], 2), Turn([6], 1)])
     records = once(stub, conv, api="completions", extra_body=FAST)

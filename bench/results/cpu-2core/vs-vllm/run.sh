@@ -10,4 +10,4 @@ model=$1 out=$2 turns=$3 rounds=${4:-3}
 python -m server.cli bench compare --policies ppd,aggregated --peer vllm \
   --serve-args "--model $model --dtype bfloat16 --max-model-len 8192 --kv-cache-memory 2" \
   --workload uniform --turns "$turns" --user-tokens 200-400 --output-tokens 64 --num-conversations 24 \
-  --concurrency 8 --duration 60 --repeat "$rounds" --no-progress --out "$out"
+  --concurrency 8 --duration 60 --repeat "$rounds" --token-timing --no-progress --out "$out"
