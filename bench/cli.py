@@ -284,12 +284,13 @@ def _measure(args, url: str, model: str, conversations: list[Conversation], qps:
              goodput: dict[str, float], label: dict) -> tuple[dict, list[RequestRecord]]:
     """One load run; Ctrl-C ends it early and the summary covers what completed."""
     from bench.client import LoadConfig, run_load
-    from bench.report import summarize
+    from bench.report import host_costs, summarize
 
     cfg = LoadConfig(base_url=url, model=model, api=args.api, qps=qps, concurrency=concurrency, duration=args.duration,
                      timeout=args.timeout, seed=args.seed, headers=_auth(args),
                      honor_retry_after=not args.ignore_retry_after, token_timing=args.token_timing)
     records: list[RequestRecord] = []
+    before = _counters(url, cfg.headers)
     started = time.perf_counter()
     interrupted = False
     try:
@@ -297,9 +298,22 @@ def _measure(args, url: str, model: str, conversations: list[Conversation], qps:
     except KeyboardInterrupt:
         interrupted = True
     summary = summarize(records, time.perf_counter() - started, goodput, label, args.weights)
+    if "ppd:api_server_cpu_seconds_total" in before:  # a ppd server: its host costs over the run
+        time.sleep(0.5)  # two of the workers' stats intervals: the run's last stats reach the API server
+        summary.update(host_costs(before, _counters(url, cfg.headers)))
     if interrupted:
         summary["interrupted"] = True
     return summary, records
+
+
+def _counters(url: str, headers: dict) -> dict[str, float]:
+    """The server's Prometheus samples summed over labels, or {} where it has no /metrics."""
+    from bench.soak import gauges
+
+    try:
+        return gauges(url, headers)
+    except (httpx.HTTPError, ValueError, IndexError):
+        return {}
 
 
 def _sweep(args: argparse.Namespace) -> list[tuple[float | None, int | None]]:

@@ -195,6 +195,43 @@ METRIC_COLUMNS = [
 ]
 
 
+# The ppd server's own counters a run's host costs come from (their change over the run).
+HOST_COUNTERS = ("ppd:worker_steps_total", "ppd:worker_step_seconds_total", "ppd:worker_loop_seconds_total",
+                 "ppd:api_server_cpu_seconds_total", "vllm:generation_tokens_total")
+
+
+def host_costs(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What a run cost the ppd server's host, from its counters before and after the run (Prometheus samples
+    summed over labels): per decode-worker step, the engine's step and the worker's loop around it (messages,
+    scheduling, outputs: host time CUDA graphs do not hide), and the API servers' CPU per generated token.
+    Empty for a server without those counters (another server, or an older ppd). A worker's counters appear with
+    its first stats, so one missing before the run counts from zero."""
+    if "ppd:api_server_cpu_seconds_total" not in before or not all(k in after for k in HOST_COUNTERS):
+        return {}
+    steps, step_s, loop_s, api_s, tokens = (after[k] - before.get(k, 0.0) for k in HOST_COUNTERS)
+    if steps <= 0:
+        return {}
+    return {"engine_step_ms": 1000 * step_s / steps, "worker_loop_ms_per_step": 1000 * loop_s / steps,
+            "worker_loop_share": loop_s / (loop_s + step_s) if loop_s + step_s > 0 else None,
+            "api_cpu_us_per_token": 1e6 * api_s / tokens if tokens > 0 else None}
+
+
+def host_cost_table(summaries: Sequence[dict]) -> str:
+    """One row per summary with host costs (host_costs); "" when none has them."""
+    rows = [s for s in summaries if s.get("worker_loop_ms_per_step") is not None]
+    if not rows:
+        return ""
+    keys = _label_keys(rows)
+    header = [*keys, "engine step ms", "worker loop ms / step", "loop share of the worker's time",
+              "API server CPU µs / token"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join([_cell(s["label"].get(k)) for k in keys]
+                                + [_num(s.get("engine_step_ms"), ".2f"), _num(s.get("worker_loop_ms_per_step"), ".3f"),
+                                   _num(s.get("worker_loop_share"), ".1%"), _num(s.get("api_cpu_us_per_token"), ".0f")])
+              + " |" for s in rows]
+    return "\n".join(lines)
+
+
 def markdown_table(summaries: Sequence[dict]) -> str:
     """One row per run: its label columns, then the key metrics."""
     keys = _label_keys(summaries)
@@ -272,6 +309,8 @@ def write_report(summaries: Sequence[dict], out_dir: Path, records_by_run: dict[
     report.write_text("# ppd bench\n\n" + markdown_table(summaries) + "\n\n"
                       + (f"Ours over the peer's, at the same load (latency below 1, throughput above 1: ours "
                          f"faster):\n\n{ratios}\n\n" if ratios else "")
+                      + (f"Host costs of the ppd servers (their counters over each run; medians over the runs):"
+                         f"\n\n{hosts}\n\n" if (hosts := host_cost_table(summaries)) else "")
                       + "".join(f"![{p.stem}]({p.name})\n\n" for p in plots)
                       + "TTFT turn 2+: every turn after the first. TPOT: (latency - TTFT) / (output tokens - 1). "
                         "Objective turn 2+: w_ttft * TTFT p50 + w_tpot * TPOT p50 of turns 2+ (ms; the weights are "

@@ -53,6 +53,15 @@ class StepTimes:
     def __init__(self) -> None:
         self.decode_step_ms = 0.0
         self.inline_tokens_per_s = 0.0
+        self.steps = 0
+        self.step_seconds = 0.0  # in the engine's steps
+        self.loop_seconds = 0.0  # in the worker's loop around them
+
+    def loop(self, step_s: float, iteration_s: float) -> None:
+        """One turn of the worker's loop that ran a step of step_s seconds took iteration_s in all."""
+        self.steps += 1
+        self.step_seconds += step_s
+        self.loop_seconds += max(0.0, iteration_s - step_s)
 
     def record(self, inputs: list[StepInput], seconds: float) -> None:
         prefill_tokens = sum(len(i.token_ids) for i in inputs if len(i.token_ids) > 1 or not i.sample)
@@ -116,19 +125,25 @@ class DecodeWorker:
 
     def run(self) -> None:
         while True:
-            self.receive(block=not self.scheduler.has_step_work)
+            busy = self.scheduler.has_step_work
+            began = time.perf_counter()
+            self.receive(block=not busy)
+            if not busy:  # the wait for work is no part of the loop's cost
+                began = time.perf_counter()
             step = self.scheduler.schedule()
             for job in step.jobs:
                 self.jobs.send(self.encode(job))
             if self.shares is not None:
                 self.rebalance()
+            step_s = 0.0
             if step.inputs:
                 seqs = step.sampling_seqs
                 started = time.perf_counter()
                 with self.on_stream():
                     sampled, failed = self.engine.step_each(step.inputs, seqs)
+                step_s = time.perf_counter() - started
                 if not failed:
-                    self.times.record(step.inputs, time.perf_counter() - started)
+                    self.times.record(step.inputs, step_s)
                 self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs,
                                                           sampled.prompt_logprobs)
             for request_id in self.scheduler.finished:
@@ -137,6 +152,8 @@ class DecodeWorker:
             self.send()
             if self.kv_events is not None and (events := self.scheduler.blocks.take_events()):
                 self.kv_events.publish(events)
+            if step.inputs:
+                self.times.loop(step_s, time.perf_counter() - began)
 
     def receive(self, block: bool) -> None:
         """Take every message waiting; when idle, wait for one (waking up now and then to report stats)."""
@@ -212,6 +229,8 @@ class DecodeWorker:
         self.last_stats = now
         stats = self.scheduler.stats()
         stats.decode_step_ms, stats.inline_tokens_per_s = self.times.decode_step_ms, self.times.inline_tokens_per_s
+        stats.steps, stats.step_seconds, stats.loop_seconds = (self.times.steps, self.times.step_seconds,
+                                                               self.times.loop_seconds)
         stats.partition_problem = self.partition_problem
         if self.streams is not None:
             stats.decode_share, stats.prefill_share = self.streams.sms("decode", self.key), self.streams.sms("prefill", self.key)

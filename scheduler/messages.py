@@ -145,6 +145,10 @@ class WorkerStats(msgspec.Struct, gc=False):
     decode_share: int = 0  # cores the decode worker runs on now (0: not partitioned by cores)
     prefill_share: int = 0  # cores the prefill worker was last given
     share_switches: int = 0  # times the share manager changed the split
+    steps: int = 0  # engine steps the decode worker ran
+    step_seconds: float = 0.0  # their time (the engine's step: inputs, forward pass, sampling)
+    loop_seconds: float = 0.0  # the worker's loop around them: messages in, scheduling, outputs out (host time
+    #                            that CUDA graphs do not hide)
     partition_problem: str | None = None  # why the unit's partition does not hold (e.g. not an MPS client)
 
 

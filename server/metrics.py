@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -124,6 +125,27 @@ class FastCounter:
         yield CounterMetricFamily(self.name, self.documentation, labels=self.labels)
 
 
+class CpuSeconds(FastCounter):
+    """This API server process's CPU time (user and system), summed over the API servers like the counters above:
+    what the HTTP front end costs, per generated token over a run (`ppd bench` reports it so)."""
+
+    def __init__(self, name: str, documentation: str, model_name: str, registry: CollectorRegistry,
+                 peers: PeerStates) -> None:
+        self._labels = (model_name,)
+        super().__init__(name, documentation, ["model_name"], registry, peers)
+
+    def _refresh(self) -> None:
+        self.values[self._labels] = time.process_time()
+
+    def state(self) -> list:
+        self._refresh()
+        return super().state()
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        self._refresh()
+        yield from super().collect()
+
+
 class Metrics:
     """Observations from the API server and the workers' stats, rendered as Prometheus text.
 
@@ -167,16 +189,24 @@ class Metrics:
         self.rejections = FastCounter("ppd:requests_rejected", "Requests answered 429 because the server was overloaded, "
                                       "by reason (overloaded: refused on arrival; queue_time: waited too long to start).",
                                       ["model_name", "reason"], r, p)
+        self.api_cpu = CpuSeconds("ppd:api_server_cpu_seconds", "CPU seconds of the API server processes.",
+                                  model_name, r, p)
         for counter in (self.prompt_tokens, self.generation_tokens):  # shown from the start, as vLLM's are
             counter.inc((model_name,), 0)
         self.request_side = (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
-                             self.prefills, self.decisions, self.rejections)
+                             self.prefills, self.decisions, self.rejections, self.api_cpu)
         self.decode_step = Gauge("ppd:decode_step_seconds", "The decode worker's recent decode-only step time.", labels,
                                  registry=r)
         self.share = Gauge("ppd:partition_share", "Each worker's share of its unit's device now (cores on the CPU).",
                            [*labels, "role"], registry=r)
         self.share_switches = Counter("ppd:partition_switches", "Times the share manager changed the workers' split.",
                                       labels, registry=r)
+        self.steps = Counter("ppd:worker_steps", "Engine steps the decode worker ran.", labels, registry=r)
+        self.step_seconds = Counter("ppd:worker_step_seconds", "Seconds the decode worker spent in engine steps "
+                                    "(inputs, forward pass, sampling).", labels, registry=r)
+        self.loop_seconds = Counter("ppd:worker_loop_seconds", "Seconds the decode worker's loop spent around its "
+                                    "steps: messages in, scheduling, outputs out (host time CUDA graphs do not hide).",
+                                    labels, registry=r)
         # The node as one engine, for schedulers that read a single series per family (llm-d's endpoint picker):
         # the requests of all units, and their mean KV usage (the node's router balances its units).
         node = ["model_name"]
@@ -203,7 +233,10 @@ class Metrics:
         for counter, now, before in ((self.prefix_queries, new.prefix_queries, old and old.prefix_queries),
                                      (self.prefix_hits, new.prefix_hits, old and old.prefix_hits),
                                      (self.preemptions, new.num_preemptions, old and old.num_preemptions),
-                                     (self.share_switches, new.share_switches, old and old.share_switches)):
+                                     (self.share_switches, new.share_switches, old and old.share_switches),
+                                     (self.steps, new.steps, old and old.steps),
+                                     (self.step_seconds, new.step_seconds, old and old.step_seconds),
+                                     (self.loop_seconds, new.loop_seconds, old and old.loop_seconds)):
             delta = now - (before or 0)
             if delta > 0:
                 counter.labels(*labels).inc(delta)

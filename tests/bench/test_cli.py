@@ -131,6 +131,11 @@ def test_compare_measures_servers_without_a_tokenizer_on_token_ids(weights_only:
     assert result.returncode == 0, result.stderr
     (summary,) = json.loads((out / "summary.json").read_text())
     assert summary["succeeded"] > 0 and summary["success_rate"] == 1.0
+    # The server's host costs over the run, from its own counters: every step timed, the loop around it and the API
+    # server's CPU per token both some time.
+    assert summary["engine_step_ms"] > 0 and summary["worker_loop_ms_per_step"] > 0
+    assert 0 < summary["worker_loop_share"] < 1 and summary["api_cpu_us_per_token"] > 0
+    assert "Host costs of the ppd servers" in (out / "report.md").read_text()
 
 
 def test_the_tokenizer_comes_only_from_a_folder_that_has_one(weights_only: Path, tokenizer: str) -> None:

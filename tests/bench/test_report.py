@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.client import RequestRecord
-from bench.report import (add_ratios, markdown_table, parse_goodput, plot_latency_vs_qps, ratio_table, summarize,
-                          write_report)
+from bench.report import (HOST_COUNTERS, add_ratios, host_cost_table, host_costs, markdown_table, parse_goodput,
+                          plot_latency_vs_qps, ratio_table, summarize, write_report)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -196,3 +196,18 @@ def test_plots_without_a_load_in_the_labels_still_write_a_png(tmp_path: Path) ->
     closed_loop = [summarize([rec(turn=1)], 1.0, label={"server": "x", "qps": None, "concurrency": c}) for c in (1, 2)]
     paths = write_report(closed_loop, tmp_path / "closed")
     assert all(p.exists() for p in paths)
+
+
+def test_host_costs_come_from_the_servers_counters_over_the_run() -> None:
+    before = dict(zip(HOST_COUNTERS, (100, 2.0, 0.1, 5.0, 1_000)))
+    after = dict(zip(HOST_COUNTERS, (300, 6.0, 0.3, 5.5, 11_000)))  # 200 steps, 4 s in them, 0.2 s around them
+    costs = host_costs(before, after)
+    assert costs == pytest.approx({"engine_step_ms": 20.0, "worker_loop_ms_per_step": 1.0,
+                                   "worker_loop_share": 0.2 / 4.2, "api_cpu_us_per_token": 50.0})
+    assert host_costs({}, after) == {} and host_costs(before, {"vllm:generation_tokens_total": 1}) == {}  # a peer
+    fresh = {"ppd:api_server_cpu_seconds_total": 5.0, "vllm:generation_tokens_total": 1_000}  # no step yet
+    assert host_costs(fresh, after)["engine_step_ms"] == pytest.approx(20.0)  # 300 steps in 6 s
+    assert host_costs(before, before) == {}  # no step ran
+    table = host_cost_table([{"label": {"server": "ppd:aggregated"}, **costs}, {"label": {"server": "vllm"}}])
+    assert "ppd:aggregated | 20.00 | 1.000 | 4.8% | 50 |" in table and "vllm" not in table
+    assert host_cost_table([{"label": {"server": "vllm"}}]) == ""

@@ -172,6 +172,20 @@ def test_metrics_use_vllm_names(server: ServerProcess, client: openai.OpenAI) ->
     assert 'ppd:route_decisions_total{model_name="demo",reason="miss",route="prefill"}' in text
 
 
+def test_metrics_count_the_decode_workers_steps_and_the_loop_around_them(server: ServerProcess) -> None:
+    before = server.metrics()
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={"model": "demo", "prompt": [1, 2, 3], "max_tokens": 12, "ignore_eos": True})
+    assert resp.status_code == 200
+    deadline = time.monotonic() + 5
+    while (after := server.metrics())["ppd:worker_steps_total"] < before.get("ppd:worker_steps_total", 0) + 11:
+        assert time.monotonic() < deadline, "the worker's steps were not counted"
+        time.sleep(0.1)
+    # At least one step per token after the first, each timed, and some host time around them.
+    assert after["ppd:worker_step_seconds_total"] > before.get("ppd:worker_step_seconds_total", 0)
+    assert after["ppd:worker_loop_seconds_total"] > before.get("ppd:worker_loop_seconds_total", 0)
+
+
 def test_route_header_names_a_route_or_is_refused(server: ServerProcess) -> None:
     body = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers={"x-ppd-route": "gpu"}, timeout=30)
