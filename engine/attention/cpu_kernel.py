@@ -1,4 +1,4 @@
-"""Our CPU attention kernels (cpu_decode.c, cpu_prefill.c): built once per machine with the host's C compiler, loaded with ctypes.
+"""Our CPU kernels (attention: cpu_decode.c, cpu_prefill.c; RMSNorm and SiLU: cpu_elementwise.c): built once per machine with the host's C compiler, loaded with ctypes.
 
 The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
 the CPU's flags (it is built for this CPU, -march=native). Without a compiler, or if the build fails, load()
@@ -23,7 +23,7 @@ from torch import Tensor
 
 log = logging.getLogger("ppd.engine")
 
-SOURCES = [Path(__file__).with_name("cpu_decode.c"), Path(__file__).with_name("cpu_prefill.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c")]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compiling
 # Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
 # the library loads, and every float in the server (torch's too) would lose its subnormals.
@@ -87,6 +87,10 @@ class CpuKernels:
             decode.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i64]
             prefill.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, i64]
             decode.restype = prefill.restype = ctypes.c_int
+            norm, silu = getattr(self.lib, f"rms_norm_{suffix}"), getattr(self.lib, f"silu_mul_{suffix}")
+            norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float, i64]
+            silu.argtypes = [ptr] * 2 + [i64] * 3
+            norm.restype = silu.restype = ctypes.c_int
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                      scale: float, block_size: int) -> Tensor:
@@ -124,6 +128,26 @@ class CpuKernels:
             block_tables.shape[1], scale, torch.get_num_threads())
         if failed:
             raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+        return out
+
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(rms_norm(x + residual) * weight, x + residual) over the last dimension, as TorchOps.add_rms_norm (without
+        residual: (rms_norm(x) * weight, x)). x, residual and weight contiguous, one supported dtype."""
+        n = x.shape[-1]
+        out = torch.empty_like(x)
+        total = x if residual is None else torch.empty_like(x)
+        getattr(self.lib, f"rms_norm_{DTYPES[x.dtype]}")(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            total.data_ptr(), x.numel() // n, n, eps, torch.get_num_threads())
+        return out, total
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        """x [..., 2I] = [gate | up] -> silu(gate) * up [..., I], as TorchOps.silu_and_mul; x contiguous."""
+        n = x.shape[-1] // 2
+        out = x.new_empty((*x.shape[:-1], n))
+        getattr(self.lib, f"silu_mul_{DTYPES[x.dtype]}")(x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n,
+                                                         torch.get_num_threads())
         return out
 
 

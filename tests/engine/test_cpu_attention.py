@@ -206,3 +206,31 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     if kernels is None:
         pytest.skip("no C compiler here to build the CPU kernel")
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_norm_and_silu_equal_torchs_composition(dtype: torch.dtype) -> None:
+    """RMSNorm (with the residual add) and SiLU-and-multiply in one pass, rounded where TorchOps' ops round: equal
+    to TorchOps' results but for last-place differences where the sum of squares or exp() rounds otherwise."""
+    from engine.attention.cpu_linear import CpuOps
+    from engine.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(5)
+    x, residual = (torch.randn(37, 1024, generator=gen) * 3).to(dtype), torch.randn(37, 1024, generator=gen).to(dtype)
+    weight = (torch.rand(1024, generator=gen) + 0.5).to(dtype)
+    gate_up = (torch.randn(37, 2 * 704, generator=gen) * 4).to(dtype)
+    pairs = [(CpuOps.rms_norm(x, weight, 1e-5), TorchOps.rms_norm(x, weight, 1e-5)),
+             *zip(CpuOps.add_rms_norm(x, residual, weight, 1e-6), TorchOps.add_rms_norm(x, residual, weight, 1e-6)),
+             (CpuOps.silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up))]
+    for ours, ref in pairs:
+        assert ours.dtype == dtype and ours.shape == ref.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        else:  # a bfloat16 step apart at most (two where a step of silu's rounding meets the product's), and rarely
+            torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -6, atol=1e-30)
+            assert (ours == ref).float().mean() > 0.99
+    # What the kernels do not take goes to PyTorch's ops: a view that is not contiguous.
+    strided = gate_up[:, ::2]
+    assert not strided.is_contiguous()
+    assert torch.equal(CpuOps.silu_and_mul(strided), TorchOps.silu_and_mul(strided))
