@@ -25,10 +25,15 @@ class GuidedSpec(msgspec.Struct, frozen=True):
     value: str = ""
 
 
+# Temperatures below this are greedy, as in vLLM: logits divided by one were infinite (fuzzing sent 5e-324, which is
+# 0 in float32), and the draw left the grammar mask.
+SAMPLING_EPS = 1e-5
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """How to pick the next token and when to stop.
 
-    temperature 0 means greedy. top_k 0 (or -1) means no top-k cut. seed makes
+    temperature 0 (or below SAMPLING_EPS) means greedy. top_k 0 (or -1) means no top-k cut. seed makes
     sampling reproducible: the noise for output token i depends only on
     (seed, i), so it is the same whichever worker samples that token.
     Stop strings are matched on text by the API server, not here.
@@ -59,7 +64,7 @@ class SamplingParams(msgspec.Struct, frozen=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     @property
     def penalized(self) -> bool:

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, GuidedSpec,
-                                    SamplingParams)
+from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS,
+                                    GuidedSpec, SamplingParams)
 from server.errors import RequestError
 from server.tools import NamedToolChoice, Tool, ToolCall, template_messages
 
@@ -335,6 +335,8 @@ class SamplingRequest(BaseModel):
         if not self.ignore_eos:
             stop_ids += eos_token_ids
         temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature < SAMPLING_EPS:  # greedy, as vLLM takes it (dividing by it made the logits infinite)
+            temperature = 0.0
         greedy = temperature == 0.0
         return SamplingParams(
             temperature=temperature,

@@ -224,7 +224,7 @@ def exported_samples() -> set[str]:
     metrics.worker_stats(0, None, WorkerStats(num_running=2, num_waiting=1, kv_usage=0.5, prefix_queries=64,
                                               prefix_hits=32, num_preemptions=1, prefill_queue_tokens=100,
                                               decode_step_ms=20.0, decode_share=1, prefill_share=1,
-                                              share_switches=1))
+                                              share_switches=1, steps=10, step_seconds=0.2, loop_seconds=0.01))
     metrics.prefill_speed_measured(0, 1000.0)
     metrics.rejected("overloaded")
     metrics.route_decision("decode", "table")

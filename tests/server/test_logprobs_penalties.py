@@ -190,6 +190,19 @@ def test_logit_bias_and_min_p(server) -> None:
     assert complete(server, prompt, temperature=1.5, min_p=1.0, seed=5)["choices"][0]["token_ids"] == greedy
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(server) -> None:
+    # Fuzzing sent 5e-324 with a choice grammar: 0 in float32, the logits divided by it were infinite, the draw left
+    # the grammar and the request ended in a 500. As in vLLM, a temperature below 1e-5 is greedy.
+    prompt = ids(random.Random(4), 20)
+    greedy = complete(server, prompt)["choices"][0]["token_ids"]
+    for temperature in (5e-324, 1e-30, 9e-6):
+        assert complete(server, prompt, temperature=temperature)["choices"][0]["token_ids"] == greedy
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={"model": "tiny", "prompt": "0", "max_tokens": 2, "temperature": 5e-324,
+                            "structured_outputs": {"choice": ["ab", "cd"]}})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] in ("ab", "cd"), resp.text
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias.5"),
