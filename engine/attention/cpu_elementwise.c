@@ -14,22 +14,9 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_in(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+#include "cpu_common.h"
 
-static inline uint16_t bf16_out(float f) { /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_in(bf16_out(f)); }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* out = rms_norm(x + residual) * w over rows of n; residual NULL: no add (sum unused), else sum = x + residual. */
 int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out, uint16_t *sum,
@@ -44,18 +31,18 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w
             uint16_t *sr = sum + r * n;
             _Pragma("omp simd reduction(+ : squares)")
             for (int64_t i = 0; i < n; i++) {
-                const uint16_t s = bf16_out(bf16_in(xr[i]) + bf16_in(rr[i]));
+                const uint16_t s = f32_to_bf16(bf16_to_f32(xr[i]) + bf16_to_f32(rr[i]));
                 sr[i] = s;
-                squares += bf16_in(s) * bf16_in(s);
+                squares += bf16_to_f32(s) * bf16_to_f32(s);
             }
             xr = sr;
         } else {
             _Pragma("omp simd reduction(+ : squares)")
-            for (int64_t i = 0; i < n; i++) squares += bf16_in(xr[i]) * bf16_in(xr[i]);
+            for (int64_t i = 0; i < n; i++) squares += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
         }
         const float inv = (float)(1.0 / sqrt((double)(squares / (float)n + eps))); /* not -ffast-math's estimate */
         _Pragma("omp simd")
-        for (int64_t i = 0; i < n; i++) outr[i] = bf16_out(round_bf16(bf16_in(xr[i]) * inv) * bf16_in(w[i]));
+        for (int64_t i = 0; i < n; i++) outr[i] = f32_to_bf16(round_bf16(bf16_to_f32(xr[i]) * inv) * bf16_to_f32(w[i]));
     }
     return 0;
 }
@@ -91,8 +78,8 @@ int silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int
         uint16_t *o = out + r * n;
         _Pragma("omp simd")
         for (int64_t i = 0; i < n; i++) {
-            const float gi = bf16_in(g[i]);
-            o[i] = bf16_out(round_bf16(gi / (1.0f + expf(-gi))) * bf16_in(u[i]));
+            const float gi = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * bf16_to_f32(u[i]));
         }
     }
     return 0;

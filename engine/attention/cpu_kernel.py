@@ -24,6 +24,7 @@ from torch import Tensor
 log = logging.getLogger("ppd.engine")
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c")]
+HEADERS = [Path(__file__).with_name("cpu_common.h")]  # included by the sources: part of the build's cache key
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compiling
 # Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
 # the library loads, and every float in the server (torch's too) would lose its subnormals.
@@ -56,7 +57,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
         raise RuntimeError(f"no C compiler on this machine ({os.environ.get('CC') or 'cc or gcc'}; set $CC to one)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     flags = [*FLAGS, *extra_flags]
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), *version, *flags, *LINK_FLAGS, platform.machine(), _cpu_flags()])
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in (*SOURCES, *HEADERS)), *version, *flags, *LINK_FLAGS, platform.machine(), _cpu_flags()])
                          .encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve") / "cpu-kernels"
     target = cache / f"cpu_attention-{key}.so"

@@ -25,37 +25,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define LANES 16                     /* floats in a vector */
 #define MAX_ROWS 64                  /* rows of a work item, at most: 4 vectors */
 #define KEYS 64                      /* keys in a tile */
 #define MASKED (-1.0e30f)            /* a masked score: exp() of it, less any finite max, is 0 */
 
 typedef float vf __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-static inline float bf16_load(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t bf16_store(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* n elements of a K or V row (float32 or bfloat16) as float32 */
 static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
     if (bf16) {
         const uint16_t *s = src;
         _Pragma("omp simd")
-        for (int64_t i = 0; i < n; i++) dst[i] = bf16_load(s[i]);
+        for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(s[i]);
     } else {
         memcpy(dst, src, sizeof(float) * (size_t)n);
     }
@@ -321,10 +307,6 @@ static void weigh_values_dp_rv(const uint32_t *Pp, const uint32_t *Vp, float *At
     }
 }
 
-/* 16-bit elements 0-15 and 16-31 of a vector interleaved: 0, 16, 1, 17, ... */
-static const short INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 /* Lane r of the result: (p0[r], p1[r]) as bfloat16, p0 in the low half. */
 static inline __m512i pair_rows(__m512 p0, __m512 p1) {
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* elements 0-15: p0, 16-31: p1 */
@@ -419,7 +401,7 @@ static void item(const void *q, const void *k_cache, const void *v_cache, const 
         const size_t at = (size_t)(((row0 + q0 + r / G) * H + g * G + r % G) * D);
         if (bf16) {
             uint16_t *o = (uint16_t *)out + at;
-            for (int64_t d = 0; d < D; d++) o[d] = bf16_store(w->At[d * RP + r] * inv);
+            for (int64_t d = 0; d < D; d++) o[d] = f32_to_bf16(w->At[d * RP + r] * inv);
         } else {
             float *o = (float *)out + at;
             for (int64_t d = 0; d < D; d++) o[d] = w->At[d * RP + r] * inv;
