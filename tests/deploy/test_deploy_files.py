@@ -293,3 +293,21 @@ def test_alerts_query_exported_metrics_and_the_readme_quotes_them() -> None:
         assert metric_names(rule["expr"]) <= exported, rule["alert"]
         assert " ".join(rule["expr"].split()) in readme_lines, f"{rule['alert']}: deploy/README.md does not quote it"
 
+
+
+def test_an_installed_package_has_every_module_and_the_cpu_kernels_sources() -> None:
+    """The images `pip install /src` (not editable): a subpackage missing from pyproject's list, or a kernel source
+    missing from its package data, is missing from the image. Both were, until engine.attention's kernels."""
+    import fnmatch
+    import tomllib
+
+    from engine.attention import cpu_kernel
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    found = {str(init.parent.relative_to(ROOT)).replace("/", ".") for top in {p.split(".")[0] for p in listed}
+             for init in (ROOT / top).rglob("__init__.py") if "results" not in init.parts}
+    assert listed == found
+    data = setup["package-data"]["engine.attention"]
+    for source in (*cpu_kernel.SOURCES, *cpu_kernel.HEADERS):
+        assert any(fnmatch.fnmatch(source.name, pattern) for pattern in data), source.name
