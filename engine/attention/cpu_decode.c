@@ -116,12 +116,14 @@ static inline __m512 reduce16(const __m512 *v) {
 
 #define MAX_CHUNKS 8 /* head size up to 256 */
 
-/* Read the item's part (from, width elements) of the 16 rows from key t0 on, a byte a cache line, in address order,
- * before the passes that read them a head at a time. Each row holds every KV head, and reading a head's slice of
- * 16 rows before the next head's is a stride the hardware prefetchers do not follow: with the rows in DRAM the
- * loads stalled for most of the kernel's time (10 GB/s at batch 32, context 1K, against 37 GB/s with the same
- * rows in L3). Read in order first, the rows stream in (21 GB/s); prefetch instructions, a chunk or more ahead,
- * did less (12-14 GB/s). */
+/* The rows t0 .. t0+15's part (from, width elements) of the item, a cache line at a time, in address order. Each row
+ * holds every KV head, and reading a head's slice of 16 rows before the next head's is a stride the hardware
+ * prefetchers do not follow: with the rows in DRAM the loads stalled for most of the kernel's time (10 GB/s at batch
+ * 32, context 1K, against 37 GB/s with the same rows in L3). So before a chunk's passes its rows are read in order
+ * into L1 (touch_rows: 10 -> 21 GB/s), and the next chunk's are prefetched into L2 (prefetch_rows) while this one
+ * computes: 0.75-0.85x the time again at batch 8-32, context 256-2K, scattered blocks. Prefetching into L1 (T0)
+ * instead gained nothing (the next chunk's 16 KB evicts this one's), nor did prefetching alone, without the touch,
+ * or further ahead. */
 static inline void touch_rows(const uint16_t *cache, const int32_t *table, int64_t t0, int64_t L,
                               int64_t block_size, int64_t row, int64_t from, int64_t width) {
     char seen = 0;
@@ -133,111 +135,150 @@ static inline void touch_rows(const uint16_t *cache, const int32_t *table, int64
     (void)seen;
 }
 
+static inline void prefetch_rows(const uint16_t *cache, const int32_t *table, int64_t t0, int64_t L,
+                                 int64_t block_size, int64_t row, int64_t from, int64_t width) {
+    for (int64_t t = t0; t < t0 + 16 && t < L; t++) {
+        const char *r = (const char *)(cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row
+                                       + from);
+        for (int64_t off = 0; off < width * 2; off += 64) _mm_prefetch(r + off, _MM_HINT_T1);
+    }
+}
+
+/* One work item (a sequence, or a range of its KV heads: part of parts): 1 where its scratch could not be allocated.
+ * Always inlined, with C (the head size in 32-element chunks) a constant at each call: the loops over chunks unroll,
+ * and the value pass keeps its accumulators in registers. */
+static inline __attribute__((always_inline)) int decode_item_dp(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
+    const int32_t *seq_lens, uint16_t *out, int64_t item, int64_t parts, int64_t num_heads, int64_t num_kv_heads,
+    const int64_t C, int64_t block_size, int64_t max_blocks, float scale, __m512i order) {
+    const int64_t D = 32 * C, G = num_heads / num_kv_heads, row = num_kv_heads * D;
+    static const uint16_t zeros[256] = {0};
+    const int64_t b = item / parts, part = item % parts;
+    const int64_t g0 = part * num_kv_heads / parts, g1 = (part + 1) * num_kv_heads / parts;
+    const int64_t HI = (g1 - g0) * G;                /* the item's query heads */
+    const int64_t L = seq_lens[b], Lp = (L + 16) / 16 * 16; /* padded: whole chunks of 16, and a pair's end */
+    const int32_t *table = block_tables + b * max_blocks;
+    /* scores [HI][Lp] float; the weights in pairs [HI][Lp / 2] and 16 words of slack; accumulators [HI][D],
+     * from a multiple of 16 floats (64 bytes) */
+    const int64_t at_accs = (HI * Lp + HI * Lp / 2 + 16 + 15) / 16 * 16;
+    float *p = aligned_alloc(64, sizeof(float) * (size_t)(at_accs + (HI * D + 15) / 16 * 16));
+    if (!p) return 1;
+    uint32_t *pp = (uint32_t *)(p + HI * Lp);
+    float *accs = p + at_accs;
+    /* Scores, 16 keys at a time, every head of the item on each key row before the next rows. */
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const uint16_t *krow[16];
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t t = t0 + i < L ? t0 + i : L - 1;
+            krow[i] = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
+        }
+        const int64_t n = L - t0 < 16 ? L - t0 : 16;
+        touch_rows(k_cache, table, t0, L, block_size, row, g0 * D, (g1 - g0) * D);
+        prefetch_rows(k_cache, table, t0 + 16, L, block_size, row, g0 * D, (g1 - g0) * D);
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t h = 0; h < G; h++) {
+                __m512bh qv[MAX_CHUNKS];
+                const uint16_t *qh = q + (b * num_heads + g * G + h) * D;
+                for (int64_t c = 0; c < C; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+                __m512 part16[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    if (i < n)
+                        for (int64_t c = 0; c < C; c++)
+                            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(krow[i] + g * D + 32 * c),
+                                                   qv[c]);
+                    part16[i] = acc;
+                }
+                _mm512_store_ps(p + ((g - g0) * G + h) * Lp + t0,
+                                _mm512_mul_ps(reduce16(part16), _mm512_set1_ps(scale)));
+            }
+    }
+    /* Softmax over each head's L scores, then its weights in pairs of keys as bfloat16 (zeros past L). */
+    for (int64_t h = 0; h < HI; h++) {
+        float *ph = p + h * Lp, m = -3.0e38f, sum = 0.0f;
+        for (int64_t t = 0; t < L; t++) m = ph[t] > m ? ph[t] : m;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int64_t t = 0; t < L; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
+        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        for (int64_t t = L; t < Lp; t++) ph[t] = 0.0f;
+        for (int64_t t = 0; t < Lp; t += 32) {
+            const __m512 lo = _mm512_mul_ps(_mm512_load_ps(ph + t), inv);
+            const __m512 hi = t + 16 < Lp ? _mm512_mul_ps(_mm512_load_ps(ph + t + 16), inv) : _mm512_setzero_ps();
+            /* bfloat16 elements 0-15: lo, 16-31: hi, so word j is the pair (t + 2j, t + 2j + 1). A last
+             * half-full store runs into the next head's row, written after it, or the slack at the end. */
+            _mm512_storeu_si512(pp + h * (Lp / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+    }
+    /* Values, 16 keys at a time: a KV head's 16-element slice of the chunk's 8 pairs of rows, interleaved, then
+     * each of its query heads' accumulators for that slice in registers across the 8 pairs (two chains),
+     * against the head's pair of weights; rows past L read zeros (their weights are zero too). */
+    for (int64_t i = 0; i < HI * D; i++) accs[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+        const uint16_t *vrow[16];
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t t = t0 + i;
+            vrow[i] = t < L ? v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row
+                            : NULL; /* past L: zeros (its weight is zero too) */
+        }
+        touch_rows(v_cache, table, t0, L, block_size, row, g0 * D, (g1 - g0) * D);
+        prefetch_rows(v_cache, table, t0 + 16, L, block_size, row, g0 * D, (g1 - g0) * D);
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t c = 0; c < 2 * C; c++) {
+                __m512bh vv[8];
+                for (int64_t j = 0; j < 8; j++) {
+                    const uint16_t *va = vrow[2 * j] ? vrow[2 * j] + g * D : zeros;
+                    const uint16_t *vb = vrow[2 * j + 1] ? vrow[2 * j + 1] + g * D : zeros;
+                    vv[j] = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(va + 16 * c))),
+                        _mm256_loadu_si256((const void *)(vb + 16 * c)), 1));
+                }
+                for (int64_t h = 0; h < G; h++) {
+                    const uint32_t *w = pp + ((g - g0) * G + h) * (Lp / 2) + t0 / 2;
+                    float *a = accs + ((g - g0) * G + h) * D + 16 * c;
+                    __m512 even = _mm512_load_ps(a), odd = _mm512_setzero_ps();
+                    for (int64_t j = 0; j < 8; j += 2) {
+                        even = _mm512_dpbf16_ps(even, vv[j], (__m512bh)_mm512_set1_epi32((int)w[j]));
+                        odd = _mm512_dpbf16_ps(odd, vv[j + 1], (__m512bh)_mm512_set1_epi32((int)w[j + 1]));
+                    }
+                    _mm512_store_ps(a, _mm512_add_ps(even, odd));
+                }
+            }
+    }
+    for (int64_t h = 0; h < HI; h++) {
+        uint16_t *o = out + (b * num_heads + g0 * G + h) * D;
+        for (int64_t c = 0; c < 2 * C; c++)
+            _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(accs + h * D + 16 * c)));
+    }
+    free(p);
+    return 0;
+}
+
 static int decode_bf16_dp(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, const int32_t *seq_lens, uint16_t *out, int64_t num_seqs,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           int64_t max_blocks, float scale, int64_t num_threads) {
-    const int64_t G = num_heads / num_kv_heads, row = num_kv_heads * D, C = D / 32;
     int64_t parts = (2 * num_threads + num_seqs - 1) / num_seqs;
     parts = parts < 1 ? 1 : parts > num_kv_heads ? num_kv_heads : parts;
     const __m512i order = _mm512_loadu_si512(INTERLEAVE);
-    static const uint16_t zeros[256] = {0};
     int failed = 0;
     _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")
     for (int64_t item = 0; item < num_seqs * parts; item++) {
-        const int64_t b = item / parts, part = item % parts;
-        const int64_t g0 = part * num_kv_heads / parts, g1 = (part + 1) * num_kv_heads / parts;
-        const int64_t HI = (g1 - g0) * G;                /* the item's query heads */
-        const int64_t L = seq_lens[b], Lp = (L + 16) / 16 * 16; /* padded: whole chunks of 16, and a pair's end */
-        const int32_t *table = block_tables + b * max_blocks;
-        /* scores [HI][Lp] float; the weights in pairs [HI][Lp / 2] and 16 words of slack; accumulators [HI][D],
-         * from a multiple of 16 floats (64 bytes) */
-        const int64_t at_accs = (HI * Lp + HI * Lp / 2 + 16 + 15) / 16 * 16;
-        float *p = aligned_alloc(64, sizeof(float) * (size_t)(at_accs + (HI * D + 15) / 16 * 16));
-        if (!p) { failed = 1; continue; }
-        uint32_t *pp = (uint32_t *)(p + HI * Lp);
-        float *accs = p + at_accs;
-        /* Scores, 16 keys at a time, every head of the item on each key row before the next rows. */
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            const uint16_t *krow[16];
-            for (int64_t i = 0; i < 16; i++) {
-                const int64_t t = t0 + i < L ? t0 + i : L - 1;
-                krow[i] = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
-            }
-            const int64_t n = L - t0 < 16 ? L - t0 : 16;
-            touch_rows(k_cache, table, t0, L, block_size, row, g0 * D, (g1 - g0) * D);
-            for (int64_t g = g0; g < g1; g++)
-                for (int64_t h = 0; h < G; h++) {
-                    __m512bh qv[MAX_CHUNKS];
-                    const uint16_t *qh = q + (b * num_heads + g * G + h) * D;
-                    for (int64_t c = 0; c < C; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
-                    __m512 part16[16];
-                    for (int64_t i = 0; i < 16; i++) {
-                        __m512 acc = _mm512_setzero_ps();
-                        if (i < n)
-                            for (int64_t c = 0; c < C; c++)
-                                acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(krow[i] + g * D + 32 * c),
-                                                       qv[c]);
-                        part16[i] = acc;
-                    }
-                    _mm512_store_ps(p + ((g - g0) * G + h) * Lp + t0,
-                                    _mm512_mul_ps(reduce16(part16), _mm512_set1_ps(scale)));
-                }
+#define ITEM(C)                                                                                                    \
+    decode_item_dp(q, k_cache, v_cache, block_tables, seq_lens, out, item, parts, num_heads, num_kv_heads, C,       \
+                   block_size, max_blocks, scale, order)
+        int bad = 0;
+        switch (head_dim / 32) { /* with a variable chunk count its accumulators went through memory: 0.6x the speed */
+        case 1: bad = ITEM(1); break;
+        case 2: bad = ITEM(2); break;
+        case 3: bad = ITEM(3); break;
+        case 4: bad = ITEM(4); break;
+        case 5: bad = ITEM(5); break;
+        case 6: bad = ITEM(6); break;
+        case 7: bad = ITEM(7); break;
+        case 8: bad = ITEM(8); break;
         }
-        /* Softmax over each head's L scores, then its weights in pairs of keys as bfloat16 (zeros past L). */
-        for (int64_t h = 0; h < HI; h++) {
-            float *ph = p + h * Lp, m = -3.0e38f, sum = 0.0f;
-            for (int64_t t = 0; t < L; t++) m = ph[t] > m ? ph[t] : m;
-            _Pragma("omp simd reduction(+ : sum)")
-            for (int64_t t = 0; t < L; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
-            const __m512 inv = _mm512_set1_ps(1.0f / sum);
-            for (int64_t t = L; t < Lp; t++) ph[t] = 0.0f;
-            for (int64_t t = 0; t < Lp; t += 32) {
-                const __m512 lo = _mm512_mul_ps(_mm512_load_ps(ph + t), inv);
-                const __m512 hi = t + 16 < Lp ? _mm512_mul_ps(_mm512_load_ps(ph + t + 16), inv) : _mm512_setzero_ps();
-                /* bfloat16 elements 0-15: lo, 16-31: hi, so word j is the pair (t + 2j, t + 2j + 1). A last
-                 * half-full store runs into the next head's row, written after it, or the slack at the end. */
-                _mm512_storeu_si512(pp + h * (Lp / 2) + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-            }
-        }
-        /* Values, 16 keys at a time: each KV head's accumulators in registers over the chunk's 8 pairs of rows,
-         * interleaved, against each head's pair of weights. */
-        for (int64_t i = 0; i < HI * D; i++) accs[i] = 0.0f;
-        for (int64_t t0 = 0; t0 < L; t0 += 16) {
-            const uint16_t *vrow[16];
-            for (int64_t i = 0; i < 16; i++) {
-                const int64_t t = t0 + i;
-                vrow[i] = t < L ? v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row
-                                : NULL; /* past L: zeros (its weight is zero too) */
-            }
-            const int64_t pairs = (L - t0 < 16 ? L - t0 + 1 : 16) / 2;
-            touch_rows(v_cache, table, t0, L, block_size, row, g0 * D, (g1 - g0) * D);
-            for (int64_t g = g0; g < g1; g++) {
-                __m512 acc[8 * 2 * MAX_CHUNKS];
-                float *ag = accs + (g - g0) * G * D;
-                for (int64_t i = 0; i < G * 2 * C; i++) acc[i] = _mm512_load_ps(ag + 16 * i);
-                for (int64_t j = 0; j < pairs; j++) {
-                    const uint16_t *va = vrow[2 * j] ? vrow[2 * j] + g * D : zeros;
-                    const uint16_t *vb = vrow[2 * j + 1] ? vrow[2 * j + 1] + g * D : zeros;
-                    for (int64_t c = 0; c < 2 * C; c++) {
-                        const __m512bh vv = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_inserti64x4(
-                            _mm512_castsi256_si512(_mm256_loadu_si256((const void *)(va + 16 * c))),
-                            _mm256_loadu_si256((const void *)(vb + 16 * c)), 1));
-                        for (int64_t h = 0; h < G; h++)
-                            acc[h * 2 * C + c] = _mm512_dpbf16_ps(
-                                acc[h * 2 * C + c], vv,
-                                (__m512bh)_mm512_set1_epi32((int)pp[((g - g0) * G + h) * (Lp / 2) + t0 / 2 + j]));
-                    }
-                }
-                for (int64_t i = 0; i < G * 2 * C; i++) _mm512_store_ps(ag + 16 * i, acc[i]);
-            }
-        }
-        for (int64_t h = 0; h < HI; h++) {
-            uint16_t *o = out + (b * num_heads + g0 * G + h) * D;
-            for (int64_t c = 0; c < 2 * C; c++)
-                _mm256_storeu_si256((void *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(accs + h * D + 16 * c)));
-        }
-        free(p);
+#undef ITEM
+        if (bad) failed = 1;
     }
     return failed;
 }
@@ -248,7 +289,7 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, float scale, int64_t num_threads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-    if (head_dim % 32 == 0 && head_dim <= 32 * MAX_CHUNKS && num_heads / num_kv_heads <= 8)
+    if (head_dim % 32 == 0 && head_dim <= 32 * MAX_CHUNKS)
         return decode_bf16_dp(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
                               head_dim, block_size, max_blocks, scale, num_threads);
 #endif

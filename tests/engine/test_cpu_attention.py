@@ -35,7 +35,7 @@ def paged(lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dt
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (16, 8, 64), (8, 2, 128)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (16, 8, 64), (8, 2, 128), (12, 2, 96)])
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 513], [700], [3, 300]], ids=["many", "one", "two"])
 def test_decode_kernel_matches_float64_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                                                  head_dim: int, lens: list[int]) -> None:
