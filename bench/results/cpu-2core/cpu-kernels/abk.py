@@ -19,7 +19,7 @@ cpu_kernel.SOURCES, cpu_kernel.HEADERS = [old / s.name for s in saved[0]], [old 
 old_lib = cpu_kernel.CpuKernels(cpu_kernel.build())
 cpu_kernel.SOURCES, cpu_kernel.HEADERS = saved
 shutil.rmtree(old)
-shapes = [(32, 256), (32, 1024), (32, 2048), (8, 1024)]
+shapes = [(1, 1024), (1, 2048), (8, 1024), (8, 2048), (32, 1024)]
 cfg = EngineConfig(model=model, dtype="bfloat16", load_format="dummy", device="cpu", attention_backend="cpu",
                    block_size=16, max_model_len=2100, max_num_seqs=32, max_num_batched_tokens=2048,
                    num_kv_blocks=32 * 130 + 8, shares_device=False)
