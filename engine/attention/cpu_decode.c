@@ -4,7 +4,8 @@
  * Layout (one layer): q and out [B, H, D]; k_cache and v_cache [num_slots, Hkv, D], slot = block * block_size +
  * offset; block_tables [B, max_blocks] int32; seq_lens [B] int32 (keys 0..seq_len-1 are attended). The H query
  * heads share the Hkv key/value heads in groups of G = H / Hkv (GQA). One work item is a sequence (or, when there
- * are fewer than two per thread, a range of its KV heads): its heads' scores over the context, reading each key
+ * are fewer than two per thread, a range of its KV heads; in the bfloat16 path a range of its keys, the ranges'
+ * results combined after): its heads' scores over the context, reading each key
  * row's heads together (a slot's heads are contiguous: a pass per head ran 8x slower), a softmax, then the
  * values weighted by them, in float32. Built with -ffast-math: the softmax's exponentials are vectorized, and
  * nothing here relies on infinities or NaNs (scores of finite K and q are finite).
