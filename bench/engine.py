@@ -54,7 +54,7 @@ class Grid:
 
 
 GPU_GRID = Grid((1, 8, 32, 128, 256), (1024, 4096), (512, 2048, 8192), ((256, 4096), (256, 16384)), 8192, 20)
-CPU_GRID = Grid((1, 8, 32), (256, 1024), (128, 512, 2048), ((64, 512), (64, 2048)), 2048, 5)
+CPU_GRID = Grid((1, 8, 32), (256, 1024, 2048), (128, 512, 2048), ((64, 512), (64, 2048)), 2048, 5)
 QUICK_GRID = Grid((1, 4), (64,), (64,), ((16, 128),), 128, 2)
 
 
@@ -74,9 +74,12 @@ class Point:
     floor_bound: str | None = None  # "memory" or "compute": which term sets the floor
     tokens_per_s: float | None = None
     skipped: str | None = None
+    round_ratios: list[float] = field(default_factory=list)  # several rounds: each round's time / floor
 
     @property
     def ratio(self) -> float | None:
+        if self.round_ratios:
+            return statistics.median(self.round_ratios)
         return None if self.ms is None or not self.floor_ms else self.ms / self.floor_ms
 
 
@@ -88,6 +91,34 @@ class Report:
     ceilings: Ceilings
     points: list[Point] = field(default_factory=list)
     meta: dict = field(default_factory=dict)
+    rounds: int = 1
+
+
+def merge_rounds(reports: list[Report]) -> Report:
+    """One report from rounds of the same grid: each time, floor and ceiling the median over the rounds, and each
+    time / floor the median of the rounds' own ratios (a round's steps against the ceilings measured with them, so
+    that a shared machine's drift between rounds cancels)."""
+    first = reports[0]
+    if len(reports) == 1:
+        return first
+
+    def median(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    ceilings = Ceilings(copy_gbps=median([r.ceilings.copy_gbps for r in reports]),
+                        matmul_tflops=median([r.ceilings.matmul_tflops for r in reports]))
+    points = []
+    for same in zip(*(r.points for r in reports)):
+        p = same[0]
+        if p.skipped:
+            points.append(p)
+            continue
+        points.append(Point(p.kind, p.label, ms=median([q.ms for q in same]), host_ms=median([q.host_ms for q in same]),
+                            floor_ms=median([q.floor_ms for q in same]), floor_bound=p.floor_bound,
+                            tokens_per_s=median([q.tokens_per_s for q in same]),
+                            round_ratios=[q.ratio for q in same]))
+    return Report(first.device, first.model, first.dtype, ceilings, points, first.meta, rounds=len(reports))
 
 
 # ---- the device's ceilings ---------------------------------------------------------------------------
@@ -329,7 +360,10 @@ def markdown(report: Report) -> str:
     lines = [f"# Engine benchmark: {report.model} ({report.dtype}) on {report.device}", "",
              f"Ceilings measured in the same run: copy {c.copy_gbps:.0f} GB/s (read + write), "
              f"matmul {c.matmul_tflops:.1f} TFLOP/s. Floor = max(bytes / bandwidth, FLOPs / matmul rate); "
-             "every time is the median of repeated runs.", "",
+             "every time is the median of repeated runs."
+             + (f" {report.rounds} rounds, each measuring the ceilings and then the grid: times, floors and ceilings "
+                "are the medians over the rounds, time / floor the median of each round's ratio."
+                if report.rounds > 1 else ""), "",
              "| step | shape | time ms | host ms | floor ms (bound) | time / floor | tokens/s |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for p in report.points:
@@ -383,13 +417,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, cpu on the CPU")
     p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; what the tests run)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the grid this many times, ceilings included, and report medians (a shared machine)")
 
 
 def main(args: argparse.Namespace) -> None:
     device = chosen_device(args)
     model = chosen_model(args, device)
     grid = QUICK_GRID if args.quick else (GPU_GRID if device.type == "cuda" else CPU_GRID)
-    report = run(model, device, grid, args.dtype, args.quick, args.attention_backend)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
+    report = merge_rounds([run(model, device, grid, args.dtype, args.quick, args.attention_backend)
+                           for _ in range(args.rounds)])
     out = Path(args.out or Path("bench") / "results" / device_slug(device))
     json_path, md_path = write(report, out)
     print(markdown(report))

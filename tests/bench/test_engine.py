@@ -45,9 +45,32 @@ def test_floor_is_the_larger_of_bytes_and_flops(cache_dir: Path) -> None:
     assert bound == "compute" and ms > cost.weight_bytes / 100e9 * 1000
 
 
+def test_rounds_report_medians_and_each_rounds_own_ratio() -> None:
+    """A drifting machine: round 2 ran everything (its ceilings too) twice as slowly. Its ratios equal round 1's,
+    and the merged ratio is that ratio, not the median time over the median floor of rounds that differ."""
+    from bench.engine import Ceilings, Point, Report, merge_rounds
+
+    def report(slow: float, ms: list[float], floors: list[float]) -> Report:
+        points = [Point("decode", {"batch": b}, ms=m * slow, floor_ms=f * slow, floor_bound="memory", tokens_per_s=1 / slow)
+                  for b, m, f in zip((1, 8), ms, floors)]
+        points.append(Point("decode", {"batch": 32}, skipped="does not fit"))
+        return Report("cpu", "m", "bfloat16", Ceilings(copy_gbps=30 / slow, matmul_tflops=0.4 / slow), points)
+
+    rounds = [report(1, [10, 20], [5, 8]), report(2, [10, 20], [5, 8]), report(1, [12, 20], [5, 8])]
+    merged = merge_rounds(rounds)
+    assert merged.rounds == 3 and merged.ceilings.copy_gbps == 30
+    one, eight, skipped = merged.points
+    assert one.ms == 12 and one.floor_ms == 5 and one.ratio == 2.0  # ratios 2, 2, 2.4
+    assert eight.ratio == 2.5 and skipped.skipped == "does not fit"
+    assert "3 rounds" in markdown(merged) and "| 2.00 |" in markdown(merged)
+    assert merge_rounds(rounds[:1]) is rounds[0]
+
+
 def test_cli_runs_quick_and_writes_results(cache_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir)}
-    result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "engine", "--quick", "--out", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "engine", "--quick", "--rounds", "2",
+                             "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "| decode |" in result.stdout and (tmp_path / "engine-demo-v2.json").exists()
+    assert "| decode |" in result.stdout and "2 rounds" in result.stdout
+    assert json.loads((tmp_path / "engine-demo-v2.json").read_text())["rounds"] == 2
