@@ -1,12 +1,14 @@
-/* The CPU backend's elementwise layers, fused: RMSNorm (with the residual add before it) and SiLU-and-multiply,
- * one pass over each row, the rows spread over the threads.
+/* The CPU backend's elementwise layers, fused: RMSNorm (with the residual add before it), SiLU-and-multiply and
+ * RoPE, one pass over each row, the rows spread over the threads.
  *
  * PyTorch runs each as several ops (engine/ops.py), every one a pass over the activations: in a 2,048-token
  * prefill of issue 23's model they took about 8% of the step. Here each value is rounded where that composition
  * rounds it, so that the results are TorchOps' (the sum of squares aside: its order of additions differs):
  *   add + RMSNorm, bfloat16: s = bf16(x + r); h = s * rsqrt(mean(s^2) + eps) in float32; out = bf16(bf16(h) * w)
  *   SiLU-and-multiply, bfloat16: a = bf16(g / (1 + exp(-g))); out = bf16(a * u)
- *   float32: the same without the roundings.
+ *   RoPE, bfloat16: c = bf16(cos), s = bf16(sin); out1 = bf16(bf16(x1 * c) - bf16(x2 * s)),
+ *                   out2 = bf16(bf16(x2 * c) + bf16(x1 * s)) (exactly TorchOps.apply_rope's results)
+ *   float32: the same without the roundings (RoPE's products not fused into FMAs, which would round once).
  *
  * Built with engine/attention/cpu_decode.c and cpu_prefill.c into one library by engine/attention/cpu_kernel.py.
  */
@@ -92,6 +94,51 @@ int silu_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int64_t nu
         float *o = out + r * n;
         _Pragma("omp simd")
         for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+    return 0;
+}
+
+/* RoPE (rotate_half pairs: dimension i with i + D/2) of x [tokens, heads, D], token t's heads from x + t * stride
+ * (q or k as views of the QKV projection's output), into out [tokens, heads, D]; cos and sin [positions, D/2]
+ * float32 tables. Small steps (a decode step's few tokens) run on the calling thread: forking costs more. */
+int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *positions, const float *cos,
+              const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
+    const int64_t half = D / 2;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *xh = x + t * stride + h * D;
+            uint16_t *oh = out + (t * heads + h) * D;
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < half; i++) {
+                const float c = round_bf16(ct[i]), s = round_bf16(st[i]);
+                const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[i + half]);
+                oh[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
+                oh[i + half] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+            }
+        }
+    }
+    return 0;
+}
+
+__attribute__((optimize("fp-contract=off")))
+int rope_f32(const float *x, int64_t stride, float *out, const int64_t *positions, const float *cos,
+             const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
+    const int64_t half = D / 2;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * stride + h * D;
+            float *oh = out + (t * heads + h) * D;
+            _Pragma("omp simd")
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = xh[i], x2 = xh[i + half];
+                oh[i] = x1 * ct[i] - x2 * st[i];
+                oh[i + half] = x2 * ct[i] + x1 * st[i];
+            }
+        }
     }
     return 0;
 }

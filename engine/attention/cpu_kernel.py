@@ -92,6 +92,9 @@ class CpuKernels:
             norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float, i64]
             silu.argtypes = [ptr] * 2 + [i64] * 3
             norm.restype = silu.restype = ctypes.c_int
+            rope = getattr(self.lib, f"rope_{suffix}")
+            rope.argtypes = [ptr, i64] + [ptr] * 4 + [i64] * 4
+            rope.restype = ctypes.c_int
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                      scale: float, block_size: int) -> Tensor:
@@ -149,6 +152,19 @@ class CpuKernels:
         out = x.new_empty((*x.shape[:-1], n))
         getattr(self.lib, f"silu_mul_{DTYPES[x.dtype]}")(x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n,
                                                          torch.get_num_threads())
+        return out
+
+    def rope(self, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [T, heads, D] rotated by positions [T] int64 (cos/sin [max_positions, D/2] float32 tables), as
+        TorchOps.apply_rope rotates each of q and k; x may be a view whose tokens are strided (a slice of the QKV
+        projection's output) with its heads and dimensions contiguous. Returns a new contiguous [T, heads, D]."""
+        t, heads, d = x.shape
+        assert x.stride(2) == 1 and x.stride(1) == d and positions.dtype == torch.int64
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        out = torch.empty((t, heads, d), dtype=x.dtype)
+        getattr(self.lib, f"rope_{DTYPES[x.dtype]}")(
+            x.data_ptr(), x.stride(0), out.data_ptr(), positions.contiguous().data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), t, heads, d, torch.get_num_threads())
         return out
 
 

@@ -55,8 +55,8 @@ def _fusable(*tensors: Tensor) -> bool:
 
 
 class CpuOps(TorchOps):
-    """Linear layers on prepacked weights; RMSNorm and SiLU-and-multiply in our fused kernels (cpu_elementwise.c)
-    where they are built, for float32 and bfloat16."""
+    """Linear layers on prepacked weights; RMSNorm, SiLU-and-multiply and RoPE in our fused kernels
+    (cpu_elementwise.c) where they are built, for float32 and bfloat16."""
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -79,6 +79,15 @@ class CpuOps(TorchOps):
         if kernels is None or not _fusable(x) or x.shape[-1] % 2:
             return TorchOps.silu_and_mul(x)
         return kernels.silu_mul(x)
+
+    @staticmethod
+    def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        kernels = load()
+        if (kernels is None or q.dtype not in DTYPES or k.dtype != q.dtype or q.device.type != "cpu"
+                or positions.dtype != torch.int64 or cos.dtype != torch.float32 or cos.shape[-1] * 2 != q.shape[-1]
+                or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in (q, k))):
+            return TorchOps.apply_rope(q, k, positions, cos, sin)
+        return kernels.rope(q, positions, cos, sin), kernels.rope(k, positions, cos, sin)
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

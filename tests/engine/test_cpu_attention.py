@@ -234,3 +234,27 @@ def test_the_fused_norm_and_silu_equal_torchs_composition(dtype: torch.dtype) ->
     strided = gate_up[:, ::2]
     assert not strided.is_contiguous()
     assert torch.equal(CpuOps.silu_and_mul(strided), TorchOps.silu_and_mul(strided))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_kernel_equals_torchs_exactly(dtype: torch.dtype) -> None:
+    """RoPE on q and k as views of one QKV output (strided tokens), rounded where TorchOps rounds: bit for bit its
+    result, so that greedy ids cannot move; what the kernel does not take (a transposed view) goes to PyTorch."""
+    from engine.attention.cpu_linear import CpuOps
+    from engine.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, heads, kv_heads, d = 45, 16, 4, 64
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 2).to(dtype)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(tokens, heads, d), k.view(tokens, kv_heads, d)
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    ours, ref = CpuOps.apply_rope(q, k, positions, cos, sin), TorchOps.apply_rope(q, k, positions, cos, sin)
+    for a, b in zip(ours, ref):
+        assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b)
+    every_other = q[:, ::2]  # heads not contiguous: PyTorch's ops
+    assert torch.equal(CpuOps.apply_rope(every_other, k, positions, cos, sin)[0],
+                       TorchOps.apply_rope(every_other, k, positions, cos, sin)[0])
