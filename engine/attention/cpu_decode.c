@@ -100,21 +100,6 @@ DEFINE_DECODE(decode_bf16_widened, uint16_t, bf16_to_f32, f32_to_bf16)
  * (reduce16: about three instructions a key, where a sum per key costs six). Values: two value rows interleaved
  * (v[k][d], v[k+1][d]) against the pair of their weights, rounded to bfloat16 as flash attention does. */
 
-/* r[i] = the sum of v[i]'s 16 lanes. */
-static inline __m512 reduce16(const __m512 *v) {
-    __m512 w[4];
-    for (int g = 0; g < 4; g++) {
-        const __m512 *x = v + 4 * g;
-        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
-        /* each 128-bit lane: x[0..3]'s partial sums over that lane's four elements */
-        w[g] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, 0x44), _mm512_shuffle_ps(s01, s23, 0xEE));
-    }
-    const __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
-    const __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
-}
-
 #define MAX_CHUNKS 8 /* head size up to 256 */
 
 /* The rows t0 .. t0+15's part (from, width elements) of the item, a cache line at a time, in address order. Each row

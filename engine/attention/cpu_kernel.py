@@ -1,4 +1,5 @@
-"""Our CPU kernels (attention: cpu_decode.c, cpu_prefill.c; RMSNorm and SiLU: cpu_elementwise.c): built once per machine with the host's C compiler, loaded with ctypes.
+"""Our CPU kernels (attention: cpu_decode.c, cpu_prefill.c; RMSNorm, SiLU and RoPE: cpu_elementwise.c; linear
+layers of a few rows: cpu_gemv.c): built once per machine with the host's C compiler, loaded with ctypes.
 
 The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
 the CPU's flags (it is built for this CPU, -march=native). Without a compiler, or if the build fails, load()
@@ -23,7 +24,8 @@ from torch import Tensor
 
 log = logging.getLogger("ppd.engine")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c", "cpu_gemv.c")]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]  # included by the sources: part of the build's cache key
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compiling
 # Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
@@ -95,6 +97,8 @@ class CpuKernels:
             rope = getattr(self.lib, f"rope_{suffix}")
             rope.argtypes = [ptr, i64] + [ptr] * 4 + [i64] * 4
             rope.restype = ctypes.c_int
+        self.lib.linear_few_rows_bf16.argtypes = [ptr] * 4 + [i64] * 4
+        self.lib.linear_few_rows_bf16.restype = ctypes.c_int
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                      scale: float, block_size: int) -> Tensor:
@@ -166,6 +170,15 @@ class CpuKernels:
             x.data_ptr(), x.stride(0), out.data_ptr(), positions.contiguous().data_ptr(), cos.data_ptr(),
             sin.data_ptr(), t, heads, d, torch.get_num_threads())
         return out
+
+    def linear_few_rows(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+        """x [M, K] @ weight [N, K]^T (+ bias [N]) in bfloat16 for M of 1 to 8 (cpu_gemv.c); None where this CPU
+        or the shape is not one the kernel takes. x, weight and bias contiguous bfloat16."""
+        (m, k), n = x.shape, weight.shape[0]
+        out = x.new_empty((m, n))
+        failed = self.lib.linear_few_rows_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                               out.data_ptr(), m, k, n, torch.get_num_threads())
+        return None if failed else out
 
 
 @functools.cache

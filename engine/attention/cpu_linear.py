@@ -1,4 +1,5 @@
-"""The CPU backend's ops: the linear layers on weights prepacked for oneDNN, RMSNorm and SiLU-and-multiply fused.
+"""The CPU backend's ops: the linear layers on weights prepacked for oneDNN (in cpu_gemv.c at 1-2 rows), RMSNorm,
+SiLU-and-multiply and RoPE fused.
 
 oneDNN reorders a weight once into the blocked layout its GEMM kernels read; on a 2-core Zen 4 that ran a
 bfloat16 [5632 x 1024] linear 1.4x faster at 1 row and 1.5x at 8 rows than torch's linear on the plain weight
@@ -23,6 +24,10 @@ from engine.ops import TorchOps
 # frees its copy, and an id reused by a later tensor is told apart by the reference.
 _packed: dict[int, tuple[weakref.ref, Tensor]] = {}
 _lock = threading.Lock()
+# bfloat16 linears of up to this many rows run in cpu_gemv.c (on CPUs with AVX512-BF16), the rest in oneDNN. A/B in
+# the engine (bench/results/cpu-2core/cpu-kernels/abg.py): 0.68-0.85x the decode step at 1-2 rows, but 1.08x at 3,
+# 1.2x at 4 and 1.4-1.5x at 8, where oneDNN's blocked weights compute faster than the kernel streams.
+FEW_ROWS = 2
 
 
 def _can_pack(dtype: torch.dtype) -> bool:
@@ -91,6 +96,12 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if (x.dim() == 2 and 0 < x.shape[0] <= FEW_ROWS and x.dtype == weight.dtype == torch.bfloat16
+                and (bias is None or bias.dtype == x.dtype) and weight.is_contiguous()):
+            kernels = load()
+            out = kernels.linear_few_rows(x.contiguous(), weight, bias) if kernels is not None else None
+            if out is not None:
+                return out
         w = packed(weight) if x.shape[0] and x.dim() == 2 and x.dtype == weight.dtype else None
         if w is None:
             return F.linear(x, weight, bias)

@@ -258,3 +258,34 @@ def test_the_rope_kernel_equals_torchs_exactly(dtype: torch.dtype) -> None:
     every_other = q[:, ::2]  # heads not contiguous: PyTorch's ops
     assert torch.equal(CpuOps.apply_rope(every_other, k, positions, cos, sin)[0],
                        TorchOps.apply_rope(every_other, k, positions, cos, sin)[0])
+
+
+@needs_kernel
+def test_the_few_rows_linear_equals_torchs_to_its_last_place() -> None:
+    """cpu_gemv.c's bfloat16 linear at 1-8 rows (with and without a bias, N not a multiple of its row groups) gives
+    torch's linear but for last-place differences (its sums run in another order); the CPU ops use it at 1-2 rows
+    and oneDNN from 3, and a K that is not a multiple of 32 is refused (the caller falls back)."""
+    import torch.nn.functional as F
+
+    from engine.attention import cpu_linear
+
+    gen = torch.Generator().manual_seed(3)
+    probe = kernels.linear_few_rows(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(1, 32, dtype=torch.bfloat16), None)
+    if probe is None:
+        pytest.skip("this CPU has no AVX512-BF16: the kernel refuses, and oneDNN runs every linear")
+    for m in range(1, 9):
+        for n, k in ((1, 64), (37, 1024), (200, 96)):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16) if n % 2 else None
+            ours, ref = kernels.linear_few_rows(x, w, bias), F.linear(x, w, bias)
+            assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-2)
+            assert (ours == ref).float().mean() >= 0.9, (m, n, k)
+    assert kernels.linear_few_rows(torch.ones(1, 48, dtype=torch.bfloat16), torch.ones(4, 48, dtype=torch.bfloat16), None) is None
+    w = (torch.randn(300, 512, generator=gen) / 20).to(torch.bfloat16)
+    for m in (1, 2, 3):
+        x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
+        via_kernel = kernels.linear_few_rows(x, w, None)
+        assert torch.equal(cpu_linear.CpuOps.linear(x, w), via_kernel if m <= cpu_linear.FEW_ROWS
+                           else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
