@@ -3,7 +3,8 @@
 A request is admitted when its prompt's blocks can be allocated (after the
 prefix-cache lookup). Its prefill then runs either on the prefill worker (a
 PrefillJob; the blocks stay pinned until PrefillDone) or inline, in chunks,
-mixed into decode steps under the per-step token budget. When a running
+mixed into decode steps under the per-step token budget, the inline prefill
+with the fewest tokens left first. When a running
 sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its prompt and
 the tokens it already generated.
@@ -151,7 +152,9 @@ class DecodeScheduler:
             step.inputs.append(StepInput([seq.token_ids[-1]], seq.num_computed, self.blocks.block_table(seq.request_id)))
             step.seqs.append(seq)
             budget -= 1
-        for seq in self.prefilling:
+        # Shortest remaining prefill first: a turn's append (its history cached) is not held behind another
+        # request's long uncached prompt; a long prompt still takes whatever budget the short ones leave.
+        for seq in sorted(self.prefilling, key=lambda s: len(s.token_ids) - s.num_computed):
             if budget <= 0:
                 break
             todo = len(seq.token_ids) - seq.num_computed

@@ -244,3 +244,20 @@ def test_prompt_logprobs_skip_the_cache_and_ask_in_the_first_pass_only() -> None
     step = s.schedule()
     assert step.inputs[0].prompt_logprobs is None
     assert s.postprocess(step, [61])[0].prompt_logprobs is None
+
+
+def test_inline_prefills_go_shortest_remaining_first() -> None:
+    """A short append admitted after a long prompt is not held behind it: each step gives the budget to the prefill
+    with the fewest tokens left, and the long one takes what is left of the budget (it is never starved)."""
+    s = make(num_blocks=128, budget=16, aggregated=True)
+    s.add(req("long", list(range(10, 70))))   # 60 tokens: four steps' budget
+    first = s.schedule()
+    assert [len(i.token_ids) for i in first.inputs] == [16]
+    s.postprocess(first, [])
+    s.add(req("short", list(range(100, 106))))  # 6 tokens, admitted behind it
+    step = s.schedule()
+    assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [("short", 6), ("long", 10)]
+    outputs = s.postprocess(step, [61])  # the short prompt's first token at once
+    assert [(o.request_id, o.token_ids) for o in outputs] == [("short", [61])]
+    step = s.schedule()  # then: the short one decodes, the long one goes on with the rest of the budget
+    assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [("short", 1), ("long", 15)]
