@@ -153,7 +153,8 @@ class DecodeScheduler:
             step.seqs.append(seq)
             budget -= 1
         # Shortest remaining prefill first: a turn's append (its history cached) is not held behind another
-        # request's long uncached prompt; a long prompt still takes whatever budget the short ones leave.
+        # request's long uncached prompt; a long prompt takes whatever budget the short ones leave, and waits only
+        # while short prefills fill whole steps.
         for seq in sorted(self.prefilling, key=lambda s: len(s.token_ids) - s.num_computed):
             if budget <= 0:
                 break

@@ -161,7 +161,9 @@ class CpuKernels:
     def rope(self, x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [T, heads, D] rotated by positions [T] int64 (cos/sin [max_positions, D/2] float32 tables), as
         TorchOps.apply_rope rotates each of q and k; x may be a view whose tokens are strided (a slice of the QKV
-        projection's output) with its heads and dimensions contiguous. Returns a new contiguous [T, heads, D]."""
+        projection's output) with its heads and dimensions contiguous. Every position must be a row of the tables
+        (the engine's max_model_len is at most the model's positions, which the tables cover); the kernel does not
+        check. Returns a new contiguous [T, heads, D]."""
         t, heads, d = x.shape
         assert x.stride(2) == 1 and x.stride(1) == d and positions.dtype == torch.int64
         assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()

@@ -97,7 +97,8 @@ class CpuOps(TorchOps):
     @staticmethod
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if (x.dim() == 2 and 0 < x.shape[0] <= FEW_ROWS and x.dtype == weight.dtype == torch.bfloat16
-                and (bias is None or bias.dtype == x.dtype) and weight.is_contiguous()):
+                and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
+                and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.is_contiguous()))):
             kernels = load()
             out = kernels.linear_few_rows(x.contiguous(), weight, bias) if kernels is not None else None
             if out is not None:

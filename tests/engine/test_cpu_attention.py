@@ -289,3 +289,20 @@ def test_the_few_rows_linear_equals_torchs_to_its_last_place() -> None:
         via_kernel = kernels.linear_few_rows(x, w, None)
         assert torch.equal(cpu_linear.CpuOps.linear(x, w), via_kernel if m <= cpu_linear.FEW_ROWS
                            else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
+
+
+@needs_kernel
+def test_the_cpu_ops_linear_leaves_what_the_kernel_cannot_take_to_torch() -> None:
+    """A weight whose inner size is not x's is torch's error, not a read past the weight; a strided weight or a
+    bias of another shape goes to torch's linear too."""
+    import torch.nn.functional as F
+
+    from engine.attention.cpu_linear import CpuOps
+
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        CpuOps.linear(x, torch.ones(8, 32, dtype=torch.bfloat16))
+    strided = torch.ones(64, 16, dtype=torch.bfloat16).t()
+    assert torch.equal(CpuOps.linear(x, strided), F.linear(x, strided))
+    with pytest.raises(RuntimeError):
+        CpuOps.linear(x, torch.ones(8, 64, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16))

@@ -248,7 +248,7 @@ def test_prompt_logprobs_skip_the_cache_and_ask_in_the_first_pass_only() -> None
 
 def test_inline_prefills_go_shortest_remaining_first() -> None:
     """A short append admitted after a long prompt is not held behind it: each step gives the budget to the prefill
-    with the fewest tokens left, and the long one takes what is left of the budget (it is never starved)."""
+    with the fewest tokens left, and the long one takes what is left of the budget in the same step."""
     s = make(num_blocks=128, budget=16, aggregated=True)
     s.add(req("long", list(range(10, 70))))   # 60 tokens: four steps' budget
     first = s.schedule()
