@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.common import BenchError, write_json
+from bench.common import BenchError, file_out, write_json
 from bench.engine import LLAMA_8B, Blocks, _fill_random, _median_ms, _release, _step, add_model_args, chosen_device
 from engine.config import ModelConfig
-from engine.demo import demo_model_path
+from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
 from engine.model_runner import StepInput
 from engine.shared_memory import remove_leftover
@@ -667,7 +667,8 @@ def plot(result: PartitionProfile, path: Path) -> None:
 
 def add_partition_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
-    p.add_argument("--out", default=None, help="the profile (default: profiles/<device>__<model>.json)")
+    p.add_argument("--out", default=None, help="the profile (default: profiles/<device>__<model>.json); a folder: "
+                                               "that file name in it")
     p.add_argument("--quick", action="store_true", help="a small grid (the CPU demo: under 2 minutes)")
     p.add_argument("--shares", default=None, help="comma list of shares: cores on the CPU, SMs on a GPU (multiples "
                                                    "of 8)" + _defaults("shares"))
@@ -729,7 +730,9 @@ def choose_grid(args: argparse.Namespace, gpu: bool, total: int) -> Grid:
 
 def main(args: argparse.Namespace) -> None:
     gpu = chosen_device(args).type == "cuda"
-    folder = str(args.model or (LLAMA_8B if gpu else demo_model_path()))
+    # --model demo (and no --model on the CPU): the built-in demo model, as everywhere else --model is taken
+    folder = str(demo_model_path() if args.model == DEMO_MODEL or (args.model is None and not gpu)
+                 else args.model or LLAMA_8B)
     model = os.path.basename(folder.rstrip("/"))  # as the policy table names it: the demo is "demo-v2"
     if gpu:
         cuda = torch.device("cuda")
@@ -737,11 +740,12 @@ def main(args: argparse.Namespace) -> None:
     else:
         device, total = cpu_device_name(), len(available_cores())
     grid = choose_grid(args, gpu, total)
-    out = Path(args.out) if args.out else profile_path(device, model)
+    out = file_out(args.out, profile_path(device, model))
     cfg, decode_blocks = engine_setup(folder, grid, "cuda" if gpu else "cpu", args.dtype)
     meta = {"created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": shlex.join(["ppd", *sys.argv[1:]]),
-            "settings": {"model": args.model or "demo", "dtype": args.dtype, "block_size": BLOCK_SIZE,
+            "settings": {"model": args.model or ("demo" if not gpu else LLAMA_8B), "dtype": args.dtype,
+                         "block_size": BLOCK_SIZE,
                          "kv_blocks": cfg.num_kv_blocks},
             "torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count(),
             "notes": "concurrent prefills run as one batched prefill step, repeated while decode is timed; "

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import BenchError, fail_unless_measured
+from bench.common import BenchError, fail_unless_measured, file_out, names_folder
 from bench.servers import start_server, stop_server
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from profiles import PROFILES_DIR, cpu_device_name
@@ -250,7 +250,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="arguments for the `ppd serve` this starts (e.g. \"--model /m --dtype bfloat16\"); default: "
                         "the demo model")
     p.add_argument("--url", default=None, help="profile a server already running here instead of starting one")
-    p.add_argument("--out", default=None, help="the table (default: profiles/<device>__<model>__policy.json)")
+    p.add_argument("--out", default=None, help="the table (default: profiles/<device>__<model>__policy.json); a "
+                                               "folder: that file name in it")
     p.add_argument("--quick", action="store_true", help="a small grid with short runs (the CPU demo: under 3 minutes)")
     p.add_argument("--contexts", default=None, help="comma list of cached-context lengths (tokens)")
     p.add_argument("--shapes", default=None, help="comma list of turn-2 shapes NEWxOUT, e.g. 64x512,1024x64")
@@ -283,14 +284,17 @@ def main(args: argparse.Namespace) -> None:
     try:
         url = args.url
         if url is None:
-            # Beside the table; by default that is named once the server says its device and model.
-            log = (Path(args.out) if args.out else PROFILES_DIR / "policy-profile").with_suffix(".serve.log")
+            # Beside the table. Where the table's name waits for the server's device and model (no --out, or --out
+            # a folder), the log starts under a placeholder name and is renamed then.
+            named = args.out is not None and not names_folder(args.out)
+            log = (Path(args.out).with_suffix(".serve.log") if named
+                   else file_out(args.out, PROFILES_DIR / "policy-profile.serve.log"))
             proc, url = start_server(["--policy", "pd", *shlex.split(args.serve_args)], log)
         device, model, gpu = _describe(url)
         grid = choose_grid(args, gpu)
-        out = Path(args.out) if args.out else table_path(device, model)
+        out = file_out(args.out, table_path(device, model))
         if proc is not None:
-            if args.out is None:  # the server keeps writing to the file it opened
+            if not named:  # the server keeps writing to the file it opened
                 log = log.rename(out.with_suffix(".serve.log"))
             print(f"started ppd serve at {url} (log {log})", file=sys.stderr)
         meta = {"created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -209,6 +209,39 @@ def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.Monkey
     assert cli.main(["profile", "partition"]) == 0 and ran == [("partition", False)]
 
 
+def test_model_demo_and_an_out_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--model demo` is the built-in demo model, as wherever --model is taken; `--out` a folder gets the profile
+    under its default name (an existing folder, or a new one named with a trailing separator)."""
+    from server import cli
+
+    seen = {}
+    fake_cfg = type("Cfg", (), {"num_kv_blocks": 1})()
+
+    def fake_setup(folder, grid, device, dtype):
+        seen["folder"] = folder
+        return fake_cfg, 0
+
+    class NoBench:
+        def __init__(self, *args) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(partition_profile, "engine_setup", fake_setup)
+    monkeypatch.setattr(partition_profile, "CpuBench", NoBench)
+    monkeypatch.setattr(partition_profile, "profile", lambda bench, grid, out, *rest: seen.setdefault("outs", []).append(out))
+    monkeypatch.setattr(partition_profile, "markdown", lambda result: "")
+    monkeypatch.setattr(partition_profile, "plot", lambda result, path: None)
+    monkeypatch.setattr(partition_profile, "_busy_cores", lambda: 0.0)
+    new_folder = tmp_path / "new"
+    for out in (str(tmp_path), f"{new_folder}/", str(tmp_path / "named.json")):
+        assert cli.main(["profile", "partition", "--model", "demo", "--device", "cpu", "--quick", "--out", out]) == 0
+    assert seen["folder"] == str(demo_model_path())
+    default = partition_profile.profile_path(partition_profile.cpu_device_name(), demo_model_path().name).name
+    assert seen["outs"] == [tmp_path / default, new_folder / default, tmp_path / "named.json"]
+
+
 # ---- real runs ---------------------------------------------------------------------------------------
 
 

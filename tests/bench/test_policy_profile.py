@@ -101,6 +101,21 @@ def test_runs_that_measured_nothing_fail_the_profile_and_are_measured_again(
 def test_the_server_it_starts_logs_beside_the_table(tmp_path: Path) -> None:
     assert cli.main(["profile", "policy", "--serve-args=--no-such-flag", "--out", str(tmp_path / "t.json")]) == 2
     assert "unrecognized arguments: --no-such-flag" in (tmp_path / "t.serve.log").read_text()
+    folder = tmp_path / "tables"
+    folder.mkdir()  # --out a folder: the log goes in it (under a placeholder name until the table is named)
+    assert cli.main(["profile", "policy", "--serve-args=--no-such-flag", "--out", str(folder)]) == 2
+    assert "unrecognized arguments: --no-such-flag" in (folder / "policy-profile.serve.log").read_text()
+
+
+def test_out_a_folder_gets_the_table_under_its_default_name(fake_measure: FakeMeasure,
+                                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(policy_profile, "_describe", lambda url: ("cpu-2core", "demo", False))
+    argv = ["profile", "policy", "--url", "http://unused", "--contexts", "160", "--shapes", "8x64", "--loads", "1",
+            "--no-progress", "--out"]
+    assert cli.main([*argv, str(tmp_path)]) == 0
+    default = policy_profile.table_path("cpu-2core", "demo").name
+    assert PolicyTable.load(tmp_path / default).model == "demo"
+    assert cli.main([*argv, f"{tmp_path / 'new'}/"]) == 0 and (tmp_path / "new" / default).is_file()
 
 
 @pytest.mark.slow  # a whole run against a live server: the second suite
