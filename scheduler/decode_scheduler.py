@@ -71,13 +71,18 @@ class DecodeScheduler:
     """Decides each decode-worker step; the worker runs the model and feeds back the sampled tokens."""
 
     def __init__(self, blocks: BlockManager, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, aggregated: bool, vocab_size: int) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, aggregated: bool, vocab_size: int,
+                 prefill_batch_tokens: int | None = None) -> None:
         self.blocks = blocks
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        # Inline prefills after the first join a step only while its prefill tokens are below this (None: while the
+        # budget lasts). Smaller finishes appends one after another instead of together: a lower TTFT, paid for in
+        # TPOT where the load keeps the engine busy (--prefill-batch-tokens; README, "Against vLLM's CPU build").
+        self.prefill_batch_tokens = prefill_batch_tokens
         self.aggregated = aggregated
         self.waiting: deque[Sequence] = deque()
         self.remote: dict[str, Sequence] = {}
@@ -155,8 +160,9 @@ class DecodeScheduler:
         # Shortest remaining prefill first: a turn's append (its history cached) is not held behind another
         # request's long uncached prompt; a long prompt takes whatever budget the short ones leave, and waits only
         # while short prefills fill whole steps.
+        prefill_tokens = 0
         for seq in sorted(self.prefilling, key=lambda s: len(s.token_ids) - s.num_computed):
-            if budget <= 0:
+            if budget <= 0 or (self.prefill_batch_tokens is not None and prefill_tokens >= self.prefill_batch_tokens):
                 break
             todo = len(seq.token_ids) - seq.num_computed
             chunk = min(todo, budget)
@@ -167,6 +173,7 @@ class DecodeScheduler:
                                          prompt_logprobs=ask))
             step.seqs.append(seq)
             budget -= chunk
+            prefill_tokens += chunk
         return step
 
     def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None,

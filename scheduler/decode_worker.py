@@ -88,7 +88,7 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size, hasher),
                                          self.engine.mcfg.eos_token_ids,
                                          plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
-                                         cfg.aggregated, self.engine.mcfg.vocab_size)
+                                         cfg.aggregated, self.engine.mcfg.vocab_size, cfg.prefill_batch_tokens)
         self.requests = requests_socket(ctx, cfg)
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)

@@ -83,8 +83,8 @@ def choose_gpus(args: argparse.Namespace, gpus: list[str]) -> list[str]:
 
 def plan_serve(args: argparse.Namespace) -> ServePlan:
     """Resolve and check everything that can be checked before any process starts."""
-    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_batch_tokens"):
+        if (value := getattr(args, name)) is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("w_ttft", "w_tpot", "ttft_slo_ms", "itl_slo_ms", "session_ttl_s", "max_waiting_requests",
                  "max_queue_time_s", "shutdown_timeout"):
@@ -168,7 +168,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
                         gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
                         partition_profile=profile,
-                        itl_slo_ms=args.itl_slo_ms,
+                        itl_slo_ms=args.itl_slo_ms, prefill_batch_tokens=args.prefill_batch_tokens,
                         log_level=args.log_level, stub_step_ms=args.stub_engine, api_servers=args.api_server_count,
                         kv_events=kv_events, hash_algo=args.prefix_caching_hash_algo)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]

@@ -261,3 +261,19 @@ def test_inline_prefills_go_shortest_remaining_first() -> None:
     assert [(o.request_id, o.token_ids) for o in outputs] == [("short", [61])]
     step = s.schedule()  # then: the short one decodes, the long one goes on with the rest of the budget
     assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [("short", 1), ("long", 15)]
+
+
+def test_prefill_batch_tokens_finishes_appends_one_after_another() -> None:
+    """With --prefill-batch-tokens, a further inline prefill joins a step only while the step's prefill tokens are
+    below it, so that appends finish one after another rather than all at the end of one long step."""
+    def first_step(limit: int | None) -> list[tuple[str, int]]:
+        s = make(num_blocks=128, budget=32, aggregated=True)
+        s.prefill_batch_tokens = limit
+        s.add(req("a", list(range(10, 16))))
+        s.add(req("b", list(range(20, 27))))
+        step = s.schedule()
+        return [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)]
+
+    assert first_step(None) == [("a", 6), ("b", 7)]
+    assert first_step(8) == [("a", 6), ("b", 7)]  # 6 < 8: b joins (and may take the step past the limit)
+    assert first_step(6) == [("a", 6)]            # a alone: b waits a step

@@ -62,6 +62,11 @@ def test_token_budget_below_batch_size() -> None:
     assert result.returncode == 2 and "--max-num-batched-tokens" in result.stderr
 
 
+def test_a_prefill_batch_below_one_token_is_refused() -> None:
+    result = serve("--prefill-batch-tokens", "0")
+    assert result.returncode == 2 and "--prefill-batch-tokens must be at least 1" in result.stderr
+
+
 def test_cuda_without_a_gpu_is_refused() -> None:
     result = serve("--device", "cuda")
     assert result.returncode == 2 and "no CUDA device" in result.stderr and "--device cpu" in result.stderr
