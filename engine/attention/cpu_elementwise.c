@@ -122,9 +122,14 @@ int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *p
     return 0;
 }
 
-__attribute__((optimize("fp-contract=off")))
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off"))) /* gcc; clang takes the pragma below */
+#endif
 int rope_f32(const float *x, int64_t stride, float *out, const int64_t *positions, const float *cos,
              const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
     const int64_t half = D / 2;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
     for (int64_t t = 0; t < tokens; t++) {
