@@ -10,7 +10,7 @@
  *                   out2 = bf16(bf16(x2 * c) + bf16(x1 * s)) (exactly TorchOps.apply_rope's results)
  *   float32: the same without the roundings (RoPE's products not fused into FMAs, which would round once).
  *
- * Built with engine/attention/cpu_decode.c and cpu_prefill.c into one library by engine/attention/cpu_kernel.py.
+ * Built with the other CPU kernels into one library by engine/attention/cpu_kernel.py.
  */
 #include <math.h>
 #include <stdint.h>
@@ -100,50 +100,41 @@ int silu_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int64_t nu
 
 /* RoPE (rotate_half pairs: dimension i with i + D/2) of x [tokens, heads, D], token t's heads from x + t * stride
  * (q or k as views of the QKV projection's output), into out [tokens, heads, D]; cos and sin [positions, D/2]
- * float32 tables. Small steps (a decode step's few tokens) run on the calling thread: forking costs more. */
-int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *positions, const float *cos,
-              const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
-    const int64_t half = D / 2;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t *xh = x + t * stride + h * D;
-            uint16_t *oh = out + (t * heads + h) * D;
-            _Pragma("omp simd")
-            for (int64_t i = 0; i < half; i++) {
-                const float c = round_bf16(ct[i]), s = round_bf16(st[i]);
-                const float x1 = bf16_to_f32(xh[i]), x2 = bf16_to_f32(xh[i + half]);
-                oh[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
-                oh[i + half] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
-            }
-        }
-    }
-    return 0;
-}
-
+ * float32 tables. Small steps (a decode step's few tokens) run on the calling thread: forking costs more. ROUND is
+ * where TorchOps rounds to the dtype (nothing in float32), and no product is fused into an FMA, which would round
+ * once where torch rounds twice (gcc: the optimize attribute; clang: its pragma). */
 #if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off"))) /* gcc; clang takes the pragma below */
+#define NO_FP_CONTRACT_FN __attribute__((optimize("fp-contract=off")))
+#define NO_FP_CONTRACT_HERE
+#else
+#define NO_FP_CONTRACT_FN
+#define NO_FP_CONTRACT_HERE _Pragma("clang fp contract(off)")
 #endif
-int rope_f32(const float *x, int64_t stride, float *out, const int64_t *positions, const float *cos,
-             const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
-#ifdef __clang__
-#pragma clang fp contract(off)
-#endif
-    const int64_t half = D / 2;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *xh = x + t * stride + h * D;
-            float *oh = out + (t * heads + h) * D;
-            _Pragma("omp simd")
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = xh[i], x2 = xh[i + half];
-                oh[i] = x1 * ct[i] - x2 * st[i];
-                oh[i + half] = x2 * ct[i] + x1 * st[i];
-            }
-        }
+
+static inline float as_is(float f) { return f; }
+
+#define DEFINE_ROPE(NAME, T, LOAD, STORE, ROUND)                                                                     \
+    NO_FP_CONTRACT_FN int NAME(const T *x, int64_t stride, T *out, const int64_t *positions, const float *cos,     \
+                               const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {  \
+        NO_FP_CONTRACT_HERE                                                                                         \
+        const int64_t half = D / 2;                                                                                 \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")      \
+        for (int64_t t = 0; t < tokens; t++) {                                                                      \
+            const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;                           \
+            for (int64_t h = 0; h < heads; h++) {                                                                   \
+                const T *xh = x + t * stride + h * D;                                                               \
+                T *oh = out + (t * heads + h) * D;                                                                  \
+                _Pragma("omp simd")                                                                                 \
+                for (int64_t i = 0; i < half; i++) {                                                                \
+                    const float c = ROUND(ct[i]), s = ROUND(st[i]);                                                 \
+                    const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                          \
+                    oh[i] = STORE(ROUND(x1 * c) - ROUND(x2 * s));                                                   \
+                    oh[i + half] = STORE(ROUND(x2 * c) + ROUND(x1 * s));                                            \
+                }                                                                                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+        return 0;                                                                                                   \
     }
-    return 0;
-}
+
+DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+DEFINE_ROPE(rope_f32, float, as_is, as_is, as_is)
