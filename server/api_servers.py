@@ -24,14 +24,12 @@ import math
 import multiprocessing as mp
 import os
 import signal
-import socket
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import uvicorn
 
 from partition.processes import process_alive
-from scheduler.worker_setup import die_with_parent
 from server.engine_client import Admission, EngineClient, EngineError
 
 log = logging.getLogger("ppd.api")
@@ -85,8 +83,9 @@ def freeze_startup_heap() -> None:
 class ApiServerProcesses:
     """API servers 1..N-1, started, watched and stopped by API server 0."""
 
-    def __init__(self, args: argparse.Namespace, plan) -> None:
-        self.args, self.plan = args, plan
+    def __init__(self, args: argparse.Namespace, plan, target: Callable[[argparse.Namespace, object, int], None]) -> None:
+        """target(args, plan, index) is an API server's process entry point (server.serve.run_api_server)."""
+        self.args, self.plan, self.target = args, plan, target
         self.ctx = mp.get_context("spawn")
         self.procs: dict[int, BaseProcess] = {}
         self.stopping = self.signalled = False
@@ -96,7 +95,7 @@ class ApiServerProcesses:
             self._spawn(index)
 
     def _spawn(self, index: int) -> None:
-        proc = self.ctx.Process(target=run_api_server, args=(self.args, self.plan, index),
+        proc = self.ctx.Process(target=self.target, args=(self.args, self.plan, index),
                                 name=f"ppd-api-{index}", daemon=False)
         proc.start()
         self.procs[index] = proc
@@ -147,38 +146,3 @@ def worker_pids(client: EngineClient, unit: int) -> dict[str, tuple[int | None, 
     """role -> (pid, alive) of a unit's workers, as their ready messages gave them (API servers 1..N-1 have no
     launcher)."""
     return {role: (pid, process_alive(pid)) for role, pid in client.state[unit].pids.items()}
-
-
-def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
-    """Process entry point of API server `index` (1..N-1)."""
-    die_with_parent()  # no orphan
-    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
-    from server.api import build_app
-    from server.serve import (api_client, bound_socket, health, load_tokenizer, policy_for, request_guard,
-                              served_model)
-
-    policy = policy_for(args, plan)
-    client = api_client(args, plan, policy, index)
-    model = served_model(args, plan, load_tokenizer(plan.tokenizer_path), client, policy)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.loop = asyncio.get_running_loop()
-        freeze_startup_heap()
-        client.start()
-        # uvicorn accepts connections only after this: until then API server 0 takes them all, and none gets a 503
-        # from an API server that has not heard from the units yet.
-        await asyncio.gather(*(state.ready_event.wait() for state in client.state))
-        log.info("ready")
-        try:
-            yield
-        finally:
-            client.close()
-
-    app = build_app(model, client, lambda: health(plan, client, lambda u: worker_pids(client, u)), lifespan,
-                    request_guard(args))
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    server = HelperServer(config, client, args.shutdown_timeout)
-    # Bound now and listening once uvicorn starts serving, after the lifespan saw the units ready.
-    family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
-    server.run(sockets=[bound_socket(family, args.host, args.port, reuse_port=True)])

@@ -398,7 +398,7 @@ def api_client(args: argparse.Namespace, plan: ServePlan, policy, api_server: in
 def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, policy):
     """What the API serves; once the units are ready it takes their context length, and on a GPU the ppd policy
     its device's table."""
-    from server.api import ServedModel
+    from server.request_path import ServedModel
 
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
                         plan.mcfg.eos_token_ids, args.tool_call_parser)
@@ -474,7 +474,7 @@ def serve(args: argparse.Namespace) -> None:
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.units[0].partition.describe(), args.policy)
     launcher.spawn_all()  # the workers load the model while this process loads the web stack
-    helpers = ApiServerProcesses(args, plan)  # API servers 1..N-1 (--api-server-count)
+    helpers = ApiServerProcesses(args, plan, run_api_server)  # API servers 1..N-1 (--api-server-count)
     helpers.spawn_all()
     import uvicorn
 
@@ -531,6 +531,44 @@ def serve(args: argparse.Namespace) -> None:
             mps_daemon.stop()  # the lifespan did, unless the server failed before it ran
     if fatal:
         raise UsageError(fatal[0])
+
+
+def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
+    """Process entry point of API server `index` (1..N-1), started by API server 0 (api_servers.ApiServerProcesses)."""
+    from scheduler.worker_setup import die_with_parent
+
+    die_with_parent()  # no orphan
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
+    import uvicorn
+
+    from server.api import build_app
+    from server.api_servers import HelperServer, freeze_startup_heap, worker_pids
+
+    policy = policy_for(args, plan)
+    client = api_client(args, plan, policy, index)
+    model = served_model(args, plan, load_tokenizer(plan.tokenizer_path), client, policy)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
+        freeze_startup_heap()
+        client.start()
+        # uvicorn accepts connections only after this: until then API server 0 takes them all, and none gets a 503
+        # from an API server that has not heard from the units yet.
+        await asyncio.gather(*(state.ready_event.wait() for state in client.state))
+        log.info("ready")
+        try:
+            yield
+        finally:
+            client.close()
+
+    app = build_app(model, client, lambda: health(plan, client, lambda u: worker_pids(client, u)), lifespan,
+                    request_guard(args))
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = HelperServer(config, client, args.shutdown_timeout)
+    # Bound now and listening once uvicorn starts serving, after the lifespan saw the units ready.
+    family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+    server.run(sockets=[bound_socket(family, args.host, args.port, reuse_port=True)])
 
 
 def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | None, bool]]]) -> list[dict]:

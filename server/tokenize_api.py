@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI
@@ -21,9 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.protocol import (INT64_MAX, ChatCompletionRequest, ChatMessage, ChatTemplateInput, CompletionRequest, Tool,
                              _unsupported)
-
-if TYPE_CHECKING:
-    from server.api import ServedModel
+from server.request_path import RequestPath
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -67,10 +64,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
-def add_token_routes(app: FastAPI, model: ServedModel, off_loop: Callable[..., Awaitable[Any]],
-                     chat_prompt: Callable[[ChatCompletionRequest], Awaitable[list[int]]],
-                     completion_prompt: Callable[[CompletionRequest], Awaitable[list[int]]]) -> None:
-    """Add the routes; chat_prompt and completion_prompt are what /v1/chat/completions and /v1/completions run."""
+def add_token_routes(app: FastAPI, path: RequestPath) -> None:
+    """Add the routes; the render endpoints run path's chat_prompt and completion_prompt, what /v1/chat/completions
+    and /v1/completions run."""
+    model, off_loop = path.model, path.off_loop
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict:
@@ -95,11 +92,11 @@ def add_token_routes(app: FastAPI, model: ServedModel, off_loop: Callable[..., A
 
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest) -> dict:
-        return render(body, await chat_prompt(body), "chatcmpl")
+        return render(body, await path.chat_prompt(body), "chatcmpl")
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:
-        return [render(body, await completion_prompt(body), "cmpl")]  # vLLM's answers one per prompt
+        return [render(body, await path.completion_prompt(body), "cmpl")]  # vLLM's answers one per prompt
 
     def render(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], kind: str) -> dict:
         """vLLM's GenerateRequest for the prompt: its token ids and the sampling parameters it would run with."""
