@@ -2,7 +2,8 @@
 
 auto: the model's own format, read by the family's parser (server/tools.py) as the text streams. required and a
 named function: structured outputs force the text to match forced_tool_schema, and the text is then the calls (a
-named function's arguments stream as they come; required's calls go out when the output is complete).
+named function's arguments stream as they come; required's calls go out as their names are complete, then their
+arguments as they come).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Any
 from engine.sampling_params import GuidedSpec
 from server.errors import RequestError
 from server.protocol import ChatCompletionRequest, NamedToolChoice
-from server.tools import DeltaItem, Tool, ToolParser, ToolStream, calls_from_forced, forced_tool_schema, new_call_id, \
-    parser_for
+from server.tools import DeltaItem, ForcedCallStream, Tool, ToolParser, ToolStream, calls_from_forced, \
+    forced_tool_schema, new_call_id, parser_for
 
 
 @dataclass
@@ -29,6 +30,7 @@ class ToolOutput:
     spec: GuidedSpec | None = None  # required and named: what the output must match
     called: bool = False  # a tool call went out in the stream
     _stream: ToolStream | None = None
+    _forced: ForcedCallStream | None = None  # required
     _text: str = ""
     _call_id: str = field(default_factory=new_call_id)
 
@@ -56,8 +58,7 @@ class ToolOutput:
         elif self.mode == "named":
             items = self._named(text)
         else:
-            self._text += text
-            items = self._required() if final else []
+            items = self._required(text, final)
         delta: dict[str, Any] = {}
         content = "".join(item for item in items if isinstance(item, str))
         calls = [item for item in items if not isinstance(item, str)]
@@ -82,15 +83,13 @@ class ToolOutput:
             items.append({"index": 0, "function": {"arguments": text}})
         return items
 
-    def _required(self) -> list[DeltaItem]:
-        content, calls = self.result(self._text)
-        if not calls:
-            return [content] if content else []
-        items: list[DeltaItem] = []
-        for i, call in enumerate(calls):
-            items.append({"index": i, "id": call["id"], "type": "function",
-                          "function": {"name": call["function"]["name"], "arguments": ""}})
-            items.append({"index": i, "function": {"arguments": call["function"]["arguments"]}})
+    def _required(self, text: str, final: bool) -> list[DeltaItem]:
+        if self._forced is None:
+            self._forced = ForcedCallStream()
+        self._text += text
+        items = self._forced.feed(text)
+        if final and not self._forced.calls_sent:
+            return [self._text] if self._text else []  # cut off before a call had its name: the text is all there is
         return items
 
 

@@ -173,6 +173,88 @@ def calls_from_forced(text: str, tools: list[Tool], choice: str | None) -> list[
     return [_new_call(c["name"], c["parameters"]) for c in value]
 
 
+class ForcedCallStream:
+    """Reads tool_choice "required"'s output, [{"name": ..., "parameters": {...}}, ...], as it is generated: a call's
+    header (its id and name) goes out once its name is complete, then its arguments as they come, the parameters'
+    text exactly as generated, as OpenAI and vLLM stream them. The grammar has already made the text match
+    forced_tool_schema, so a plain JSON scanner suffices: it follows strings and nesting, and at the depth of a call
+    object reads which key a value belongs to. Parameters generated before the name wait for it."""
+
+    def __init__(self) -> None:
+        self.stack: list[str] = []  # open containers, "[" or "{"
+        self.in_string = self.escaped = False
+        self.key: str | None = None  # the call object's key whose value is being read
+        self.expect_key = False  # at call-object depth: the next string is a key
+        self.token: list[str] = []  # the string being read at call-object depth (a key or the name)
+        self.in_args = False
+        self.calls: list[dict[str, Any]] = []  # {"id", "name", "arguments", "sent": chars of arguments sent}
+
+    def feed(self, text: str) -> list[DeltaItem]:
+        for ch in text:
+            self._char(ch)
+        items: list[DeltaItem] = []
+        for index, call in enumerate(self.calls):
+            if call["name"] is None:
+                continue
+            if call["sent"] < 0:
+                items.append({"index": index, "id": call["id"], "type": "function",
+                              "function": {"name": call["name"], "arguments": ""}})
+                call["sent"] = 0
+            if len(call["arguments"]) > call["sent"]:
+                items.append({"index": index, "function": {"arguments": call["arguments"][call["sent"]:]}})
+                call["sent"] = len(call["arguments"])
+        return items
+
+    def _char(self, ch: str) -> None:
+        depth = len(self.stack)
+        if self.in_args:
+            self.calls[-1]["arguments"] += ch
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif ch == "\\":
+                self.escaped = True
+            elif ch == '"':
+                self.in_string = False
+            if depth == 2 and not self.in_args:
+                self.token.append(ch)
+                if not self.in_string:
+                    self._string_done(json.loads("".join(self.token)))
+            return
+        if ch == '"':
+            self.in_string = True
+            if depth == 2 and not self.in_args:
+                self.token = [ch]
+        elif ch in "[{":
+            if depth == 2 and self.key == "parameters" and not self.in_args:
+                self.in_args = True
+                self.calls[-1]["arguments"] = ch
+            self.stack.append(ch)
+            if depth == 1 and ch == "{":
+                self.calls.append({"id": new_call_id(), "name": None, "arguments": "", "sent": -1})
+                self.expect_key, self.key = True, None
+        elif ch in "]}":
+            self.stack.pop()
+            if self.in_args and len(self.stack) == 2:
+                self.in_args = False
+        elif depth == 2 and not self.in_args:
+            if ch == ":":
+                self.expect_key = False
+            elif ch == ",":
+                self.expect_key, self.key = True, None
+
+    @property
+    def calls_sent(self) -> int:
+        """How many calls went out (their headers)."""
+        return sum(call["sent"] >= 0 for call in self.calls)
+
+    def _string_done(self, value: str) -> None:
+        if self.expect_key:
+            self.key = value
+        elif self.key == "name":
+            self.calls[-1]["name"] = value
+
+
 # A streamed item: content text, or a tool-call delta in OpenAI's shape ({"index", "id", "type", "function":
 # {"name", "arguments": ""}} for a call's first delta, {"index", "function": {"arguments"}} for the next ones).
 DeltaItem = str | dict[str, Any]

@@ -135,6 +135,29 @@ def test_required_tool_choice_gives_valid_calls(client) -> None:
         assert call.id.startswith("call_") and call.type == "function"
 
 
+def test_required_tool_calls_stream_their_arguments_as_generated(client) -> None:
+    """Each call's header (id, name) comes once, then its arguments in several chunks before the last one; they
+    add up to the calls the same request gives unstreamed."""
+    kwargs = dict(model="demo", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", seed=7,
+                  max_tokens=MAX_TOKENS)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    chunks = [chunk for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices]
+    calls: dict[int, dict] = {}
+    argument_chunks = 0
+    for chunk in chunks:
+        for piece in chunk.choices[0].delta.tool_calls or []:
+            if piece.id is not None:
+                assert piece.index not in calls, "one header per call"
+                calls[piece.index] = {"id": piece.id, "name": piece.function.name, "arguments": ""}
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+            argument_chunks += bool(piece.function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert argument_chunks > len(calls), "the arguments came in pieces, not whole in the last chunk"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
 def test_named_tool_choice_then_the_result_in_the_next_turn_reuses_the_prefix(client) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     first = client.chat.completions.create(model="demo", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=named,

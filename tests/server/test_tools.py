@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from engine.demo import CHAT_TEMPLATE, write_byte_tokenizer
 from server.tools import (
+    ForcedCallStream,
     NO_ARGUMENTS,
     PARSERS,
     NamedToolChoice,
@@ -266,6 +267,24 @@ def test_calls_from_forced_output() -> None:
                          ('[{"name": "nope", "parameters": {}}]', None)):
         with pytest.raises(ValueError):
             calls_from_forced(text, TOOLS, choice)
+
+
+def test_forced_call_stream_gives_the_calls_on_every_split() -> None:
+    text = ('[{"name": "get_weather", "parameters": {"city": "Pa\\"ris}", "days": [1, {"a": "]"}]}}, '
+            '{"parameters": {}, "name": "get_time"}]')
+    expected = [(c.function.name, json.loads(c.function.arguments)) for c in calls_from_forced(text, TOOLS, None)]
+    for cut in range(len(text) + 1):
+        for second in (cut, min(len(text), cut + 3)):
+            stream = ForcedCallStream()
+            items = stream.feed(text[:cut]) + stream.feed(text[cut:second]) + stream.feed(text[second:])
+            content, calls = merge_deltas(items)
+            assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == expected
+    stream = ForcedCallStream()
+    assert stream.feed('[{"name": "get_wea') == []
+    header, first = stream.feed('ther", "parameters": {"ci')
+    assert header["function"] == {"name": "get_weather", "arguments": ""} and header["id"].startswith("call_")
+    assert first == {"index": 0, "function": {"arguments": '{"ci'}}
+    assert stream.feed('ty": "Rome"}}]') == [{"index": 0, "function": {"arguments": 'ty": "Rome"}'}}]
 
 
 @pytest.mark.parametrize("family", TEMPLATES)
