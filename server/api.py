@@ -20,14 +20,17 @@ from server.engine_client import EngineClient, EngineError
 from server.errors import RequestError, validation_error_message
 from server.guard import Guard, GuardMiddleware
 from server.request_path import RequestPath, ServedModel, error_response
+from server.response_store import ResponseStore
+from server.responses_api import add_responses_routes
 from server.tokenize_api import add_token_routes
 
 log = logging.getLogger("ppd.api")
 
 
 def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dict], lifespan=None,
-              guard: Guard = Guard()) -> FastAPI:
-    """The FastAPI app. health() returns the units' worker states for GET /health."""
+              guard: Guard = Guard(), store: ResponseStore | None = None) -> FastAPI:
+    """The FastAPI app. health() returns the units' worker states for GET /health; store keeps the Responses API's
+    stored responses (default: a fresh in-memory one)."""
     app = FastAPI(title="ppd-serve", lifespan=lifespan)
     app.add_middleware(GuardMiddleware, guard=guard, refuse=client.refusal)
     @app.exception_handler(RequestValidationError)
@@ -76,4 +79,5 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     path = RequestPath(model, client)
     add_chat_routes(app, path)
     add_token_routes(app, path)
+    add_responses_routes(app, path, ResponseStore() if store is None else store)
     return app

@@ -15,6 +15,7 @@ from scheduler.config import POLICIES
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from scheduler.router import DEFAULT_SESSION_TTL_S
 from server.guard import DEFAULT_MAX_REQUEST_BYTES
+from server.response_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 
 DEFAULT_MAX_QUEUE_TIME_S = 10.0
 
@@ -30,6 +31,19 @@ def sm_counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: SM counts must be positive, e.g. 32,64,96")
     return counts
+
+
+def byte_count(text: str) -> int:
+    """A size in bytes, with an optional K, M or G (powers of 1024): 256M, 2G, 1048576."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    scale = units.get(text[-1:].upper(), 1)
+    try:
+        value = int(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size in bytes such as 268435456, 256M or 2G") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +75,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "with an error")
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="largest request body; a larger one is answered 413 before it is parsed")
+    p.add_argument("--response-store", default=None, metavar="PATH",
+                   help="keep the Responses API's stored responses in this SQLite file, across restarts (default: in "
+                        "memory; shared by the API servers of --api-server-count)")
+    p.add_argument("--response-store-max-bytes", type=byte_count, default=DEFAULT_STORE_BYTES, metavar="BYTES",
+                   help="the stored responses' size limit (oldest dropped first), e.g. 256M or 2G (default 256M)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="auto (default): every visible CUDA GPU when there is one, else the CPU")
     p.add_argument("--gpus", default=None,

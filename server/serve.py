@@ -280,6 +280,23 @@ def load_tokenizer(path: str | None):
     return tokenizer
 
 
+def response_store(args: argparse.Namespace, plan: ServePlan):
+    """The Responses API's store: --response-store's SQLite file, else memory; with several API servers and no
+    file, a file in the server's runtime folder that they share (removed with it at exit)."""
+    import sqlite3
+
+    from server.response_store import open_store
+
+    path = args.response_store
+    if path is None and args.api_server_count > 1:
+        path = os.path.join(plan.ipc_dir, "responses.sqlite")
+    try:
+        return open_store(path, args.response_store_max_bytes)
+    except sqlite3.Error as exc:
+        raise UsageError(f"--response-store {path}: cannot use it as an SQLite database ({exc}); give a path to a new "
+                         "file or to a store this server wrote") from None
+
+
 def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The server's listening socket, bound before any worker starts, so a port in use is reported at once.
     reuse_port: other API servers (--api-server-count) bind the port too, and the kernel spreads the connections
@@ -457,6 +474,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
         tokenizer = load_tokenizer(plan.tokenizer_path)
+        store = response_store(args, plan)
     except UsageError:
         if sock is not None:
             sock.close()
@@ -520,7 +538,7 @@ def serve(args: argparse.Namespace) -> None:
         launcher.stopping = True  # the workers stop after the requests in flight (lifespan)
         helpers.signal(sig)
 
-    app = build_app(model, client, lambda: health(plan, client, launcher.pids), lifespan, guard)
+    app = build_app(model, client, lambda: health(plan, client, launcher.pids), lifespan, guard, store)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout + 5),
                             client, args.shutdown_timeout, on_signal)
@@ -563,7 +581,7 @@ def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
             client.close()
 
     app = build_app(model, client, lambda: health(plan, client, lambda u: worker_pids(client, u)), lifespan,
-                    request_guard(args))
+                    request_guard(args), response_store(args, plan))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
     server = HelperServer(config, client, args.shutdown_timeout)
     # Bound now and listening once uvicorn starts serving, after the lifespan saw the units ready.

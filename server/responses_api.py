@@ -1,0 +1,249 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A request runs as the chat completions request it amounts to (its input items as messages, its tools, text.format
+and sampling fields), through the shared request path; its answer comes back as output items (a message, function
+calls), or streamed as the typed events in OpenAI's order with sequence numbers. A stored response (`store`, the
+default) keeps its exact token ids: a later request naming it as previous_response_id runs them again followed by
+only its new input's tokens (server/conversation.py), so its cached prefix is the whole previous turn. The router
+places a request on the unit holding the most of its blocks, so a conversation stays where its KV is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+
+from server.conversation import continued_prompt, system_messages
+from server.engine_client import EngineError
+from server.errors import RequestError, validation_error_message
+from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
+from server.protocol import ChatCompletionRequest
+from server.request_path import Generation, RequestPath
+from server.response_store import ResponseStore, StoredResponse
+from server.responses import Choice, Event, Prompt
+from server.responses_protocol import ResponsesRequest, input_messages
+
+log = logging.getLogger("ppd.api")
+_json = msgspec.json.Encoder()
+
+HISTORY_HEADER = "x-ppd-history"  # with previous_response_id: token-ids (the stored ids kept) or rendered (re-tokenized)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) -> None:
+    model = path.model
+    store_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ppd-store")
+
+    async def in_store(fn, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(store_pool, fn, *args)
+
+    async def stored(response_id: str, param: str) -> StoredResponse:
+        found = await in_store(store.get, response_id)
+        if found is None:
+            raise RequestError(f"Response with id '{response_id}' not found: it was never stored (store: false), was "
+                               "deleted, or was evicted (--response-store-max-bytes)", status=404, param=param)
+        return found
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return Response(_json.encode((await stored(response_id, "response_id")).response),
+                        media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        if not await in_store(store.delete, response_id):
+            await stored(response_id, "response_id")  # raises the 404
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        model.check_model(body.model)
+        model.need_chat_template()
+        new = input_messages(body.input)
+        prev = await stored(body.previous_response_id, "previous_response_id") if body.previous_response_id else None
+        history = (prev.history + [prev.assistant] if prev else []) + new
+        try:
+            chat = ChatCompletionRequest.model_validate(
+                {**body.chat_fields(), "messages": system_messages(body.instructions) + history})
+        except ValidationError as exc:
+            message, param = validation_error_message(exc)
+            raise RequestError(f"the input does not make a valid conversation: {message}", param="input") from None
+        tools = chat.template_tools()
+        headers = {}
+        if prev is None:
+            prompt_ids = await path.chat_prompt(chat)
+        else:
+            try:
+                prompt_ids, kept = await path.off_loop(continued_prompt, model.tokenizer, prev, body.instructions,
+                                                       new, tools)
+            except Exception as exc:  # the template refused the conversation
+                raise RequestError(f"the chat template rejected the conversation: {exc}", param="input") from exc
+            headers[HISTORY_HEADER] = "token-ids" if kept else "rendered"
+        gen = await path.start(chat, Prompt(prompt_ids), request)
+        run = ResponseRun(new_id("resp"), body, model.name, gen)
+        save = (lambda: in_store(store.put, run.stored(history, tools))) if body.store else None
+        if body.stream:
+            here, first = await path.first_event(gen, request)
+            if not here:
+                return Response(status_code=499)
+            return StreamingResponse(run.stream(first, save), media_type="text/event-stream",
+                                     headers={**gen.headers, **headers})
+        if not await path.finish(gen, request):
+            return Response(status_code=499)
+        run.finish_blocks()
+        if save is not None:
+            await save()
+        return Response(_json.encode(run.response()), media_type="application/json",
+                        headers={**gen.headers, **headers})
+
+
+class ResponseRun:
+    """One response as it is generated: its output items, its object, its stream of events."""
+
+    def __init__(self, response_id: str, body: ResponsesRequest, model_name: str, gen: Generation) -> None:
+        self.id, self.body, self.model_name, self.gen = response_id, body, model_name, gen
+        self.choice: Choice = gen.choices[0]
+        self.created = int(time.time())
+        self.blocks: list[Block] = []
+        self.item_ids: dict[int, str] = {}  # block index -> output item id
+        self.seq = 0
+
+    def finish_blocks(self) -> None:
+        self.blocks = blocks_of(self.choice)
+
+    def item_id(self, block: Block) -> str:
+        if block.index not in self.item_ids:
+            self.item_ids[block.index] = new_id("msg" if block.kind == "text" else "fc")
+        return self.item_ids[block.index]
+
+    def item(self, block: Block, status: str = "completed") -> dict[str, Any]:
+        if block.kind == "text":
+            content = [] if status == "in_progress" else [output_text(block.text)]
+            return {"type": "message", "id": self.item_id(block), "status": status, "role": "assistant",
+                    "content": content}
+        return {"type": "function_call", "id": self.item_id(block), "call_id": block.call_id, "name": block.name,
+                "arguments": "" if status == "in_progress" else block.text, "status": status}
+
+    @property
+    def incomplete(self) -> bool:
+        return self.choice.finish_reason == "length"
+
+    def response(self, status: str | None = None) -> dict[str, Any]:
+        """The response object; status: as it stands (in_progress) or, by default, as it ended."""
+        body = self.body
+        done = status is None
+        if done:
+            status = "incomplete" if self.incomplete else "completed"
+        output = []
+        if done:
+            blocks = self.blocks or [Block("text", 0)]  # an empty answer is still a message
+            output = [self.item(b, "incomplete" if self.incomplete else "completed") for b in blocks]
+        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else \
+            {"type": "text"}
+        c = self.choice
+        usage = None
+        if done:
+            num_prompt, num_output = len(self.gen.prompt.token_ids), len(c.token_ids)
+            usage = {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": c.num_cached},
+                     "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": num_prompt + num_output}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "completed_at": int(time.time()) if done and not self.incomplete else None,
+            "model": self.model_name, "output": output, "usage": usage,
+            "incomplete_details": {"reason": "max_output_tokens"} if done and self.incomplete else None,
+            "error": None, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "previous_response_id": body.previous_response_id, "store": body.store,
+            "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+            "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+            "text": {"format": fmt}, "metadata": body.metadata or {}, "truncation": "disabled",
+            "background": False, "reasoning": None, "user": body.user, "service_tier": "default",
+        }
+
+    def stored(self, history: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> StoredResponse:
+        """This finished response as the store keeps it, with the chat history its prompt stood for."""
+        texts = [b.text for b in self.blocks if b.kind == "text"]
+        calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+                 for b in self.blocks if b.kind == "tool_call"]
+        assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+        if calls:
+            assistant["tool_calls"] = calls
+        return StoredResponse(self.id, self.response(), self.body.instructions, history, tools,
+                              list(self.gen.prompt.token_ids), list(self.choice.token_ids), assistant,
+                              exact=not self.choice.detok.stopped)
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _json.encode(data) + b"\n\n"
+
+    def block_events(self, e: BlockEvent) -> list[bytes]:
+        b = e.block
+        where = {"item_id": self.item_id(b), "output_index": b.index}
+        if b.kind == "text":
+            part = {"content_index": 0}
+            if e.what == "start":
+                return [self.event("response.output_item.added", output_index=b.index, item=self.item(b, "in_progress")),
+                        self.event("response.content_part.added", **where, **part, part=output_text(""))]
+            if e.what == "delta":
+                return [self.event("response.output_text.delta", **where, **part, delta=e.delta, logprobs=[])]
+            return [self.event("response.output_text.done", **where, **part, text=b.text, logprobs=[]),
+                    self.event("response.content_part.done", **where, **part, part=output_text(b.text)),
+                    self.event("response.output_item.done", output_index=b.index, item=self.item(b))]
+        if e.what == "start":
+            return [self.event("response.output_item.added", output_index=b.index, item=self.item(b, "in_progress"))]
+        if e.what == "delta":
+            return [self.event("response.function_call_arguments.delta", **where, delta=e.delta)]
+        return [self.event("response.function_call_arguments.done", **where, name=b.name, arguments=b.text),
+                self.event("response.output_item.done", output_index=b.index, item=self.item(b))]
+
+    async def stream(self, first: Event | None, save) -> AsyncIterator[bytes]:
+        """The SSE body: created, in_progress, each output item's events, then completed (or incomplete); stored
+        before the last event, so a client may continue from it as soon as it has it."""
+        blocks = OutputBlocks(self.choice)
+        events = self.gen.events
+        try:
+            yield self.event("response.created", response=self.response("in_progress"))
+            yield self.event("response.in_progress", response=self.response("in_progress"))
+            event = first
+            while event is not None:
+                for e in blocks.feed(event.text, final=event.finish_reason is not None):
+                    for chunk in self.block_events(e):
+                        yield chunk
+                event = await anext(events, None)
+            if not blocks.blocks:  # an empty answer is still a message
+                empty = Block("text", 0)
+                blocks.blocks.append(empty)
+                for chunk in self.block_events(BlockEvent("start", empty)) + self.block_events(BlockEvent("stop", empty)):
+                    yield chunk
+            self.blocks = blocks.blocks
+            if save is not None:
+                await save()
+            final = self.response()
+            yield self.event("response.incomplete" if self.incomplete else "response.completed", response=final)
+        except (EngineError, RequestError) as exc:
+            yield self.event("error", code=str(exc.status), message=exc.message, param=None)
+        except Exception as exc:  # a bug of ours: the client still gets an error event, the log the rest
+            log.error("a response stream failed", exc_info=exc)
+            yield self.event("error", code="500", message=f"internal error ({type(exc).__name__}); the server logged it",
+                             param=None)
+        finally:
+            await events.aclose()
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
