@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.chat_api import add_chat_routes
 from server.engine_client import EngineClient, EngineError
+from server.messages_api import add_messages_routes
 from server.errors import RequestError, validation_error_message
 from server.guard import Guard, GuardMiddleware
 from server.request_path import RequestPath, ServedModel, error_response
@@ -36,28 +37,28 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_error_message(exc)
-        return error_response(400, message, param)
+        return error_response(request.url.path, 400, message, param)
 
     @app.exception_handler(RequestError)
     async def _bad_request(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(request.url.path, exc.status, exc.message, exc.param)
 
     @app.exception_handler(EngineError)
     async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
-        response = error_response(exc.status, exc.message)
+        response = error_response(request.url.path, exc.status, exc.message)
         if exc.retry_after is not None:
             response.headers["retry-after"] = str(int(exc.retry_after))
         return response
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(request.url.path, exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        # A bug of ours, not the client's: logged with its traceback, answered in OpenAI's shape.
+        # A bug of ours, not the client's: logged with its traceback, answered in the API's shape.
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error_response(500, f"internal error ({type(exc).__name__}); the server logged it")
+        return error_response(request.url.path, 500, f"internal error ({type(exc).__name__}); the server logged it")
 
     @app.get("/health")
     async def get_health() -> JSONResponse:
@@ -80,4 +81,5 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     add_chat_routes(app, path)
     add_token_routes(app, path)
     add_responses_routes(app, path, ResponseStore() if store is None else store)
+    add_messages_routes(app, path)
     return app

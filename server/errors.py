@@ -33,6 +33,26 @@ def error_body(message: str, type: str, param: str | None = None, code: int | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's API: its own error shape
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
+    """An error as Anthropic's API shapes it: {"type": "error", "error": {"type", "message"}}."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """The error body for a request to path: Anthropic's shape under /v1/messages, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(message, status)
+    return error_body(message, error_type(status), param, status)
+
+
 class RequestError(Exception):
     """An error the client caused (or must wait out); the API answers it with `status`."""
 

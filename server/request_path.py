@@ -27,7 +27,7 @@ from engine.guided import spec_problem
 from engine.sampling_params import GuidedSpec, SamplingParams
 from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient
-from server.errors import RequestError, error_body, error_type
+from server.errors import RequestError, error_body_for
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.responses import Choice, Event, Prompt, TokenText
 from server.tool_output import ToolOutput, tool_output_for
@@ -107,8 +107,9 @@ class ServedModel:
         return requested if requested is not None else room
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type(status), param, status), status_code=status)
+def error_response(path: str, status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An error answer to a request for path, in its API's shape (server.errors.error_body_for)."""
+    return JSONResponse(error_body_for(path, message, status, param), status_code=status)
 
 
 @dataclass

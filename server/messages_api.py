@@ -1,0 +1,260 @@
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, for agents written against Claude.
+
+A request runs as the chat completions request it amounts to (system, messages with text, tool_use and tool_result
+blocks, tools, tool_choice, stop_sequences, sampling) through the shared request path; the answer comes back as
+content blocks (text, tool_use), or streamed as Anthropic's events. usage reports the prefix cache's hits as
+cache_read_input_tokens (input_tokens counts the rest, as Anthropic counts it); errors have Anthropic's shape
+(server/errors.py), and x-api-key is taken where --api-key is set (server/guard.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from server.engine_client import EngineError
+from server.errors import RequestError, anthropic_error_body, validation_error_message
+from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
+from server.protocol import INT64_MAX, ChatCompletionRequest, _unsupported
+from server.request_path import Generation, RequestPath
+from server.responses import Event, Prompt
+
+log = logging.getLogger("ppd.api")
+_json = msgspec.json.Encoder()
+
+
+class MessagesRequest(BaseModel):
+    """Body of POST /v1/messages (and, without max_tokens, of /v1/messages/count_tokens)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    messages: list[dict[str, Any]]
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=INT64_MAX)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
+    thinking: Annotated[Any, _unsupported()] = None  # extended thinking: the models served here do not reason
+    container: Annotated[Any, _unsupported()] = None
+    mcp_servers: Annotated[Any, _unsupported([])] = None
+    output_config: Annotated[Any, _unsupported({})] = None  # structured outputs: use a forced tool instead
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """system and messages as chat messages: a tool_use block becomes a tool call of its assistant message, a
+        tool_result block a tool message; other block types are refused by name."""
+        out: list[dict[str, Any]] = []
+        if self.system is not None:
+            out.append({"role": "system", "content": _text(self.system, "system")})
+        if not self.messages:
+            raise RequestError("messages: at least one message is required", param="messages")
+        for i, message in enumerate(self.messages):
+            where = f"messages[{i}]"
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in ("user", "assistant"):
+                raise RequestError(f"{where}.role: {json.dumps(role)} is not user or assistant (the system prompt goes "
+                                   "in system)", param=f"{where}.role")
+            content = message.get("content")
+            if isinstance(content, str):
+                out.append({"role": role, "content": content})
+                continue
+            if not isinstance(content, list):
+                raise RequestError(f"{where}.content must be a string or a list of content blocks",
+                                   param=f"{where}.content")
+            texts, calls = [], []
+            for j, block in enumerate(content):
+                at = f"{where}.content[{j}]"
+                kind = block.get("type") if isinstance(block, dict) else None
+                if kind == "text" and isinstance(block.get("text"), str):
+                    texts.append(block["text"])
+                elif kind == "tool_use" and role == "assistant":
+                    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                        raise RequestError(f"{at}: a tool_use block needs an id and a name", param=at)
+                    calls.append({"id": block["id"], "type": "function", "function": {
+                        "name": block["name"], "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+                elif kind == "tool_result" and role == "user":
+                    if not isinstance(block.get("tool_use_id"), str):
+                        raise RequestError(f"{at}: a tool_result block needs a tool_use_id", param=f"{at}.tool_use_id")
+                    result = block.get("content", "")
+                    out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                                "content": _text(result, f"{at}.content") if result else ""})
+                else:
+                    raise RequestError(f"{at}: content blocks of type {json.dumps(kind)} are not supported in a {role} "
+                                       "message; send text, tool_use (assistant) and tool_result (user) blocks",
+                                       param=f"{at}.type")
+            if texts or calls:
+                message_out: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts or not calls else None}
+                if calls:
+                    message_out["tool_calls"] = calls
+                out.append(message_out)
+        return out
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            if not isinstance(tool, dict) or "input_schema" not in tool or tool.get("type", "custom") != "custom":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise RequestError(f"tools[{i}]: only custom tools (name, description, input_schema) are supported, "
+                                   f"not {json.dumps(kind)}", param=f"tools[{i}]")
+            out.append({"type": "function", "function": {k2: tool[k1] for k1, k2 in (
+                ("name", "name"), ("description", "description"), ("input_schema", "parameters")) if k1 in tool}})
+        return out
+
+    def chat_tool_choice(self) -> tuple[Any, bool | None]:
+        """tool_choice as chat's, and parallel_tool_calls (None: the default)."""
+        choice = self.tool_choice
+        if choice is None:
+            return None, None
+        kind = choice.get("type")
+        parallel = False if choice.get("disable_parallel_tool_use") else None
+        if kind == "tool" and isinstance(choice.get("name"), str):
+            return {"type": "function", "function": {"name": choice["name"]}}, parallel
+        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        if mapped is None:
+            raise RequestError(f"tool_choice type {json.dumps(kind)} is not one of auto, any, tool (with a name), none",
+                               param="tool_choice")
+        return mapped, parallel
+
+    def chat_request(self) -> ChatCompletionRequest:
+        choice, parallel = self.chat_tool_choice()
+        fields = {"model": self.model, "messages": self.chat_messages(), "max_completion_tokens": self.max_tokens,
+                  "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "stop": self.stop_sequences or None, "tools": self.chat_tools(), "tool_choice": choice,
+                  "parallel_tool_calls": parallel, "stream": self.stream}
+        try:
+            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as exc:
+            message, param = validation_error_message(exc)
+            raise RequestError(f"the request does not make a valid conversation: {message}", param=param) from None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: int = 1  # count_tokens takes none
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "\n".join(b.get("text", "") for b in content)
+    raise RequestError(f"{where} must be a string or a list of text blocks", param=where)
+
+
+def add_messages_routes(app: FastAPI, path: RequestPath) -> None:
+    model = path.model
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict:
+        return {"input_tokens": len(await path.chat_prompt(body.chat_request()))}
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        chat = body.chat_request()
+        gen = await path.start(chat, Prompt(await path.chat_prompt(chat)), request)
+        run = MessageRun(new_message_id(), model.name, gen)
+        if body.stream:
+            here, first = await path.first_event(gen, request)
+            if not here:
+                return Response(status_code=499)
+            return StreamingResponse(run.stream(first), media_type="text/event-stream", headers=gen.headers)
+        if not await path.finish(gen, request):
+            return Response(status_code=499)
+        return Response(_json.encode(run.message(blocks_of(run.choice))), media_type="application/json",
+                        headers=gen.headers)
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex
+
+
+def tool_use_id(call_id: str | None) -> str:
+    """A call id in Anthropic's shape (toolu_...)."""
+    return "toolu_" + (call_id or uuid.uuid4().hex).removeprefix("call_")
+
+
+class MessageRun:
+    """One message as it is generated: its blocks, its body, its stream of events."""
+
+    def __init__(self, message_id: str, model_name: str, gen: Generation) -> None:
+        self.id, self.model_name, self.gen = message_id, model_name, gen
+        self.choice = gen.choices[0]
+
+    def block(self, b: Block, done: bool = True) -> dict[str, Any]:
+        if b.kind == "text":
+            return {"type": "text", "text": b.text if done else ""}
+        return {"type": "tool_use", "id": tool_use_id(b.call_id), "name": b.name, "input": b.arguments() if done else {}}
+
+    def stop(self, blocks: list[Block]) -> tuple[str, str | None]:
+        """stop_reason and stop_sequence."""
+        c = self.choice
+        if c.finish_reason == "length":
+            return "max_tokens", None
+        if getattr(c.detok, "stop_string", None):
+            return "stop_sequence", c.detok.stop_string
+        if any(b.kind == "tool_call" for b in blocks):
+            return "tool_use", None
+        return "end_turn", None
+
+    def usage(self, output_tokens: int) -> dict[str, int]:
+        cached = self.choice.num_cached
+        return {"input_tokens": len(self.gen.prompt.token_ids) - cached, "output_tokens": output_tokens,
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+    def message(self, blocks: list[Block], final: bool = True) -> dict[str, Any]:
+        reason, sequence = self.stop(blocks) if final else (None, None)
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_name,
+                "content": [self.block(b) for b in blocks] if final else [], "stop_reason": reason,
+                "stop_sequence": sequence, "usage": self.usage(len(self.choice.token_ids) if final else 0)}
+
+    def block_event(self, e: BlockEvent) -> bytes:
+        b = e.block
+        if e.what == "start":
+            return sse("content_block_start", index=b.index, content_block=self.block(b, done=False))
+        if e.what == "stop":
+            return sse("content_block_stop", index=b.index)
+        delta = {"type": "text_delta", "text": e.delta} if b.kind == "text" else \
+            {"type": "input_json_delta", "partial_json": e.delta}
+        return sse("content_block_delta", index=b.index, delta=delta)
+
+    async def stream(self, first: Event | None) -> AsyncIterator[bytes]:
+        blocks = OutputBlocks(self.choice)
+        events = self.gen.events
+        try:
+            yield sse("message_start", message=self.message([], final=False))
+            event = first
+            while event is not None:
+                for e in blocks.feed(event.text, final=event.finish_reason is not None):
+                    yield self.block_event(e)
+                event = await anext(events, None)
+            reason, sequence = self.stop(blocks.blocks)
+            yield sse("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                      usage={"output_tokens": len(self.choice.token_ids)})
+            yield sse("message_stop")
+        except (EngineError, RequestError) as exc:
+            yield sse("error", **{k: v for k, v in anthropic_error_body(exc.message, exc.status).items() if k != "type"})
+        except Exception as exc:  # a bug of ours: the client still gets an error event, the log the rest
+            log.error("a message stream failed", exc_info=exc)
+            yield sse("error", error={"type": "api_error",
+                                      "message": f"internal error ({type(exc).__name__}); the server logged it"})
+        finally:
+            await events.aclose()
+
+
+def sse(kind: Literal["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                      "message_delta", "message_stop", "error"], **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + _json.encode({"type": kind, **fields}) + b"\n\n"
