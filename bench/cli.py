@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import httpx
 
 from bench.common import TOKENIZER_FILES, BenchError, default_out, fail_unless_measured, has_tokenizer, one_line
-from bench.servers import option_value, start_server, stop_server
+from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
 from scheduler.config import POLICIES
 
 if TYPE_CHECKING:
@@ -50,8 +50,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-conversations", type=int, default=200, help="distinct conversations (cycled if the run is longer)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for exact text lengths (default: the served model's folder when it is local)")
-    g.add_argument("--api", default="chat", choices=["chat", "completions"],
-                   help="completions sends token ids (exact lengths, needs return_token_ids for later turns)")
+    g.add_argument("--api", default="chat", choices=["chat", "completions", "responses"],
+                   help="completions sends token ids (exact lengths, needs return_token_ids for later turns); responses "
+                        "sends each later turn's new message only, after the previous response's id (stored by the "
+                        "server)")
     g.add_argument("--token-timing", action="store_true",
                    help="ask for return_token_ids (vLLM's extension) on every request, so that TTFT and ITL time the "
                         "tokens, not the text: a detokenizer holds back incomplete UTF-8, and random weights on a "
@@ -191,7 +193,7 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     if not policies and not peers and not args.peer:
         raise BenchError("nothing to compare: give --policies, --peer vllm and/or --server NAME=URL")
     out = Path(args.out or default_out("compare"))
-    serve_args = shlex.split(args.serve_args)
+    serve_args = with_model_args(shlex.split(args.serve_args), local_model(args.model))
     targets = [Target(f"ppd:{p}", start=functools.partial(_start_ppd, p, serve_args)) for p in policies]
     targets += [Target(n, url=u) for n, u in peers]
     if args.peer:
@@ -340,13 +342,13 @@ def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any)
 
     if args.workload == "synthetic":
         options = dict(profile=args.profile, turn1=args.turn1, turns=args.turns, scale=_fitted_scale(args, served),
-                       api=args.api)
+                       api=_text_or_ids(args.api))
     elif args.workload == "uniform":
         low, _, high = args.user_tokens.partition("-")
         if not (low.isdigit() and (high or low).isdigit()):
             raise BenchError(f"--user-tokens {args.user_tokens!r}: give LOW-HIGH or N, e.g. 200-400")
         options = dict(turns=args.turns, user_tokens=(int(low), int(high or low)), output_tokens=args.output_tokens,
-                       api=args.api)
+                       api=_text_or_ids(args.api))
     elif args.workload == "sharegpt":
         max_input = args.max_input_tokens
         if max_input is None and served.get("max_model_len"):
@@ -361,12 +363,17 @@ def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any)
         raise BenchError(str(exc)) from exc
 
 
+def _text_or_ids(api: str) -> str:
+    """The workloads' api: "completions" for turns of token ids, "chat" for text (chat and responses)."""
+    return "completions" if api == "completions" else "chat"
+
+
 def _tokenizer(args: argparse.Namespace, served: dict | None, name: str) -> Any:
     """The tokenizer of the server `name` (served as in `_tokenizer_folder`), loaded, or None where there is none;
     a BenchError naming the fix where the workload needs one (synthetic chat prompts of exact length)."""
     folder = _tokenizer_folder(args, served)
     if folder is None:
-        if args.workload == "synthetic" and args.api == "chat":
+        if args.workload == "synthetic" and args.api != "completions":
             raise BenchError(f"{name}: exact prompt lengths of --api chat need the model's tokenizer, and no local "
                              "folder of it with tokenizer files is known: pass --api completions (token ids) or "
                              "--tokenizer PATH")

@@ -28,6 +28,8 @@ from tqdm import tqdm
 from yarl import URL
 
 NEEDS_TOKEN_IDS = "completions API multi-turn needs return_token_ids support"
+APIS = ("chat", "completions", "responses")
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
 
 
 @dataclass
@@ -76,7 +78,8 @@ class RequestRecord:
 class LoadConfig:
     base_url: str            # e.g. http://127.0.0.1:8000 (no /v1)
     model: str
-    api: str = "chat"        # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids
+    api: str = "chat"        # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids;
+    # "responses": /v1/responses, each later turn only its new message after the previous response's id (stored)
     qps: float | None = None         # conversation arrival rate (Poisson); exactly one of qps / concurrency is set
     concurrency: int | None = None   # closed loop: this many conversations in flight; a finished one is replaced
     duration: float = 60.0   # seconds: no new conversation starts and no new turn is sent after this
@@ -161,11 +164,11 @@ def _check(cfg: LoadConfig, conversations: list[Conversation]) -> None:
         raise ValueError("set exactly one of qps (open loop) or concurrency (closed loop)")
     if cfg.qps is not None and cfg.qps <= 0 or cfg.concurrency is not None and cfg.concurrency < 1:
         raise ValueError("qps must be > 0 and concurrency >= 1")
-    if cfg.api not in ("chat", "completions"):
-        raise ValueError(f"api must be 'chat' or 'completions', not {cfg.api!r}")
+    if cfg.api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, not {cfg.api!r}")
     if not conversations or any(not conv.turns for conv in conversations):
         raise ValueError("no conversations to send, or one without turns")
-    want = str if cfg.api == "chat" else list
+    want = list if cfg.api == "completions" else str
     for conv in conversations:
         if any(not isinstance(t.user, want) for t in conv.turns):
             raise ValueError(f"conversation {conv.id}: the {cfg.api} API needs turns of "
@@ -190,7 +193,7 @@ class _Load:
         self.t0 = perf_counter()
         self.deadline = self.t0 + cfg.duration
         base = cfg.base_url.rstrip("/").removesuffix("/v1")
-        self.url = URL(base + ("/v1/chat/completions" if cfg.api == "chat" else "/v1/completions"))
+        self.url = URL(base + _PATHS[cfg.api])
         self.headers = {**_HEADERS, **cfg.headers}
         self.failed = 0
 
@@ -230,6 +233,8 @@ class _Load:
         """Send the turns in order, each with the whole history; stop at the first failure or the deadline.
         Returns the Retry-After seconds of a refusal that ended it (0 otherwise)."""
         cfg, chat = self.cfg, self.cfg.api == "chat"
+        if cfg.api == "responses":
+            return await self.responses_conversation(cid, conv)
         base = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
                 "temperature": cfg.temperature}
         if conv.ignore_eos:
@@ -247,7 +252,7 @@ class _Load:
             else:
                 prompt_ids += turn.user
                 body = {**base, "prompt": prompt_ids, "max_tokens": turn.max_tokens, **cfg.extra_body}
-            record, text, ids, retry_after = await self.request(_encode(body), cid, i)
+            record, text, ids, retry_after, _ = await self.request(_encode(body), cid, i)
             self.add(record)
             if record.error is not None:
                 return retry_after  # later turns would carry a wrong history
@@ -262,12 +267,35 @@ class _Load:
                 return 0.0
         return 0.0
 
-    async def request(self, body: bytes, cid: str, turn: int) -> tuple[RequestRecord, str, list[int] | None, float]:
-        """Send one streamed request; the record, the streamed text, token ids (None if none came) and the
-        Retry-After seconds of a 429 or 503 that carried one (0 otherwise)."""
+    async def responses_conversation(self, cid: str, conv: Conversation) -> float:
+        """The turns through the Responses API: each sends only its new message, after the previous response's id
+        (the server stored the conversation)."""
+        cfg = self.cfg
+        base = {"model": cfg.model, "stream": True, "temperature": cfg.temperature, "store": True}
+        if conv.system is not None:
+            base["instructions"] = conv.system
+        if conv.ignore_eos:
+            base["ignore_eos"] = True
+        previous = None
+        for i, turn in enumerate(conv.turns):
+            if i and perf_counter() >= self.deadline:
+                return 0.0
+            body = {**base, "input": turn.user, "max_output_tokens": turn.max_tokens, **cfg.extra_body}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            record, _, _, retry_after, previous = await self.request(_encode(body), cid, i)
+            self.add(record)
+            if record.error is not None:
+                return retry_after
+        return 0.0
+
+    async def request(self, body: bytes, cid: str, turn: int
+                      ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
+        """Send one streamed request; the record, the streamed text, token ids (None if none came), the
+        Retry-After seconds of a 429 or 503 that carried one (0 otherwise) and the response's id (Responses API)."""
         route, retry_after = None, 0.0
         start = perf_counter()
-        stream = _Stream(start)
+        stream = _ResponsesStream(start) if self.cfg.api == "responses" else _Stream(start)
         try:
             async with self.session.post(self.url, data=body, headers=self.headers) as resp:
                 route = resp.headers.get("x-ppd-route")
@@ -290,7 +318,7 @@ class _Load:
             stream.error = f"{type(exc).__name__}: {exc}"[:300]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             stream.error = f"bad stream chunk: {exc}"[:300]
-        return stream.record(cid, turn, route), "".join(stream.texts), stream.ids, retry_after
+        return stream.record(cid, turn, route), "".join(stream.texts), stream.ids, retry_after, stream.response_id
 
 
 class _Stream:
@@ -308,6 +336,7 @@ class _Stream:
         self.error: str | None = None
         self.done = False
         self.pending = b""  # a line split across reads
+        self.response_id: str | None = None  # the Responses API's
 
     def feed(self, data: bytes, now: float) -> bool:
         """Take the bytes of one read, which arrived by `now`; True once [DONE] or an error event came."""
@@ -359,6 +388,63 @@ class _Stream:
             prompt_tokens=usage.prompt_tokens or 0,
             output_tokens=usage.completion_tokens if usage.completion_tokens is not None else self.chunks,
             cached_tokens=details.cached_tokens if details is not None else None, route=route, error=self.error)
+
+
+class _RespUsage(msgspec.Struct):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    input_tokens_details: _Details | None = None
+
+
+class _Resp(msgspec.Struct):
+    id: str | None = None
+    usage: _RespUsage | None = None
+
+
+class _RespEvent(msgspec.Struct):
+    type: str = ""
+    delta: str | None = None
+    response: _Resp | None = None
+    message: str | None = None
+
+
+_decode_event = msgspec.json.Decoder(_RespEvent).decode
+_RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.failed")
+
+
+class _ResponsesStream(_Stream):
+    """A Responses API stream: typed events, no [DONE]. The first token's time is response.created's: ppd sends
+    it with the first token (so that an error before it still gets an HTTP status), where OpenAI sends it at once;
+    elsewhere it would time the request's acceptance, not a token. Output text deltas time the later tokens."""
+
+    def feed(self, data: bytes, now: float) -> bool:
+        lines = (self.pending + data).split(b"\n") if self.pending else data.split(b"\n")
+        self.pending = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            event = _decode_event(line[5:].strip())
+            kind = event.type
+            if kind == "response.created":
+                self.ttft, self.last = now - self.start, now
+                self.response_id = event.response.id if event.response else None
+            elif kind == "response.output_text.delta" and event.delta:
+                self.texts.append(event.delta)
+                self.itl.append(now - self.last)
+                self.last = now
+                self.chunks += 1
+            elif kind.encode() in _RESPONSE_ENDS:
+                usage = event.response.usage if event.response is not None else None
+                if usage is not None:
+                    self.usage = _Usage(usage.input_tokens, usage.output_tokens, usage.input_tokens_details)
+                if kind == "response.failed":
+                    self.error = "response.failed"
+                self.done, self.end = True, now
+                return True
+            elif kind == "error":
+                self.error = (event.message or "error event")[:300]
+                return True
+        return False
 
 
 async def _cancel(tasks: set[asyncio.Task] | list[asyncio.Task]) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import BenchError, default_out, fail_unless_measured, one_line, write_json
-from bench.servers import option_value, start_server, stop_server
+from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
 
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
                "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> None:
     settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
     results = _earlier(out, settings)
     for name, extra in configs.items():
-        serve_args = [*shlex.split(args.serve_args), *shlex.split(extra)]
+        serve_args = with_model_args([*shlex.split(args.serve_args), *shlex.split(extra)], local_model(args.model))
         print(f"{name}: ppd serve {shlex.join(serve_args)}", flush=True)
         results[name] = {"serve_args": serve_args, **_run(serve_args, out / f"{name}.log", args)}
         print(f"  {_line(results[name])}", flush=True)

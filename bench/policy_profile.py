@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import BenchError, fail_unless_measured, file_out, names_folder
-from bench.servers import start_server, stop_server
+from bench.servers import add_served_model_args, start_server, stop_server, with_model_args
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from profiles import PROFILES_DIR, cpu_device_name
 from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, table_path
@@ -246,9 +246,9 @@ def heatmap(table: PolicyTable, path: Path) -> None:
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
+    add_served_model_args(p)
     p.add_argument("--serve-args", default="",
-                   help="arguments for the `ppd serve` this starts (e.g. \"--model /m --dtype bfloat16\"); default: "
-                        "the demo model")
+                   help="more arguments for the `ppd serve` this starts (e.g. \"--max-num-seqs 64\")")
     p.add_argument("--url", default=None, help="profile a server already running here instead of starting one")
     p.add_argument("--out", default=None, help="the table (default: profiles/<device>__<model>__policy.json); a "
                                                "folder: that file name in it")
@@ -283,13 +283,18 @@ def main(args: argparse.Namespace) -> None:
     proc = None
     try:
         url = args.url
+        if url is not None and (given := [f for f, v in (("--model", args.model), ("--dtype", args.dtype),
+                                                           ("--load-format", args.load_format)) if v is not None]):
+            raise BenchError(f"{', '.join(given)} describe the server this command starts; with --url it is running "
+                             "already: leave them out")
         if url is None:
             # Beside the table. Where the table's name waits for the server's device and model (no --out, or --out
             # a folder), the log starts under a placeholder name and is renamed then.
             named = args.out is not None and not names_folder(args.out)
             log = (Path(args.out).with_suffix(".serve.log") if named
                    else file_out(args.out, PROFILES_DIR / "policy-profile.serve.log"))
-            proc, url = start_server(["--policy", "pd", *shlex.split(args.serve_args)], log)
+            serve_args = with_model_args(shlex.split(args.serve_args), args.model, args.dtype, args.load_format)
+            proc, url = start_server(["--policy", "pd", *serve_args], log)
         device, model, gpu = _describe(url)
         grid = choose_grid(args, gpu)
         out = file_out(args.out, table_path(device, model))

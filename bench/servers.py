@@ -71,6 +71,42 @@ def option_value(args: list[str], name: str) -> str | None:
     return value
 
 
+MODEL_FLAGS = ("--model", "--dtype", "--load-format")  # what every command that starts `ppd serve` takes as its own
+
+
+def add_served_model_args(p) -> None:
+    """--model, --dtype and --load-format of a command that starts `ppd serve`, as `ppd serve` takes them."""
+    p.add_argument("--model", default=None, help="the model folder the server serves, or 'demo' (default: the demo)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (default: the checkpoint's)")
+    p.add_argument("--load-format", default=None, choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights of the folder's config")
+
+
+def local_model(name: str | None) -> str | None:
+    """`ppd bench --model` where it names a model `ppd serve` can load (a folder, or demo), for the servers a bench
+    command starts; None where it is only the name requests carry (of a running server)."""
+    from engine.demo import DEMO_MODEL
+
+    return name if name is not None and (name == DEMO_MODEL or Path(name).is_dir()) else None
+
+
+def with_model_args(serve_args: list[str], model: str | None = None, dtype: str | None = None,
+                    load_format: str | None = None) -> list[str]:
+    """serve_args with the model flags given on the command's own command line added; one also in serve_args with
+    another value is a BenchError naming both."""
+    out = list(serve_args)
+    for flag, value in zip(MODEL_FLAGS, (model, dtype, load_format)):
+        if value is None:
+            continue
+        given = option_value(out, flag)
+        if given is not None and given != value:
+            raise BenchError(f"{flag} {value} and {flag} {given} in --serve-args differ: give it once")
+        if given is None:
+            out += [flag, value]
+    return out
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM, then SIGKILL when the server has not exited within 30 s."""
     proc.send_signal(signal.SIGTERM)

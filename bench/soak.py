@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import BenchError, default_out
-from bench.servers import start_server, stop_server
+from bench.servers import add_served_model_args, start_server, stop_server, with_model_args
 
 WORDS = ("sea wind ship harbour light stone river bridge garden market window paper music winter summer "
          "morning story question answer number").split()
@@ -291,7 +291,8 @@ def report(result: dict, command: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="a running server (default: start `ppd serve` with --serve-args)")
-    parser.add_argument("--serve-args", default="", help="arguments of the `ppd serve` it starts (default: the demo)")
+    add_served_model_args(parser)
+    parser.add_argument("--serve-args", default="", help="more arguments of the `ppd serve` it starts")
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--requests", type=int, default=10000, help="requests in all (default: 10000)")
     parser.add_argument("--concurrency", type=int, default=32, help="clients at a time (default: 32)")
@@ -323,7 +324,8 @@ def main() -> int:
         import shlex
 
         try:
-            proc, url = start_server(shlex.split(args.serve_args), out / "serve.log")
+            serve_args = with_model_args(shlex.split(args.serve_args), args.model, args.dtype, args.load_format)
+            proc, url = start_server(serve_args, out / "serve.log")
         except BenchError as exc:
             print(f"python -m bench.soak: error: {exc}", file=sys.stderr)
             return 2

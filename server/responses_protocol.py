@@ -3,7 +3,7 @@
 Function tools, text and JSON-schema output, stored conversations (previous_response_id) and streaming are
 served; what is not (built-in tools such as web search, reasoning, background runs, images and files in the input)
 is refused with a 400 naming the field, never ignored. vLLM's sampling extensions (top_k, min_p, seed,
-repetition_penalty) are taken as on chat completions.
+repetition_penalty, ignore_eos) are taken as on chat completions.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class ResponsesRequest(BaseModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
 
     # Not served: accepted only when absent, null or asking for nothing.
     background: Annotated[Any, _unsupported(False)] = None
@@ -131,7 +132,8 @@ class ResponsesRequest(BaseModel):
         """The sampling and output fields of the chat completions request this runs as (messages apart)."""
         fields = {"model": self.model, "stream": self.stream, "max_completion_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                  "seed": self.seed, "repetition_penalty": self.repetition_penalty, "tools": self.chat_tools(),
+                  "seed": self.seed, "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
+                  "tools": self.chat_tools(),
                   "tool_choice": self.chat_tool_choice(), "response_format": self.response_format()}
         if self.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = self.parallel_tool_calls

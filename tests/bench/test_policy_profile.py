@@ -107,6 +107,19 @@ def test_the_server_it_starts_logs_beside_the_table(tmp_path: Path) -> None:
     assert "unrecognized arguments: --no-such-flag" in (folder / "policy-profile.serve.log").read_text()
 
 
+def test_the_model_flags_go_to_the_server_it_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    # The server gets --model and --dtype as `ppd serve` takes them: a folder that is not a model stops it, and its
+    # log says which folder it was given.
+    missing = tmp_path / "no-model"
+    argv = ["profile", "policy", "--model", str(missing), "--dtype", "float32", "--out", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 2
+    assert str(missing) in (tmp_path / "t.serve.log").read_text()
+    assert cli.main([*argv[:4], "--serve-args=--model demo", "--out", str(tmp_path / "t.json")]) == 2
+    assert "--model demo in --serve-args differ" in capsys.readouterr().err
+    assert cli.main(["profile", "policy", "--url", "http://unused", "--model", "demo"]) == 2
+    assert "with --url it is running already" in capsys.readouterr().err
+
+
 def test_out_a_folder_gets_the_table_under_its_default_name(fake_measure: FakeMeasure,
                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(policy_profile, "_describe", lambda url: ("cpu-2core", "demo", False))

@@ -64,6 +64,29 @@ def test_both_api_servers_answer_correctly(server, tokenizer) -> None:
         assert body["choices"][0]["text"] == tokenizer.decode(prompt[:6])
 
 
+def test_stored_responses_are_shared_by_the_api_servers(server) -> None:
+    """A response stored by one API server is read and continued through the other (their store is one file)."""
+    def post(body: dict) -> httpx.Response:
+        with httpx.Client() as client:  # a connection of its own: either API server may take it
+            resp = client.post(f"{server.url}/v1/responses", json={"model": "demo", "max_output_tokens": 4, **body},
+                               timeout=30)
+        assert resp.status_code == 200, resp.text
+        return resp
+
+    made: dict[str, str] = {}  # response id -> the API server that stored it
+    deadline = time.monotonic() + 60
+    while set(made.values()) != {"0", "1"} and time.monotonic() < deadline:
+        resp = post({"input": f"store me {len(made)}"})
+        made[resp.json()["id"]] = resp.headers["x-ppd-api-server"]
+    assert set(made.values()) == {"0", "1"}
+    for response_id, origin in made.items():
+        others = set()
+        while not others and time.monotonic() < deadline + 60:
+            resp = post({"input": "go on", "previous_response_id": response_id})
+            others |= {resp.headers["x-ppd-api-server"]} - {origin}
+        assert others, f"no other API server continued {response_id}"
+
+
 def test_every_scrape_counts_the_requests_of_both(server) -> None:
     time.sleep(1.5)  # each API server publishes its counts every second: the counts are at most that stale
     before = server.metrics().get("vllm:request_success_total", 0)

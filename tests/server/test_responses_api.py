@@ -190,3 +190,21 @@ def test_openai_agents_sdk_runs_a_three_turn_agent_with_a_function_tool(server: 
     # Each turn continued the previous one's stored response: its whole history was cached.
     last_usage = results[-1].raw_responses[0].usage
     assert last_usage.input_tokens_details.cached_tokens > 0
+
+
+def test_the_load_generator_runs_stored_conversations(server: ServerProcess) -> None:
+    """`ppd bench --api responses`: each later turn sends only its new message after the previous response's id;
+    the records carry the first-token time, the usage and the cache hits of every earlier token."""
+    from bench.client import Conversation, LoadConfig, Turn, run_load
+
+    conversations = [Conversation(f"c{i}", [Turn(f"Question {j} of talk {i}.", 6) for j in range(3)],
+                                  system="Answer.", ignore_eos=True) for i in range(2)]
+    cfg = LoadConfig(base_url=server.url, model="demo", api="responses", concurrency=2, duration=5)
+    records = asyncio.run(run_load(cfg, conversations, progress=False))
+    records = sorted((r for r in records if r.conversation in ("c0", "c1")), key=lambda r: (r.conversation, r.turn))
+    assert [(r.conversation, r.turn) for r in records] == [(c, t) for c in ("c0", "c1") for t in range(3)]
+    for r in records:
+        assert r.success and r.ttft is not None and 0 < r.ttft <= r.latency and r.output_tokens == 6
+    for before, after in zip(records, records[1:]):
+        if after.turn:
+            assert after.cached_tokens == (before.prompt_tokens + before.output_tokens - 1) // BLOCK * BLOCK

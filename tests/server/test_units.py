@@ -44,6 +44,27 @@ def test_later_turns_hit_their_unit_and_load_spreads(server: ServerProcess) -> N
     assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values())
 
 
+def test_stored_conversations_stay_on_the_unit_holding_their_blocks(server: ServerProcess) -> None:
+    # Several conversations at once, three turns each through stored responses: every later turn finds every
+    # earlier token cached, which it can only on the unit that ran the turns before.
+    previous: dict[int, dict] = {}
+    for turn in range(3):
+        for i in range(4):
+            body = {"model": "demo", "input": f"stored {i}, turn {turn}: " + "say more " * 4, "max_output_tokens": 6,
+                    "temperature": 0, "ignore_eos": True}
+            if i in previous:
+                body["previous_response_id"] = previous[i]["id"]
+            resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
+            assert resp.status_code == 200, resp.text
+            usage = resp.json()["usage"]
+            if i in previous:
+                earlier = previous[i]["usage"]["input_tokens"] + previous[i]["usage"]["output_tokens"]
+                assert usage["input_tokens_details"]["cached_tokens"] == (earlier - 1) // 16 * 16
+            previous[i] = resp.json()
+    queries = per_engine(server, "vllm:prefix_cache_queries_total")
+    assert all(v > 0 for v in queries.values())
+
+
 def allowed_cores(pid: int) -> set[int]:
     text = Path(f"/proc/{pid}/status").read_text()
     spec = re.search(r"^Cpus_allowed_list:\s*(\S+)$", text, re.M).group(1)
