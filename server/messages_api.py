@@ -140,7 +140,9 @@ class MessagesRequest(BaseModel):
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as exc:
             message, param = validation_error_message(exc)
-            raise RequestError(f"the request does not make a valid conversation: {message}", param=param) from None
+            field = (param or "messages").split(".")[0]
+            ours = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}.get(field, field)
+            raise RequestError(message.replace(field, ours, 1), param=ours) from None
 
 
 class CountTokensRequest(MessagesRequest):

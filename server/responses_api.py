@@ -80,7 +80,10 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
                 {**body.chat_fields(), "messages": system_messages(body.instructions) + history})
         except ValidationError as exc:
             message, param = validation_error_message(exc)
-            raise RequestError(f"the input does not make a valid conversation: {message}", param="input") from None
+            field = (param or "input").split(".")[0]
+            ours = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                    "response_format": "text.format"}.get(field, field)
+            raise RequestError(f"{message.replace(field, ours, 1)}", param=ours) from None
         tools = chat.template_tools()
         headers = {}
         if prev is None:

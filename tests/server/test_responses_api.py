@@ -143,6 +143,9 @@ def test_stored_responses_are_read_deleted_and_missing_ones_are_404(client: open
     ({"include": ["message.output_text.logprobs"]}, "include"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": []}, "input"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"},
+                {"role": "assistant", "content": "a"}], "max_output_tokens": 0}, "max_output_tokens"),
 ])
 def test_what_is_not_served_is_a_400_naming_the_field(server: ServerProcess, extra: dict, param: str) -> None:
     body = {"model": "demo", "input": "Hi", **extra}
