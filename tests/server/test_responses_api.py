@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from typing import Literal
 
 import httpx
@@ -211,3 +212,19 @@ def test_the_load_generator_runs_stored_conversations(server: ServerProcess) -> 
     for before, after in zip(records, records[1:]):
         if after.turn:
             assert after.cached_tokens == (before.prompt_tokens + before.output_tokens - 1) // BLOCK * BLOCK
+
+
+def test_a_store_file_survives_a_restart(start_server, tmp_path) -> None:
+    """--response-store PATH: a conversation stored before a restart goes on after it, from its kept token ids."""
+    path = str(tmp_path / "responses.sqlite")
+    first_server = start_server("--response-store", path)
+    before = openai.OpenAI(base_url=f"{first_server.url}/v1", api_key="unused", max_retries=0)
+    first = before.responses.create(model="demo", input="Remember this.", **GREEDY)
+    assert first_server.stop() in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful stop
+    after = openai.OpenAI(base_url=f"{start_server('--response-store', path).url}/v1", api_key="unused",
+                          max_retries=0)
+    assert after.responses.retrieve(first.id).output_text == first.output_text
+    raw = after.responses.with_raw_response.create(model="demo", input="Go on.", previous_response_id=first.id,
+                                                   **GREEDY)
+    assert raw.headers["x-ppd-history"] == "token-ids"
+    assert raw.parse().usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
