@@ -35,6 +35,13 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str,
                                          tokenize=False)
 
 
+def first_prompt(tokenizer: Any, instructions: str | None, messages: list[dict[str, Any]],
+                 tools: list[dict[str, Any]] | None) -> list[int]:
+    """A conversation's first prompt ids: rendered by the same code as the T1 that later turns check against."""
+    return tokenizer.encode(render(tokenizer, system_messages(instructions) + messages, tools, True),
+                            add_special_tokens=False)
+
+
 def continued_prompt(tokenizer: Any, prev: StoredResponse, instructions: str | None, new: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None) -> tuple[list[int], bool]:
     """The prompt ids of the turn after prev with the new messages, and whether prev's ids were kept (False: the

@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from server.conversation import continued_prompt, system_messages
+from server.conversation import continued_prompt, first_prompt, system_messages
 from server.engine_client import EngineError
 from server.errors import RequestError, validation_error_message
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
@@ -86,15 +86,15 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
             raise RequestError(f"{message.replace(field, ours, 1)}", param=ours) from None
         tools = chat.template_tools()
         headers = {}
-        if prev is None:
-            prompt_ids = await path.chat_prompt(chat)
-        else:
-            try:
+        try:
+            if prev is None:
+                prompt_ids = await path.off_loop(first_prompt, model.tokenizer, body.instructions, new, tools)
+            else:
                 prompt_ids, kept = await path.off_loop(continued_prompt, model.tokenizer, prev, body.instructions,
                                                        new, tools)
-            except Exception as exc:  # the template refused the conversation
-                raise RequestError(f"the chat template rejected the conversation: {exc}", param="input") from exc
-            headers[HISTORY_HEADER] = "token-ids" if kept else "rendered"
+                headers[HISTORY_HEADER] = "token-ids" if kept else "rendered"
+        except Exception as exc:  # the template refused the conversation (a role order it does not take, ...)
+            raise RequestError(f"the chat template rejected the conversation: {exc}", param="input") from exc
         gen = await path.start(chat, Prompt(prompt_ids), request)
         run = ResponseRun(new_id("resp"), body, model.name, gen)
         save = (lambda: in_store(store.put, run.stored(history, tools))) if body.store else None

@@ -13,7 +13,8 @@ from bench.frontend import add_frontend_args, main
 def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_frontend_args(parser)
-    args = parser.parse_args(["--streams", "3,8", "--tokens", "12", "--step-ms", "5", "--rounds", "1",
+    # Enough tokens that the server's CPU time spans several clock ticks (12 tokens at 8 streams once read 0).
+    args = parser.parse_args(["--streams", "3,8", "--tokens", "48", "--step-ms", "5", "--rounds", "1",
                               "--out", str(tmp_path)])
     result = main(args)
     assert [r["streams"] for r in result["rows"]] == [3, 8]

@@ -203,7 +203,7 @@ def test_the_load_generator_runs_stored_conversations(server: ServerProcess) -> 
 
     conversations = [Conversation(f"c{i}", [Turn(f"Question {j} of talk {i}.", 6) for j in range(3)],
                                   system="Answer.", ignore_eos=True) for i in range(2)]
-    cfg = LoadConfig(base_url=server.url, model="demo", api="responses", concurrency=2, duration=5)
+    cfg = LoadConfig(base_url=server.url, model="demo", api="responses", concurrency=2, duration=3)
     records = asyncio.run(run_load(cfg, conversations, progress=False))
     records = sorted((r for r in records if r.conversation in ("c0", "c1")), key=lambda r: (r.conversation, r.turn))
     assert [(r.conversation, r.turn) for r in records] == [(c, t) for c in ("c0", "c1") for t in range(3)]
@@ -214,6 +214,7 @@ def test_the_load_generator_runs_stored_conversations(server: ServerProcess) -> 
             assert after.cached_tokens == (before.prompt_tokens + before.output_tokens - 1) // BLOCK * BLOCK
 
 
+@pytest.mark.slow  # two more server starts: the second suite
 def test_a_store_file_survives_a_restart(start_server, tmp_path) -> None:
     """--response-store PATH: a conversation stored before a restart goes on after it, from its kept token ids."""
     path = str(tmp_path / "responses.sqlite")
