@@ -78,8 +78,9 @@ class RequestRecord:
 class LoadConfig:
     base_url: str            # e.g. http://127.0.0.1:8000 (no /v1)
     model: str
-    api: str = "chat"        # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids;
-    # "responses": /v1/responses, each later turn only its new message after the previous response's id (stored)
+    # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids; "responses":
+    # /v1/responses, each later turn only its new message after the previous response's id (stored by the server)
+    api: str = "chat"
     qps: float | None = None         # conversation arrival rate (Poisson); exactly one of qps / concurrency is set
     concurrency: int | None = None   # closed loop: this many conversations in flight; a finished one is replaced
     duration: float = 60.0   # seconds: no new conversation starts and no new turn is sent after this

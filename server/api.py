@@ -1,5 +1,6 @@
-"""The HTTP app: the checks every request passes, errors in OpenAI's shape, health, metrics and models, and each API
-family's routes over the one request path they share (server/request_path.py).
+"""The HTTP app: the checks every request passes, errors in their API's shape (Anthropic's under /v1/messages, else
+OpenAI's), health, metrics and models, and each API family's routes over the one request path they share
+(server/request_path.py).
 
 Families: chat and text completions (chat_api), vLLM's token endpoints (tokenize_api), OpenAI's Responses
 (responses_api) and Anthropic's Messages (messages_api). Every response says where its prefill ran (x-ppd-route).
@@ -17,9 +18,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.chat_api import add_chat_routes
 from server.engine_client import EngineClient, EngineError
-from server.messages_api import add_messages_routes
 from server.errors import RequestError, validation_error_message
 from server.guard import Guard, GuardMiddleware
+from server.messages_api import add_messages_routes
 from server.request_path import RequestPath, ServedModel, error_response
 from server.response_store import ResponseStore
 from server.responses_api import add_responses_routes

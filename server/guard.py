@@ -48,15 +48,17 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        path = scope["path"]
         if self.allowed is not None and (host := headers.get("host")) is not None and _host_name(host) not in self.allowed:
-            return await _send_error(send, scope["path"], 400, f"Host header {host!r} is not one this server answers to; connect to "
-                                                f"{', '.join(sorted(self.allowed))} or start the server with --allowed-hosts")
+            return await _send_error(send, path, 400, f"Host header {host!r} is not one this server answers to; "
+                                                      f"connect to {', '.join(sorted(self.allowed))} or start the "
+                                                      "server with --allowed-hosts")
         if self.guard.api_key is not None and not scope["path"].startswith(OPEN_PATHS):
             given = headers.get("authorization", "")
             token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "").strip()
             if not hmac.compare_digest(token.encode(), self.guard.api_key.encode()):
                 what = "a wrong API key was given" if token else "no API key was given"
-                return await _send_error(send, scope["path"], 401, f"{what}: send the server's key as 'Authorization: Bearer KEY' "
+                return await _send_error(send, path, 401, f"{what}: send the server's key as 'Authorization: Bearer KEY' "
                                                     "or 'x-api-key: KEY' (the key the server was started with, "
                                                     "--api-key or PPD_API_KEY)",
                                          extra_headers=[(b"www-authenticate", b"Bearer")])
@@ -66,9 +68,9 @@ class GuardMiddleware:
         length = headers.get("content-length")
         if length is not None and limit is not None:
             if not length.isdigit():
-                return await _send_error(send, scope["path"], 400, f"Content-Length {length!r} is not a number of bytes")
+                return await _send_error(send, path, 400, f"Content-Length {length!r} is not a number of bytes")
             if int(length) > limit:
-                return await _send_error(send, scope["path"], 413, _too_large(int(length), limit))
+                return await _send_error(send, path, 413, _too_large(int(length), limit))
         body, more = [], True
         size = 0
         while more:
@@ -79,11 +81,11 @@ class GuardMiddleware:
             size += len(body[-1])
             more = message.get("more_body", False)
             if limit is not None and size > limit:
-                return await _send_error(send, scope["path"], 413, _too_large(size, limit, at_least=more))
+                return await _send_error(send, path, 413, _too_large(size, limit, at_least=more))
         if self.refuse is not None and scope["method"] == "POST" and scope["path"].rstrip("/") in GENERATE_PATHS \
                 and (refused := self.refuse()) is not None:
             retry = [] if refused.retry_after is None else [(b"retry-after", str(int(refused.retry_after)).encode())]
-            return await _send_error(send, scope["path"], refused.status, refused.message, extra_headers=retry)
+            return await _send_error(send, path, refused.status, refused.message, extra_headers=retry)
         replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
 
         async def replayed():

@@ -96,7 +96,8 @@ class MessagesRequest(BaseModel):
                                        "message; send text, tool_use (assistant) and tool_result (user) blocks",
                                        param=f"{at}.type")
             if texts or calls:
-                message_out: dict[str, Any] = {"role": role, "content": "\n".join(texts) if texts or not calls else None}
+                joined = "\n".join(texts) if texts or not calls else None
+                message_out: dict[str, Any] = {"role": role, "content": joined}
                 if calls:
                     message_out["tool_calls"] = calls
                 out.append(message_out)
@@ -199,7 +200,8 @@ class MessageRun:
     def block(self, b: Block, done: bool = True) -> dict[str, Any]:
         if b.kind == "text":
             return {"type": "text", "text": b.text if done else ""}
-        return {"type": "tool_use", "id": tool_use_id(b.call_id), "name": b.name, "input": b.arguments() if done else {}}
+        return {"type": "tool_use", "id": tool_use_id(b.call_id), "name": b.name,
+                "input": b.arguments() if done else {}}
 
     def stop(self, blocks: list[Block]) -> tuple[str, str | None]:
         """stop_reason and stop_sequence."""
@@ -248,7 +250,7 @@ class MessageRun:
                       usage={"output_tokens": len(self.choice.token_ids)})
             yield sse("message_stop")
         except (EngineError, RequestError) as exc:
-            yield sse("error", **{k: v for k, v in anthropic_error_body(exc.message, exc.status).items() if k != "type"})
+            yield sse("error", error=anthropic_error_body(exc.message, exc.status)["error"])
         except Exception as exc:  # a bug of ours: the client still gets an error event, the log the rest
             log.error("a message stream failed", exc_info=exc)
             yield sse("error", error={"type": "api_error",

@@ -36,7 +36,8 @@ from server.responses_protocol import ResponsesRequest, input_messages
 log = logging.getLogger("ppd.api")
 _json = msgspec.json.Encoder()
 
-HISTORY_HEADER = "x-ppd-history"  # with previous_response_id: token-ids (the stored ids kept) or rendered (re-tokenized)
+# With previous_response_id: token-ids (the stored ids kept) or rendered (the conversation re-tokenized).
+HISTORY_HEADER = "x-ppd-history"
 
 
 def new_id(prefix: str) -> str:
@@ -200,7 +201,8 @@ class ResponseRun:
         if b.kind == "text":
             part = {"content_index": 0}
             if e.what == "start":
-                return [self.event("response.output_item.added", output_index=b.index, item=self.item(b, "in_progress")),
+                added = self.item(b, "in_progress")
+                return [self.event("response.output_item.added", output_index=b.index, item=added),
                         self.event("response.content_part.added", **where, **part, part=output_text(""))]
             if e.what == "delta":
                 return [self.event("response.output_text.delta", **where, **part, delta=e.delta, logprobs=[])]
@@ -231,8 +233,9 @@ class ResponseRun:
             if not blocks.blocks:  # an empty answer is still a message
                 empty = Block("text", 0)
                 blocks.blocks.append(empty)
-                for chunk in self.block_events(BlockEvent("start", empty)) + self.block_events(BlockEvent("stop", empty)):
-                    yield chunk
+                for what in ("start", "stop"):
+                    for chunk in self.block_events(BlockEvent(what, empty)):
+                        yield chunk
             self.blocks = blocks.blocks
             if save is not None:
                 await save()
@@ -242,8 +245,8 @@ class ResponseRun:
             yield self.event("error", code=str(exc.status), message=exc.message, param=None)
         except Exception as exc:  # a bug of ours: the client still gets an error event, the log the rest
             log.error("a response stream failed", exc_info=exc)
-            yield self.event("error", code="500", message=f"internal error ({type(exc).__name__}); the server logged it",
-                             param=None)
+            message = f"internal error ({type(exc).__name__}); the server logged it"
+            yield self.event("error", code="500", message=message, param=None)
         finally:
             await events.aclose()
 
