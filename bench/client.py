@@ -339,11 +339,15 @@ class _Stream:
         self.pending = b""  # a line split across reads
         self.response_id: str | None = None  # the Responses API's
 
-    def feed(self, data: bytes, now: float) -> bool:
-        """Take the bytes of one read, which arrived by `now`; True once [DONE] or an error event came."""
+    def lines(self, data: bytes) -> list[bytes]:
+        """The whole lines that data completes; a line it leaves unfinished waits for the next read."""
         lines = (self.pending + data).split(b"\n") if self.pending else data.split(b"\n")
         self.pending = lines.pop()
-        for line in lines:
+        return lines
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Take the bytes of one read, which arrived by `now`; True once [DONE] or an error event came."""
+        for line in self.lines(data):
             if not line.startswith(b"data:"):
                 continue  # blank separators, SSE comments and keep-alives
             payload = line[5:].strip()
@@ -419,9 +423,7 @@ class _ResponsesStream(_Stream):
     elsewhere it would time the request's acceptance, not a token. Output text deltas time the later tokens."""
 
     def feed(self, data: bytes, now: float) -> bool:
-        lines = (self.pending + data).split(b"\n") if self.pending else data.split(b"\n")
-        self.pending = lines.pop()
-        for line in lines:
+        for line in self.lines(data):
             if not line.startswith(b"data:"):
                 continue
             event = _decode_event(line[5:].strip())

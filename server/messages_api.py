@@ -18,12 +18,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.engine_client import EngineError
-from server.errors import RequestError, anthropic_error_body, validation_error_message
+from server.errors import RequestError, anthropic_error_body
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
-from server.protocol import INT64_MAX, ChatCompletionRequest, _unsupported
+from server.protocol import INT64_MAX, ChatCompletionRequest, _unsupported, chat_request_as
 from server.request_path import Generation, RequestPath
 from server.responses import Event, Prompt
 
@@ -137,13 +137,7 @@ class MessagesRequest(BaseModel):
                   "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                   "stop": self.stop_sequences or None, "tools": self.chat_tools(), "tool_choice": choice,
                   "parallel_tool_calls": parallel, "stream": self.stream}
-        try:
-            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        except ValidationError as exc:
-            message, param = validation_error_message(exc)
-            field = (param or "messages").split(".")[0]
-            ours = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}.get(field, field)
-            raise RequestError(message.replace(field, ours, 1), param=ours) from None
+        return chat_request_as(fields, {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"})
 
 
 class CountTokensRequest(MessagesRequest):

@@ -16,11 +16,11 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS,
                                     GuidedSpec, SamplingParams)
-from server.errors import RequestError
+from server.errors import RequestError, validation_error_message
 from server.tools import NamedToolChoice, Tool, ToolCall, template_messages
 
 MAX_N = 16
@@ -431,6 +431,18 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, else max_tokens (OpenAI's older name); None if neither."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def chat_request_as(fields: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
+    """The chat completions request another API's body runs as (the Responses and Messages APIs), validated; an
+    error names the field by that API's name (names: chat field -> its name), as its client sent it."""
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+    except ValidationError as exc:
+        message, param = validation_error_message(exc)
+        field = (param or "messages").split(".")[0]
+        ours = names.get(field, field)
+        raise RequestError(message.replace(field, ours, 1), param=ours) from None
 
 
 class CompletionRequest(SamplingRequest):

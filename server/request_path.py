@@ -163,9 +163,8 @@ class RequestPath:
         tools = tool_output_for(body, model.tokenizer, model.tool_parser) if isinstance(body, ChatCompletionRequest) \
             else None
         asked = body.guided_spec()
-        if tools is not None and tools.spec is not None and asked is not None and asked[1] == "response_format":
-            asked = None  # OpenAI's: the format of the text, and a forced call leaves no text (agents send both)
-        if tools is not None and tools.spec is not None and asked is not None:
+        # OpenAI's response_format is the text's, and a forced call leaves no text (agents send both): the call wins.
+        if tools is not None and tools.spec is not None and asked is not None and asked[1] != "response_format":
             raise RequestError(f"tool_choice {tools.mode} already constrains the output to tool calls; remove "
                                f"{asked[1]}", param=asked[1])
         spec, field = (tools.spec, "tools") if tools is not None and tools.spec is not None else (asked or (None, None))

@@ -21,13 +21,12 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 
 from server.conversation import continued_prompt, first_prompt, system_messages
 from server.engine_client import EngineError
-from server.errors import RequestError, validation_error_message
+from server.errors import RequestError
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
-from server.protocol import ChatCompletionRequest
+from server.protocol import chat_request_as
 from server.request_path import Generation, RequestPath
 from server.response_store import ResponseStore, StoredResponse
 from server.responses import Choice, Event, Prompt
@@ -76,15 +75,9 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
         new = input_messages(body.input)
         prev = await stored(body.previous_response_id, "previous_response_id") if body.previous_response_id else None
         history = (prev.history + [prev.assistant] if prev else []) + new
-        try:
-            chat = ChatCompletionRequest.model_validate(
-                {**body.chat_fields(), "messages": system_messages(body.instructions) + history})
-        except ValidationError as exc:
-            message, param = validation_error_message(exc)
-            field = (param or "input").split(".")[0]
-            ours = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "response_format": "text.format"}.get(field, field)
-            raise RequestError(f"{message.replace(field, ours, 1)}", param=ours) from None
+        chat = chat_request_as({**body.chat_fields(), "messages": system_messages(body.instructions) + history},
+                               {"messages": "input", "max_completion_tokens": "max_output_tokens",
+                                "response_format": "text.format"})
         tools = chat.template_tools()
         headers = {}
         try:
@@ -98,7 +91,7 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
             raise RequestError(f"the chat template rejected the conversation: {exc}", param="input") from exc
         gen = await path.start(chat, Prompt(prompt_ids), request)
         run = ResponseRun(new_id("resp"), body, model.name, gen)
-        save = (lambda: in_store(store.put, run.stored(history, tools))) if body.store else None
+        save = (lambda final: in_store(store.put, run.stored(history, tools, final))) if body.store else None
         if body.stream:
             here, first = await path.first_event(gen, request)
             if not here:
@@ -108,9 +101,10 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
         if not await path.finish(gen, request):
             return Response(status_code=499)
         run.finish_blocks()
+        final = run.response()
         if save is not None:
-            await save()
-        return Response(_json.encode(run.response()), media_type="application/json",
+            await save(final)
+        return Response(_json.encode(final), media_type="application/json",
                         headers={**gen.headers, **headers})
 
 
@@ -178,15 +172,17 @@ class ResponseRun:
             "background": False, "reasoning": None, "user": body.user, "service_tier": "default",
         }
 
-    def stored(self, history: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> StoredResponse:
-        """This finished response as the store keeps it, with the chat history its prompt stood for."""
+    def stored(self, history: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               final: dict[str, Any]) -> StoredResponse:
+        """This finished response (final: its object, as sent) as the store keeps it, with the chat history its
+        prompt stood for."""
         texts = [b.text for b in self.blocks if b.kind == "text"]
         calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
                  for b in self.blocks if b.kind == "tool_call"]
         assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
         if calls:
             assistant["tool_calls"] = calls
-        return StoredResponse(self.id, self.response(), self.body.instructions, history, tools,
+        return StoredResponse(self.id, final, self.body.instructions, history, tools,
                               list(self.gen.prompt.token_ids), list(self.choice.token_ids), assistant,
                               exact=not self.choice.detok.stopped)
 
@@ -237,9 +233,9 @@ class ResponseRun:
                     for chunk in self.block_events(BlockEvent(what, empty)):
                         yield chunk
             self.blocks = blocks.blocks
-            if save is not None:
-                await save()
             final = self.response()
+            if save is not None:
+                await save(final)
             yield self.event("response.incomplete" if self.incomplete else "response.completed", response=final)
         except (EngineError, RequestError) as exc:
             yield self.event("error", code=str(exc.status), message=exc.message, param=None)
