@@ -183,10 +183,24 @@ static inline __attribute__((always_inline)) int decode_item_dp(
     /* Softmax over each head's scores, then its weights in pairs of keys as bfloat16 (zeros past L). */
     float *maxes = accs + HI * D, *sums = maxes + HI;
     for (int64_t h = 0; h < HI; h++) {
-        float *ph = p + h * Lp, m = -3.0e38f, sum = 0.0f;
-        for (int64_t t = 0; t < n_keys; t++) m = ph[t] > m ? ph[t] : m;
-        _Pragma("omp simd reduction(+ : sum)")
-        for (int64_t t = 0; t < n_keys; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
+        float *ph = p + h * Lp;
+        const __mmask16 tail = (__mmask16)((1u << (n_keys % 16)) - 1u);
+        const int64_t whole = n_keys / 16 * 16;
+        __m512 mv = _mm512_set1_ps(-3.0e38f), sv = _mm512_setzero_ps();
+        for (int64_t t = 0; t < whole; t += 16) mv = _mm512_max_ps(mv, _mm512_load_ps(ph + t));
+        if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_load_ps(ph + whole));
+        const float m = _mm512_reduce_max_ps(mv);
+        for (int64_t t = 0; t < whole; t += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(ph + t), _mm512_set1_ps(m)));
+            _mm512_store_ps(ph + t, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        if (tail) {
+            const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_load_ps(ph + whole), _mm512_set1_ps(m))));
+            _mm512_mask_store_ps(ph + whole, tail, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        const float sum = _mm512_reduce_add_ps(sv);
         maxes[h] = m, sums[h] = sum;
         const __m512 inv = _mm512_set1_ps(1.0f / sum);
         for (int64_t t = n_keys; t < Lp; t++) ph[t] = 0.0f;

@@ -147,12 +147,43 @@ typedef struct {
     const uint16_t *zeros;  /* D bfloat16 zeros */
 } Scratch;
 
+
 /* The online softmax over one tile of scores St[j][r] (keys j < nk from t0): scale them, mask keys past each
  * row's position where the tile crosses the diagonal (first: the lowest position), fold the tile's max into the
  * running max m, rescale the running sums l and the accumulators At by exp(old max - new max), and leave
  * exp(score - max) in St. */
 static void softmax_tile(Scratch *w, int64_t RP, int64_t nk, int64_t t0, int64_t first, int64_t D, float scale) {
     const int diagonal = t0 + nk - 1 > first;
+#if defined(__AVX512F__)
+    /* Vectors of 16 rows: the scaled, masked scores and their running max in one pass, then the exponentials
+     * (exp16) and their sums in a second: 0.76-0.88x the kernel's time at head size 64 against a pass each and
+     * libm's vectorized expf (cpu-kernels/abp.py). */
+    for (int64_t r = 0; r < RP; r += LANES) {
+        const __m512 pos = _mm512_loadu_ps(w->pos + r), m_old = _mm512_loadu_ps(w->m + r), sc = _mm512_set1_ps(scale);
+        __m512 mx = m_old;
+        for (int64_t j = 0; j < nk; j++) {
+            float *s = w->St + j * RP + r;
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s), sc);
+            if (diagonal)
+                x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_set1_ps((float)(t0 + j)), pos, _CMP_GT_OQ), x,
+                                         _mm512_set1_ps(MASKED));
+            _mm512_storeu_ps(s, x);
+            mx = _mm512_max_ps(mx, x);
+        }
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nk; j++) {
+            float *s = w->St + j * RP + r;
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+            _mm512_storeu_ps(s, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        const __m512 alpha = exp16(_mm512_sub_ps(m_old, mx));
+        _mm512_storeu_ps(w->m + r, mx);
+        _mm512_storeu_ps(w->l + r, _mm512_fmadd_ps(_mm512_loadu_ps(w->l + r), alpha, sum));
+        _mm512_storeu_ps(w->alpha + r, alpha);
+    }
+    float *mx = w->alpha;
+#else
     for (int64_t j = 0; j < nk; j++) {
         const float key = (float)(t0 + j);
         float *s = w->St + j * RP;
@@ -184,6 +215,7 @@ static void softmax_tile(Scratch *w, int64_t RP, int64_t nk, int64_t t0, int64_t
         w->l[r] = w->l[r] * alpha + sum[r];
         mx[r] = alpha;
     }
+#endif
     if (t0 > 0)
         for (int64_t d = 0; d < D; d++) {
             float *a = w->At + d * RP;
