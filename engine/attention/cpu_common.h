@@ -29,24 +29,24 @@ static const short INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* e^x for x <= 0 (a score less its row's maximum), 16 lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf
- * polynomial (relative error about 1e-7, below bfloat16's rounding of the weights by far), times 2^n by vscalefps.
- * Below -87 (a masked key, or a weight under float's smallest normal) it is 0, as expf's is or nearly is. */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+#define LOG2E 1.44269504088896341f /* the kernels scale scores by it once, so that e^(s - m) is exp2_16(s' - m') */
+
+/* 2^x, 16 lanes, for finite x: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to the sixth
+ * power (relative error about 1e-7, below bfloat16's rounding of the softmax weights by far), times 2^n by vscalefps,
+ * which gives 0 where 2^n is below float's range: a masked score (-1e30 less a finite maximum) is exactly 0. Nine
+ * instructions, against libm's vectorized expf's call; the softmax's exponentials were a fifth of the prefill
+ * kernel's arithmetic at head size 64. */
+static inline __m512 exp2_16(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);                /* ln2^6 / 6! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f)); /* ln2^5 / 5! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f)); /* ln2^4 / 4! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f)); /* ln2^3 / 3! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f)); /* ln2^2 / 2! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f)); /* ln2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* r[i] = the sum of v[i]'s 16 lanes. */

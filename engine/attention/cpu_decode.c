@@ -177,7 +177,7 @@ static inline __attribute__((always_inline)) int decode_item_dp(
                     part16[i] = acc;
                 }
                 _mm512_store_ps(p + ((g - g0) * G + h) * Lp + (t0 - k0),
-                                _mm512_mul_ps(reduce16(part16), _mm512_set1_ps(scale)));
+                                _mm512_mul_ps(reduce16(part16), _mm512_set1_ps(scale * LOG2E)));
             }
     }
     /* Softmax over each head's scores, then its weights in pairs of keys as bfloat16 (zeros past L). */
@@ -191,12 +191,13 @@ static inline __attribute__((always_inline)) int decode_item_dp(
         if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_load_ps(ph + whole));
         const float m = _mm512_reduce_max_ps(mv);
         for (int64_t t = 0; t < whole; t += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(ph + t), _mm512_set1_ps(m)));
+            const __m512 e = exp2_16(_mm512_sub_ps(_mm512_load_ps(ph + t), _mm512_set1_ps(m)));
             _mm512_store_ps(ph + t, e);
             sv = _mm512_add_ps(sv, e);
         }
         if (tail) {
-            const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_load_ps(ph + whole), _mm512_set1_ps(m))));
+            const __m512 x = _mm512_sub_ps(_mm512_load_ps(ph + whole), _mm512_set1_ps(m));
+            const __m512 e = _mm512_maskz_mov_ps(tail, exp2_16(x));
             _mm512_mask_store_ps(ph + whole, tail, e);
             sv = _mm512_add_ps(sv, e);
         }
@@ -273,7 +274,7 @@ static void combine_partials(const float *partials, uint16_t *out, int64_t b, in
     for (int64_t r = 0; r < ranges; r++) m = first[r * step + D] > m ? first[r * step + D] : m;
     for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
     for (int64_t r = 0; r < ranges; r++) {
-        const float *pr = first + r * step, w = pr[D + 1] * expf(pr[D] - m);
+        const float *pr = first + r * step, w = pr[D + 1] * exp2f(pr[D] - m); /* maxima in base 2 */
         total += w;
         for (int64_t d = 0; d < D; d++) acc[d] += w * pr[d];
     }

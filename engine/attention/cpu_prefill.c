@@ -155,11 +155,11 @@ typedef struct {
 static void softmax_tile(Scratch *w, int64_t RP, int64_t nk, int64_t t0, int64_t first, int64_t D, float scale) {
     const int diagonal = t0 + nk - 1 > first;
 #if defined(__AVX512F__)
-    /* Vectors of 16 rows: the scaled, masked scores and their running max in one pass, then the exponentials
-     * (exp16) and their sums in a second: 0.76-0.88x the kernel's time at head size 64 against a pass each and
-     * libm's vectorized expf (cpu-kernels/abp.py). */
+    /* Vectors of 16 rows: the scores scaled (by log2(e) too: the running max and sum are in base 2) and masked,
+     * and their running max, in one pass, then the exponentials (exp2_16) and their sums in a second. */
     for (int64_t r = 0; r < RP; r += LANES) {
-        const __m512 pos = _mm512_loadu_ps(w->pos + r), m_old = _mm512_loadu_ps(w->m + r), sc = _mm512_set1_ps(scale);
+        const __m512 pos = _mm512_loadu_ps(w->pos + r), m_old = _mm512_loadu_ps(w->m + r);
+        const __m512 sc = _mm512_set1_ps(scale * LOG2E);
         __m512 mx = m_old;
         for (int64_t j = 0; j < nk; j++) {
             float *s = w->St + j * RP + r;
@@ -173,11 +173,11 @@ static void softmax_tile(Scratch *w, int64_t RP, int64_t nk, int64_t t0, int64_t
         __m512 sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < nk; j++) {
             float *s = w->St + j * RP + r;
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
+            const __m512 e = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s), mx));
             _mm512_storeu_ps(s, e);
             sum = _mm512_add_ps(sum, e);
         }
-        const __m512 alpha = exp16(_mm512_sub_ps(m_old, mx));
+        const __m512 alpha = exp2_16(_mm512_sub_ps(m_old, mx));
         _mm512_storeu_ps(w->m + r, mx);
         _mm512_storeu_ps(w->l + r, _mm512_fmadd_ps(_mm512_loadu_ps(w->l + r), alpha, sum));
         _mm512_storeu_ps(w->alpha + r, alpha);
