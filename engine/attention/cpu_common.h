@@ -34,8 +34,8 @@ static const short INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6
 /* 2^x, 16 lanes, for finite x: x = n + f with n an integer and |f| <= 1/2, 2^f by its Taylor series to the sixth
  * power (relative error about 1e-7, below bfloat16's rounding of the softmax weights by far), times 2^n by vscalefps,
  * which gives 0 where 2^n is below float's range: a masked score (-1e30 less a finite maximum) is exactly 0. Nine
- * instructions, against libm's vectorized expf's call; the softmax's exponentials were a fifth of the prefill
- * kernel's arithmetic at head size 64. */
+ * instructions where libm's vectorized expf is a call; with the prefill softmax's passes fused, 0.66-0.81x the
+ * prefill kernel's time at head size 64 (bench/results/cpu-2core/cpu-kernels/README.md). */
 static inline __m512 exp2_16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);

@@ -147,7 +147,6 @@ typedef struct {
     const uint16_t *zeros;  /* D bfloat16 zeros */
 } Scratch;
 
-
 /* The online softmax over one tile of scores St[j][r] (keys j < nk from t0): scale them, mask keys past each
  * row's position where the tile crosses the diagonal (first: the lowest position), fold the tile's max into the
  * running max m, rescale the running sums l and the accumulators At by exp(old max - new max), and leave
@@ -408,7 +407,8 @@ static void item(const void *q, const void *k_cache, const void *v_cache, const 
             /* The next tile's key and value rows of this head, prefetched into L2 while this one computes: a head's
              * rows lie a whole cache row (every KV head) apart, which the hardware prefetchers do not follow, and
              * read on demand they stalled the broadcasts of the scores (a sampling profile's hottest instructions):
-             * 0.84-0.89x the kernel's time at 2.5K cached tokens, 0.93-0.98x at 1K and a 2K prompt (cpu-kernels/abp.py). */
+             * 0.84-0.89x the kernel's time at 2.5K cached tokens, 0.93-0.98x at 1K and a 2K prompt (abp.py in
+             * bench/results/cpu-2core/cpu-kernels/). */
             for (int64_t j = 0, next = t0 + KEYS; j < KEYS && next + j < kend; j++) {
                 const int64_t t = next + j, slot = (int64_t)table[t / block_size] * block_size + t % block_size;
                 const char *kr = (const char *)((const uint16_t *)k_cache + slot * row + g * D);
