@@ -1,11 +1,31 @@
 """What abk.py, abr.py and abg.py share: an engine on issue 23's model sized for decode at batch 32 and context 2K,
-and decode steps timed under each variant in alternating rounds (the order reversed every other round)."""
-import os, statistics, sys, time
+and decode steps timed under each variant in alternating rounds (the order reversed every other round); and, for
+abk.py and abp.py, the kernels built from a git revision's sources beside the working tree's."""
+import os, shutil, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]; sys.path.insert(0, str(ROOT))
 from bench.engine import Blocks, _step
 from engine.engine import Engine, EngineConfig
+from engine.attention import cpu_kernel
 from engine.model_runner import StepInput
+
+
+def kernels_at(rev: str) -> tuple[cpu_kernel.CpuKernels, cpu_kernel.CpuKernels]:
+    """(the kernels built from rev's sources, the working tree's)."""
+    old = Path(tempfile.mkdtemp())
+    for src in (*cpu_kernel.SOURCES, *cpu_kernel.HEADERS):
+        rel = src.relative_to(ROOT)
+        (old / src.name).write_bytes(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=ROOT, capture_output=True,
+                                                    check=True).stdout)
+    new_lib = cpu_kernel.CpuKernels(cpu_kernel.build())
+    saved = cpu_kernel.SOURCES, cpu_kernel.HEADERS
+    cpu_kernel.SOURCES, cpu_kernel.HEADERS = [old / s.name for s in saved[0]], [old / h.name for h in saved[1]]
+    try:
+        old_lib = cpu_kernel.CpuKernels(cpu_kernel.build())
+    finally:
+        cpu_kernel.SOURCES, cpu_kernel.HEADERS = saved
+        shutil.rmtree(old)
+    return old_lib, new_lib
 
 
 def decode_engine(model: str, tag: str, random_kv: bool = False) -> Engine:

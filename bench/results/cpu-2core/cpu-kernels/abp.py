@@ -1,19 +1,11 @@
 """A/B in one process: the prefill kernel alone (one layer of issue 23's model: 16 heads, 8 KV heads, D 64, bf16),
 built from REV's sources (A) or the working tree's (B), 6 alternating rounds. Usage: python abp.py REV."""
-import shutil, subprocess, sys, tempfile, time, torch
-from pathlib import Path
-ROOT = Path(__file__).resolve().parents[4]; sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "engine")]
-from engine.attention import cpu_kernel
+import sys, time, torch
+from ab_decode import ROOT, kernels_at
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
 from test_cpu_attention import paged
 rev = sys.argv[1]
-old = Path(tempfile.mkdtemp())
-for src in (*cpu_kernel.SOURCES, *cpu_kernel.HEADERS):
-    (old / src.name).write_bytes(subprocess.run(["git", "show", f"{rev}:{src.relative_to(ROOT)}"], cwd=ROOT, capture_output=True, check=True).stdout)
-new_lib = cpu_kernel.CpuKernels(cpu_kernel.build())
-saved = cpu_kernel.SOURCES, cpu_kernel.HEADERS
-cpu_kernel.SOURCES, cpu_kernel.HEADERS = [old / s.name for s in saved[0]], [old / h.name for h in saved[1]]
-old_lib = cpu_kernel.CpuKernels(cpu_kernel.build())
-cpu_kernel.SOURCES, cpu_kernel.HEADERS = saved
+old_lib, new_lib = kernels_at(rev)
 cases = {"5 x 400 over 1000": ([1400] * 5, [400] * 5), "5 x 400 over 2500": ([2900] * 5, [400] * 5),
          "2048 prompt": ([2048], [2048]), "4 x 512 prompts": ([512] * 4, [512] * 4)}
 res = {}
