@@ -6,10 +6,14 @@ the result [N, I] = silu(gate) * up is computed in float32 and rounded once to x
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from engine.kernels.launch import cdiv, next_power_of_2
 
 BLOCK_COLS = 1024  # output columns per program: 14336-wide rows (Llama-3.1-8B) take 14 programs
 
@@ -25,6 +29,13 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + row * I + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@lru_cache(maxsize=None)
+def _launch_shape(i: int) -> tuple[int, int, int]:
+    """(programs per row, BLOCK, warps) for rows of i outputs."""
+    block = min(next_power_of_2(i), BLOCK_COLS)
+    return cdiv(i, block), block, min(max(block // 256, 1), 8)
+
+
 def silu_and_mul(x: Tensor, *, num_warps: int | None = None) -> Tensor:
     """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I], a new contiguous tensor of x's dtype."""
     n, two_i = x.shape
@@ -33,7 +44,6 @@ def silu_and_mul(x: Tensor, *, num_warps: int | None = None) -> Tensor:
     out = torch.empty(n, i, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    block = min(triton.next_power_of_2(i), BLOCK_COLS)
-    warps = num_warps or min(max(block // 256, 1), 8)
-    _silu_and_mul_kernel[(n, triton.cdiv(i, block))](x, out, x.stride(0), I=i, BLOCK=block, num_warps=warps)
+    programs, block, warps = _launch_shape(i)
+    _silu_and_mul_kernel[(n, programs)](x, out, x.stride(0), I=i, BLOCK=block, num_warps=num_warps or warps)
     return out

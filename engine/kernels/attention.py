@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from engine.kernels.launch import next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: kernels may read only constexpr globals
@@ -232,12 +235,75 @@ def default_config(max_query_len: int, group: int) -> AttentionConfig:
     return next((c for c in PREFILL_CONFIGS if c.block_m >= rows), PREFILL_CONFIGS[-1])
 
 
+@lru_cache(maxsize=None)
 def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """tl.dot operand type and precision: tensor cores in the input dtype on a GPU; float32 under the interpreter,
     whose bf16 dot is wrong; IEEE float32 (not TF32) for float32 inputs so they match a float32 reference."""
     if os.environ.get("TRITON_INTERPRET") == "1" or dtype == torch.float32:
         return tl.float32, "ieee"
     return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype], "tf32"
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """What one step's attention launches share across layers: grids, scalar arguments, tile constants and the
+    split-KV partials. Layers differ only in their q, out and cache tensors, of the strides planned here."""
+
+    grid: tuple[int, ...]
+    args: tuple  # the kernel's arguments after its nine tensors
+    consts: dict
+    part: tuple[Tensor, Tensor] | None  # split-KV partial outputs and log-sum-exps (None: no split)
+    merge_grid: tuple[int, int] = (0, 0)
+    merge_args: tuple = ()
+    merge_consts: dict = field(default_factory=dict)
+
+
+def plan_attention(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int, dtype: torch.dtype, *,
+                   q_strides: tuple[int, int], out_strides: tuple[int, int], cache_strides: tuple[int, int],
+                   table_stride: int, num_kv_heads: int, block_size: int, scale: float, max_query_len: int,
+                   num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
+                   config: AttentionConfig | None = None, device: torch.device | str = "cuda") -> AttentionLaunch:
+    """The launch of paged_attention for a step of this shape (see paged_attention for the arguments); strides are
+    (token, head) of q and out, (slot, head) of the caches, and the block table's row stride."""
+    t, h, d, b, hkv = num_tokens, num_heads, head_dim, num_seqs, num_kv_heads
+    group = h // hkv
+    decode = max_query_len == 1
+    cfg = config or default_config(max_query_len, group)
+    block_m = max(cfg.block_m, next_power_of_2(group))
+    block_q = 1 if decode else block_m // group
+    splits = num_splits if decode else 1
+    part = None
+    if splits > 1:
+        part_out, part_lse = part = workspace or workspace_for(t, h, d, splits, device)
+        assert part_out.shape[0] >= t and part_out.shape[1:] == (h, splits, d) and part_out.stride(3) == 1
+        assert part_lse.shape[0] >= t and part_lse.shape[1:] == (h, splits) and part_lse.stride(2) == 1
+        part_strides = (*part_out.stride()[:3], *part_lse.stride()[:2])
+    else:
+        part_strides = (0, 0, 0, 0, 0)  # unused: the kernel writes `out` directly
+    dot_dtype, dot_precision = _dot_types(dtype)
+    consts = dict(G=group, HEAD_DIM=d, D_PAD=max(next_power_of_2(d), 16), BLOCK_SIZE=block_size, BLOCK_M=block_m,
+                  BLOCK_Q=block_q, TILE_N=cfg.tile_n, DECODE=decode, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
+                  DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = AttentionLaunch(
+        grid=(b, hkv, splits) if decode else (t // block_q + b, hkv),
+        args=(b, scale * LOG2E, *q_strides, *out_strides, *cache_strides, table_stride, *part_strides),
+        consts=consts, part=part)
+    if splits > 1:
+        launch = replace(launch, merge_grid=(t, h), merge_args=(*out_strides, *part_strides),
+                         merge_consts=dict(NUM_SPLITS=splits, S_PAD=next_power_of_2(splits), HEAD_DIM=d,
+                                           D_PAD=next_power_of_2(d), num_warps=4 if d >= 128 else 1))
+    return launch
+
+
+def launch_attention(launch: AttentionLaunch, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     block_tables: Tensor, query_start: Tensor, seq_lens: Tensor) -> Tensor:
+    """Run a planned attention: its tensors must have the shapes and strides it was planned with."""
+    part_out, part_lse = launch.part or (out, out)
+    _attention_kernel[launch.grid](out, q, k_cache, v_cache, block_tables, query_start, seq_lens, part_out, part_lse,
+                                   *launch.args, **launch.consts)
+    if launch.part is not None:
+        _merge_splits_kernel[launch.merge_grid](out, part_out, part_lse, *launch.merge_args, **launch.merge_consts)
+    return out
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start: Tensor,
@@ -248,48 +314,19 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 
     max_query_len must be >= every sequence's new-token count; 1 selects the decode grid, where num_splits > 1
     splits each sequence's keys (workspace: preallocated partials from workspace_for, else allocated here).
-    config overrides the tile table (benchmarks).
+    config overrides the tile table (benchmarks). The engine plans a step's launch once (plan_attention) and
+    runs it per layer (launch_attention); this checks the arguments, then does both.
     """
     t, h, d = q.shape
     b, hkv = seq_lens.shape[0], k_cache.shape[1]
     assert h % hkv == 0 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and block_tables.stride(1) == 1, "last dims must be contiguous"
     assert query_start.shape[0] == b + 1 and block_tables.shape[0] == b
-    group = h // hkv
     if out is None:
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.stride(2) == 1
-    decode = max_query_len == 1
-    cfg = config or default_config(max_query_len, group)
-    block_m = max(cfg.block_m, triton.next_power_of_2(group))
-    block_q = 1 if decode else block_m // group
-    splits = num_splits if decode else 1
-    if splits > 1:
-        part_out, part_lse = workspace or workspace_for(t, h, d, splits, q.device)
-        assert part_out.shape[0] >= t and part_out.shape[1:] == (h, splits, d) and part_out.stride(3) == 1
-        assert part_lse.shape[0] >= t and part_lse.shape[1:] == (h, splits) and part_lse.stride(2) == 1
-    else:
-        part_out, part_lse = out, out  # unused: the kernel writes `out` directly
-    grid = (b, hkv, splits) if decode else (t // block_q + b, hkv)
-    dot_dtype, dot_precision = _dot_types(q.dtype)
-    _attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start, seq_lens, part_out, part_lse,
-        b, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2) if splits > 1 else 0,
-        part_lse.stride(0), part_lse.stride(1),
-        G=group, HEAD_DIM=d, D_PAD=max(triton.next_power_of_2(d), 16), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
-        DECODE=decode, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        _merge_splits_kernel[(t, h)](
-            out, part_out, part_lse,
-            out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=d, D_PAD=triton.next_power_of_2(d),
-            num_warps=4 if d >= 128 else 1,
-        )
-    return out
+    launch = plan_attention(t, h, d, b, q.dtype, q_strides=q.stride()[:2], out_strides=out.stride()[:2],
+                            cache_strides=k_cache.stride()[:2], table_stride=block_tables.stride(0),
+                            num_kv_heads=hkv, block_size=block_size, scale=scale, max_query_len=max_query_len,
+                            num_splits=num_splits, workspace=workspace, config=config, device=q.device)
+    return launch_attention(launch, out, q, k_cache, v_cache, block_tables, query_start, seq_lens)

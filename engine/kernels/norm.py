@@ -4,14 +4,21 @@ Contract (engine/model.py's RMSNorm): h = s.float(); h = h * rsqrt(mean(h^2) + e
 with s = x (rms_norm) or s = x + residual rounded to x's dtype (add_rms_norm, which also returns s as the new
 residual stream). Reductions and products run in float32; the same roundings as the reference are applied, so
 float32 inputs match it to float32 rounding and low-precision inputs to about one unit in the last place.
+
+add_rms_norm_ is add_rms_norm in place, as vLLM's fused_add_rms_norm: s goes into residual and the normalised
+output into x, so the model's residual stream allocates nothing per layer.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from engine.kernels.launch import cdiv, next_power_of_2
 
 ROW_BLOCK_ELEMENTS = 2048  # elements one program normalises: several short rows (per-head q/k norm) or one long one
 
@@ -40,22 +47,27 @@ def _rms_norm_kernel(
     tl.store(out_ptr + rows[:, None] * D + cols[None, :], (h * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@lru_cache(maxsize=4096)
+def _launch_shape(n_rows: int, d: int) -> tuple[int, int, int, int]:
+    """(programs, BLOCK_N, BLOCK_D, warps) for n_rows rows of d elements."""
+    block_d = next_power_of_2(d)
+    block_n = min(max(ROW_BLOCK_ELEMENTS // block_d, 1), next_power_of_2(n_rows))
+    return cdiv(n_rows, block_n), block_n, block_d, min(max(block_n * block_d // 512, 1), 16)
+
+
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out: Tensor, s: Tensor,
             num_warps: int | None) -> None:
     d = x.shape[-1]
-    assert x.stride(-1) == 1 and weight.shape == (d,) and weight.is_contiguous(), "last dim must be contiguous"
-    heads = x.shape[1] if x.dim() == 3 else 1
-    n_rows = x.shape[0] * heads
+    three_d = x.dim() == 3
+    n_rows = x.shape[0] * x.shape[1] if three_d else x.shape[0]
     if n_rows == 0:
         return
-    block_d = triton.next_power_of_2(d)
-    block_n = min(max(ROW_BLOCK_ELEMENTS // block_d, 1), triton.next_power_of_2(n_rows))
-    warps = num_warps or min(max(block_n * block_d // 512, 1), 16)
-    _rms_norm_kernel[(triton.cdiv(n_rows, block_n),)](
+    programs, block_n, block_d, warps = _launch_shape(n_rows, d)
+    _rms_norm_kernel[(programs,)](
         x, residual if residual is not None else x, weight, out, s,
-        n_rows, heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0,
+        n_rows, x.shape[1] if three_d else 1, x.stride(0), x.stride(1) if three_d else 0,
         residual.stride(0) if residual is not None else 0, eps,
-        D=d, BLOCK_N=block_n, BLOCK_D=block_d, ADD=residual is not None, num_warps=warps,
+        D=d, BLOCK_N=block_n, BLOCK_D=block_d, ADD=residual is not None, num_warps=num_warps or warps,
     )
 
 
@@ -63,6 +75,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, *, num_warps: int | None = N
     """RMSNorm over the last dim of x [N, D] or [N, heads, D] (leading strides arbitrary, last dim contiguous);
     returns a new contiguous tensor of x's shape and dtype."""
     assert x.dim() in (2, 3), "x must be [N, D] or [N, heads, D]"
+    assert x.stride(-1) == 1 and weight.shape == (x.shape[-1],) and weight.is_contiguous(), "last dim must be contiguous"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, None, weight, eps, out, out, num_warps)
     return out
@@ -72,7 +85,15 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *,
                  num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """(rms_norm(s), s) with s = x + residual ([N, D], stored in x's dtype): one read of each input, one launch."""
     assert x.dim() == 2 and residual.shape == x.shape and residual.stride(-1) == 1
+    assert x.stride(-1) == 1 and weight.shape == (x.shape[-1],) and weight.is_contiguous(), "last dim must be contiguous"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(x, residual, weight, eps, out, s, num_warps)
     return out, s
+
+
+def add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """add_rms_norm in place: residual becomes s and x its normalised output; returns (x, residual). Both must be
+    contiguous [N, D] of one dtype (the model's hidden states always are: checked once per model, not per call)."""
+    _launch(x, residual, weight, eps, x, residual, None)
+    return x, residual

@@ -11,6 +11,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels.launch import next_power_of_2
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -41,7 +43,7 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(2) == 1, "last dims must be contiguous"
     if t == 0:
         return
-    h_pad, d_pad = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+    h_pad, d_pad = next_power_of_2(hkv), next_power_of_2(d)
     warps = num_warps or min(max(h_pad * d_pad // 256, 1), 8)
     _store_kv_kernel[(t,)](
         k, v, k_cache, v_cache, slot_mapping,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.kernels.norm import add_rms_norm, rms_norm
+from engine.kernels.norm import add_rms_norm, add_rms_norm_, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -78,6 +78,18 @@ def test_add_rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
     assert_close(out, reference(s, weight))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "d"), [(1, 64), (37, 24), (5, 1000)])
+def test_add_rms_norm_in_place_equals_the_out_of_place_one(n: int, d: int, dtype: torch.dtype) -> None:
+    """The engine's residual stream: the sum goes into residual and the output into x, bit for bit add_rms_norm's."""
+    x, residual, weight = inputs(n, d, dtype, seed=n * 3 + d)
+    x = x.contiguous()
+    want_out, want_s = add_rms_norm(x, residual, weight, EPS)
+    got_out, got_s = add_rms_norm_(x, residual, weight, EPS)
+    assert got_out.data_ptr() == x.data_ptr() and got_s.data_ptr() == residual.data_ptr()
+    assert torch.equal(got_out, want_out) and torch.equal(got_s, want_s)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("n", [1, 256, 8192])
@@ -87,3 +99,6 @@ def test_gpu_norms_llama(n: int) -> None:
     out, s = add_rms_norm(x, residual, weight, EPS)
     assert torch.equal(s, x + residual), "bf16 add rounds to nearest on the GPU, as torch's does"
     assert_close(out, reference(s, weight))
+    x = x.contiguous()
+    got_out, got_s = add_rms_norm_(x, residual, weight, EPS)
+    assert torch.equal(got_out, out) and torch.equal(got_s, s)
