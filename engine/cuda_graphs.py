@@ -1,16 +1,24 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with the metadata refilled in place.
+"""CUDA graphs for every step of up to a few hundred tokens: decode steps, and prefill, append-prefill and mixed
+steps, each replayed from a graph captured at a fixed shape (a GraphBucket) with the metadata refilled in place.
 
-A decode step (every sequence adds one token and samples it) is captured for the
-bucket sizes up to max_batch, largest first, all in one memory pool. Inputs live
-in static buffers; a step of n sequences replays the smallest bucket >= n, whose
-padding rows carry token 0 at position 0, write no KV (slot -1) and attend to
-nothing (seq_len 0). Prefill and mixed steps run eagerly. The graphs keep the
-pointers of the KV pool bound at capture: capture after the real pool is bound.
+Two families of buckets, all captured in one memory pool, largest first:
+- decode: a batch of b sequences adding one token each and sampling it, for b in 1, 2, 4, 8, then every 16 up to
+  max_batch; attention runs its decode grid, with the KV splits chosen for the bucket and the SMs the set runs on;
+- tokens: up to t new tokens of up to min(max_batch, t) sequences (any mix of prompts, append-prefills, prefill
+  chunks and decodes), for t in 16, 32, then every 32 up to 256 and every 64 up to max_tokens; attention runs its
+  general grid with the tile chosen for a query of t tokens, the batch padded with sequences of no tokens.
+A step replays the smallest bucket that holds it. Padding writes no KV (slot -1), attends to nothing and is
+never sampled: the sampled rows are gathered through a static index. Steps that keep hidden states (prompt
+logprobs) or exceed every bucket run eagerly.
 
-A graph keeps the SM partition of the stream it was captured on (a green
-context's), so a unit on green-context splits captures one set per split, each
-on its split's decode stream and replayed there; the sets share one memory pool,
-as only one of them replays at a time.
+Inputs and outputs live in static buffers: token ids, positions and sampled rows here (refilled through pinned
+staging, so a replay never waits for the device), the attention metadata in the backend's, and the logits in one
+float32 buffer that every bucket writes; a step's logits are valid until the next step of the same set. The graphs
+keep the pointers of the KV pool bound at capture: capture after the real pool is bound.
+
+A graph keeps the SM partition of the stream it was captured on (a green context's), so a unit on green-context
+splits captures one set per split, each on its split's stream, with split-KV counts for its SMs, and replays it
+there; the sets share one memory pool and their inputs and outputs, as only one of them replays at a time.
 """
 
 from __future__ import annotations
@@ -23,39 +31,92 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.attention.base import AttentionBackend, StepBatch
+from engine.attention.base import AttentionBackend, GraphBucket, StepBatch
 from engine.model import Model
+from engine.staging import Staging
 
 log = logging.getLogger("ppd.engine")
 
 MAX_GRAPH_BATCH = 512
+DEFAULT_GRAPH_TOKENS = 512  # steps of up to this many tokens replay a graph (--max-graph-tokens)
+MAX_GRAPH_TOKENS = 1024
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_batch (which is always included)."""
+    """Decode buckets: 1, 2, 4, 8, then every 16 up to max_batch (which is always included)."""
     max_batch = min(max_batch, MAX_GRAPH_BATCH)
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16))
     return sorted(set(sizes) | {max_batch})
 
 
-class DecodeGraphs:
-    """Captured decode steps for batches of up to max_batch sequences."""
+def token_bucket_sizes(max_tokens: int) -> list[int]:
+    """Token buckets: 16, 32, then every 32 up to 256 and every 64 up to max_tokens (always included); none for 0."""
+    if max_tokens <= 0:
+        return []
+    max_tokens = min(max_tokens, MAX_GRAPH_TOKENS)
+    sizes = [16] + list(range(32, min(max_tokens, 256) + 1, 32)) + list(range(320, max_tokens + 1, 64))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
-    def __init__(self, model: Model, backend: AttentionBackend, max_batch: int) -> None:
+
+def graph_buckets(max_batch: int, max_tokens: int, decode: bool = True) -> list[GraphBucket]:
+    """Every bucket of a set (without decode's, for a prefill worker), decode buckets first, each family smallest
+    first."""
+    max_batch = min(max_batch, MAX_GRAPH_BATCH)
+    return ([GraphBucket(b, b, True) for b in bucket_sizes(max_batch) if decode]
+            + [GraphBucket(t, min(max_batch, t), False) for t in token_bucket_sizes(max_tokens)])
+
+
+class GraphIO:
+    """The static inputs and outputs of a runner's graph sets: token ids, positions and sampled rows in one int64
+    device buffer, filled through one pinned staging ring; the logits of every bucket in one float32 buffer."""
+
+    def __init__(self, buckets: list[GraphBucket], vocab_size: int, device: torch.device) -> None:
+        self.tokens = max(b.tokens for b in buckets)
+        self.samples = max(b.seqs for b in buckets)
+        self.ints = torch.zeros(2 * self.tokens + self.samples, dtype=torch.int64, device=device)
+        self.input_ids = self.ints[: self.tokens]
+        self.positions = self.ints[self.tokens : 2 * self.tokens]
+        self.sample_rows = self.ints[2 * self.tokens :]
+        self.logits = torch.zeros(self.samples, vocab_size, dtype=torch.float32, device=device)
+        self.staging = Staging(torch.int64, device)
+
+    def fill(self, batch: StepBatch, bucket: GraphBucket) -> None:
+        """Stage batch's token ids, positions and sampled rows, padded to bucket with zeros, and queue their copy."""
+        big_t, t, s = self.tokens, len(batch.token_ids), len(batch.sample_rows)
+        host = self.staging.buffer(self.ints.numel())
+        host[:t] = batch.token_ids
+        host[t : bucket.tokens] = 0
+        host[big_t : big_t + t] = batch.positions
+        host[big_t + t : big_t + bucket.tokens] = 0
+        host[2 * big_t : 2 * big_t + s] = batch.sample_rows
+        host[2 * big_t + s : 2 * big_t + bucket.seqs] = 0
+        self.staging.to_device(self.ints)
+
+
+class StepGraphs:
+    """One set of captured steps (graph_buckets(max_batch, max_tokens)) on one stream."""
+
+    def __init__(self, model: Model, backend: AttentionBackend, max_batch: int,
+                 max_tokens: int = DEFAULT_GRAPH_TOKENS, num_sms: int | None = None, io: GraphIO | None = None,
+                 decode: bool = True) -> None:
         assert backend.supports_cuda_graphs, f"the {backend.name} backend cannot be captured"
         self.model, self.backend = model, backend
-        self.sizes = bucket_sizes(max_batch)
-        device = model.rope_cos.device
-        n = self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.host_inputs = torch.zeros(2, n, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.static = backend.graph_metadata(n)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.buckets = graph_buckets(max_batch, max_tokens, decode)
+        assert self.buckets, "a graph set needs decode buckets or max_tokens > 0"
+        self.decode = [b for b in self.buckets if b.decode]
+        self.tokens = [b for b in self.buckets if not b.decode]
+        self.io = io or GraphIO(self.buckets, model.cfg.vocab_size, model.rope_cos.device)
+        assert self.io.tokens >= max(b.tokens for b in self.buckets) and self.io.samples >= self.max_batch
+        self.static = backend.graph_metadata(self.buckets, num_sms)
+        self.graphs: dict[GraphBucket, Any] = {}  # a torch.cuda.CUDAGraph (tests stand in an eager replay)
 
     @property
     def max_batch(self) -> int:
-        return self.sizes[-1]
+        return max(b.seqs for b in self.buckets)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.tokens[-1].tokens if self.tokens else 0
 
     def capture(self, stream: torch.cuda.Stream | None = None, pool: Any = None, label: str = "") -> Any:
         """Capture every bucket on stream (a new ordinary one if None), largest first so that smaller graphs reuse
@@ -65,41 +126,45 @@ class DecodeGraphs:
         # The static buffers were filled on the current stream: the warm-up steps on stream must not read them
         # (a slot mapping of -1s not yet written is a store anywhere in memory) before those fills ran.
         stream.wait_stream(torch.cuda.current_stream())
-        for bs in reversed(self.sizes):
-            meta = self.backend.graph_view(self.static, bs)
+        for bucket in sorted(self.buckets, key=lambda b: (b.tokens, b.decode), reverse=True):
             with torch.cuda.stream(stream):
-                self._forward(bs, meta)  # compiles the kernels for this shape outside the capture
+                self.forward(bucket)  # compiles the kernels for this shape outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self._forward(bs, meta)
+                self.forward(bucket)
             pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bucket] = graph
         torch.cuda.synchronize()
-        log.info("captured %d decode graphs (batch 1..%d%s) in %.1fs", len(self.sizes), self.max_batch, label,
-                 time.monotonic() - started)
+        log.info("captured %d graphs (decode batch %s, steps of %s tokens%s) in %.1fs", len(self.buckets),
+                 f"1..{self.decode[-1].seqs}" if self.decode else "none",
+                 f"16..{self.max_tokens}" if self.tokens else "none", label, time.monotonic() - started)
         return pool
 
-    def fits(self, batch: StepBatch) -> bool:
-        return batch.is_decode and batch.num_seqs <= self.max_batch
-
-    def run(self, batch: StepBatch) -> Tensor:
-        """Float32 logits [batch.num_seqs, vocab] of a decode step, by replaying the smallest bucket that fits.
-        The inputs go through pinned staging buffers: the caller syncs (the sampler's copy to the host does)
-        before the next run rewrites them."""
+    def bucket_for(self, batch: StepBatch) -> GraphBucket | None:
+        """The smallest bucket that holds batch, or None (it runs eagerly)."""
         n = batch.num_seqs
-        bs = self.sizes[bisect.bisect_left(self.sizes, n)]
-        host = self.host_inputs.numpy()
-        host[0, :n] = batch.token_ids
-        host[1, :n] = batch.positions
-        host[:, n:bs] = 0
-        self.input_ids[:bs].copy_(self.host_inputs[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(self.host_inputs[1, :bs], non_blocking=True)
-        self.backend.fill_graph_metadata(self.static, batch, bs)
-        graph, logits = self.graphs[bs]
-        graph.replay()
-        return logits[:n]
+        if batch.hidden_rows or n > self.max_batch:
+            return None
+        if batch.is_decode and self.decode:
+            return self.decode[bisect.bisect_left([b.seqs for b in self.decode], n)]
+        t = len(batch.token_ids)
+        if t > self.max_tokens:
+            return None
+        return self.tokens[bisect.bisect_left([b.tokens for b in self.tokens], t)]
 
-    def _forward(self, bs: int, meta: Any) -> Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self.backend, meta)
-        return self.model.compute_logits(hidden, self.backend.ops)
+    def run(self, batch: StepBatch, bucket: GraphBucket) -> Tensor:
+        """Float32 logits [sampled rows of batch, vocab], by replaying bucket's graph (from bucket_for(batch))."""
+        self.io.fill(batch, bucket)
+        self.backend.fill_graph_metadata(self.static, batch, bucket)
+        self.graphs[bucket].replay()
+        return self.io.logits[: len(batch.sample_rows)]
+
+    def forward(self, bucket: GraphBucket) -> None:
+        """The step a bucket's graph captures: the model over the static inputs, logits into io.logits."""
+        meta = self.backend.graph_view(self.static, bucket)  # fresh: its per-step buffers come from the pool
+        io = self.io
+        hidden = self.model(io.input_ids[: bucket.tokens], io.positions[: bucket.tokens], self.backend, meta)
+        if not bucket.decode:
+            hidden = hidden.index_select(0, io.sample_rows[: bucket.seqs])
+        self.model.compute_logits(hidden, self.backend.ops, out=io.logits[: bucket.seqs])

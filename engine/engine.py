@@ -2,9 +2,10 @@
 
 The decode worker (or a single process) creates one: load the weights into a
 shareable arena, measure memory, size the KV pool, allocate and bind it, warm
-up, capture the decode graphs. The prefill worker attaches to it: it maps the
-same arena and pool (nothing is copied or loaded) and warms up on a scratch
-pool of its own, so that compiling its kernels never writes into shared blocks.
+up, capture the CUDA graphs. The prefill worker attaches to it: it maps the
+same arena and pool (nothing is copied or loaded), warms up on a scratch
+pool of its own, so that compiling its kernels never writes into shared blocks,
+then captures its own graphs of steps up to max_graph_tokens tokens.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, resolve_dtype
+from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
-from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, check_free_at_start, plan_from_measurement,
-                                plan_from_request)
+from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, StartupError, check_free_at_start,
+                                plan_from_measurement, plan_from_request)
 from engine.model import kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.prompt_logprobs import prompt_logprobs
@@ -50,6 +52,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enforce_eager: bool = False
+    max_graph_tokens: int = DEFAULT_GRAPH_TOKENS  # steps of up to this many tokens replay CUDA graphs (0: decode only)
     shares_device: bool = True  # a prefill worker runs on the same device (reserve its activations)
     tokenizer: str | None = None  # the tokenizer's folder, for structured outputs (None: they are refused)
 
@@ -77,9 +80,14 @@ class Engine:
 
     @classmethod
     def create(cls, cfg: EngineConfig, names: tuple[str, str] = ("ppd-weights", "ppd-kv"),
-               graph_streams: dict[Any, torch.cuda.Stream] | None = None) -> Engine:
+               graph_streams: dict[Any, torch.cuda.Stream] | None = None,
+               graph_sms: dict[Any, int] | None = None) -> Engine:
         """Owner start-up (the decode worker): names are the host names of the weights and KV memory on the CPU;
-        graph_streams: capture one decode-graph set on each of these streams (green-context splits)."""
+        graph_streams: capture one graph set on each of these streams (green-context splits), its decode KV splits
+        sized for graph_sms[key] SMs (missing: the whole device)."""
+        if not 0 <= cfg.max_graph_tokens <= MAX_GRAPH_TOKENS:
+            raise StartupError(f"max_graph_tokens {cfg.max_graph_tokens} is out of range: give 0 (graphs for decode "
+                               f"steps only) up to {MAX_GRAPH_TOKENS}")
         started = time.monotonic()
         device = torch.device(cfg.device)
         mcfg = ModelConfig.from_folder(cfg.model)
@@ -126,7 +134,7 @@ class Engine:
             runner.max_model_len = plan.max_model_len
             runner.bind_kv_cache(kv_pool)
             if not cfg.enforce_eager and runner.backend.supports_cuda_graphs:
-                runner.capture_graphs(cfg.max_num_seqs, graph_streams)
+                runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens)
         else:
             runner = ModelRunner(model, kv_pool, cfg.block_size, cfg.attention_backend, max_model_len=plan.max_model_len)
         log.info("engine ready in %.1fs", time.monotonic() - started)
@@ -153,6 +161,8 @@ class Engine:
             del runner.kv_pool
             torch.cuda.empty_cache()
             runner.bind_kv_cache(open_shared(kv))
+            if not cfg.enforce_eager and cfg.max_graph_tokens and runner.backend.supports_cuda_graphs:
+                runner.capture_graphs(cfg.max_num_seqs, max_tokens=cfg.max_graph_tokens, decode=False)
         else:
             runner = ModelRunner(model, open_shared(kv), cfg.block_size, cfg.attention_backend,
                                  max_model_len=plan.max_model_len)
@@ -294,6 +304,11 @@ def _largest_decode(runner: ModelRunner, cfg: EngineConfig) -> None:
     runner.forward(_dummy_inputs(cfg.max_num_seqs, cfg.max_num_seqs, cfg.block_size))
 
 
+def _largest_graph_step(runner: ModelRunner, cfg: EngineConfig) -> None:
+    """The largest step a token bucket captures: max_graph_tokens tokens over as many sequences as it holds."""
+    runner.forward(_dummy_inputs(cfg.max_graph_tokens, min(cfg.max_num_seqs, cfg.max_graph_tokens), cfg.block_size))
+
+
 def _warm_up(runner: ModelRunner, cfg: EngineConfig) -> None:
     """Run the shapes a worker will see once, so kernels compile now rather than on the first request."""
     _largest_step(runner, cfg)
@@ -322,21 +337,30 @@ def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int,
              graph_sets: int = 1) -> MemoryMeasurement:
     """Run the largest step and the largest decode step, measuring the memory each needs above what is allocated.
     others: what the device held when the engine started, outside this instance's share.
-    graph_sets: decode-graph sets to be captured (one per green split and one whole; each on its own stream, whose
-    blocks the allocator does not share with another stream's, so each set needs its own)."""
+    graph_sets: graph sets to be captured (one per green split and one whole; each on its own stream, whose
+    blocks the allocator does not share with another stream's, so each set is counted whole)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     _largest_step(runner, cfg)
     torch.cuda.synchronize()
     activation = torch.cuda.max_memory_allocated() - base
-    torch.cuda.reset_peak_memory_stats()
-    _largest_decode(runner, cfg)
-    torch.cuda.synchronize()
-    graphs = 0 if cfg.enforce_eager else graph_sets * (torch.cuda.max_memory_allocated() - base)
+    graph_steps = [_largest_decode] + ([_largest_graph_step] if cfg.max_graph_tokens else [])
+    peaks = []
+    for step in graph_steps:
+        torch.cuda.reset_peak_memory_stats()
+        step(runner, cfg)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    # Each set holds the largest captured step's activations (its own stream's blocks of the shared pool; its
+    # decode KV-split partials are in the decode step's peak); all sets write one float32 logits buffer.
+    logits = max(cfg.max_num_seqs, min(cfg.max_num_seqs, cfg.max_graph_tokens)) * runner.model.cfg.vocab_size * 4
+    graphs = 0 if cfg.enforce_eager else graph_sets * max(peaks) + logits
+    # The prefill worker captures steps of up to max_graph_tokens tokens: its own pool and logits buffer.
+    peer_graphs = peaks[-1] + logits if cfg.shares_device and cfg.max_graph_tokens and not cfg.enforce_eager else 0
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     # The scratch pool is still allocated here, and freed before the real pool is made: it is not in use after.
     return MemoryMeasurement(total=total, in_use=total - free - scratch - others, weights=weights,
                              activation_peak=activation, graph_peak=graphs,
-                             peer_activation_peak=activation if cfg.shares_device else 0, others=others)
+                             peer_activation_peak=activation + peer_graphs if cfg.shares_device else 0, others=others)

@@ -107,8 +107,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # per head, over the last dimension
             q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
-        q, k = ops.apply_rope(q, k, step.positions, step.cos, step.sin)
-        o = step.backend.forward(q, k, v, self.k_cache, self.v_cache, step.meta, self.scale)
+        o = step.backend.rope_and_attend(q, k, v, self.k_cache, self.v_cache, step.meta, self.scale, step.positions,
+                                         step.cos, step.sin)
         return ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
 
 
@@ -207,7 +207,8 @@ class Model(nn.Module):
             h, residual = layer(h, residual, step)
         return self.model.norm(h, backend.ops, residual)[0]
 
-    def compute_logits(self, hidden: Tensor, ops: Ops) -> Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops)."""
+    def compute_logits(self, hidden: Tensor, ops: Ops, out: Tensor | None = None) -> Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops); into out if given."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight).float()
+        logits = ops.linear(hidden, weight)
+        return logits.float() if out is None else out.copy_(logits)

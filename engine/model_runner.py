@@ -10,8 +10,9 @@ import torch
 from torch import Tensor
 
 from engine.attention import AttentionBackend, AttentionShape, StepBatch, create_backend
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, StepGraphs
 from engine.model import Model
+from engine.staging import Staging
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,11 @@ class StepInput:
 class ModelRunner:
     """Runs one step of the model over a batch of StepInputs against a paged KV pool.
 
-    Decode steps replay CUDA graphs once capture_graphs has run; everything else runs eagerly. With one graph set
-    per stream (green-context splits), use_graphs(key) picks the set of the stream the next steps run on.
+    Once capture_graphs has run, every step that fits a captured bucket (decode steps, and steps of up to
+    max_tokens tokens without prompt logprobs) replays a CUDA graph; everything else runs eagerly, its small inputs
+    staged in pinned memory so that nothing waits for the device. With one graph set per stream (green-context
+    splits), use_graphs(key) picks the set of the stream the next steps run on; graphs = None runs every step
+    eagerly.
     """
 
     def __init__(self, model: Model, kv_pool: Tensor, block_size: int, backend: str | AttentionBackend = "auto",
@@ -63,8 +67,10 @@ class ModelRunner:
                                    -(-self.max_model_len // block_size))
             backend = create_backend(backend, shape, self.device)
         self.backend = backend
-        self.graphs: DecodeGraphs | None = None  # the set decode steps replay now
-        self.graph_sets: dict[Any, DecodeGraphs] = {}
+        self.graphs: StepGraphs | None = None  # the set steps replay now
+        self.graph_sets: dict[Any, StepGraphs] = {}
+        self._graph_pool: Any = None
+        self.staging = Staging(torch.int64, self.device)
         self.bind_kv_cache(kv_pool)
 
     def bind_kv_cache(self, kv_pool: Tensor) -> None:
@@ -73,18 +79,25 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.model.bind_kv_cache(kv_pool)
 
-    def capture_graphs(self, max_batch: int, streams: dict[Any, torch.cuda.Stream] | None = None) -> None:
-        """Capture decode steps of up to max_batch sequences (CUDA, and a backend that supports it): one set on an
-        ordinary stream, or one set per stream of streams (keyed as use_graphs takes them), sharing one pool."""
-        pool = None
+    def capture_graphs(self, max_batch: int, streams: dict[Any, torch.cuda.Stream] | None = None,
+                       sms: dict[Any, int] | None = None, max_tokens: int = DEFAULT_GRAPH_TOKENS,
+                       decode: bool = True) -> None:
+        """Capture graph sets (CUDA, and a backend that supports it) of decode steps of up to max_batch sequences
+        (unless decode is False: a prefill worker's) and steps of up to max_tokens tokens: one set on an ordinary
+        stream, or one per stream of streams (keyed as use_graphs takes them), its decode KV splits sized for
+        sms[key] SMs (missing: the whole device). A later call adds sets of the same buckets; all share one memory
+        pool and one set of static inputs and outputs."""
+        io = next(iter(self.graph_sets.values())).io if self.graph_sets else None
         for key, stream in (streams or {None: None}).items():
-            graphs = DecodeGraphs(self.model, self.backend, max_batch)
-            pool = graphs.capture(stream, pool, "" if key is None else f", stream {key}")
+            graphs = StepGraphs(self.model, self.backend, max_batch, max_tokens, (sms or {}).get(key), io, decode)
+            io = graphs.io
+            self._graph_pool = graphs.capture(stream, self._graph_pool, "" if key is None else f", stream {key}")
             self.graph_sets[key] = graphs
-        self.graphs = next(iter(self.graph_sets.values()))
+        if self.graphs is None:
+            self.graphs = next(iter(self.graph_sets.values()))
 
     def use_graphs(self, key: Any) -> None:
-        """Replay the set captured on stream key from the next decode step (the caller runs it on that stream)."""
+        """Replay the set captured on stream key from the next step (the caller runs it on that stream)."""
         if self.graph_sets:
             self.graphs = self.graph_sets[key]
 
@@ -95,20 +108,23 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, inputs: list[StepInput]) -> tuple[Tensor, Tensor | None]:
         """forward's logits, and the final hidden states of the positions the inputs ask prompt logprobs for (in
-        input order; None when none asks)."""
+        input order; None when none asks). Logits from a graph are valid until the next step."""
         batch = self.make_batch(inputs)
-        if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(batch), None
+        if self.graphs is not None and (bucket := self.graphs.bucket_for(batch)) is not None:
+            return self.graphs.run(batch, bucket), None
         meta = self.backend.prepare(batch)
-        ids_pos = torch.tensor([batch.token_ids, batch.positions], dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(ids_pos[0], ids_pos[1], self.backend, meta)
-        kept = hidden[self._rows(batch.hidden_rows)] if batch.hidden_rows else None
-        if len(batch.sample_rows) < len(batch.token_ids):
-            hidden = hidden[self._rows(batch.sample_rows)]
+        t, s, k = len(batch.token_ids), len(batch.sample_rows), len(batch.hidden_rows)
+        host = self.staging.buffer(2 * t + s + k)
+        host[:t] = batch.token_ids
+        host[t : 2 * t] = batch.positions
+        host[2 * t : 2 * t + s] = batch.sample_rows
+        host[2 * t + s :] = batch.hidden_rows
+        ints = self.staging.to_device()
+        hidden = self.model(ints[:t], ints[t : 2 * t], self.backend, meta)
+        kept = hidden[ints[2 * t + s :]] if k else None
+        if s < t:
+            hidden = hidden[ints[2 * t : 2 * t + s]]
         return self.model.compute_logits(hidden, self.backend.ops), kept
-
-    def _rows(self, rows: list[int]) -> Tensor:
-        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
 
     def make_batch(self, inputs: list[StepInput]) -> StepBatch:
         """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets)."""

@@ -8,6 +8,7 @@ import logging
 import sys
 
 from engine.attention import BACKENDS
+from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS
 from engine.demo import DEMO_MODEL
 from partition.backends import (BACKENDS as PARTITIONS, DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT,
                                 PREFILL_WORKERS)
@@ -90,7 +91,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the folder's config (for benchmarks without the weights)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
                    help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    p.add_argument("--max-graph-tokens", type=int, default=DEFAULT_GRAPH_TOKENS, metavar="N",
+                   help=f"steps of up to N new tokens (prefills, append-prefills, decodes beside them) replay CUDA "
+                        f"graphs captured at token buckets; larger steps, and steps with prompt logprobs, run eagerly "
+                        f"(0: graphs for decode-only steps; at most {MAX_GRAPH_TOKENS}; default {DEFAULT_GRAPH_TOKENS})")
     p.add_argument("--stub-engine", type=float, default=None, metavar="MS",
                    help="run no model: each unit answers every request with its own prompt's tokens, one per request "
                         "every MS milliseconds, to measure the API server alone (ppd bench frontend)")

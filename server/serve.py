@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
+from engine.cuda_graphs import MAX_GRAPH_TOKENS
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import EngineConfig
 from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describe
@@ -102,6 +103,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                          f"({args.max_num_seqs}): every running sequence decodes one token per step")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    if not 0 <= args.max_graph_tokens <= MAX_GRAPH_TOKENS:
+        raise UsageError(f"--max-graph-tokens {args.max_graph_tokens}: give 0 (graphs for decode-only steps) up to "
+                         f"{MAX_GRAPH_TOKENS}")
     path = str(demo_model_path()) if args.model == DEMO_MODEL else os.path.abspath(args.model)
     try:
         mcfg = check_model_folder(path, args.load_format)
@@ -163,8 +167,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         attention_backend=args.attention_backend, block_size=args.block_size, num_kv_blocks=num_blocks,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager, shares_device=with_prefill,
-        tokenizer=tokenizer)
+        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+        max_graph_tokens=args.max_graph_tokens, shares_device=with_prefill, tokenizer=tokenizer)
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
                         gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
                         partition_profile=profile,

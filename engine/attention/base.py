@@ -2,9 +2,10 @@
 
 The model runner describes each forward pass as a StepBatch (host-side lists);
 the backend turns it into whatever its kernels need (prepare, once per step), and
-every layer calls forward with that metadata. A backend that supports CUDA
-graphs also keeps static metadata buffers that a captured decode graph reads,
-refilled in place before each replay.
+every layer calls rope_and_attend with that metadata. A backend that supports
+CUDA graphs also keeps static metadata buffers that a captured graph reads,
+refilled in place before each replay: one graph per GraphBucket, a fixed shape
+that a step is padded to.
 """
 
 from __future__ import annotations
@@ -45,8 +46,26 @@ class StepBatch:
         return len(self.token_ids) == self.num_seqs == len(self.sample_rows) and not self.hidden_rows
 
 
+@dataclass(frozen=True)
+class GraphBucket:
+    """The fixed shape of a captured step: `tokens` new tokens of `seqs` sequences (padding rows included), each
+    sequence's last token sampled. A decode bucket has one token per sequence and runs attention's decode grid
+    (split-KV); any other bucket holds steps of up to `tokens` tokens over up to `seqs` sequences (prefills,
+    append-prefills, decodes beside them), padded with sequences of no tokens and tokens of no sequence."""
+
+    tokens: int
+    seqs: int
+    decode: bool
+
+    @property
+    def max_query_len(self) -> int:
+        """What the captured attention is planned for: 1 (decode grid), else a query of the whole bucket."""
+        return 1 if self.decode else self.tokens
+
+
 class Ops(Protocol):
-    """The elementwise operations a backend provides (engine/ops.py is the reference)."""
+    """The elementwise operations a backend provides (engine/ops.py is the reference). add_rms_norm may write its
+    results into x and residual (the model never reads either again)."""
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
     def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]: ...
@@ -88,17 +107,25 @@ class AttentionBackend(ABC):
         Stores k, v at the step's slots, then each new query at position p attends keys 0..p of its sequence.
         Returns [T, H, D]."""
 
+    def rope_and_attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Any,
+                        scale: float, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """forward() after rotating q and k by position (ops.apply_rope's contract): what a layer calls. A backend
+        with a fused RoPE-and-store kernel overrides it."""
+        q, k = self.ops.apply_rope(q, k, positions, cos, sin)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+
     # ---- CUDA graphs (backends with supports_cuda_graphs) -----------------------------------------------
 
-    def graph_metadata(self, max_batch: int) -> Any:
-        """Static metadata buffers for decode batches of up to max_batch sequences, allocated once."""
+    def graph_metadata(self, buckets: list[GraphBucket], num_sms: int | None = None) -> Any:
+        """Static metadata buffers for every bucket of buckets, allocated once; num_sms: the SMs the graphs will run
+        on (a green-context share; None: the whole device), which sizes decode's KV splits."""
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
-    def graph_view(self, static: Any, batch_size: int) -> Any:
-        """The metadata a graph of batch_size rows is captured with: views of the static buffers."""
+    def graph_view(self, static: Any, bucket: GraphBucket) -> Any:
+        """The metadata a graph of bucket's shape is captured with: views of the static buffers."""
         raise NotImplementedError
 
-    def fill_graph_metadata(self, static: Any, batch: StepBatch, batch_size: int) -> None:
-        """Copy batch's metadata into the static buffers in place; rows past batch.num_seqs up to batch_size
-        become padding that reads nothing and writes no KV."""
+    def fill_graph_metadata(self, static: Any, batch: StepBatch, bucket: GraphBucket) -> None:
+        """Copy batch's metadata into the static buffers in place, padded to bucket: padding sequences have no
+        tokens and no context, padding tokens belong to no sequence and write no KV."""
         raise NotImplementedError

@@ -1,8 +1,9 @@
-"""Decode steps through the captured-graph path: static buffers refilled in place, padding rows, buckets.
+"""Steps through the captured-graph path: static buffers refilled in place, padding, buckets.
 
-On the CPU the graph replay is stood in by running the captured forward eagerly on the same static buffers,
-which checks everything the engine adds (the buffers, the padding, the per-bucket split-KV workspace); on a
-GPU the real graphs are captured and replayed (tests/engine/test_engine.py).
+On the CPU the graph replay is stood in by running the captured step eagerly on the same static buffers (Triton's
+interpreter), which checks everything the engine adds around a graph: the buffers, the padding of sequences and
+tokens, the static index of sampled rows, the per-bucket tiles and split-KV workspace. On a GPU the real graphs are
+captured and replayed (tests/engine/test_engine.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cuda_graphs import DecodeGraphs, bucket_sizes
+from engine.attention.base import GraphBucket
+from engine.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs, bucket_sizes, graph_buckets, token_bucket_sizes
 from engine.loader import load_model
 from engine.model import kv_pool_shape
-from engine.model_runner import ModelRunner, StepInput
-from tests.tiny_models import hf_greedy, write_tiny_model
+from engine.model_runner import ModelRunner, PromptLogprobsAsk, StepInput
+from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
+
+BLOCK = 16
 
 
 def test_buckets() -> None:
@@ -25,25 +29,120 @@ def test_buckets() -> None:
     assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert bucket_sizes(3) == [1, 2, 3]
     assert bucket_sizes(1000)[-1] == 512  # the largest captured batch
+    assert token_bucket_sizes(512) == [16] + list(range(32, 257, 32)) + [320, 384, 448, 512]
+    assert token_bucket_sizes(100) == [16, 32, 64, 96, 100]
+    assert token_bucket_sizes(0) == []
+    assert token_bucket_sizes(4096)[-1] == MAX_GRAPH_TOKENS
+    buckets = graph_buckets(8, 64)
+    assert [b for b in buckets if b.decode] == [GraphBucket(n, n, True) for n in (1, 2, 4, 8)]
+    # A token bucket holds up to max_batch sequences (never more than its tokens).
+    assert [(b.tokens, b.seqs) for b in buckets if not b.decode] == [(16, 8), (32, 8), (64, 8)]
+    assert not any(b.decode for b in graph_buckets(8, 64, decode=False))
 
 
 class EagerReplay:
-    """Stands in for a captured torch.cuda.CUDAGraph on the CPU: replay recomputes into the output buffer."""
+    """Stands in for a captured torch.cuda.CUDAGraph on the CPU: replay runs the captured step eagerly."""
 
-    def __init__(self, forward, out: torch.Tensor) -> None:
-        self.forward, self.out = forward, out
+    def __init__(self, graphs: StepGraphs, bucket: GraphBucket) -> None:
+        self.graphs, self.bucket = graphs, bucket
 
     def replay(self) -> None:
-        self.out.copy_(self.forward())
+        self.graphs.forward(self.bucket)
 
 
-def eager_graphs(runner: ModelRunner, max_batch: int) -> DecodeGraphs:
-    graphs = DecodeGraphs(runner.model, runner.backend, max_batch)
-    for bs in graphs.sizes:
-        meta = graphs.backend.graph_view(graphs.static, bs)
-        out = torch.empty(bs, runner.model.cfg.vocab_size)
-        graphs.graphs[bs] = (EagerReplay(lambda bs=bs, meta=meta: graphs._forward(bs, meta), out), out)
+def eager_graphs(runner: ModelRunner, max_batch: int, max_tokens: int = 64) -> StepGraphs:
+    graphs = StepGraphs(runner.model, runner.backend, max_batch, max_tokens)
+    graphs.graphs = {bucket: EagerReplay(graphs, bucket) for bucket in graphs.buckets}
     return graphs
+
+
+class Seqs:
+    """Sequences that grow by the steps given them, over blocks taken in a shuffled order from a shared list."""
+
+    def __init__(self, prompts: list[list[int]], free: list[int]) -> None:
+        self.tokens = [list(p) for p in prompts]
+        self.cached = [0] * len(prompts)
+        self.tables: list[list[int]] = [[] for _ in prompts]
+        self.free = free
+
+    def inputs(self, which: list[int], new: dict[int, list[int]] | None = None) -> list[StepInput]:
+        """A step of sequences `which`: each its uncached tokens, after appending new[i] to sequence i."""
+        inputs = []
+        for i in which:
+            self.tokens[i] += (new or {}).get(i, [])
+            end = len(self.tokens[i])
+            while len(self.tables[i]) * BLOCK < end:
+                self.tables[i].append(self.free.pop())
+            inputs.append(StepInput(self.tokens[i][self.cached[i]:end], self.cached[i], list(self.tables[i])))
+            self.cached[i] = end
+        return inputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_padded_static_path_equals_the_eager_one(arch: str, tmp_path: Path) -> None:
+    """Decode-only, append-only and mixed steps through the padded static path give the eager path's logits and
+    greedy ids, and write exactly the same KV (padding tokens write none: both pools start as NaN)."""
+    folder = write_tiny_model(tmp_path, arch)
+    runners = []
+    for graphs in (False, True):
+        model, cfg = load_model(folder)
+        runner = ModelRunner(model, torch.full(kv_pool_shape(cfg, 64, BLOCK), float("nan")), BLOCK, "triton")
+        runner.graphs = eager_graphs(runner, max_batch=8, max_tokens=64) if graphs else None
+        runners.append(runner)
+    eager, static = runners
+    rng = random.Random(0)
+    free = list(range(64))
+    rng.shuffle(free)
+    seqs = Seqs([[rng.randrange(3, 320) for _ in range(n)] for n in (21, 7, 30, 12)], free)
+    used: list[str] = []
+
+    def step(inputs: list[StepInput]) -> list[int]:
+        batch = static.make_batch(inputs)
+        bucket = static.graphs.bucket_for(batch)
+        assert bucket is not None, "every step of this test fits a bucket"
+        used.append(f"{'decode' if bucket.decode else 'tokens'} {bucket.tokens}")
+        want, got = eager.forward(inputs), static.forward(inputs)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ids = want.argmax(-1).tolist()
+        assert got.argmax(-1).tolist() == ids
+        return ids
+
+    def greedy(which: list[int], ids: list[int]) -> dict[int, list[int]]:
+        return {i: [t] for i, t in zip(which, ids)}
+
+    first = step(seqs.inputs([0, 1, 2]))  # three prompts: 58 tokens, bucket 64 with one padding sequence
+    nxt = greedy([0, 1, 2], first)
+    for _ in range(2):  # decode-only: three sequences in bucket 4, one padding row
+        nxt = greedy([0, 1, 2], step(seqs.inputs([0, 1, 2], nxt)))
+    # Append-only: two turns add 9 and 14 new tokens over their cached history (bucket 32).
+    appends = {0: nxt[0] + [rng.randrange(3, 320) for _ in range(8)], 2: nxt[2] + [rng.randrange(3, 320) for _ in range(13)]}
+    after = greedy([0, 2], step(seqs.inputs([0, 2], appends)))
+    # Mixed: sequence 1 decodes, 0 and 2 decode after their appends, 3 is a new prompt (bucket 16 then 16).
+    mixed = step(seqs.inputs([1, 0, 2, 3], {1: nxt[1], **after}))
+    nxt = greedy([1, 0, 2, 3], mixed)
+    step(seqs.inputs([1, 0, 2, 3], nxt))  # four decodes: bucket 4, no padding
+    assert used == ["tokens 64", "decode 4", "decode 4", "tokens 32", "tokens 16", "decode 4"]
+    torch.testing.assert_close(static.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_steps_that_fit_no_bucket_run_eagerly(tiny_llama: Path) -> None:
+    model, cfg = load_model(tiny_llama)
+    runner = ModelRunner(model, torch.zeros(kv_pool_shape(cfg, 32, BLOCK)), BLOCK, "triton")
+    graphs = eager_graphs(runner, max_batch=4, max_tokens=32)
+
+    def bucket(*inputs: StepInput) -> GraphBucket | None:
+        return graphs.bucket_for(runner.make_batch(list(inputs)))
+
+    one = StepInput([5], 3, [0])
+    assert bucket(one, one) == GraphBucket(2, 2, True)
+    assert bucket(*[one] * 5) is None  # more sequences than max_batch
+    assert bucket(StepInput([5] * 33, 0, [0, 1, 2])) is None  # more tokens than max_tokens
+    assert bucket(StepInput([5] * 32, 0, [0, 1])) == GraphBucket(32, 4, False)
+    assert bucket(StepInput([5] * 3, 0, [0]), one) == GraphBucket(16, 4, False)
+    assert bucket(StepInput([5], 3, [0], sample=False)) == GraphBucket(16, 4, False)  # a chunk that samples nothing
+    asks = StepInput([5] * 3, 0, [0], prompt_logprobs=PromptLogprobsAsk([5, 5], 1))
+    assert bucket(asks) is None  # prompt logprobs keep hidden states: eager
 
 
 @pytest.fixture(scope="module")
@@ -54,60 +153,62 @@ def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_decode_through_static_buffers_matches_hf(long_llama: Path) -> None:
     model, cfg = load_model(long_llama)
-    block_size = 16
-    pool = torch.full(kv_pool_shape(cfg, 160, block_size), float("nan"))
-    runner = ModelRunner(model, pool, block_size, "triton")
-    graphs = eager_graphs(runner, max_batch=4)
-    assert graphs.static.splits[1] > 1, "the one-sequence bucket should split its KV"
+    pool = torch.full(kv_pool_shape(cfg, 160, BLOCK), float("nan"))
+    runner = ModelRunner(model, pool, BLOCK, "triton")
+    graphs = eager_graphs(runner, max_batch=4, max_tokens=0)
+    assert graphs.static.splits[GraphBucket(1, 1, True)] > 1, "the one-sequence bucket should split its KV"
     free = list(range(160))
     random.Random(0).shuffle(free)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (300, 40, 75)]
-    seqs = [{"tokens": list(p), "cached": 0, "table": []} for p in prompts]
+    seqs = Seqs(prompts, free)
 
-    def step(active: list[dict]) -> None:
-        inputs = []
-        for s in active:
-            end = len(s["tokens"])
-            while len(s["table"]) * block_size < end:
-                s["table"].append(free.pop())
-            inputs.append(StepInput(s["tokens"][s["cached"]:end], s["cached"], list(s["table"])))
-            s["cached"] = end
+    def step(which: list[int]) -> None:
+        inputs = seqs.inputs(which)
         batch = runner.make_batch(inputs)
-        runner.graphs = graphs if batch.is_decode else None  # prefills run eagerly, as in the engine
+        runner.graphs = graphs if batch.is_decode else None  # no token buckets here: prefills run eagerly
         logits = runner.forward(inputs)
-        for s, row in zip(active, logits):
-            s["tokens"].append(int(row.argmax()))
+        for i, row in zip(which, logits):
+            seqs.tokens[i].append(int(row.argmax()))
 
-    step(seqs)  # prefill all three
-    step(seqs[:1])  # one sequence: bucket 1, split KV
+    step([0, 1, 2])  # prefill all three
+    step([0])  # one sequence: bucket 1, split KV
     for _ in range(5):
-        step(seqs)  # three sequences: bucket 4 with one padding row
-    for s, p in zip(seqs, prompts):
-        n = len(s["tokens"]) - len(p)
-        assert s["tokens"][len(p):] == hf_greedy(long_llama, p, n)
+        step([0, 1, 2])  # three sequences: bucket 4 with one padding row
+    for tokens, p in zip(seqs.tokens, prompts):
+        n = len(tokens) - len(p)
+        assert tokens[len(p):] == hf_greedy(long_llama, p, n)
 
 
 def test_one_graph_set_per_split_stream_captured_on_that_stream(long_llama: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Green-context splits: capture_graphs captures a set per stream (keyed as use_graphs takes them), each on its
-    own stream and with every batch bucket, all in one memory pool; use_graphs picks the set a step replays."""
+    own stream, with every bucket, its decode KV splits sized for its SMs, all in one memory pool and with one set
+    of static inputs and outputs; a later call adds sets; use_graphs picks the set a step replays."""
     model, cfg = load_model(long_llama)
     runner = ModelRunner(model, torch.zeros(kv_pool_shape(cfg, 8, 16)), 16, "triton")
     captured = []
 
-    def capture(self: DecodeGraphs, stream=None, pool=None, label: str = ""):
+    def capture(self: StepGraphs, stream=None, pool=None, label: str = ""):
         captured.append((stream, pool))
-        for bs in self.sizes:
-            self.graphs[bs] = (f"graph {bs} on {stream}", None)
+        for bucket in self.buckets:
+            self.graphs[bucket] = f"graph {bucket.tokens} on {stream}"
         return pool or "the pool"
 
-    monkeypatch.setattr(DecodeGraphs, "capture", capture)
-    streams = {-1: "whole", 0: "decode on 32 SMs", 1: "decode on 64 SMs"}
-    runner.capture_graphs(20, streams)
-    assert captured == [("whole", None), ("decode on 32 SMs", "the pool"), ("decode on 64 SMs", "the pool")]
-    for key, stream in streams.items():
-        graphs = runner.graph_sets[key].graphs
-        assert sorted(graphs) == bucket_sizes(20) and graphs[20][0] == f"graph 20 on {stream}"
+    monkeypatch.setattr(StepGraphs, "capture", capture)
+    # The model's 2 KV heads and 1,024 positions: one sequence splits its keys in 4 on 64 SMs or more, in 2 on
+    # 2 SMs, not at all on 1.
+    streams = {-1: "whole", 0: "decode on 2 SMs", 1: "decode on 64 SMs"}
+    runner.capture_graphs(20, streams, sms={0: 2, 1: 64}, max_tokens=64)
+    runner.capture_graphs(20, {2: "decode on 1 SM"}, sms={2: 1}, max_tokens=64)
+    assert captured == [("whole", None), ("decode on 2 SMs", "the pool"), ("decode on 64 SMs", "the pool"),
+                        ("decode on 1 SM", "the pool")]
+    one = GraphBucket(1, 1, True)
+    assert {key: runner.graph_sets[key].static.splits[one] for key in (-1, 0, 1, 2)} == {-1: 4, 0: 2, 1: 4, 2: 1}
+    for key, stream in {**streams, 2: "decode on 1 SM"}.items():
+        graphs = runner.graph_sets[key]
+        assert graphs.buckets == graph_buckets(20, 64) and graphs.graphs[one] == f"graph 1 on {stream}"
+        assert graphs.io is runner.graph_sets[-1].io
+    assert runner.graphs is runner.graph_sets[-1]
     runner.use_graphs(1)
     assert runner.graphs is runner.graph_sets[1]

@@ -1,5 +1,5 @@
 """The engine object: a device's start-up (create, attach), and greedy output equal to transformers on every path
-the GPU adds (Triton kernels, CUDA graphs for decode, split-KV, padding rows)."""
+the GPU adds (Triton kernels, CUDA graphs for decode and for prefill, append and mixed steps, split-KV, padding)."""
 
 from __future__ import annotations
 
@@ -209,6 +209,11 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
     engine = cuda_engine(tiny, eager)
     assert engine.runner.backend.name == "triton"
     assert (engine.runner.graphs is None) == eager
+    replayed = []
+    if not eager:  # which buckets the steps replay: prompts, then decodes, then an append beside decodes
+        graphs = engine.runner.graphs
+        replay = graphs.run
+        graphs.run = lambda batch, bucket: (replayed.append(bucket), replay(batch, bucket))[1]
     free = free_blocks(engine)
     # Three conversations decode together: a batch of 3 replays the graph of 4 with one padding row.
     prompts = [random_ids(n, seed=s) for n, s in ((23, 1), (40, 2), (7, 3))]
@@ -224,6 +229,10 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
     assert first.tokens[len(turn2):] == hf_greedy(tiny, turn2, NEW_TOKENS)
     for conv, prompt in zip(convs[1:], prompts[1:]):
         assert conv.tokens[len(prompt):] == hf_greedy(tiny, prompt, 2 * NEW_TOKENS)
+    if not eager:
+        # The prompts' step (70 tokens), every decode step, and the append beside two decodes (22 tokens).
+        assert [(b.tokens, b.decode) for b in replayed] == ([(96, False)] + [(4, True)] * (NEW_TOKENS - 1)
+                                                            + [(32, False)] + [(4, True)] * (NEW_TOKENS - 1))
 
 
 @pytest.mark.gpu

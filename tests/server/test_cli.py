@@ -62,6 +62,11 @@ def test_token_budget_below_batch_size() -> None:
     assert result.returncode == 2 and "--max-num-batched-tokens" in result.stderr
 
 
+def test_graph_tokens_out_of_range_are_refused() -> None:
+    result = serve("--max-graph-tokens", "4096")
+    assert result.returncode == 2 and "--max-graph-tokens 4096: give 0" in result.stderr and "1024" in result.stderr
+
+
 def test_a_prefill_batch_below_one_token_is_refused() -> None:
     result = serve("--prefill-batch-tokens", "0")
     assert result.returncode == 2 and "--prefill-batch-tokens must be at least 1" in result.stderr

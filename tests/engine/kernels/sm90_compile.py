@@ -38,13 +38,14 @@ from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 from triton.runtime.errors import OutOfResources
 
-from engine.attention.base import AttentionShape, StepBatch
+from engine.attention.base import AttentionShape, GraphBucket, StepBatch
 from engine.attention.triton_backend import GraphBuffers, TritonBackend, TritonMetadata
 from engine.config import ModelConfig
-from engine.cuda_graphs import bucket_sizes
+from engine.cuda_graphs import graph_buckets
 from engine.engine import EngineConfig
 from engine.kernels.attention import (PREFILL_CONFIGS, AttentionConfig, choose_num_splits, default_config,
                                      paged_attention)
+from engine.kernels.rope import rope_store_kv
 from engine.kernels.store_kv import store_kv
 from partition.probe_kernels import BLOCK, SM_ID_BLOCK, _sm_ids_kernel, spin
 
@@ -175,7 +176,7 @@ class Model:
 
     @functools.cached_property
     def graph_buffers(self) -> GraphBuffers:
-        return self.backend.graph_metadata(EngineConfig.max_num_seqs)
+        return self.backend.graph_metadata(graph_buckets(EngineConfig.max_num_seqs, EngineConfig.max_graph_tokens))
 
     def step(self, seqs: list[tuple[int, int]]) -> StepBatch:
         """A step over sequences of (cached, new) tokens, as the scheduler hands it to the model runner."""
@@ -200,11 +201,11 @@ class Model:
         return torch.zeros(2, t, dtype=torch.int64)[1]
 
     def attention(self, meta: TritonMetadata, t: int, positions: Tensor) -> None:
-        """One layer's attention kernels as Attention.forward runs them: rope, then the backend's store_kv and
-        paged_attention."""
+        """One layer's attention kernels as Attention.forward runs them: the backend's rope_and_attend (RoPE fused
+        with the KV store, then the attention planned for the step)."""
         q, k, v = self.qkv(t)
-        q, k = self.backend.ops.apply_rope(q, k, positions, self.cos, self.sin)
-        self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.d**-0.5)
+        self.backend.rope_and_attend(q, k, v, self.k_cache, self.v_cache, meta, self.d**-0.5, positions, self.cos,
+                                     self.sin)
 
     def decode(self, batch: int, context: int, splits: int) -> None:
         """A decode step of batch sequences at context, with the workspace prepare() allocates for splits."""
@@ -212,11 +213,11 @@ class Model:
         assert meta.num_splits == splits, (meta.num_splits, splits)
         self.attention(meta, batch, self.positions(batch))
 
-    def decode_graph(self, batch: int, splits: int) -> None:
-        """A CUDA graph's decode step: metadata and workspace are views of the graphs' static buffers."""
-        meta = self.backend.graph_view(self.graph_buffers, batch)
+    def graph_step(self, bucket: GraphBucket, splits: int = 1) -> None:
+        """A CUDA graph's step: metadata and workspace are views of the graphs' static buffers."""
+        meta = self.backend.graph_view(self.graph_buffers, bucket)
         assert meta.num_splits == splits, (meta.num_splits, splits)
-        self.attention(meta, batch, torch.zeros(batch, dtype=torch.int64))
+        self.attention(meta, bucket.tokens, torch.zeros(bucket.tokens, dtype=torch.int64))
 
     def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig) -> None:
         """A prefill step whose tile default_config must pick as config."""
@@ -280,14 +281,22 @@ def attention_cases(dt: str) -> list[Case]:
 
 
 def graph_cases(dt: str) -> list[Case]:
-    """Decode replayed from CUDA graphs (the GPU's default decode path), one batch bucket per split count. Its
-    kernels differ from eager decode's only in pointer alignment (static buffers), so one dtype is enough."""
-    max_batch, first = EngineConfig.max_num_seqs, {}
+    """Steps replayed from CUDA graphs (the GPU's default path for steps up to max_graph_tokens): decode, one batch
+    bucket per split count; every tile a token bucket is planned with, at its smallest bucket. Their kernels differ
+    from eager steps' only in pointer alignment (static buffers), so one dtype is enough."""
     longest = math.ceil(LLAMA.max_position_embeddings / EngineConfig.block_size) * EngineConfig.block_size
-    for batch in bucket_sizes(max_batch):  # graphs are captured for the longest context (TritonBackend)
-        first.setdefault(choose_num_splits(batch, LLAMA.num_kv_heads, longest, H100_SMS), batch)
-    return [Case(f"attention decode graph {dt} splits={splits} (batch {batch})", f"graph {dt} {splits}",
-                 lambda b=batch, s=splits: model(dt).decode_graph(b, s)) for splits, batch in sorted(first.items())]
+    group = LLAMA.num_heads // LLAMA.num_kv_heads
+    decode: dict[int, GraphBucket] = {}
+    tiles: dict[AttentionConfig, GraphBucket] = {}
+    for bucket in graph_buckets(EngineConfig.max_num_seqs, EngineConfig.max_graph_tokens):
+        if bucket.decode:  # graphs are captured for the longest context (TritonBackend)
+            decode.setdefault(choose_num_splits(bucket.seqs, LLAMA.num_kv_heads, longest, H100_SMS), bucket)
+        else:
+            tiles.setdefault(default_config(bucket.max_query_len, group), bucket)
+    return ([Case(f"attention decode graph {dt} splits={splits} (batch {b.seqs})", f"graph {dt} {splits}",
+                  lambda b=b, s=splits: model(dt).graph_step(b, s)) for splits, b in sorted(decode.items())]
+            + [Case(f"attention step graph {dt} {b.tokens} tokens (tile {config.block_m}x{config.tile_n})",
+                    f"graph {dt} {config}", lambda b=b: model(dt).graph_step(b)) for config, b in tiles.items()])
 
 
 def elementwise_cases(dt: str) -> list[Case]:
@@ -317,6 +326,12 @@ def elementwise_cases(dt: str) -> list[Case]:
         _, k, v = m.qkv(t)
         store_kv(k, v, m.k_cache, m.v_cache, torch.zeros(t, dtype=torch.int64))
 
+    def rope_kv_store(t: int) -> None:  # the engine's path: int32 slots, into the step's rotated-query buffer
+        m = model(dt)
+        q, k, v = m.qkv(t)
+        rope_store_kv(q, k, v, m.positions(t), m.cos, m.sin, m.k_cache, m.v_cache, torch.zeros(t, dtype=torch.int32),
+                      out=torch.empty(t, m.h, m.d, dtype=m.dtype))
+
     def silu_mul(t: int) -> None:
         m = model(dt)
         m.backend.ops.silu_and_mul(torch.zeros(t, 2 * LLAMA.intermediate_size, dtype=m.dtype))
@@ -330,6 +345,7 @@ def elementwise_cases(dt: str) -> list[Case]:
             Case(f"rms_norm {dt} per-head k t={t}", family, lambda t=t: head_norm(t, 1)),
             Case(f"apply_rope {dt} t={t}", family, lambda t=t: rope(t)),
             Case(f"store_kv {dt} t={t}", family, lambda t=t: kv_store(t)),
+            Case(f"rope_store_kv {dt} t={t}", family, lambda t=t: rope_kv_store(t)),
             Case(f"silu_and_mul {dt} t={t}", family, lambda t=t: silu_mul(t)),
         ]
     return cases
@@ -344,9 +360,9 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 PARTS = {
     "all": "every case (the default test suite)",
-    "fast": "all but float32 attention and CUDA-graph decode (a quick look while editing a kernel)",
+    "fast": "all but float32 attention and CUDA-graph steps (a quick look while editing a kernel)",
     "slow": "float32 attention, whose FMA dots take several times as long to compile as the rest together, and "
-            "bfloat16 decode replayed from CUDA graphs",
+            "bfloat16 steps replayed from CUDA graphs",
     "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
 }
 
