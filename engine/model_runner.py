@@ -127,17 +127,23 @@ class ModelRunner:
         return self.model.compute_logits(hidden, self.backend.ops), kept
 
     def make_batch(self, inputs: list[StepInput]) -> StepBatch:
-        """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets)."""
+        """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets). Inputs of
+        one token (that keep no hidden states) come first, so that attention runs them on its decode grid and the
+        rest on its general grid; sampled and kept rows are listed in input order, so logits come out in it."""
         assert inputs, "a step needs at least one input"
         bs, max_len = self.block_size, self.max_model_len
+        single = [i for i, inp in enumerate(inputs) if len(inp.token_ids) == 1 and inp.prompt_logprobs is None]
+        order = range(len(inputs))
+        if 0 < len(single) < len(inputs):
+            several = set(order).difference(single)
+            order = single + sorted(several)
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        query_start, seq_lens, sample_rows, hidden_rows = [0], [], [], []
-        for inp in inputs:
-            if inp.prompt_logprobs is not None:
-                assert len(inp.prompt_logprobs.targets) <= len(inp.token_ids), "prompt logprobs beyond the input"
-                hidden_rows += range(len(token_ids), len(token_ids) + len(inp.prompt_logprobs.targets))
+        query_start, seq_lens, tables = [0], [], []
+        last_row = [0] * len(inputs)
+        for i in order:
+            inp = inputs[i]
             end = inp.start_pos + len(inp.token_ids)
             assert inp.token_ids and len(inp.block_table) * bs >= end, "empty input or block table too short"
             assert end <= max_len, f"sequence longer than max_model_len ({max_len})"
@@ -152,7 +158,15 @@ class ModelRunner:
                 slots += [table[p // bs] * bs + p % bs for p in range(inp.start_pos, end)]
             query_start.append(len(token_ids))
             seq_lens.append(end)
-            if inp.sample:
-                sample_rows.append(len(token_ids) - 1)
-        return StepBatch(token_ids, positions, slots, query_start, seq_lens, [inp.block_table for inp in inputs],
-                         sample_rows, bs, hidden_rows)
+            tables.append(table)
+            last_row[i] = len(token_ids) - 1
+        sample_rows = [last_row[i] for i, inp in enumerate(inputs) if inp.sample]
+        hidden_rows: list[int] = []
+        for i, inp in enumerate(inputs):
+            if inp.prompt_logprobs is not None:
+                n = len(inp.prompt_logprobs.targets)
+                assert n <= len(inp.token_ids), "prompt logprobs beyond the input"
+                first = last_row[i] + 1 - len(inp.token_ids)
+                hidden_rows += range(first, first + n)
+        return StepBatch(token_ids, positions, slots, query_start, seq_lens, tables, sample_rows, bs, hidden_rows,
+                         num_decodes=len(single))

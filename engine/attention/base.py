@@ -31,6 +31,7 @@ class StepBatch:
     sample_rows: list[int]         # rows of T whose logits are returned (a sequence's last new token)
     block_size: int
     hidden_rows: list[int] = field(default_factory=list)  # rows of T whose final hidden states are kept (prompt logprobs)
+    num_decodes: int = 0  # the leading sequences that add one token each (ModelRunner.make_batch puts them first)
 
     @property
     def num_seqs(self) -> int:

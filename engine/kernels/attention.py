@@ -9,7 +9,9 @@ is written; no key at or past seq_lens[b] is read, and no block-table entry past
 Layout of a program's tile (GQA packing, as vLLM's unified attention): BLOCK_M rows = BLOCK_Q query tokens x the
 G query heads sharing one KV head, so each K/V tile is loaded once per KV head and tl.dot runs even in decode.
 Grids depend only on shapes and host ints, never on seq_lens values, so a captured CUDA graph stays valid:
-- general path: (T // BLOCK_Q + B, Hkv); a program finds its sequence by binary search over query_start.
+- general path: (T // BLOCK_Q + B, Hkv); a program finds its sequence by binary search over query_start. The
+  sequences' new tokens may start past token 0 of q (query_start[0] > 0): a step's decodes run on the decode grid
+  and its other sequences, after them in q, on the general grid with query_start and seq_lens sliced.
 - decode (max_query_len == 1): (B, Hkv, num_splits); with num_splits > 1 each sequence's keys are split across
   programs (the split count per sequence is derived on the device from its seq_len) and a second kernel merges
   the partial results by log-sum-exp.
@@ -119,10 +121,15 @@ def _attention_kernel(
         seq = tl.program_id(0)
         q_tile = 0
     else:
-        seq = _find_seq(query_start_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
-        q_tile = tl.program_id(0) - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq)
+        found = _find_seq(query_start_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+        seq = tl.maximum(found, 0)
+        q_tile = tl.maximum(tl.program_id(0) - (tl.load(query_start_ptr + seq) // BLOCK_Q + seq), 0)
     q_start = tl.load(query_start_ptr + seq)
     n_new = tl.load(query_start_ptr + seq + 1) - q_start
+    if not DECODE:
+        # Where the sequences' queries start past token 0 (the general grid over a step's later sequences), the
+        # grid's first tiles belong to none.
+        n_new = tl.where(found < 0, 0, n_new)
     if q_tile * BLOCK_Q >= n_new:  # the grid's upper bound overshoots by up to one tile per sequence
         return
     kv_len = tl.load(seq_lens_ptr + seq)

@@ -119,11 +119,29 @@ def test_padded_static_path_equals_the_eager_one(arch: str, tmp_path: Path) -> N
     appends = {0: nxt[0] + [rng.randrange(3, 320) for _ in range(8)], 2: nxt[2] + [rng.randrange(3, 320) for _ in range(13)]}
     after = greedy([0, 2], step(seqs.inputs([0, 2], appends)))
     # Mixed: sequence 1 decodes, 0 and 2 decode after their appends, 3 is a new prompt (bucket 16 then 16).
-    mixed = step(seqs.inputs([1, 0, 2, 3], {1: nxt[1], **after}))
-    nxt = greedy([1, 0, 2, 3], mixed)
-    step(seqs.inputs([1, 0, 2, 3], nxt))  # four decodes: bucket 4, no padding
+    mixed = step(seqs.inputs([3, 1, 0, 2], {1: nxt[1], **after}))  # the prompt first: decodes are moved ahead
+    nxt = greedy([3, 1, 0, 2], mixed)
+    step(seqs.inputs([3, 1, 0, 2], nxt))  # four decodes: bucket 4, no padding
     assert used == ["tokens 64", "decode 4", "decode 4", "tokens 32", "tokens 16", "decode 4"]
     torch.testing.assert_close(static.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
+def test_logits_come_out_in_input_order_whatever_the_kinds_order(tiny_llama: Path, backend: str) -> None:
+    """A step's decodes run ahead of its other sequences (attention's two grids), but its logits are in input order:
+    a decode after a prompt gets the same logits as before it."""
+    logits = []
+    for order in ([0, 1, 2], [1, 2, 0]):
+        model, cfg = load_model(tiny_llama)
+        runner = ModelRunner(model, torch.zeros(kv_pool_shape(cfg, 16, BLOCK)), BLOCK, backend)
+        runner.forward([StepInput(list(range(10, 30)), 0, [0, 1])])  # the decode's context
+        inputs = [StepInput([7], 20, [0, 1]), StepInput(list(range(40, 57)), 0, [2, 3]),
+                  StepInput(list(range(60, 66)), 0, [4], sample=False)]
+        batch = runner.make_batch([inputs[i] for i in order])
+        assert batch.num_decodes == 1 and batch.query_start[:2] == [0, 1]
+        rows = runner.forward([inputs[i] for i in order])
+        logits.append(rows if order == [0, 1, 2] else rows[[1, 0]])
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 def test_steps_that_fit_no_bucket_run_eagerly(tiny_llama: Path) -> None:
