@@ -14,6 +14,12 @@ stalled counts as slow rather than dropping out. Configurations by default: aggr
 decode batch), pd with time-slicing (none), and each way of overlapping this device offers: on the CPU pinned cores
 (cpu) and one process with a prefill thread (thread); on a GPU mps and green. Each server logs to <out>/<name>.log;
 a configuration that measured nothing is reported with why, and makes the command exit 1.
+
+On a GPU, --only also reaches static configurations that take SM loss and contention apart: green-static-64 and
+green-static-96 fix decode on a green context of 64 or 96 SMs, alone and beside the prefill (no share manager), so
+their TPOT alone against none's (decode alone on every SM) is what the SMs cost decode, and their ratio is what the
+prefill's contention on the rest costs it; mps-40 caps the prefill worker at 40% of the SMs. The report says what
+decode had in each configuration, and the share the server reported (/health) while it decoded alone and beside.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import shlex
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,11 +39,37 @@ import httpx
 from bench.common import BenchError, default_out, fail_unless_measured, one_line, write_json
 from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
 
-CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
-               "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
-GPU_CONFIGS = {"aggregated": "--policy aggregated --partition none", "none": "--policy pd --partition none",
-               "mps": "--policy pd --partition mps", "green": "--policy pd --partition green"}
+
+@dataclass(frozen=True)
+class Config:
+    """One way of sharing the device: its own `ppd serve` arguments, and what decode has under it."""
+
+    args: str
+    decode: str = ""
+
+
+CPU_CONFIGS = {
+    "aggregated": Config("--policy aggregated", "every core; the prefill's chunks join its steps"),
+    "none": Config("--policy pd --partition none", "every core, time-sliced with the prefill worker's process"),
+    "cpu": Config("--policy pd --partition cpu", "its own cores, fixed (the prefill worker on the others)"),
+    "thread": Config("--policy pd --partition none --prefill-worker thread",
+                     "every core, shared with the prefill thread"),
+}
+GPU_CONFIGS = {
+    "aggregated": Config("--policy aggregated --partition none", "every SM; the prefill's chunks join its steps"),
+    "none": Config("--policy pd --partition none", "every SM, time-sliced with the prefill worker's process"),
+    "mps": Config("--policy pd --partition mps", "every SM (MPS cap 100%), the prefill capped at 80%"),
+    "green": Config("--policy pd --partition green", "the share manager's pick among green splits"),
+    "green-static-64": Config("--policy pd --partition green --green-decode-sms 64 --no-share-manager",
+                              "64 SMs (a green context), alone and beside; the prefill on the rest"),
+    "green-static-96": Config("--policy pd --partition green --green-decode-sms 96 --no-share-manager",
+                              "96 SMs (a green context), alone and beside; the prefill on the rest"),
+    "mps-40": Config("--policy pd --partition mps --mps-prefill-percent 40",
+                     "every SM (MPS cap 100%), the prefill capped at 40%"),
+}
+GPU_DEFAULT = ("aggregated", "none", "mps", "green")  # the static ones are for --only: each is a server start
 TARGET_RATIO = 1.2
+SHARE_SAMPLE_S = 0.25  # how often /health is read for decode's share while a configuration is measured
 
 
 def add_interference_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +77,9 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", action="append", default=[], metavar="NAME=ARGS",
                    help="a configuration: a name and its own `ppd serve` arguments; repeatable (default: aggregated, "
                         "none, and cpu and thread on the CPU, or mps and green with --device cuda)")
-    p.add_argument("--only", default=None, help="comma list: measure only these of the configurations")
+    p.add_argument("--only", default=None,
+                   help="comma list: measure only these of the configurations; on a GPU also the static ones, "
+                        f"{', '.join(n for n in GPU_CONFIGS if n not in GPU_DEFAULT)}")
     p.add_argument("--batch", type=int, default=64, help="decoding streams")
     p.add_argument("--context", type=int, default=512, help="each stream's prompt tokens")
     p.add_argument("--prefill-tokens", type=int, default=4096, help="the long prompt's tokens")
@@ -57,25 +92,40 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> None:
     serve_args = shlex.split(args.serve_args)
     gpu = option_value(serve_args, "--device") != "cpu" and _cuda_available()
-    configs = dict(c.split("=", 1) for c in args.config) if args.config else (GPU_CONFIGS if gpu else CPU_CONFIGS)
-    if args.only:
-        names = args.only.split(",")
-        if unknown := [n for n in names if n not in configs]:
-            raise BenchError(f"--only {args.only}: no configuration {unknown[0]!r} (there are {', '.join(configs)})")
-        configs = {n: configs[n] for n in names}
+    configs = configurations(gpu, args.config, args.only)
     out = Path(args.out or default_out("interference"))
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
     results = _earlier(out, settings)
-    for name, extra in configs.items():
-        serve_args = with_model_args([*shlex.split(args.serve_args), *shlex.split(extra)], local_model(args.model))
+    for name, config in configs.items():
+        serve_args = with_model_args([*shlex.split(args.serve_args), *shlex.split(config.args)],
+                                     local_model(args.model))
         print(f"{name}: ppd serve {shlex.join(serve_args)}", flush=True)
-        results[name] = {"serve_args": serve_args, **_run(serve_args, out / f"{name}.log", args)}
+        results[name] = {"serve_args": serve_args, "decode": config.decode,
+                         **_run(serve_args, out / f"{name}.log", args)}
         print(f"  {_line(results[name])}", flush=True)
         _write(out, settings, results)  # after each: a run stopped by a time limit keeps what it measured
     print(f"wrote {out / 'interference.md'}")
     fail_unless_measured({name: results[name]["error"] for name in configs if "error" in results[name]},
                          len(configs), "configurations")
+
+
+def configurations(gpu: bool, custom: list[str], only: str | None) -> dict[str, Config]:
+    """The configurations a run measures: --config's (NAME=ARGS), else this device's (on a GPU those of GPU_DEFAULT),
+    narrowed to --only's names, which may be any this device knows; a name it does not know is a BenchError naming
+    the known ones."""
+    if custom:
+        if bad := [c for c in custom if "=" not in c]:
+            raise BenchError(f"--config {bad[0]}: give a name and its serve arguments, NAME=ARGS")
+        known = {name: Config(extra) for name, extra in (c.split("=", 1) for c in custom)}
+    else:
+        known = GPU_CONFIGS if gpu else CPU_CONFIGS
+    if not only:
+        return {n: c for n, c in known.items() if custom or not gpu or n in GPU_DEFAULT}
+    names = only.split(",")
+    if unknown := [n for n in names if n not in known]:
+        raise BenchError(f"--only {only}: no configuration {unknown[0]!r} (there are {', '.join(known)})")
+    return {n: known[n] for n in names}
 
 
 def _run(serve_args: list[str], log: Path, args: argparse.Namespace) -> dict:
@@ -147,6 +197,7 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.batch)]
     for t in threads:
         t.start()
+    shares = Shares(url)
     try:
         deadline = time.monotonic() + 600
         while not all(arrivals) and time.monotonic() < deadline:
@@ -174,6 +225,7 @@ def measure(url: str, args: argparse.Namespace) -> dict:
             raise BenchError("a stream ended before the measurement did: lower --context, --rounds or the settle time")
     finally:
         stop.set()
+        shares.close()
     for t in threads:
         t.join(timeout=30)
     tpot_alone = _tpot(arrivals, *alone)
@@ -182,7 +234,38 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     tpots = [_tpot(arrivals, a, b) for a, b in beside]
     tpot_beside = statistics.median(tpots)
     return {"tpot_alone_ms": tpot_alone, "tpot_beside_ms": tpot_beside, "tpot_beside_each_ms": tpots,
-            "ratio": tpot_beside / tpot_alone, "prefill_ms": statistics.median(prefill_ms), "prefill_each_ms": prefill_ms}
+            "ratio": tpot_beside / tpot_alone, "prefill_ms": statistics.median(prefill_ms),
+            "prefill_each_ms": prefill_ms,
+            "decode_share_alone": shares.during(*alone),
+            "decode_share_beside": sorted(set().union(*(shares.during(*window) for window in beside)))}
+
+
+class Shares:
+    """Decode's share of the device (SMs, or cores) as the server reports it on /health, read every SHARE_SAMPLE_S
+    while a configuration is measured. A server reports it where it splits the device (green, cpu), not under mps,
+    none or aggregated: there the configuration's description says what decode had."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.samples, self.stop = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        while not self.stop.wait(SHARE_SAMPLE_S):
+            try:
+                partition = httpx.get(f"{self.url}/health", timeout=2).json()["units"][0]["partition"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                continue
+            if "decode_share" in partition:
+                self.samples.append((time.monotonic(), int(partition["decode_share"])))
+
+    def during(self, start: float, end: float) -> list[int]:
+        """The distinct shares read in [start, end), ascending."""
+        return sorted({share for t, share in self.samples if start <= t < end})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def _tpot(arrivals: list[list[float]], start: float, end: float) -> float:
@@ -202,19 +285,31 @@ def _line(result: dict) -> str:
 
 
 def report(settings: dict, results: dict) -> str:
+    whole = results.get("none", {}).get("tpot_alone_ms")  # decode alone on the whole device
     lines = [f"# Decode TPOT beside a long prefill",
              "",
              f"{settings['batch']} streams of {settings['context']}-token prompts decoding; {settings['rounds']} "
              f"prompts of {settings['prefill_tokens']} tokens sent one after another (`ppd bench interference`). "
-             f"TPOT beside is the median over the prompts; the target ratio is {TARGET_RATIO} or less.",
+             "TPOT beside is the median over the prompts. ratio: TPOT beside over TPOT alone in the same "
+             "configuration (where decode's share is the same in both, what the prefill's contention costs decode). "
+             "Against none's TPOT alone (decode alone on the whole device): TPOT alone, what decode's share costs it "
+             f"(SM loss); TPOT beside, the target measure, {TARGET_RATIO} or less"
+             + ("" if whole else " (none was not measured with these settings)") + ". Decode's share: what the "
+             "server reported on /health while decode ran alone / beside the prefills (SMs on a GPU, cores on the "
+             "CPU; -: not reported).",
              "",
-             "| config | TPOT alone (ms) | TPOT beside the prefill (ms) | ratio | prefill (ms) | serve arguments |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
+             "| config | decode had | decode's share alone / beside | TPOT alone (ms) | TPOT beside the prefill (ms) "
+             "| ratio | alone / none alone | beside / none alone | prefill (ms) | serve arguments |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         args = f"`{shlex.join(r['serve_args'])}`"
+        head = f"| {name} | {r.get('decode', '')} |"
         if "error" in r:
-            lines.append(f"| {name} | | | | | {args}: {r['error']} |")
-        else:
-            lines.append(f"| {name} | {r['tpot_alone_ms']:.2f} | {r['tpot_beside_ms']:.2f} | {r['ratio']:.2f} | "
-                         f"{r['prefill_ms']:.0f} | {args} |")
+            lines.append(f"{head} | | | | | | | | {args}: {r['error']} |")
+            continue
+        shares = " / ".join(", ".join(map(str, r.get(k) or [])) or "-" for k in ("decode_share_alone",
+                                                                                  "decode_share_beside"))
+        against = (f"{r['tpot_alone_ms'] / whole:.2f} | {r['tpot_beside_ms'] / whole:.2f}" if whole else " | ")
+        lines.append(f"{head} {shares} | {r['tpot_alone_ms']:.2f} | {r['tpot_beside_ms']:.2f} | {r['ratio']:.2f} | "
+                     f"{against} | {r['prefill_ms']:.0f} | {args} |")
     return "\n".join(lines) + "\n"

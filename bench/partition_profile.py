@@ -10,7 +10,9 @@ On the CPU share s is the first s allowed cores, and every measurement runs in c
 cores before they build the engine; in an interference pair decode has the first d cores and prefill the next p,
 or the same cores when p is the whole CPU (time-sliced), the prefill process mapping the decode process's weights
 and KV pool as the server's prefill worker does. On a GPU everything runs in this process, each share a
-green-context stream. After every point the raw results are saved to <out>.partial.json, so an interrupted run
+green-context stream whose decode steps replay CUDA graphs captured there (bench/partition_gpu.py), and where torch
+can set cuBLAS's SM target, a prefill GEMM is timed on each share with and without it (the profile's meta keeps
+what it found). After every point the raw results are saved to <out>.partial.json, so an interrupted run
 resumes where it stopped. Output: profiles/<device>__<model>.json (partition/profile.py), .md and .png beside it.
 """
 
@@ -26,10 +28,8 @@ import shlex
 import signal
 import statistics
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,25 +40,20 @@ import torch
 from tqdm import tqdm
 
 from bench.common import BenchError, file_out, write_json
-from bench.engine import LLAMA_8B, Blocks, _fill_random, _median_ms, _release, _step, add_model_args, chosen_device
+from bench.engine import LLAMA_8B, add_model_args, chosen_device
+from bench.partition_gpu import GpuBench, sm_carveout_available
+from bench.partition_timer import Timer
 from engine.config import ModelConfig
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
-from engine.model_runner import StepInput
 from engine.shared_memory import remove_leftover
 from partition.cpu import available_cores, pin_to_cores
+from partition.green import SM_GRANULARITY
 from partition.profile import DecodePoint, InterferencePoint, PartitionProfile, PrefillPoint, profile_path
 from profiles import cpu_device_name
 
 KINDS = ("full", "append")
 BLOCK_SIZE = 16
-WARMUP_STEPS = 3
-# A decode point stops timing after this long (once it has MIN_STEPS): time-sliced on 2 cores, a step sometimes
-# takes 80x as long as alone, and the full count of steps would take minutes.
-POINT_LIMIT_S = 2.0
-MIN_STEPS = 5
-SYNC_TIMEOUT_S = 300.0  # the longest one worker waits for the other at the start of an interference point
-GPU_SM_GRANULARITY = 8  # Hopper's green contexts split SMs in multiples of 8
 SLO_LADDER_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
@@ -75,6 +70,7 @@ class Grid:
     steps: int  # timed decode steps per point
     prefill_repeat: int  # timed prefill steps per point (the median is kept)
     rounds: int = 1  # passes over the whole grid; each figure is the median of its rounds
+    gemm_tokens: int = 0  # rows of the prefill GEMM timed on each share with and without cuBLAS's SM carveout (0: none)
 
 
 def cpu_grid(total: int, quick: bool) -> Grid:
@@ -93,86 +89,14 @@ def gpu_grid(total: int, quick: bool) -> Grid:
     """SM shares in multiples of 8 and the whole GPU; interference with decode on about half the SMs (64 of 132)
     and prefill on the rest."""
     # unverified on a GPU: the sizes (batch 200 at 2,048 tokens of Llama-8B KV is about 53 GB) and the run time.
-    half = total // 2 // GPU_SM_GRANULARITY * GPU_SM_GRANULARITY
+    half = total // 2 // SM_GRANULARITY * SM_GRANULARITY
     pairs = ((half, total - half),)
     if quick:
         shares = tuple(s for s in (32, 64) if s < total) + (total,)
-        return Grid(shares, (1, 64), (1024,), (1024,), 8192, pairs, (1, 4), 1024, 20, 3)
+        return Grid(shares, (1, 64), (1024,), (1024,), 8192, pairs, (1, 4), 1024, 20, 3, gemm_tokens=8192)
     shares = tuple(s for s in (8, 16, 32, 64, 96, 128) if s < total) + (total,)
-    return Grid(shares, (1, 16, 64, 128, 200), (512, 2048), (512, 2048, 8192), 8192, pairs, (1, 4), 1024, 30, 5)
-
-
-# ---- timing one engine -------------------------------------------------------------------------------
-
-
-class Timer:
-    """Times one engine's steps on its stream: decodes use the first `decode_blocks` blocks of the pool, prefills the
-    rest, so a prefill beside a decode never writes the decode's KV."""
-
-    def __init__(self, engine: Engine, decode_blocks: int, stream: Any = None) -> None:
-        self.engine, self.stream, self.offset = engine, stream, decode_blocks
-        self.decode_blocks = Blocks(decode_blocks, engine.plan.block_size)
-        self.prefill_blocks = Blocks(engine.num_kv_blocks - decode_blocks, engine.plan.block_size)
-
-    def decode(self, batch: int, context: int, steps: int, start: Any = None, stop: Any = None) -> list[float]:
-        """Step times (ms) of `steps` steps (fewer past POINT_LIMIT_S) of `batch` sequences at `context` cached tokens;
-        with start and stop, timing begins when both workers reach `start` and `stop` is set after the last step (the
-        prefill beside it runs until then)."""
-        inputs = [StepInput([1], context, self.decode_blocks.table(context + 1)) for _ in range(batch)]
-        times = []
-        try:
-            with self._on_stream():
-                for _ in range(WARMUP_STEPS):
-                    _step(self.engine, inputs)
-                if start is not None:
-                    start.wait(SYNC_TIMEOUT_S)
-                first = time.perf_counter()
-                while len(times) < steps and (len(times) < MIN_STEPS or time.perf_counter() - first < POINT_LIMIT_S):
-                    began = time.perf_counter()
-                    _step(self.engine, inputs)
-                    times.append((time.perf_counter() - began) * 1000)
-        except BaseException:
-            if start is not None:
-                start.abort()  # the prefill waiting at start must not wait for a decode that will never come
-            raise
-        finally:
-            if stop is not None:
-                stop.set()
-        return times
-
-    def prefill(self, prompt: int, total: int, repeat: int) -> float:
-        """Tokens/s of prefill steps of max(1, total // prompt) prompts of `prompt` tokens (the median step)."""
-        num = max(1, total // prompt)
-        inputs = [StepInput([1] * prompt, 0, self._prefill_table(prompt)) for _ in range(num)]
-        with self._on_stream():
-            ms = _median_ms(lambda: _step(self.engine, inputs), self.engine.device, repeat, warmup=1)
-        return num * prompt / (ms / 1000)
-
-    def prefill_until(self, kind: str, concurrent: int, new_tokens: int, context: int, start: Any, stop: Any) -> int:
-        """Runs steps of `concurrent` prefills of `new_tokens` (over `context` cached tokens for an append) from
-        `start` until `stop` is set; the number of steps."""
-        cached = context if kind == "append" else 0
-        inputs = [StepInput([1] * new_tokens, cached, self._prefill_table(cached + new_tokens))
-                  for _ in range(concurrent)]
-        try:
-            with self._on_stream():
-                _step(self.engine, inputs)  # warm-up, before the decode beside it starts timing
-                start.wait(SYNC_TIMEOUT_S)
-                steps = 0
-                while True:
-                    _step(self.engine, inputs)
-                    steps += 1
-                    if stop.is_set():
-                        return steps
-        except BaseException:
-            start.abort()  # the decode waiting at start must not wait for a prefill that will never come
-            raise
-
-    def _prefill_table(self, tokens: int) -> list[int]:
-        return [self.offset + b for b in self.prefill_blocks.table(tokens)]
-
-    def _on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+    return Grid(shares, (1, 16, 64, 128, 200), (512, 2048), (512, 2048, 8192), 8192, pairs, (1, 4), 1024, 30, 5,
+                gemm_tokens=8192)
 
 
 def engine_setup(folder: str, grid: Grid, device: str, dtype: str) -> tuple[EngineConfig, int]:
@@ -189,6 +113,7 @@ def engine_setup(folder: str, grid: Grid, device: str, dtype: str) -> tuple[Engi
         raise BenchError(f"the grid needs sequences of {longest} tokens, the model has {positions} positions; "
                          "lower --contexts, --prompts or --new-tokens")
     step_tokens = max(grid.prefill_tokens, *grid.prompts, max(grid.concurrent) * grid.new_tokens, *grid.batches)
+    # enforce_eager: on a GPU the bench captures a graph set per share, on that share's stream (partition_gpu.py).
     cfg = EngineConfig(model=folder, dtype=dtype, load_format="dummy", device=device, block_size=BLOCK_SIZE,
                        num_kv_blocks=decode + prefill, max_model_len=longest, max_num_seqs=max(grid.batches),
                        max_num_batched_tokens=step_tokens, enforce_eager=True, shares_device=False)
@@ -200,11 +125,13 @@ class Bench(Protocol):
 
     unit: str
     total: int
+    decode_graphs: bool  # decode steps replay CUDA graphs captured on each share's stream
 
     def decode(self, share: int, batch: int, context: int, steps: int) -> list[float]: ...
     def prefill(self, share: int, prompt: int, total: int, repeat: int) -> float: ...
     def interference(self, decode_share: int, prefill_share: int, batch: int, context: int, kind: str,
                      concurrent: int, new_tokens: int, steps: int) -> list[float]: ...
+    def gemm(self, share: int, tokens: int, repeat: int) -> dict: ...  # only asked where grid.gemm_tokens > 0
     def close(self) -> None: ...
 
 
@@ -216,6 +143,7 @@ class CpuBench:
     interference pair adds a child on the prefill cores that maps the owner's weights and KV pool."""
 
     unit = "cores"
+    decode_graphs = False
 
     def __init__(self, cfg: EngineConfig, decode_blocks: int) -> None:
         self.cfg, self.decode_blocks = cfg, decode_blocks
@@ -340,112 +268,16 @@ def _child_main(cores: tuple[int, ...], cfg: EngineConfig, decode_blocks: int, n
             conn.send((False, traceback.format_exc()))
 
 
-# ---- a GPU: green-context streams in this process ----------------------------------------------------
-
-
-class GpuBench:
-    """Share s is a green context of s SMs (the whole device: an ordinary stream); the engine's steps run eagerly on
-    its stream. An interference pair is the two groups of one split, decode and prefill enqueued from two threads."""
-
-    unit = "sms"
-
-    def __init__(self, cfg: EngineConfig, decode_blocks: int) -> None:
-        from partition.probe_gpus import cuda_driver
-        from partition.green import GreenStreams
-
-        try:
-            driver = cuda_driver()
-        except ImportError as exc:
-            raise BenchError(f"SM shares are green contexts made with cuda-python's driver API ({exc}); "
-                             "pip install cuda-python") from exc
-        self.engine = Engine.create(cfg, (f"ppd-partition-{os.getpid()}-weights", f"ppd-partition-{os.getpid()}-kv"))
-        _fill_random(self.engine)
-        self.decode_blocks = decode_blocks
-        self.greens = GreenStreams(driver, self.engine.device.index or 0)
-        self.whole = self.greens.whole_device()
-        self.total = int(self.whole.sm.smCount)
-        self.timers: dict[int, Timer] = {}
-        self.pairs: dict[int, tuple[Timer, Timer]] = {}
-
-    def decode(self, share: int, batch: int, context: int, steps: int) -> list[float]:
-        with self._point():
-            return self._timer(share).decode(batch, context, steps)
-
-    def prefill(self, share: int, prompt: int, total: int, repeat: int) -> float:
-        with self._point():
-            return self._timer(share).prefill(prompt, total, repeat)
-
-    def interference(self, decode_share: int, prefill_share: int, batch: int, context: int, kind: str,
-                     concurrent: int, new_tokens: int, steps: int) -> list[float]:
-        with self._point():
-            return self._interference(decode_share, prefill_share, batch, context, kind, concurrent, new_tokens, steps)
-
-    def _interference(self, decode_share: int, prefill_share: int, batch: int, context: int, kind: str,
-                      concurrent: int, new_tokens: int, steps: int) -> list[float]:
-        decode, prefill = self._pair(decode_share, prefill_share)
-        if concurrent == 0:
-            return decode.decode(batch, context, steps)
-        # unverified on a GPU: that one engine's forward is safe from two threads (its metadata is per step), that
-        # the GIL leaves both streams fed, and what the triton backend's split-KV grid (sized for the whole device)
-        # does on a share. A prefill that raises prints its traceback and breaks the barrier, so decode raises too.
-        start, stop = threading.Barrier(2), threading.Event()
-        thread = threading.Thread(target=prefill.prefill_until, daemon=True,
-                                  args=(kind, concurrent, new_tokens, context, start, stop))
-        thread.start()
-        try:
-            return decode.decode(batch, context, steps, start, stop)
-        finally:
-            thread.join()  # decode set stop, or broke the barrier, however it ended
-
-    def close(self) -> None:
-        errors = self.greens.destroy()
-        _release(self.engine)
-        if errors:
-            print(f"cleaning up the green contexts: {'; '.join(errors)}", file=sys.stderr)
-
-    @contextlib.contextmanager
-    def _point(self) -> Iterator[None]:
-        try:
-            yield
-        finally:
-            # The allocator caches activations per stream: with one stream per share, what each kept would pile up
-            # beside the KV pool (about 53 GB for the default grid).
-            torch.cuda.empty_cache()
-
-    def _timer(self, share: int) -> Timer:
-        if share not in self.timers:
-            if share >= self.total:
-                stream = torch.cuda.Stream(self.engine.device)
-            else:
-                group, _ = self.greens.split(self.whole, share)
-                stream = self._create(group, share)
-            self.timers[share] = Timer(self.engine, self.decode_blocks, stream)
-        return self.timers[share]
-
-    def _pair(self, decode_share: int, prefill_share: int) -> tuple[Timer, Timer]:
-        if decode_share not in self.pairs:
-            group, rest = self.greens.split(self.whole, decode_share)
-            # unverified on a GPU: that the rest of a split holds exactly total - share SMs (68 of 132 for 64).
-            streams = self._create(group, decode_share), self._create(rest, prefill_share)
-            self.pairs[decode_share] = tuple(Timer(self.engine, self.decode_blocks, s) for s in streams)
-        return self.pairs[decode_share]
-
-    def _create(self, resource: Any, sms: int) -> Any:
-        stream, granted = self.greens.create(resource)
-        if granted != sms:
-            raise BenchError(f"asked for {sms} SMs, the driver granted {granted}: give --shares in multiples of "
-                             f"{GPU_SM_GRANULARITY}")
-        return stream
-
-
 # ---- the sweep ---------------------------------------------------------------------------------------
 
 
 def points(grid: Grid) -> list[tuple]:
     """Every point of the grid, in the order measured: ("decode", share, batch, context), ("prefill", share, prompt),
-    ("interference", decode share, prefill share, batch, context, kind, concurrent) with kind "alone" for 0."""
+    ("gemm", share) where grid.gemm_tokens, ("interference", decode share, prefill share, batch, context, kind,
+    concurrent) with kind "alone" for 0."""
     out: list[tuple] = [("decode", s, b, c) for s in grid.shares for b in grid.batches for c in grid.contexts]
     out += [("prefill", s, p) for s in grid.shares for p in grid.prompts]
+    out += [("gemm", s) for s in grid.shares if grid.gemm_tokens]
     for d, p in grid.pairs:
         for b in grid.batches:
             for c in grid.contexts:
@@ -470,6 +302,8 @@ def measure(bench: Bench, grid: Grid, point: tuple) -> dict:
         return {"step_ms": statistics.median(times), "step_p90_ms": float(np.percentile(times, 90))}
     if point[0] == "prefill":
         return {"tokens_per_s": bench.prefill(*point[1:], grid.prefill_tokens, grid.prefill_repeat)}
+    if point[0] == "gemm":
+        return bench.gemm(point[1], grid.gemm_tokens, grid.prefill_repeat)
     times = bench.interference(*point[1:], grid.new_tokens, grid.steps)
     return {"tpot_ms": statistics.fmean(times)}
 
@@ -550,6 +384,10 @@ def build_profile(grid: Grid, raw: dict, device: str, model: str, unit: str, tot
                         tpot = median("tpot_ms", "interference", d, p, b, c, kind, n)
                         interference.append(InterferencePoint(d, p, b, c, kind, n, grid.new_tokens, tpot, alone))
     meta = {**meta, "grid": _as_json(asdict(grid))}
+    if grid.gemm_tokens:
+        meta["gemm_carveout"] = [{"share": s, "tokens": grid.gemm_tokens, "carveout": median("carveout", "gemm", s),
+                                  "ms": median("ms", "gemm", s), "carveout_ms": median("carveout_ms", "gemm", s)}
+                                 for s in grid.shares]
     return PartitionProfile(device, model, unit, total, list(grid.shares), decode, prefill, interference, meta)
 
 
@@ -573,19 +411,34 @@ def markdown(result: PartitionProfile) -> str:
         f"# Partition profile: {result.model} on {result.device}", "",
         (f"Made by `{result.meta.get('command', 'ppd profile partition')}` on {result.meta.get('created', '?')} "
          f"({result.meta.get('measured_s', 0):.0f} s measuring). A share is a number of {unit} of {result.total}."), "",
-        f"## Decode step (ms, median / p90), alone, by share ({unit}) x batch x context", "",
+        (f"## Decode step (ms, median / p90), alone, by share ({unit}) x batch x context"
+         + (", replaying CUDA graphs captured on each share" if result.meta.get("decode_graphs") else "")), "",
         *_table(["share", "batch", *(f"ctx {c}" for c in contexts)],
                 [[str(s), str(b), *(steps[s, b, c] for c in contexts)] for s in result.shares for b in batches]), "",
         f"## Prefill tokens/s, alone, by share x prompt (prompts batched to ~{grid.get('prefill_tokens', '?')} tokens)",
         "",
         *_table(["share", *(f"prompt {p}" for p in prompts)],
                 [[str(s), *(f"{rates[s, p].tokens_per_s:,.0f}" for p in prompts)] for s in result.shares]),
+        *gemm_markdown(result),
         *interference_markdown(result), "",
         "## Smallest decode share meeting an ITL SLO (min_decode_share; -: none does)", "",
         *_table(["batch", "context", *(f"{slo:g} ms" for slo in slos)],
                 [[str(b), str(c), *(str(result.min_decode_share(b, c, slo) or "-") for slo in slos)]
                  for b in batches for c in contexts]),
     ]) + "\n"
+
+
+def gemm_markdown(result: PartitionProfile) -> list[str]:
+    rows = result.meta.get("gemm_carveout")
+    if not rows:
+        return []
+    title = (f"## A prefill GEMM ({rows[0]['tokens']} tokens, the MLP's up projection) on each share, alone and with "
+             "cuBLAS's SM carveout set to the SMs outside the share (torch._C._set_sm_carveout_experimental; serving "
+             "sets it only where this shows that it helps)")
+    body = [[str(r["share"]), str(r["carveout"]), f"{r['ms']:.2f}",
+             *((f"{r['carveout_ms']:.2f}", f"{r['carveout_ms'] / r['ms']:.2f}") if r["carveout"] else ("-", "-"))]
+            for r in rows]
+    return ["", title, "", *_table(["share", "carveout", "ms", "ms with the carveout", "ratio"], body)]
 
 
 def interference_markdown(result: PartitionProfile) -> list[str]:
@@ -683,6 +536,9 @@ def add_partition_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="timed decode steps per point" + _defaults("steps"))
     p.add_argument("--rounds", type=int, default=None,
                    help="passes over the grid, a point's figure the median of its rounds" + _defaults("rounds"))
+    p.add_argument("--gemm-tokens", type=int, default=None,
+                   help="GPU: rows of a prefill GEMM timed on each share alone and with cuBLAS's SM carveout set to "
+                        "the SMs outside the share, where torch can set it; 0: not timed" + _defaults("gemm_tokens"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -715,16 +571,24 @@ def choose_grid(args: argparse.Namespace, gpu: bool, total: int) -> Grid:
                  if (value := getattr(args, name)) is not None}
     except ValueError as exc:
         raise BenchError(f"bad grid list: {exc}; expected e.g. --shares 1,2 --batches 1,8 --contexts 128,512") from exc
+    gemm_tokens = base.gemm_tokens if args.gemm_tokens is None else args.gemm_tokens
+    if gemm_tokens and not gpu:
+        raise BenchError("--gemm-tokens times cuBLAS on a GPU's SM shares; on the CPU leave it out")
+    if gemm_tokens and not sm_carveout_available():
+        if args.gemm_tokens:
+            raise BenchError(f"--gemm-tokens: torch {torch.__version__} cannot set cuBLAS's SM carveout "
+                             "(torch._C._set_sm_carveout_experimental); leave it out")
+        gemm_tokens = 0
     grid = replace(base, **lists, new_tokens=args.new_tokens or base.new_tokens, steps=args.steps or base.steps,
-                   rounds=args.rounds or base.rounds)
+                   rounds=args.rounds or base.rounds, gemm_tokens=gemm_tokens)
     for name in ("shares", "batches", "contexts", "prompts"):
         values = getattr(grid, name)
         if not values or list(values) != sorted(set(values)) or values[0] < 1:
             raise BenchError(f"--{name} must be distinct, increasing and positive, not {','.join(map(str, values))}")
     if grid.shares[-1] > total:
         raise BenchError(f"--shares go up to {total} {'SMs' if gpu else 'cores'} on this device")
-    if gpu and any(s % GPU_SM_GRANULARITY and s != total for s in grid.shares):
-        raise BenchError(f"--shares on a GPU are multiples of {GPU_SM_GRANULARITY} SMs (or all {total})")
+    if gpu and any(s % SM_GRANULARITY and s != total for s in grid.shares):
+        raise BenchError(f"--shares on a GPU are multiples of {SM_GRANULARITY} SMs (or all {total})")
     return grid
 
 
@@ -756,6 +620,7 @@ def main(args: argparse.Namespace) -> None:
             print(f"other work keeps {busy:.1f} cores busy: it skews the timings", file=sys.stderr)
     started = time.monotonic()
     bench: Bench = GpuBench(cfg, decode_blocks) if gpu else CpuBench(cfg, decode_blocks)
+    meta["decode_graphs"] = bench.decode_graphs
     try:
         result = profile(bench, grid, out, device, model, meta, not args.no_progress)
     finally:

@@ -13,13 +13,26 @@ CPU model one more core does not speed a decode step up, and moving threads cost
 gets the fewest cores that meet --itl-slo-ms. Without a profile nothing changes: the split it started with
 stays, and the log says so.
 
+A small queued prefill does not split the device: taking units from decode for a prefill that ends within about a
+step costs decode more than that prefill's contention does. With both workers busy, the prefill runs beside
+decode on the whole device (both sides overlapping, decode keeping every unit; reason "small_prefill") when the
+profile predicts both of:
+- it ends within SMALL_PREFILL_STEPS decode steps: its tokens at the whole device's prefill speed (never less than
+  the fastest forward pass measured, decode's step at the smallest batch and context) take no longer than decode's
+  step on the whole device at this batch and context, so no token waits much more than one extra step;
+- that delay is no more than what the split would cost decode: while the device works on the prefill, decode is
+  delayed by at most the prefill's time alone, while a split, once made, holds for at least `hold_steps` steps
+  (the relief waits that long), each slower by decode's step on its share minus its step on the whole device.
+The queued-token threshold this draws therefore grows with decode's step (batch, context) and with what the share
+loses; where the profile lacks a figure it needs (a share not measured), the split is made as before.
+
 To keep the workers from flapping, a change that gives decode more (a contender arrived, the batch grew) is
 made at once, and one that gives decode less, or lets both spread over the whole device again, only after the
 same decision held for `hold_steps` steps in a row.
 
 Where switching costs nothing (green: another stream is picked, no thread moves), a side alone gets the whole device
-even without a profile (`free_switches`): a memory-bound decode step gains little from the rest of the SMs, but
-loses nothing either.
+with or without a profile (`free_switches`): a memory-bound decode step gains little from the rest of the SMs, but
+loses nothing either, and decode on the whole device is what a small prefill then leaves it (above).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from partition.profile import PartitionProfile
 
 DEFAULT_HOLD_STEPS = 8
 WHOLE_GAIN = 1.15  # a side alone spreads over every core only if the profile says that is this much faster
+SMALL_PREFILL_STEPS = 1.0  # a prefill the whole device ends within this many decode steps runs beside decode, unsplit
 
 
 @dataclass(frozen=True)
@@ -69,26 +83,39 @@ class ShareManager:
     def target(self, batch: int, mean_context: float, prefill_tokens: int) -> tuple[Split, str]:
         """The split this state calls for, and why (one word, for the log)."""
         whole, n = self.cores, self.even
-        split = Split(whole[:n], whole[n:])
+        alone = (batch == 0) != (prefill_tokens == 0)
+        if alone and (self.free_switches or (self.profile is not None
+                                             and self._whole_pays(batch, mean_context, prefill_tokens or None))):
+            return Split(whole, whole), "prefill_idle" if prefill_tokens == 0 else "decode_idle"
         if self.profile is None:
-            if self.free_switches and (batch == 0) != (prefill_tokens == 0):
-                return Split(whole, whole), "prefill_idle" if prefill_tokens == 0 else "decode_idle"
-            return split, "no_profile"
-        if prefill_tokens == 0 and batch > 0 and self._whole_pays(batch, mean_context, None):
-            return Split(whole, whole), "prefill_idle"
-        if batch == 0 and prefill_tokens > 0 and self._whole_pays(0, 0.0, prefill_tokens):
-            return Split(whole, whole), "decode_idle"
+            return Split(whole[:n], whole[n:]), "no_profile"
         if batch == 0 or prefill_tokens == 0:
             return self.current, "idle"  # nothing to gain from moving
         if not self.sized_by_slo:
-            return split, "even"
-        need = self.profile.min_decode_share(batch, round(mean_context), self.itl_slo_ms)
-        n, reason = (self.sizes[-1], "slo_unreachable") if need is None else (self.snap(need), "slo")
+            reason = "even"
+        else:
+            need = self.profile.min_decode_share(batch, round(mean_context), self.itl_slo_ms)
+            n, reason = (self.sizes[-1], "slo_unreachable") if need is None else (self.snap(need), "slo")
+        if self.small_prefill(batch, mean_context, prefill_tokens, n):
+            return Split(whole, whole), "small_prefill"
         return Split(whole[:n], whole[n:]), reason
 
     def snap(self, n: int) -> int:
         """The smallest share decode can have that is at least n (the largest if none is)."""
         return next((s for s in self.sizes if s >= n), self.sizes[-1])
+
+    def small_prefill(self, batch: int, context: float, prefill_tokens: int, decode_share: int) -> bool:
+        """Whether the profile says prefill_tokens should run beside decode on the whole device rather than split it
+        with decode on decode_share (the rule in the module docstring); False where it lacks a figure."""
+        total, context = len(self.cores), round(context)
+        whole = self.profile.decode_step_ms(total, batch, context)
+        on_share = self.profile.decode_step_ms(decode_share, batch, context)
+        fastest = self.profile.decode_step_ms(total, 1, 0)
+        rate = self.profile.prefill_tokens_per_s(total, prefill_tokens)
+        if whole is None or on_share is None or fastest is None or not rate:
+            return False
+        prefill_ms = max(1000.0 * prefill_tokens / rate, fastest)
+        return prefill_ms <= min(SMALL_PREFILL_STEPS * whole, self.hold_steps * (on_share - whole))
 
     def _whole_pays(self, batch: int, context: float, prefill_tokens: int | None) -> bool:
         """Whether the profile predicts the side alone (decode when prefill_tokens is None) WHOLE_GAIN faster on every

@@ -81,7 +81,8 @@ class DecodeWorker:
         if cfg.partition.prefill_thread and cfg.engine.device.startswith("cuda"):
             self.streams = self._make_streams()  # before the engine: its decode graphs are captured on them
         graph_streams = {k: self.streams.stream("decode", k) for k in self.streams.keys} if self.streams else None
-        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams)
+        graph_sms = {k: self.streams.sms("decode", k) for k in self.streams.keys} if self.streams else None
+        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams, graph_sms)
         plan = self.engine.plan
         self.kv_events = kv_event_publisher(cfg, ctx)
         hasher = BlockHasher(cfg.hash_algo) if self.kv_events is not None else None
@@ -302,12 +303,14 @@ def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: 
         log.info("share manager: no partition profile (make one with `ppd profile partition`), so the workers keep "
                  "the %s they started on%s", what,
                  ", except that a side alone gets the whole device" if manager.free_switches else "")
-    elif manager.sized_by_slo:
-        log.info("share manager: decode gets the fewest %s that keep its step within %g ms (profile %s); a side "
-                 "alone gets the whole device where the profile shows that pays", what, cfg.itl_slo_ms, profile_file)
     else:
-        log.info("share manager: an even split when both workers are busy (no --itl-slo-ms to size decode by); a "
-                 "side alone gets the whole device where the profile %s shows that pays", profile_file)
+        sizing = (f"decode gets the fewest {what} that keep its step within {cfg.itl_slo_ms:g} ms"
+                  if manager.sized_by_slo else "an even split when both workers are busy (no --itl-slo-ms to size "
+                                               "decode by)")
+        alone = "" if manager.free_switches else " where the profile shows that pays"
+        log.info("share manager: %s, except that a queued prefill the whole device ends within about a decode step "
+                 "runs beside decode without a split; a side alone gets the whole device%s (profile %s)", sizing, alone,
+                 profile_file)
     return manager
 
 

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
+from bench import interference
 from bench.common import BenchError
-from bench.interference import _tpot
+from bench.interference import GPU_CONFIGS, GPU_DEFAULT, Shares, _tpot, configurations, report
 from server.cli import main
 
 
@@ -23,7 +25,119 @@ def test_a_windows_tpot_counts_every_streams_tokens_in_it() -> None:
 def test_an_unknown_configuration_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "interference", "--only", "aggregated,green", "--serve-args", "--device cpu",
                  "--out", str(tmp_path)]) == 2
-    assert "no configuration 'green'" in capsys.readouterr().err
+    assert "no configuration 'green' (there are aggregated, none, cpu, thread)" in capsys.readouterr().err
+    with pytest.raises(BenchError, match="no configuration 'green-static-32' \\(there are aggregated, none, mps, "
+                                         "green, green-static-64, green-static-96, mps-40\\)"):
+        configurations(True, [], "none,green-static-32")
+
+
+def test_a_gpu_run_measures_the_four_by_default_and_the_static_ones_by_name() -> None:
+    assert list(configurations(True, [], None)) == list(GPU_DEFAULT) == ["aggregated", "none", "mps", "green"]
+    assert list(configurations(False, [], None)) == ["aggregated", "none", "cpu", "thread"]
+    assert list(configurations(True, [], "green-static-64,mps-40")) == ["green-static-64", "mps-40"]
+    assert configurations(True, ["x=--policy pd"], "x")["x"].args == "--policy pd"
+    with pytest.raises(BenchError, match="NAME=ARGS"):
+        configurations(True, ["--policy pd"], None)
+
+
+def plan_of(config: str, monkeypatch: pytest.MonkeyPatch):
+    """The unit `ppd serve` would plan on one GPU for a GPU configuration's serve arguments."""
+    import argparse
+    import shlex
+    import shutil
+
+    import server.serve
+    from partition import backends
+    from partition.backends import MpsDaemonPlan
+    from server.cli import add_serve_args
+
+    monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0"])
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    monkeypatch.setattr(backends, "mps_daemon_plan", lambda workdir: MpsDaemonPlan(
+        "nvidia-cuda-mps-control", workdir / "pipe", workdir / "log", start=True, why="a test's daemon"))
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--model", "demo", "--device", "cuda", *shlex.split(GPU_CONFIGS[config].args)])
+    plan = server.serve.plan_serve(args)
+    shutil.rmtree(plan.ipc_dir)
+    return plan.units[0]
+
+
+@pytest.mark.parametrize("sms", [64, 96])
+def test_green_static_fixes_decode_on_one_split_without_the_share_manager(sms: int,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from partition.green import StreamPair, StreamSplits
+    from scheduler.decode_worker import share_manager
+
+    assert GPU_CONFIGS[f"green-static-{sms}"].args.split() == [
+        "--policy", "pd", "--partition", "green", "--green-decode-sms", str(sms), "--no-share-manager"]
+    unit = plan_of(f"green-static-{sms}", monkeypatch)
+    assert unit.policy == "pd" and unit.partition.backend == "green" and unit.partition.prefill_thread
+    assert unit.partition.green_sms == (sms,) and not unit.share_manager
+    # The decode worker then keeps its one split, alone and beside a prefill: the middle (only) one, no manager.
+    splits = StreamSplits(132, StreamPair("d", "p", 132, 132), {0: StreamPair("d0", "p0", sms, 132 - sms)})
+    assert splits.middle_decode_sms() == sms and share_manager(unit, splits) is None
+    assert f"{sms} SMs" in GPU_CONFIGS[f"green-static-{sms}"].decode
+
+
+def test_mps_40_caps_the_prefill_worker_at_40_percent(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert GPU_CONFIGS["mps-40"].args.split() == ["--policy", "pd", "--partition", "mps", "--mps-prefill-percent", "40"]
+    unit = plan_of("mps-40", monkeypatch)
+    assert unit.partition.backend == "mps"
+    assert (unit.partition.decode.mps_percent, unit.partition.prefill.mps_percent) == (100, 40)
+    assert plan_of("mps", monkeypatch).partition.prefill.mps_percent == 80
+    assert GPU_CONFIGS["none"].args.split() == ["--policy", "pd", "--partition", "none"]
+
+
+def test_the_report_says_what_decode_had_and_reads_each_against_none_alone() -> None:
+    settings = {"batch": 64, "context": 1024, "prefill_tokens": 4096, "rounds": 5, "alone_s": 3.0, "settle_s": 1.0}
+
+    def measured(alone: float, beside: float, shares: tuple[list, list] | None = None) -> dict:
+        found = {"serve_args": ["--policy", "pd"], "tpot_alone_ms": alone, "tpot_beside_ms": beside,
+                 "ratio": beside / alone, "prefill_ms": 300.0}
+        if shares:
+            found.update(decode_share_alone=shares[0], decode_share_beside=shares[1])
+        return found
+
+    results = {"none": {**measured(9.0, 20.0), "decode": GPU_CONFIGS["none"].decode},
+               "green-static-64": {**measured(10.8, 13.5, ([64], [64])),
+                                   "decode": GPU_CONFIGS["green-static-64"].decode},
+               "green": {**measured(9.0, 15.3, ([132], [64, 132])), "decode": GPU_CONFIGS["green"].decode}}
+    text = report(settings, results)
+    # SM loss 10.8 / 9 = 1.20, contention 13.5 / 10.8 = 1.25, the target measure 13.5 / 9 = 1.50.
+    assert ("| green-static-64 | 64 SMs (a green context), alone and beside; the prefill on the rest | 64 / 64 "
+            "| 10.80 | 13.50 | 1.25 | 1.20 | 1.50 | 300 |") in text
+    assert "| green | the share manager's pick among green splits | 132 / 64, 132 |" in text
+    assert "| none | every SM, time-sliced with the prefill worker's process | - / - | 9.00 | 20.00 | 2.22 | 1.00 | " \
+           "2.22 |" in text
+    # Without none (another folder's settings), the columns against it stay empty and the text says why.
+    alone = report(settings, {"green": results["green"]})
+    assert "none was not measured" in alone and "| 1.70 |  |  | 300 |" in alone
+
+
+def test_decodes_share_is_read_from_health_while_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = iter([{"units": [{"partition": {"backend": "green", "decode_share": 132}}]},
+                    {"units": [{"partition": {"backend": "mps"}}]}])
+
+    class Answer:
+        def __init__(self, body: dict) -> None:
+            self.body = body
+
+        def json(self) -> dict:
+            return self.body
+
+    def get(url: str, timeout: float):
+        assert url == "http://server/health"
+        return Answer(next(answers, {"units": [{"partition": {"backend": "green", "decode_share": 64}}]}))
+
+    monkeypatch.setattr(interference.httpx, "get", get)
+    monkeypatch.setattr(interference, "SHARE_SAMPLE_S", 0.01)
+    shares = Shares("http://server")
+    while len(shares.samples) < 3:
+        time.sleep(0.01)
+    shares.close()
+    assert shares.during(0.0, float("inf")) == [64, 132]
+    assert shares.during(shares.samples[-1][0] + 1, float("inf")) == []
 
 
 def test_a_configuration_that_measured_nothing_fails_the_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

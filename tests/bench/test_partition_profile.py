@@ -131,6 +131,10 @@ class FakeBench:
         self._called("interference", decode_share, prefill_share, batch, context, kind, concurrent)
         return [STEPS_1[batch, context] * (2 if concurrent else 1)] * steps
 
+    def gemm(self, share, tokens, repeat):
+        self._called("gemm", share)
+        return {"ms": 2.0, "carveout": self.total - share, "carveout_ms": 1.5 if share < self.total else 2.0}
+
     def close(self) -> None:
         pass
 
@@ -186,6 +190,35 @@ def test_other_settings_start_over(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "other settings; starting over" in capsys.readouterr().err
 
 
+def test_the_gemm_with_and_without_the_carveout_lands_in_the_profiles_meta(tmp_path: Path) -> None:
+    bench = FakeBench()
+    result = run(bench, tmp_path / "p.json", replace(TINY, gemm_tokens=32))
+    assert [c for c in bench.calls if c[0] == "gemm"] == [("gemm", 1), ("gemm", 2)]
+    assert result.meta["gemm_carveout"] == [{"share": 1, "tokens": 32, "carveout": 1, "ms": 2.0, "carveout_ms": 1.5},
+                                            {"share": 2, "tokens": 32, "carveout": 0, "ms": 2.0, "carveout_ms": 2.0}]
+    text = markdown(PartitionProfile.load(tmp_path / "p.json"))
+    assert "cuBLAS's SM carveout" in text and "| 1 | 1 | 2.00 | 1.50 | 0.75 |" in text
+    assert "| 2 | 0 | 2.00 | - | - |" in text
+    plain = FakeBench()  # a grid without gemm_tokens (every CPU grid) times none
+    assert "gemm_carveout" not in run(plain, tmp_path / "q.json").meta and "gemm" not in {c[0] for c in plain.calls}
+
+
+def test_a_gpu_grid_times_the_gemm_only_where_torch_can_set_the_carveout(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = partition_profile.argparse.ArgumentParser()
+    partition_profile.add_partition_args(parser)
+    choose = partition_profile.choose_grid
+    assert choose(parser.parse_args([]), gpu=False, total=2).gemm_tokens == 0
+    with pytest.raises(BenchError, match="on the CPU leave it out"):
+        choose(parser.parse_args(["--gemm-tokens", "64"]), gpu=False, total=2)
+    monkeypatch.setattr(partition_profile, "sm_carveout_available", lambda: True)
+    assert choose(parser.parse_args(["--quick"]), gpu=True, total=132).gemm_tokens == 8192
+    assert choose(parser.parse_args(["--gemm-tokens", "0"]), gpu=True, total=132).gemm_tokens == 0
+    monkeypatch.setattr(partition_profile, "sm_carveout_available", lambda: False)
+    assert choose(parser.parse_args([]), gpu=True, total=132).gemm_tokens == 0
+    with pytest.raises(BenchError, match="cannot set cuBLAS's SM carveout"):
+        choose(parser.parse_args(["--gemm-tokens", "64"]), gpu=True, total=132)
+
+
 def test_bad_grid_arguments_name_the_fix() -> None:
     parser = partition_profile.argparse.ArgumentParser()
     partition_profile.add_partition_args(parser)
@@ -222,6 +255,8 @@ def test_model_demo_and_an_out_folder(monkeypatch: pytest.MonkeyPatch, tmp_path:
         return fake_cfg, 0
 
     class NoBench:
+        decode_graphs = False
+
         def __init__(self, *args) -> None:
             pass
 
@@ -270,16 +305,24 @@ def test_a_real_run_on_the_demo_writes_a_loadable_profile(tmp_path: Path) -> Non
 def test_a_real_run_on_green_context_streams(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from bench.partition_profile import GpuBench
+    from bench.partition_gpu import GpuBench
+
+    from bench.partition_gpu import sm_carveout_available
 
     grid = Grid(shares=(16, 32), batches=(2,), contexts=(64,), prompts=(64,), prefill_tokens=64, pairs=(),
-                concurrent=(1,), new_tokens=32, steps=3, prefill_repeat=1)
+                concurrent=(1,), new_tokens=32, steps=3, prefill_repeat=1,
+                gemm_tokens=64 if sm_carveout_available() else 0)
     cfg, decode_blocks = engine_setup(str(demo_model_path()), grid, "cuda", "auto")
     bench = GpuBench(cfg, decode_blocks)
     try:
         grid = replace(grid, pairs=((32, bench.total - 32),))  # the rest of the device's SMs
         result = profile(bench, grid, tmp_path / "gpu.json", "gpu-test", "demo-v1", {}, progress=False)
+        assert bench.decode_graphs  # the triton backend: every share's decode replays its own graphs
     finally:
         bench.close()
     assert result.unit == "sms" and all(p.step_ms > 0 for p in result.decode)
     assert all(p.tpot_ms > 0 for p in result.interference)
+    if grid.gemm_tokens:
+        assert [(r["share"], r["carveout"]) for r in result.meta["gemm_carveout"]] == [(16, bench.total - 16),
+                                                                                       (32, bench.total - 32)]
+        assert all(r["ms"] > 0 and r["carveout_ms"] > 0 for r in result.meta["gemm_carveout"])

@@ -85,6 +85,47 @@ def test_no_flapping_a_relief_that_does_not_hold_is_not_made() -> None:
     assert m.current == heavy and m.switches == 1
 
 
+# ---- a small prefill: beside decode on the whole device, no split -------------------------------------------------
+# With profile() at batch 32, context 1000: decode steps 28.6 ms on all 4 cores and 33.3 on the 3 the 35 ms SLO asks
+# for; prefill runs 2,800 tokens/s on 4 cores. A split held 3 steps costs decode 3 x 4.8 = 14.3 ms, so a prefill
+# of up to 40 tokens (14.3 ms) runs beside decode instead.
+
+
+def test_a_small_prefill_leaves_decode_the_whole_device() -> None:
+    m = ShareManager(CORES, WHOLE, profile(), 35.0, hold_steps=3)
+    assert m.target(32, 1000, 30) == (WHOLE, "small_prefill")
+    assert m.decide(32, 1000, 30) is None and m.current == WHOLE and m.switches == 0
+
+
+def test_a_large_prefill_splits_at_once_and_the_relief_waits_for_the_hold() -> None:
+    m = ShareManager(CORES, WHOLE, profile(), 35.0, hold_steps=3)
+    assert m.decide(32, 1000, 256) == Split((0, 1, 2), (3,)) and m.reason == "slo"
+    assert [m.decide(32, 1000, 30) for _ in range(2)] == [None, None]  # small again: the overlap waits its hold
+    assert m.decide(32, 1000, 30) == WHOLE and m.reason == "small_prefill"
+    for _ in range(5):  # large and small queues alternating: the first large one splits at once, no relief holds
+        m.decide(32, 1000, 256)
+        assert m.decide(32, 1000, 30) is None
+    assert not m.current.shared and m.switches == 3  # split, relief, split
+
+
+def test_the_threshold_follows_decodes_step_and_what_the_split_costs_it() -> None:
+    # Where decode's step is short (batch 8, context 0: 3.6 ms on 4 cores), even a long hold lets only a prefill
+    # that ends within that step run unsplit: 5 tokens do (the fastest pass, 3.6 ms), 30 (10.7 ms) do not.
+    m = ShareManager(CORES, WHOLE, profile(), 35.0, hold_steps=100)
+    assert m.target(8, 0, 5) == (WHOLE, "small_prefill")
+    assert m.target(8, 0, 30) == (Split((0,), (1, 2, 3)), "slo")
+    # Where decode loses nothing on its share (3 cores as fast as 4), the split costs it nothing: always split.
+    flat_top = {1: 1.0, 2: 2.0, 3: 2.8, 4: 2.8}
+    m = ShareManager(CORES, WHOLE, profile(decode=flat_top), 35.0, hold_steps=3)
+    assert m.target(32, 1000, 1) == (Split((0, 1, 2), (3,)), "slo")
+
+
+def test_without_a_profile_a_small_prefill_splits_as_before() -> None:
+    m = sm_manager(None)
+    assert m.decide(64, 512, 0) == Split(SMS, SMS)
+    assert m.decide(64, 512, 16) == Split(SMS[:64], SMS[64:]) and m.reason == "no_profile"
+
+
 # ---- green-context splits: SMs as units, decode's share one of the splits made at start ------------------------
 
 SMS = tuple(range(132))
@@ -121,3 +162,13 @@ def test_without_a_profile_free_switches_give_a_side_alone_the_whole_device() ->
     assert m.decide(64, 512, 1024) == Split(SMS[:64], SMS[64:])  # a prefill arrived: back to the even split at once
     assert m.decide(0, 0, 1024) == Split(SMS, SMS) and m.reason == "decode_idle"
     # Pinned cores move threads, which costs: without a profile they stay put (the first test in this file).
+
+
+def test_on_green_splits_a_small_prefill_keeps_decode_on_every_sm() -> None:
+    # sm_profile at batch 64: decode steps 10 ms on all 132 SMs, 15 ms on its 64; prefill 13,200 tokens/s on all. With
+    # a hold of one step the split costs decode 5 ms: 50 tokens (3.8 ms) run beside it, 1,024 (78 ms) split.
+    m = sm_manager(sm_profile())
+    # A side alone gets every SM where switching is free, though the profile's 96 SMs are as fast as 132.
+    assert m.decide(64, 512, 0) == Split(SMS, SMS) and m.reason == "prefill_idle"
+    assert m.target(64, 512, 50) == (Split(SMS, SMS), "small_prefill") and m.decide(64, 512, 50) is None
+    assert m.decide(64, 512, 1024) == Split(SMS[:64], SMS[64:]) and m.reason == "even"
