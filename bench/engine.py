@@ -2,10 +2,12 @@
 
 In one run it measures the device's two ceilings (copy bandwidth, counting bytes
 read plus written; the matmul rate in the model's dtype), then times:
-- decode steps at several batch sizes and contexts, with CUDA graphs on and off,
-  and the host's share of a step (until the step is queued on the device);
+- decode steps at several batch sizes and contexts;
 - full prefills at several prompt lengths (prompts batched to about 8K tokens);
-- append-prefills of new tokens over a long cached prefix.
+- append-prefills of new tokens over a long cached prefix;
+- mixed steps: a batch of decodes and one append-prefill in the same step.
+Decode, append and mixed steps run with CUDA graphs (where the runner has them; a step no graph fits runs eagerly
+inside the runner) and with them turned off. Every step records its host time: until it is queued on the device.
 Each time sits beside its floor, max(bytes / bandwidth, FLOPs / matmul rate),
 and their ratio. Every figure is the median over repeated runs. Results go to
 bench/results/<device>/engine-<model>.{json,md}.
@@ -49,13 +51,17 @@ class Grid:
     contexts: tuple[int, ...]
     prompts: tuple[int, ...]
     appends: tuple[tuple[int, int], ...]  # (new tokens, cached tokens)
+    mixed: tuple[tuple[int, int, int, int], ...]  # (decodes, their context, the append's new tokens, its cached)
     prefill_tokens: int  # prompts are batched up to about this many tokens per forward
     repeat: int  # timed runs per point (the median is reported)
 
 
-GPU_GRID = Grid((1, 8, 32, 128, 256), (1024, 4096), (512, 2048, 8192), ((256, 4096), (256, 16384)), 8192, 20)
-CPU_GRID = Grid((1, 8, 32), (256, 1024, 2048), (128, 512, 2048), ((64, 512), (64, 2048)), 2048, 5)
-QUICK_GRID = Grid((1, 4), (64,), (64,), ((16, 128),), 128, 2)
+# The GPU's mixed step is issue 32's target shape: 64 decodes at context 1K beside one 256-token append over 4K.
+GPU_GRID = Grid((1, 8, 32, 128, 256), (1024, 4096), (512, 2048, 8192), ((256, 4096), (256, 16384)),
+                ((64, 1024, 256, 4096),), 8192, 20)
+CPU_GRID = Grid((1, 8, 32), (256, 1024, 2048), (128, 512, 2048), ((64, 512), (64, 2048)), ((8, 256, 64, 512),),
+                2048, 5)
+QUICK_GRID = Grid((1, 4), (64,), (64,), ((16, 128),), ((4, 64, 16, 128),), 128, 2)
 
 
 @dataclass
@@ -66,10 +72,10 @@ class Ceilings:
 
 @dataclass
 class Point:
-    kind: str  # decode | prefill | append
+    kind: str  # decode | prefill | append | mixed
     label: dict
     ms: float | None = None  # median wall time of the step
-    host_ms: float | None = None  # decode: median host time until the step was queued
+    host_ms: float | None = None  # median host time until the step was queued
     floor_ms: float | None = None
     floor_bound: str | None = None  # "memory" or "compute": which term sets the floor
     tokens_per_s: float | None = None
@@ -218,32 +224,48 @@ def _step(engine: Engine, inputs: list[StepInput]) -> float:
     return (queued - start) * 1000
 
 
+def _time_step(engine: Engine, inputs: list[StepInput], repeat: int, warmup: int = 3) -> tuple[float, float]:
+    """(median wall ms, median host ms) of the step over repeat runs, after warmup runs."""
+    for _ in range(warmup):
+        _step(engine, inputs)
+    host, wall = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        host.append(_step(engine, inputs))
+        wall.append((time.perf_counter() - start) * 1000)
+    return statistics.median(wall), statistics.median(host)
+
+
+def _timed(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool) -> tuple[float, float]:
+    """_time_step with the runner's graphs as they are (graphs) or turned off for the while (eager)."""
+    runner = engine.runner
+    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
+    try:
+        return _time_step(engine, inputs, repeat)
+    finally:
+        runner.graphs = saved
+
+
+def _no_graphs(engine: Engine, kind: str, label: dict) -> Point | None:
+    if label["graphs"] and engine.runner.graphs is None:
+        return Point(kind, label, skipped="no CUDA graphs on this device/backend")
+    return None
+
+
 def time_decode(engine: Engine, cost: ModelCost, ceil: Ceilings, batch: int, context: int, graphs: bool,
                 repeat: int) -> Point:
     label = {"batch": batch, "context": context, "graphs": graphs}
-    runner = engine.runner
     blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
     if context + 1 > engine.max_model_len or not blocks.fits(context + 1, batch):
         need = batch * (context + 1) * cost.kv_bytes_per_token
         return Point("decode", label, skipped=f"needs {need / 2**30:.1f} GiB of KV; the pool holds "
                                               f"{engine.num_kv_blocks * engine.plan.block_size} tokens")
-    if graphs and runner.graphs is None:
-        return Point("decode", label, skipped="no CUDA graphs on this device/backend")
+    if skipped := _no_graphs(engine, "decode", label):
+        return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
-    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
-    try:
-        for _ in range(3):
-            _step(engine, inputs)
-        host, wall = [], []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            host.append(_step(engine, inputs))
-            wall.append((time.perf_counter() - start) * 1000)
-    finally:
-        runner.graphs = saved
-    ms = statistics.median(wall)
+    ms, host = _timed(engine, inputs, repeat, graphs)
     floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch)
-    return Point("decode", label, ms=ms, host_ms=statistics.median(host), floor_ms=floor, floor_bound=bound,
+    return Point("decode", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
                  tokens_per_s=batch / (ms / 1000))
 
 
@@ -254,21 +276,48 @@ def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, t
     if prompt > engine.max_model_len or not blocks.fits(prompt, num):
         return Point("prefill", label, skipped=f"{num} x {prompt} tokens do not fit the pool or max_model_len")
     inputs = [StepInput([1] * prompt, 0, blocks.table(prompt)) for _ in range(num)]
-    ms = _median_ms(lambda: _step(engine, inputs), engine.device, repeat, warmup=2)
+    ms, host = _time_step(engine, inputs, repeat, warmup=2)
     floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num)
-    return Point("prefill", label, ms=ms, floor_ms=floor, floor_bound=bound, tokens_per_s=num * prompt / (ms / 1000))
+    return Point("prefill", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
+                 tokens_per_s=num * prompt / (ms / 1000))
 
 
-def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cached: int, repeat: int) -> Point:
-    label = {"new": new, "cached": cached}
+def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cached: int, graphs: bool,
+                repeat: int) -> Point:
+    label = {"new": new, "cached": cached, "graphs": graphs}
     blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
     if new + cached > engine.max_model_len or not blocks.fits(new + cached, 1):
         return Point("append", label, skipped=f"{new + cached} tokens do not fit the pool or max_model_len")
+    if skipped := _no_graphs(engine, "append", label):
+        return skipped
     inputs = [StepInput([1] * new, cached, blocks.table(new + cached))]
-    ms = _median_ms(lambda: _step(engine, inputs), engine.device, repeat, warmup=2)
+    ms, host = _timed(engine, inputs, repeat, graphs)
     pairs = new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, new, cached, pairs, 1)
-    return Point("append", label, ms=ms, floor_ms=floor, floor_bound=bound, tokens_per_s=new / (ms / 1000))
+    return Point("append", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
+                 tokens_per_s=new / (ms / 1000))
+
+
+def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, context: int, new: int, cached: int,
+               graphs: bool, repeat: int) -> Point:
+    """One step of `decodes` decodes at `context` and one append of `new` tokens over `cached`: its floor reads
+    the weights and all the KV of both, against the FLOPs of decodes + new tokens."""
+    label = {"decodes": decodes, "context": context, "new": new, "cached": cached, "graphs": graphs}
+    bs = engine.plan.block_size
+    blocks = Blocks(engine.num_kv_blocks, bs)
+    if (max(context + 1, new + cached) > engine.max_model_len
+            or decodes * -(-(context + 1) // bs) + -(-(new + cached) // bs) > engine.num_kv_blocks):
+        return Point("mixed", label,
+                     skipped=f"{decodes} x {context + 1} + {new + cached} tokens do not fit the pool or max_model_len")
+    if skipped := _no_graphs(engine, "mixed", label):
+        return skipped
+    inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(decodes)]
+    inputs.append(StepInput([1] * new, cached, blocks.table(new + cached)))
+    ms, host = _timed(engine, inputs, repeat, graphs)
+    pairs = decodes * (context + 1) + new * cached + new * (new + 1) // 2
+    floor, bound = cost.floor(ceil, decodes + new, decodes * context + cached, pairs, decodes + 1)
+    return Point("mixed", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
+                 tokens_per_s=(decodes + new) / (ms / 1000))
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -280,40 +329,72 @@ def device_slug(device: torch.device) -> str:
     return f"cpu-{len(os.sched_getaffinity(0))}core"
 
 
-def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick: bool = False,
-        attention_backend: str = "auto") -> Report:
-    folder = str(demo_model_path()) if model == DEMO_MODEL else model
+def engine_config(folder: str, device: torch.device, grid: Grid, dtype: str = "auto", attention_backend: str = "auto",
+                  *, eager: bool = False, exact_pool: bool | None = None) -> EngineConfig:
+    """The engine that can run every step of grid, with dummy weights. exact_pool: a KV pool of just the blocks the
+    grid needs (by default on the CPU; a GPU's is planned from its free memory)."""
     mcfg = ModelConfig.from_folder(folder)
-    torch_dtype = resolve_dtype(dtype, mcfg, device.type)
-    max_batch = max(grid.batches)
-    longest = max([c + 1 for c in grid.contexts] + list(grid.prompts) + [n + c for n, c in grid.appends])
     block_size = 16
-    needed_blocks = max([b * -(-(c + 1) // block_size) for b in grid.batches for c in grid.contexts]
-                        + [max(1, grid.prefill_tokens // p) * -(-p // block_size) for p in grid.prompts]
-                        + [-(-(n + c) // block_size) for n, c in grid.appends])
-    cfg = EngineConfig(
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    max_batch = max([*grid.batches, *(d + 1 for d, *_ in grid.mixed)])
+    longest = max([c + 1 for c in grid.contexts] + list(grid.prompts) + [n + c for n, c in grid.appends]
+                  + [max(c + 1, n + k) for _, c, n, k in grid.mixed])
+    needed_blocks = max([b * blocks(c + 1) for b in grid.batches for c in grid.contexts]
+                        + [max(1, grid.prefill_tokens // p) * blocks(p) for p in grid.prompts]
+                        + [blocks(n + c) for n, c in grid.appends]
+                        + [d * blocks(c + 1) + blocks(n + k) for d, c, n, k in grid.mixed])
+    step_tokens = max([grid.prefill_tokens, max_batch, *(n for n, _ in grid.appends),
+                       *(d + n for d, _, n, _ in grid.mixed)])
+    exact = device.type == "cpu" if exact_pool is None else exact_pool
+    return EngineConfig(
         model=folder, dtype=dtype, load_format="dummy", device=device.type, attention_backend=attention_backend,
         block_size=block_size, max_model_len=min(longest, mcfg.max_position_embeddings), max_num_seqs=max_batch,
-        max_num_batched_tokens=max(grid.prefill_tokens, max_batch, max(n for n, _ in grid.appends)),
-        # On the CPU the pool is exactly what the grid needs; a GPU's is planned from its free memory.
-        num_kv_blocks=needed_blocks if device.type == "cpu" else None, shares_device=False)
+        max_num_batched_tokens=step_tokens, num_kv_blocks=needed_blocks if exact else None, enforce_eager=eager,
+        shares_device=False)
+
+
+def start_engine(cfg: EngineConfig) -> Engine:
+    """Engine.create under names of this process, its KV random on a GPU; release it with _release."""
+    engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"))
+    if engine.device.type == "cuda":
+        _fill_random(engine)
+    return engine
+
+
+def model_folder(model: str) -> str:
+    return str(demo_model_path()) if model == DEMO_MODEL else model
+
+
+def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick: bool = False,
+        attention_backend: str = "auto") -> Report:
+    folder = model_folder(model)
+    mcfg = ModelConfig.from_folder(folder)
+    torch_dtype = resolve_dtype(dtype, mcfg, device.type)
+    cfg = engine_config(folder, device, grid, dtype, attention_backend)
     ceil = measure_ceilings(device, torch_dtype, quick)
     log.info("ceilings: copy %.0f GB/s, matmul %.1f TFLOP/s", ceil.copy_gbps, ceil.matmul_tflops)
-    engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"))
+    engine = start_engine(cfg)
     try:
-        if device.type == "cuda":
-            _fill_random(engine)
-        cost = ModelCost.of(mcfg, torch_dtype, block_size)
+        cost = ModelCost.of(mcfg, torch_dtype, cfg.block_size)
         report = Report(device_info(device).name, os.path.basename(folder.rstrip("/")), str(torch_dtype).split(".")[-1],
                         ceil, meta=_meta(engine, cfg))
-        for graphs in ([True, False] if engine.runner.graphs is not None else [False]):
+        ways = [True, False] if engine.runner.graphs is not None else [False]
+        for graphs in ways:
             for context in grid.contexts:
                 for batch in grid.batches:
                     report.points.append(time_decode(engine, cost, ceil, batch, context, graphs, grid.repeat))
         for prompt in grid.prompts:
             report.points.append(time_prefill(engine, cost, ceil, prompt, grid.prefill_tokens, max(3, grid.repeat // 4)))
         for new, cached in grid.appends:
-            report.points.append(time_append(engine, cost, ceil, new, cached, max(3, grid.repeat // 2)))
+            for graphs in ways:
+                report.points.append(time_append(engine, cost, ceil, new, cached, graphs, max(3, grid.repeat // 2)))
+        for decodes, context, new, cached in grid.mixed:
+            for graphs in ways:
+                report.points.append(time_mixed(engine, cost, ceil, decodes, context, new, cached, graphs,
+                                                max(3, grid.repeat // 2)))
         return report
     finally:
         _release(engine)

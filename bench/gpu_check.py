@@ -2,15 +2,18 @@
 
 A device call runs at most 10 minutes and returns at most 8 files from $OUT, 16 MiB each, so a call here is built
 to always come back with its results:
-- every step runs under its own time limit, cut to what is left of the call's budget (--budget, 570 s by default),
-  and a step that overruns is stopped with every process it started (servers included);
+- every step runs under its own time limit, cut to what is left of the call's budget (--budget, 570 s by default,
+  counted from this program's start), and a step that overruns is stopped with every process it started (servers
+  included); the limits leave room inside the budget for stopping the last step and packing the archive, and the
+  budget leaves room for gpu_check.sh's wheel install inside a device command's 600 s;
 - every raw output and log goes into OUTDIR, servers' logs too; each step's verdict into OUTDIR/steps.json and
   status.txt: ok, failed (its exit status), timeout, no-output (exit 0 but a file it must write is missing: a
   step that measured nothing), or skipped (no time left);
 - with --archive FILE, OUTDIR is packed into one .tar.gz under 16 MiB at the end, whatever happened before
   (the largest logs are cut in the middle if needed, and TRUNCATED.txt says which);
 - --from DIR first copies what an earlier call left (its committed, unpacked results) into OUTDIR, so the resumable
-  steps (policy, partition) go on where they stopped and policy-eval finds policy.json.
+  steps (policy, partition) go on where they stopped and policy-eval finds policy.json;
+- --plan prints the steps with their limits and expected durations against the budget, and runs nothing.
 
 --rehearse runs the same steps on the CPU, with a shrunk stand-in of Llama-3.1-8B (bench/models/llama-3.1-8b-
 standin: its vocabulary, rope and head size), small sizes and CPU partitions in place of MPS and green contexts:
@@ -22,6 +25,7 @@ Only the standard library is imported here: this must run before the host's pack
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import shlex
@@ -38,18 +42,41 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHIVE_LIMIT = 16 * 2**20  # what the device returns of one file
-DEFAULT_BUDGET_S = 570  # a device command runs at most 600 s; the rest is start-up and the transfer
+DEVICE_COMMAND_S = 600  # the most a device command runs
+# gpu_check.sh's wheel install and Python's start, before the budget's clock starts: 6-8 s on the H200 (a call's
+# wall time less its steps' seconds, bench/results/nvidia-h200/call1 and call4, packing included), about doubled.
+WHEELS_S = 15
+DEFAULT_BUDGET_S = 570  # + WHEELS_S = 585 s: inside a device command's 600 s, with 15 s to spare
 PACK_RESERVE_S = 20  # kept back from the budget for packing the archive
 MIN_STEP_S = 30  # a step is not started with less time than this
 KILL_GRACE_S = 10  # from SIGTERM to SIGKILL for a step that overran
+COPIER_JOIN_S = 5  # after a step ends, for its last output to reach the log
+STOP_RESERVE_S = KILL_GRACE_S + COPIER_JOIN_S  # kept back so that the last step, stopped at its limit, ends in time
 MARKER = "PPD_GPU_CHECK_STEP"  # in the environment of everything a step starts, to find it again
 KEEP_PER_END = 256 * 1024  # bytes kept at each end of a log cut to fit the archive
 
 LLAMA = "bench/models/llama-3.1-8b"
 STANDIN = "bench/models/llama-3.1-8b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
-STEP_NAMES = ("host probe tests tests-gpu tests-kernels engine sampling compare kernels policy policy-eval:W policy-verdict partition "
-              "partition-compare[:NAMES] interference[:NAMES] frontend[:COUNTS]")
+STEP_NAMES = ("host probe tests tests-gpu[:FILES] tests-kernels engine engine-host sampling compare kernels policy "
+              "policy-eval:W policy-verdict partition partition-compare[:NAMES] interference[:NAMES] "
+              "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)")
+# Each gpu test file's pytest time on the H200 (bench/results/nvidia-h200: call4's JUnit XML; test_gpu_serve.py
+# from call5), and what a process of its own adds (start, imports, CUDA's start).
+GPU_TEST_S = {"tests/bench/test_partition_profile.py": 11, "tests/engine/kernels/test_activation.py": 7,
+              "tests/engine/kernels/test_attention.py": 33, "tests/engine/kernels/test_norm.py": 5,
+              "tests/engine/kernels/test_rope.py": 5, "tests/engine/kernels/test_store_kv.py": 2,
+              "tests/engine/test_engine.py": 75, "tests/engine/test_guided.py": 8,
+              "tests/engine/test_memory_plan.py": 4, "tests/engine/test_model_vs_hf.py": 9,
+              "tests/engine/test_shared_memory.py": 9,
+              "tests/partition/test_backends.py": 1, "tests/partition/test_green.py": 10,
+              "tests/partition/test_probe.py": 41, "tests/server/test_gpu_serve.py": 156}
+GPU_TEST_PROCESS_S = 5
+INTERFERENCE = ROOT / "bench" / "interference.py"
+INTERFERENCE_S = 40  # one configuration of `ppd bench interference` on the H200 (call4: 95 s for three; call5)
+# The CPU's stand-in for a GPU configuration, by the partition its serve arguments ask for.
+CPU_STANDIN = {"mps": "cpu", "green": "thread", "none": "none"}
+
 # Modules every step needs on the host, beside the project's own (all imported by the host step).
 THIRD_PARTY = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "fastapi", "starlette",
                "uvicorn", "pydantic", "zmq", "msgspec", "prometheus_client", "jsonschema", "xgrammar", "openai",
@@ -65,6 +92,7 @@ class Step:
     argv: tuple[str, ...]
     limit_s: int
     outputs: tuple[str, ...] = ()
+    expected_s: int | None = None  # on the GPU host: measured there where it ran, else estimated; None: unknown
 
 
 @dataclass
@@ -113,11 +141,16 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         # ../shared/device/host_check.py where it was carried in .whl/, then every module of the project.
         script = (f"rc=0; if [ -f .whl/host_check.py ]; then {python} .whl/host_check.py || rc=1; fi; "
                   f"{python} -m bench.gpu_check --imports || rc=1; exit $rc")
-        return [Step("host", ("bash", "-c", script), 120)]
+        return [Step("host", ("bash", "-c", script), 120, expected_s=15)]
     if name == "probe":
-        return [Step("probe", (*ppd, "probe", "--out", f"{out}/probe.json"), 240, ("probe.json",))]
+        return [Step("probe", (*ppd, "probe", "--out", f"{out}/probe.json"), 240, ("probe.json",), 62)]
     if name in ("tests-gpu", "tests-kernels"):  # one of the two, where a call has no time for both
         return [s for s in plan("tests", out, mode, python) if s.name == name]
+    if base == "tests-gpu" and arg:  # only these files (each in its own process, as in the whole run)
+        files = gpu_test_files(arg.split(","))
+        expected = sum(GPU_TEST_S.get(f, 60) + GPU_TEST_PROCESS_S for f in files)
+        return [Step("tests-gpu", ("bash", "-c", _gpu_tests_script(python, "echo " + shlex.join(files)), str(out)),
+                     min(540, 2 * expected + 30), ("tests-gpu/*.xml",), expected)]
     if name == "tests":
         # Two steps, so that gpu tests that run long still leave the kernel tests their own time and verdict. The
         # compile check for sm_90 without a GPU is a default-suite test: on the host the kernels run for real.
@@ -125,21 +158,23 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         # H200 one did fail every later test of a single process (bench/results/nvidia-h200/call1). So run, the gpu
         # tests took 430 s there (call4-5), the kernel tests 41 s: "tests" is a call of its own.
         pytest = (python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider")
-        per_file = (f'mkdir -p "$0"/tests-gpu; rc=0; files=$({shlex.join(pytest)} --collect-only -m gpu tests '
-                    f'| grep "::" | cut -d: -f1 | sort -u); [ -n "$files" ] || {{ echo "no gpu test collected"; exit 1; }}; '
-                    f'for f in $files; do n=$(basename "$f" .py); echo "== $f"; '
-                    f'{shlex.join(pytest)} -m gpu --junitxml "$0/tests-gpu/$n.xml" "$f" || rc=1; done; exit $rc')
-        steps = [Step("tests-gpu", ("bash", "-c", per_file, str(out)), 540, ("tests-gpu/*.xml",)),
+        collect = f'{shlex.join(pytest)} --collect-only -m gpu tests | grep "::" | cut -d: -f1 | sort -u'
+        expected = sum(GPU_TEST_S.values()) + GPU_TEST_PROCESS_S * len(GPU_TEST_S)
+        steps = [Step("tests-gpu", ("bash", "-c", _gpu_tests_script(python, collect), str(out)), 540,
+                      ("tests-gpu/*.xml",), expected),
                  Step("tests-kernels", (*pytest, "--junitxml", f"{out}/tests-kernels.xml", "--ignore",
                                         "tests/engine/kernels/test_sm90_compile.py", "tests/engine/kernels"), 300,
-                      ("tests-kernels.xml",))]
+                      ("tests-kernels.xml",), 41)]
         if mode.rehearse:  # the kernels run in Triton's interpreter here: also compile them for the H100
             steps.append(Step("tests-sm90-compile", ("env", "-u", "TRITON_INTERPRET", python, "-m",
                                                      "tests.engine.kernels.sm90_compile"), 300))
         return steps
-    if name == "engine":
+    if name == "engine":  # 32 s on the H200 (call1), before append and mixed steps were timed both ways
         argv = (*ppd, "bench", "engine", "--out", str(out), *quick, *mode.engine_model)
-        return [Step("engine", argv, 480, ("engine-*.json",))]
+        return [Step("engine", argv, 150, ("engine-*.json",), 45)]
+    if name == "engine-host":  # one eager decode step and one append under the profiler: under a minute
+        argv = (python, "-m", "bench.engine_host", "--out", str(out), *mode.engine_model)
+        return [Step("engine-host", argv, 90, ("engine-host.json", "engine-host.md"), 40)]
     if name == "sampling":
         argv = (*ppd, "bench", "sampling", "--out", f"{out}/sampling", *quick, *mode.engine_model)
         return [Step("sampling", argv, 360, ("sampling/sampling-*.json",))]
@@ -149,7 +184,8 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
                 "--duration", mode.pick("40", "8"), "--goodput", "ttft:500", "tpot:50", "--out", f"{out}/compare")
         if mode.rehearse:
             argv += ("--scale", "0.0625")
-        return [Step("compare", argv, 540, ("compare/summary.json",))]
+        # Not yet run on a GPU: three servers, each about 35 s to start, 40 s of arrivals and the last turns' tail.
+        return [Step("compare", argv, 360, ("compare/summary.json",), 255)]
     if name == "kernels":  # without CUDA it says so and writes nothing: nothing to check in a rehearsal
         return [Step("kernels", (python, "-m", "bench.kernels", "--out", f"{out}/kernels"), 540,
                      mode.pick(("kernels/kernels-*.json",), ()))]
@@ -200,9 +236,14 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
                            "--alone-s", "1"))
         serve_args = serve + mode.pick(" --gpus 0", "")
         argv = (*ppd, "bench", "interference", "--serve-args", serve_args, *sizes, "--out", f"{out}/interference")
-        if arg:
-            argv += ("--only", arg)
-        return [Step("interference", argv, 540, ("interference/interference.json",))]
+        names = interference_names(arg, mode)
+        if names:
+            argv += ("--only", ",".join(names))
+        # Without names what bench/interference.py measures by default: four where it cannot be read here.
+        gpu, cpu, gpu_default = interference_configs()
+        count = len(names or mode.pick(gpu_default or gpu, cpu) or range(4))
+        return [Step("interference", argv, min(540, 60 + INTERFERENCE_S * count),
+                     ("interference/interference.json",), INTERFERENCE_S * count)]
     if base == "frontend":
         counts = (arg or "1,4,8").split(",")
         if not all(c.isdigit() and int(c) > 0 for c in counts):
@@ -213,6 +254,122 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
                                        f"--device cpu --api-server-count {n}", "--out", f"{out}/frontend/api-{n}"),
                      300, (f"frontend/api-{n}/results.json",)) for n in counts]
     raise ValueError(f"unknown step {name!r}; steps: {STEP_NAMES}")
+
+
+def _gpu_tests_script(python: str, files: str) -> str:
+    """bash: the gpu tests of each file that command `files` prints, one pytest process per file (an illegal address
+    poisons a process's CUDA context), a JUnit XML each under $0/tests-gpu; exit 1 if any failed."""
+    pytest = shlex.join((python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"))
+    return (f'mkdir -p "$0"/tests-gpu; rc=0; files=$({files}); [ -n "$files" ] || {{ echo "no gpu test collected"; '
+            f'exit 1; }}; for f in $files; do n=$(basename "$f" .py); echo "== $f"; '
+            f'{pytest} -m gpu --junitxml "$0/tests-gpu/$n.xml" "$f" || rc=1; done; exit $rc')
+
+
+def gpu_test_files(names: list[str]) -> list[str]:
+    """tests-gpu:FILES as paths from the repository's root: each a path, or a file name (.py optional) that exactly
+    one test file with gpu-marked tests has. ValueError naming those files for any other name."""
+    marked = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("test_*.py")
+                    if "mark.gpu" in p.read_text())
+    files = []
+    for name in names:
+        if "/" in name:
+            found = [os.path.normpath(name)] if os.path.normpath(name) in marked else []
+        else:
+            found = [m for m in marked if Path(m).name == (name if name.endswith(".py") else f"{name}.py")]
+        if len(found) != 1:
+            why = "is in several places: name its path" if found else "names no test file with gpu-marked tests"
+            raise ValueError(f"tests-gpu: {name!r} {why} (those files: {', '.join(found or marked)})")
+        files += found
+    return files
+
+
+def interference_configs() -> tuple[dict[str, str] | None, dict[str, str] | None, tuple[str, ...] | None]:
+    """bench/interference.py's GPU_CONFIGS and CPU_CONFIGS (name -> serve arguments) and GPU_DEFAULT (what it
+    measures on a GPU without --only), read from its source: this program imports only the standard library. None
+    for one that is not written as literals (a configuration a string, or a call whose first argument is one)."""
+    found: dict[str, object] = {}
+    for node in ast.parse(INTERFERENCE.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id in ("GPU_CONFIGS", "CPU_CONFIGS", "GPU_DEFAULT"):
+            found[target.id] = _configs(node.value) if target.id.endswith("CONFIGS") else _names(node.value)
+    return found.get("GPU_CONFIGS"), found.get("CPU_CONFIGS"), found.get("GPU_DEFAULT")
+
+
+def _configs(node: ast.expr | None) -> dict[str, str] | None:
+    if not isinstance(node, ast.Dict):
+        return None
+    configs = {}
+    for key, value in zip(node.keys, node.values):
+        if isinstance(value, ast.Call) and value.args:
+            value = value.args[0]
+        if not (isinstance(key, ast.Constant) and isinstance(value, ast.Constant) and isinstance(value.value, str)):
+            return None
+        configs[key.value] = value.value
+    return configs
+
+
+def _names(node: ast.expr | None) -> tuple[str, ...] | None:
+    try:
+        return tuple(ast.literal_eval(node)) if node is not None else None
+    except ValueError:
+        return None
+
+
+def interference_names(arg: str, mode: Mode) -> list[str]:
+    """The configurations interference:NAMES measures ([]: all of the device's). On a GPU the names as given, each
+    one of GPU_CONFIGS; in a rehearsal each name of CPU_CONFIGS as it is, and a GPU one as the CPU's stand-in for
+    its partition (mps: cpu, green: thread). ValueError for a name neither has, saying which exist."""
+    if not arg:
+        return []
+    gpu, cpu, _ = interference_configs()
+    names = arg.split(",")
+    if not mode.rehearse:
+        if gpu is not None and (unknown := [n for n in names if n not in gpu]):
+            raise ValueError(f"interference: no GPU configuration {', '.join(unknown)} in bench/interference.py "
+                             f"(there are {', '.join(gpu)})")
+        return names
+    if cpu is None:  # not readable here: `ppd bench interference --only` says which exist
+        return names
+    mapped = []
+    for n in names:
+        standin = n if n in cpu else _cpu_standin(gpu[n]) if gpu and n in gpu else None
+        if standin not in cpu:
+            raise ValueError(f"interference: no configuration {n!r} to rehearse on the CPU (GPU: "
+                             f"{', '.join(gpu or ())}; CPU: {', '.join(cpu)}; a GPU one is rehearsed as the CPU's "
+                             f"stand-in for its partition: {', '.join(f'{k} as {v}' for k, v in CPU_STANDIN.items())})")
+        if standin not in mapped:
+            mapped.append(standin)
+    return mapped
+
+
+def _cpu_standin(serve_args: str) -> str | None:
+    args = shlex.split(serve_args)
+    return CPU_STANDIN.get(args[args.index("--partition") + 1] if "--partition" in args[:-1] else "none")
+
+
+def steps_room_s(budget_s: float, archive: bool = True) -> float:
+    """What a call's steps may take of its budget: the rest stops the last step at its limit and packs the archive."""
+    return budget_s - STOP_RESERVE_S - (PACK_RESERVE_S if archive else 0)
+
+
+def describe(steps: list[Step], budget_s: float) -> tuple[str, bool]:
+    """The call's steps with their limits and expected durations (a step not measured counts its limit), and
+    whether the expected durations fit the budget."""
+    lines = [f"{'step':32} {'limit s':>8} {'expected s':>11} {'done by s':>10}"]
+    done = 0
+    for step in steps:
+        done += step.expected_s if step.expected_s is not None else step.limit_s
+        expected = "?" if step.expected_s is None else str(step.expected_s)
+        lines.append(f"{step.name:32} {step.limit_s:>8} {expected:>11} {done:>10}")
+    room = steps_room_s(budget_s)
+    fits = done <= room
+    lines.append(f"expected {done} s of the steps' {room:.0f} s (budget {budget_s:.0f} s less {STOP_RESERVE_S} s to "
+                 f"stop the last step and {PACK_RESERVE_S} s to pack): "
+                 + ("fits" if fits else f"over by {done - room:.0f} s"))
+    lines.append(f"limits sum to {sum(s.limit_s for s in steps)} s (each is cut to what is left); budget + wheel "
+                 f"install {budget_s:.0f} + {WHEELS_S} = {budget_s + WHEELS_S:.0f} s of a device command's "
+                 f"{DEVICE_COMMAND_S} s")
+    return "\n".join(lines), fits
 
 
 # ---- running a call ----------------------------------------------------------------------------------------------
@@ -240,7 +397,7 @@ def run_step(step: Step, out: Path, limit_s: float) -> Outcome:
             raise
         finally:
             _kill_marked(token)  # a server the step left behind would hold the device for the next step
-            copier.join(timeout=5)
+            copier.join(timeout=COPIER_JOIN_S)
     seconds = time.monotonic() - started
     missing = [g for g in step.outputs if not any(out.glob(g))]
     verdict = ("timeout" if timed_out else "failed" if proc.returncode != 0 else "no-output" if missing else "ok")
@@ -343,9 +500,9 @@ def host_facts(out: Path, python: str) -> None:
 
 def run_call(steps: list[Step], out: Path, budget_s: float, archive: Path | None = None,
              archive_limit: int = ARCHIVE_LIMIT) -> list[Outcome]:
-    """Run steps within budget_s (packing included), recording each outcome; pack out into archive at the end,
-    also when stopped by SIGTERM or Ctrl-C."""
-    deadline = time.monotonic() + budget_s - (PACK_RESERVE_S if archive else 0)
+    """Run steps within budget_s (stopping the last step and packing included), recording each outcome; pack out
+    into archive at the end, also when stopped by SIGTERM or Ctrl-C."""
+    deadline = time.monotonic() + steps_room_s(budget_s, archive is not None)
     outcomes: list[Outcome] = []
 
     def record() -> None:
@@ -430,10 +587,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="an earlier call's unpacked results (repeatable): copied into OUTDIR first, so resumable "
                         "steps go on")
     p.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
-                   help=f"seconds this call may take, packing included (default {DEFAULT_BUDGET_S})")
+                   help=f"seconds this call may take from this program's start, packing included (default "
+                        f"{DEFAULT_BUDGET_S}; with gpu_check.sh's wheel install, about {WHEELS_S} s more)")
+    p.add_argument("--plan", action="store_true",
+                   help="print the steps' limits and expected durations against the budget; run nothing")
     p.add_argument("--imports", action="store_true", help=argparse.SUPPRESS)  # the host step
     p.add_argument("outdir", nargs="?", type=Path)
     p.add_argument("steps", nargs="*")
+    started = time.monotonic()
     args = p.parse_args(argv)
     if args.imports:
         return check_imports()
@@ -450,6 +611,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if missing := [str(r) for r in resume if not r.is_dir()]:
         p.error(f"--from {', '.join(missing)}: no such folder (give the unpacked results of an earlier call)")
+    text, fits = describe(steps, args.budget)
+    print(text, flush=True)
+    if args.plan:
+        return 0 if fits else 1
+    if not args.rehearse and args.budget + WHEELS_S > DEVICE_COMMAND_S:
+        print(f"warning: --budget {args.budget:.0f} leaves no room for the wheel install (about {WHEELS_S} s) inside "
+              f"a device command's {DEVICE_COMMAND_S} s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     for folder in resume:
         copied = resume_from(folder, out)
@@ -457,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     host_facts(out, python)
     _status(out, f"== call: {shlex.join(sys.argv)} (rehearsal on the CPU)" if args.rehearse
             else f"== call: {shlex.join(sys.argv)}")
-    outcomes = run_call(steps, out, args.budget, archive)
+    outcomes = run_call(steps, out, args.budget - (time.monotonic() - started), archive)
     bad = [o for o in outcomes if o.verdict != "ok"]
     print(f"{len(outcomes) - len(bad)} of {len(outcomes)} steps ok" +
           (": " + ", ".join(f"{o.name} {o.verdict}" for o in bad) if bad else ""), flush=True)

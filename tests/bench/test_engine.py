@@ -21,16 +21,61 @@ def test_quick_engine_benchmark_reports_every_point_against_its_floor(cache_dir:
     kinds = [p.kind for p in report.points]
     expected = len(QUICK_GRID.batches) * len(QUICK_GRID.contexts)
     assert kinds.count("decode") == expected and kinds.count("prefill") == len(QUICK_GRID.prompts)
-    assert kinds.count("append") == len(QUICK_GRID.appends)
+    # No CUDA graphs on the CPU: append and mixed steps are timed eagerly only.
+    assert kinds.count("append") == len(QUICK_GRID.appends) and kinds.count("mixed") == len(QUICK_GRID.mixed)
     for p in report.points:
         assert p.skipped is None, p.skipped
         assert p.ms > 0 and p.floor_ms > 0 and p.ratio == p.ms / p.floor_ms and p.tokens_per_s > 0
-    decode = [p for p in report.points if p.kind == "decode"]
-    assert all(p.host_ms is not None and p.host_ms <= p.ms for p in decode)
+        assert p.host_ms is not None and 0 < p.host_ms <= p.ms, p  # every kind records its host time
+    (mixed,) = [p for p in report.points if p.kind == "mixed"]
+    decodes, context, new, cached = QUICK_GRID.mixed[0]
+    assert mixed.label == {"decodes": decodes, "context": context, "new": new, "cached": cached, "graphs": False}
+    assert all(p.label["graphs"] is False for p in report.points if p.kind in ("decode", "append", "mixed"))
     json_path, md_path = write(report, tmp_path)
     data = json.loads(json_path.read_text())
     assert len(data["points"]) == len(report.points) and all("ratio" in p for p in data["points"])
     assert md_path.read_text() == markdown(report) and "time / floor" in markdown(report)
+    assert "| mixed | decodes 4, context 64, new 16, cached 128, graphs False |" in markdown(report)
+
+
+class CountingGraphs:
+    """Graphs that fit no step, whatever the runner asks them (None to every call): it runs the step eagerly, as
+    for a step larger than every bucket."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __getattr__(self, name: str):
+        def no(*args, **kwargs) -> None:
+            self.asked += 1
+
+        return no
+
+
+def test_append_and_mixed_steps_are_timed_with_the_runners_graphs_and_without(cache_dir: Path) -> None:
+    from bench.engine import Ceilings, _release, engine_config, start_engine, time_append, time_mixed
+
+    folder = str(demo_model_path(cache_dir))
+    device = torch.device("cpu")
+    engine = start_engine(engine_config(folder, device, QUICK_GRID))
+    try:
+        cost = ModelCost.of(ModelConfig.from_folder(folder), torch.float32, engine.plan.block_size)
+        ceil = Ceilings(copy_gbps=10, matmul_tflops=0.1)
+        new, cached = QUICK_GRID.appends[0]
+        assert time_append(engine, cost, ceil, new, cached, True, 1).skipped == "no CUDA graphs on this device/backend"
+        graphs = engine.runner.graphs = CountingGraphs()
+        with_graphs = time_mixed(engine, cost, ceil, *QUICK_GRID.mixed[0], graphs=True, repeat=2)
+        asked = graphs.asked
+        eager = time_mixed(engine, cost, ceil, *QUICK_GRID.mixed[0], graphs=False, repeat=2)
+        append = time_append(engine, cost, ceil, new, cached, False, 2)
+        assert asked > 0 and graphs.asked == asked, "the eager runs must not see the runner's graphs"
+        assert engine.runner.graphs is graphs, "the graphs are put back after an eager run"
+        assert with_graphs.label["graphs"] and not eager.label["graphs"] and not append.label["graphs"]
+        for p in (with_graphs, eager, append):
+            assert p.skipped is None and p.host_ms is not None and 0 < p.host_ms <= p.ms
+    finally:
+        engine.runner.graphs = None
+        _release(engine)
 
 
 def test_floor_is_the_larger_of_bytes_and_flops(cache_dir: Path) -> None:

@@ -16,11 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check import LLAMA, STANDIN, Mode, Step, main, pack, plan, resume_from, run_call
+from bench import gpu_check
+from bench.gpu_check import LLAMA, STANDIN, Mode, Step, describe, main, pack, plan, resume_from, run_call
 from bench.interference import GPU_CONFIGS
 
-ALL_STEPS = ["host", "probe", "tests", "engine", "sampling", "compare", "kernels", "policy", "policy-eval:balanced",
-             "policy-verdict", "partition", "partition-compare", "interference", "frontend", "frontend:2"]
+ALL_STEPS = ["host", "probe", "tests", "engine", "engine-host", "sampling", "compare", "kernels", "policy",
+             "policy-eval:balanced", "policy-verdict", "partition", "partition-compare", "interference", "frontend",
+             "frontend:2"]
 PY = sys.executable
 
 
@@ -43,7 +45,7 @@ def test_every_step_plans_a_command_that_writes_inside_outdir(tmp_path: Path, re
             assert ("--device cpu" if rehearse else "--device cuda") in serve
             if rehearse:
                 assert "--partition mps" not in serve and "--partition green" not in serve
-        if rehearse and step.name in ("engine", "sampling", "partition"):
+        if rehearse and step.name in ("engine", "engine-host", "sampling", "partition"):
             assert STANDIN in text and "--device cpu" in text
 
 
@@ -65,7 +67,8 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
     assert plan("tests-kernels", tmp_path, Mode(False)) == both[1:]
 
 
-@pytest.mark.parametrize("name", ["bogus", "policy-eval", "partition-compare:mps,warp", "frontend:0", "frontend:x"])
+@pytest.mark.parametrize("name", ["bogus", "policy-eval", "partition-compare:mps,warp", "frontend:0", "frontend:x",
+                                  "tests-gpu:test_cli.py", "tests-gpu:tests/engine/nope.py", "interference:warp"])
 def test_a_bad_step_is_refused_before_anything_runs(tmp_path: Path, name: str, capsys) -> None:
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
@@ -136,8 +139,9 @@ def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) -
 def test_steps_past_the_budget_are_skipped_not_started(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
+    budget = gpu_check.MIN_STEP_S + gpu_check.STOP_RESERVE_S + 0.5  # room for one step, not two
     outcomes = run_call([_step("first", "import time; time.sleep(1)"), _step("second", "print('ran')")], out,
-                        budget_s=30.5)
+                        budget_s=budget)
     assert [o.verdict for o in outcomes] == ["ok", "skipped"]
     assert not (out / "second.log").exists()
 
@@ -220,7 +224,7 @@ def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
             if "--policies" in step.argv:
                 extras = [["--policy", p] for p in step.argv[step.argv.index("--policies") + 1].split(",")]
             else:  # interference: its configurations on a GPU
-                extras = [shlex.split(extra) for extra in GPU_CONFIGS.values()]
+                extras = [shlex.split(config.args) for config in GPU_CONFIGS.values()]
             for extra in extras:
                 args = parser.parse_args([*serve, *extra])
                 with_prefill = args.policy != "aggregated"
@@ -228,3 +232,100 @@ def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
                                          prefill_worker=args.prefill_worker, green_sms=args.green_decode_sms or ())
                 started += 1
     assert started >= 10
+
+
+def test_tests_gpu_can_be_narrowed_to_named_files(tmp_path: Path) -> None:
+    (step,) = plan("tests-gpu:test_engine.py,tests/server/test_gpu_serve.py,test_green", tmp_path, Mode(False))
+    script = step.argv[2]
+    # test_engine.py is also tests/bench/'s, which has no gpu test: the name means the one that has
+    assert "echo tests/engine/test_engine.py tests/server/test_gpu_serve.py tests/partition/test_green.py" in script
+    assert "--collect-only" not in script and step.name == "tests-gpu" and step.outputs == ("tests-gpu/*.xml",)
+    assert step.expected_s == sum(gpu_check.GPU_TEST_S[f] + gpu_check.GPU_TEST_PROCESS_S for f in
+                                  ("tests/engine/test_engine.py", "tests/server/test_gpu_serve.py",
+                                   "tests/partition/test_green.py"))
+    assert step.expected_s < step.limit_s < 600
+
+
+def test_a_narrowed_tests_gpu_step_runs_each_file_in_its_own_process(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    steps = plan("tests-gpu:test_backends", out, Mode(True), PY)  # one gpu test: it skips without CUDA
+    (outcome,) = run_call(steps, out, budget_s=300)
+    assert outcome.verdict == "ok", (out / "tests-gpu.log").read_text()[-2000:]
+    assert [p.name for p in (out / "tests-gpu").iterdir()] == ["test_backends.xml"]
+    assert "== tests/partition/test_backends.py" in (out / "tests-gpu.log").read_text()
+
+
+# bench/interference.py's configurations in both the forms it has had: strings, and records made from them.
+STATIC_CONFIGS = """
+CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
+               "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
+GPU_CONFIGS: dict[str, Config] = {
+    "none": Config("--policy pd --partition none", "every SM"), "mps": Config("--policy pd --partition mps"),
+    "green-static-64": Config("--policy pd --partition green --green-decode-sms 64", "64 SMs"),
+    "green-static-96": Config("--policy pd --partition green --green-decode-sms 96", "96 SMs"),
+    "mps-40": Config("--policy pd --partition mps --mps-prefill-percent 40", "every SM")}
+GPU_DEFAULT = ("none", "mps")
+"""
+
+
+def test_interference_takes_any_gpu_configuration_and_rehearses_each_as_its_partitions_cpu_standin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "interference.py"
+    source.write_text(STATIC_CONFIGS)
+    monkeypatch.setattr(gpu_check, "INTERFERENCE", source)
+    names = "none,green-static-64,mps-40,green-static-96"
+    (gpu,) = plan(f"interference:{names}", tmp_path, Mode(False))
+    assert gpu.argv[-2:] == ("--only", names) and gpu.expected_s == 4 * gpu_check.INTERFERENCE_S
+    (cpu,) = plan(f"interference:{names}", tmp_path, Mode(True))
+    assert cpu.argv[-2:] == ("--only", "none,thread,cpu")  # green's stand-in once
+    (same,) = plan("interference:cpu,aggregated", tmp_path, Mode(True))  # the CPU's own names as they are
+    assert same.argv[-2:] == ("--only", "cpu,aggregated")
+    with pytest.raises(ValueError, match="no GPU configuration green-static-128 .*there are none, mps, green-static"):
+        plan("interference:none,green-static-128", tmp_path, Mode(False))
+    with pytest.raises(ValueError, match="no configuration 'warp' to rehearse on the CPU .*CPU: aggregated, none"):
+        plan("interference:none,warp", tmp_path, Mode(True))
+    (default,) = plan("interference", tmp_path, Mode(False))  # GPU_DEFAULT's
+    assert "--only" not in default.argv and default.expected_s == 2 * gpu_check.INTERFERENCE_S
+
+
+def test_the_default_budget_leaves_room_for_the_wheels_inside_a_device_command() -> None:
+    assert gpu_check.DEFAULT_BUDGET_S + gpu_check.WHEELS_S <= gpu_check.DEVICE_COMMAND_S
+    # What the H200's calls spent outside their steps (wheel install, host facts, packing): wall less steps.
+    for call, wall in (("call1", 371.6), ("call4", 535.6)):
+        steps = json.loads((Path(__file__).parents[2] / "bench/results/nvidia-h200" / call / "steps.json").read_text())
+        assert wall - sum(s["seconds"] for s in steps) < gpu_check.WHEELS_S
+
+
+def test_a_call_whose_last_step_overruns_still_ends_packed_within_its_budget(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last step ignores SIGTERM and never ends: it is stopped at what is left less the time to stop it, so
+    the kill's grace and the packing both fit the budget."""
+    for name, value in (("MIN_STEP_S", 1), ("KILL_GRACE_S", 2), ("COPIER_JOIN_S", 1), ("STOP_RESERVE_S", 3),
+                        ("PACK_RESERVE_S", 2)):
+        monkeypatch.setattr(gpu_check, name, value)
+    out, archive = tmp_path / "out", tmp_path / "call.tar.gz"
+    out.mkdir()
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    started = time.monotonic()
+    outcomes = run_call([_step("stubborn", stubborn, limit_s=500)], out, budget_s=9, archive=archive)
+    assert time.monotonic() - started <= 9
+    assert [o.verdict for o in outcomes] == ["timeout"] and outcomes[0].limit_s <= 9 - 3 - 2
+    assert archive.exists()
+
+
+def test_the_planned_first_call_fits_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The next window's first call (README, the GPU call table): its steps' expected durations fit the default
+    budget, less the time to stop a step and to pack."""
+    source = tmp_path / "interference.py"
+    source.write_text(STATIC_CONFIGS)
+    monkeypatch.setattr(gpu_check, "INTERFERENCE", source)
+    call = ["host", "engine", "engine-host", "compare", "interference:none,green-static-64,mps-40,green-static-96"]
+    steps = [s for name in call for s in plan(name, tmp_path, Mode(False))]
+    text, fits = describe(steps, gpu_check.DEFAULT_BUDGET_S)
+    assert fits, text
+    assert sum(s.expected_s for s in steps) <= gpu_check.steps_room_s(gpu_check.DEFAULT_BUDGET_S)
+    out = tmp_path / "out"
+    assert main(["--plan", str(out), *call]) == 0 and not out.exists()
+    assert ": fits" in capsys.readouterr().out
+    assert main(["--plan", "--budget", "300", str(out), *call]) == 1
