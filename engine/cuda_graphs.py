@@ -129,13 +129,14 @@ class StepGraphs:
         for bucket in sorted(self.buckets, key=lambda b: (b.tokens, b.decode), reverse=True):
             with torch.cuda.stream(stream):
                 self.forward(bucket)  # compiles the kernels for this shape outside the capture
-            torch.cuda.synchronize()
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # Thread-local: in a one-process unit the prefill thread captures while the decode thread may run.
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 self.forward(bucket)
             pool = graph.pool() if pool is None else pool
             self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        stream.synchronize()
         log.info("captured %d graphs (decode batch %s, steps of %s tokens%s) in %.1fs", len(self.buckets),
                  f"1..{self.decode[-1].seqs}" if self.decode else "none",
                  f"16..{self.max_tokens}" if self.tokens else "none", label, time.monotonic() - started)

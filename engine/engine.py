@@ -169,12 +169,19 @@ class Engine:
         return cls(cfg, mcfg, runner, plan, (weights, kv))
 
     @classmethod
-    def sibling(cls, owner: Engine) -> Engine:
+    def sibling(cls, owner: Engine, graph_streams: dict[Any, torch.cuda.Stream] | None = None,
+                graph_sms: dict[Any, int] | None = None) -> Engine:
         """A second engine over owner's weights and KV pool in the same process (the prefill thread of a one-process
-        unit): its own runner (attention metadata) and sampler, eager steps, nothing mapped or copied."""
-        runner = ModelRunner(owner.runner.model, owner.runner.kv_pool, owner.cfg.block_size, owner.cfg.attention_backend,
+        unit): its own runner (attention metadata) and sampler, nothing mapped or copied. On a GPU it captures its
+        own graphs of steps up to max_graph_tokens tokens, one set on each of graph_streams (its streams of the
+        green splits; graph_sms as for create), while the owner's thread may already run steps of its own."""
+        cfg = owner.cfg
+        runner = ModelRunner(owner.runner.model, owner.runner.kv_pool, cfg.block_size, cfg.attention_backend,
                              max_model_len=owner.plan.max_model_len)
-        return cls(owner.cfg, owner.mcfg, runner, owner.plan, (owner.weights_handle, owner.kv_handle))
+        if (runner.device.type == "cuda" and not cfg.enforce_eager and cfg.max_graph_tokens
+                and runner.backend.supports_cuda_graphs):
+            runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens, decode=False)
+        return cls(cfg, owner.mcfg, runner, owner.plan, (owner.weights_handle, owner.kv_handle))
 
     # ---- steps -------------------------------------------------------------------------------------
 
@@ -356,8 +363,10 @@ def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int,
     # decode KV-split partials are in the decode step's peak); all sets write one float32 logits buffer.
     logits = max(cfg.max_num_seqs, min(cfg.max_num_seqs, cfg.max_graph_tokens)) * runner.model.cfg.vocab_size * 4
     graphs = 0 if cfg.enforce_eager else graph_sets * max(peaks) + logits
-    # The prefill worker captures steps of up to max_graph_tokens tokens: its own pool and logits buffer.
-    peer_graphs = peaks[-1] + logits if cfg.shares_device and cfg.max_graph_tokens and not cfg.enforce_eager else 0
+    # The prefill worker captures steps of up to max_graph_tokens tokens, a set per split stream as here: its own
+    # pool and logits buffer.
+    peer_graphs = (graph_sets * peaks[-1] + logits if cfg.shares_device and cfg.max_graph_tokens
+                   and not cfg.enforce_eager else 0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     # The scratch pool is still allocated here, and freed before the real pool is made: it is not in use after.

@@ -114,16 +114,17 @@ class ModelRunner:
             return self.graphs.run(batch, bucket), None
         meta = self.backend.prepare(batch)
         t, s, k = len(batch.token_ids), len(batch.sample_rows), len(batch.hidden_rows)
-        host = self.staging.buffer(2 * t + s + k)
+        at = t + t % 2  # positions 16-byte aligned: the RoPE kernel reads them
+        host = self.staging.buffer(at + t + s + k)
         host[:t] = batch.token_ids
-        host[t : 2 * t] = batch.positions
-        host[2 * t : 2 * t + s] = batch.sample_rows
-        host[2 * t + s :] = batch.hidden_rows
+        host[at : at + t] = batch.positions
+        host[at + t : at + t + s] = batch.sample_rows
+        host[at + t + s :] = batch.hidden_rows
         ints = self.staging.to_device()
-        hidden = self.model(ints[:t], ints[t : 2 * t], self.backend, meta)
-        kept = hidden[ints[2 * t + s :]] if k else None
+        hidden = self.model(ints[:t], ints[at : at + t], self.backend, meta)
+        kept = hidden[ints[at + t + s :]] if k else None
         if s < t:
-            hidden = hidden[ints[2 * t : 2 * t + s]]
+            hidden = hidden[ints[at + t : at + t + s]]
         return self.model.compute_logits(hidden, self.backend.ops), kept
 
     def make_batch(self, inputs: list[StepInput]) -> StepBatch:

@@ -65,7 +65,10 @@ class PrefillWorker:
         setup = self.decode_job(self.jobs.recv())
         assert isinstance(setup, UnitSetup), f"expected UnitSetup first, got {type(setup).__name__}"
         if owner is not None:
-            self.engine = Engine.sibling(owner)
+            keys = streams.keys if streams is not None else []
+            self.engine = Engine.sibling(owner, {k: streams.stream("prefill", k) for k in keys} or None,
+                                         {k: streams.sms("prefill", k) for k in keys} or None)
+            self.engine.runner.use_graphs(self.key)
         else:
             self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
         self.queue: deque[ActiveJob] = deque()
@@ -112,6 +115,7 @@ class PrefillWorker:
             # Between two forward passes: the next one runs on the new cores, or the new split's stream.
             if msg.split is not None:
                 self.key = msg.split
+                self.engine.runner.use_graphs(self.key)
             else:
                 repin(tuple(msg.cores))
         elif isinstance(msg, AbortPrefill):

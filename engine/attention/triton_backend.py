@@ -24,16 +24,28 @@ from engine.attention.base import AttentionBackend, AttentionShape, GraphBucket,
 from engine.kernels import (add_rms_norm_, apply_rope, choose_num_splits, launch_attention, paged_attention,
                             plan_attention, rms_norm, rope_store_kv, silu_and_mul, store_kv, workspace_for)
 from engine.kernels.attention import AttentionLaunch
+from engine.kernels.launch import Launches
 from engine.staging import Staging
 
 
 class TritonOps:
-    """The fused kernels behind the Ops protocol; add_rms_norm works in place."""
+    """The fused kernels behind the Ops protocol, launched through the step's Launches (one per backend, renewed by
+    each prepare and graph_view: after a step's first layer, a kernel is relaunched without the JIT); add_rms_norm
+    works in place."""
 
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm_)
+    def __init__(self) -> None:
+        self.launches = Launches()
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return rms_norm(x, weight, eps, launches=self.launches)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        return add_rms_norm_(x, residual, weight, eps, self.launches)
+
+    def silu_and_mul(self, x: Tensor) -> Tensor:
+        return silu_and_mul(x, launches=self.launches)
+
     apply_rope = staticmethod(apply_rope)
-    silu_and_mul = staticmethod(silu_and_mul)
     linear = staticmethod(torch.nn.functional.linear)  # cuBLAS
 
 
@@ -43,12 +55,14 @@ class TritonMetadata:
     query_start: Tensor    # [B+1] int32
     seq_lens: Tensor       # [B] int32, 0 for padding rows
     block_tables: Tensor   # [B, W] int32
-    num_decodes: int       # sequences [0, num_decodes) run on the decode grid (one token each), the rest on the general
+    num_decodes: int       # sequence slots [0, num_decodes) run on the decode grid (one token at most), the rest on
+                           # the general grid; slots past the decodes are padding of no token, for alignment
+    decode_tokens: int     # the decode grid's rows: the step's first decode_tokens tokens
     max_query_len: int     # the general grid's longest query (its tile); 1 when every sequence is a decode
     num_splits: int        # the decode grid's KV splits
     workspace: tuple[Tensor, Tensor] | None = None  # split-KV partials, preallocated for graphs
     # Set by the step's first layer and reused by the others (the model's dtype is not known to prepare):
-    launches: list[tuple[AttentionLaunch, Tensor, Tensor, Tensor]] | None = None  # with query_start, seq_lens, tables
+    attention: list[tuple[AttentionLaunch, Tensor, Tensor, Tensor]] | None = None  # with query_start, seq_lens, tables
     q_rot: Tensor | None = None  # [T, H, D] rotated queries
     out: Tensor | None = None    # [T, H, D] attention output
 
@@ -68,34 +82,35 @@ class GraphBuffers:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
-    ops = TritonOps()
 
     def __init__(self, shape: AttentionShape, device: torch.device) -> None:
         super().__init__(shape, device)
+        self.ops = TritonOps()
         # Off CUDA (Triton's interpreter, in tests) decide the splits as an H100 would.
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
         self.staging = Staging(torch.int32, device)
 
     def prepare(self, batch: StepBatch) -> TritonMetadata:
-        b, t = batch.num_seqs, len(batch.slot_mapping)
-        width = max(len(table) for table in batch.block_tables)
-        host = self.staging.buffer(2 * b + 1 + t + b * width)
-        host[: b + 1] = batch.query_start
-        host[b + 1 : 2 * b + 1] = batch.seq_lens
-        host[2 * b + 1 : 2 * b + 1 + t] = batch.slot_mapping
-        _fill_tables(host[2 * b + 1 + t :].reshape(b, width), batch.block_tables)
-        dev = self.staging.to_device()
+        self.ops.launches = Launches()
+        n, t = batch.num_seqs, len(batch.slot_mapping)
         max_query_len = batch.max_query_len
-        d = b if max_query_len == 1 else batch.num_decodes
+        d = n if max_query_len == 1 else batch.num_decodes
+        # Decode slots padded to a 16-byte boundary where the general grid's sequences follow them.
+        decodes = _align(d) if n > d else d
+        lay = Layout.tight(decodes + n - d, decodes, t, max(len(table) for table in batch.block_tables))
+        host = self.staging.buffer(lay.size)
+        lay.write(host, batch, d, t, decode_bucket=False)
+        dev = self.staging.to_device()
         splits, workspace = 1, None
         if d:
             splits = choose_num_splits(d, self.shape.num_kv_heads, max(batch.seq_lens[:d]), self.num_sms)
             if splits > 1:  # one workspace for all layers of the step
                 workspace = workspace_for(d, self.shape.num_heads, self.shape.head_dim, splits, self.device)
         return TritonMetadata(
-            slot_mapping=dev[2 * b + 1 : 2 * b + 1 + t], query_start=dev[: b + 1], seq_lens=dev[b + 1 : 2 * b + 1],
-            block_tables=dev[2 * b + 1 + t :].view(b, width), num_decodes=d, max_query_len=max_query_len,
-            num_splits=splits, workspace=workspace)
+            slot_mapping=dev[lay.slots_at : lay.slots_at + t], query_start=dev[: lay.seqs + 1],
+            seq_lens=dev[lay.lens_at : lay.lens_at + lay.seqs],
+            block_tables=dev[lay.tables_at : lay.size].view(lay.seqs, lay.width), num_decodes=decodes,
+            decode_tokens=d, max_query_len=max_query_len, num_splits=splits, workspace=workspace)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: TritonMetadata,
                 scale: float) -> Tensor:
@@ -106,11 +121,13 @@ class TritonBackend(AttentionBackend):
 
     def rope_and_attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                         meta: TritonMetadata, scale: float, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        if meta.launches is None:
+        if meta.attention is None:
             self._plan(meta, q, k, v, k_cache, v_cache, scale, cos)
-        rope_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, out=meta.q_rot)
-        for launch, query_start, seq_lens, tables in meta.launches:
-            launch_attention(launch, meta.out, meta.q_rot, k_cache, v_cache, tables, query_start, seq_lens)
+        launches = self.ops.launches
+        rope_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, out=meta.q_rot,
+                      launches=launches)
+        for launch, query_start, seq_lens, tables in meta.attention:
+            launch_attention(launch, meta.out, meta.q_rot, k_cache, v_cache, tables, query_start, seq_lens, launches)
         return meta.out
 
     def _plan(self, meta: TritonMetadata, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -128,14 +145,14 @@ class TritonBackend(AttentionBackend):
                       table_stride=meta.block_tables.stride(0), num_kv_heads=hkv, block_size=self.shape.block_size,
                       scale=scale, device=q.device)
         b, n = meta.seq_lens.shape[0], meta.num_decodes
-        meta.launches = []
-        if n:  # its rows are the step's first n tokens (a padding decode slot of a token bucket has none)
-            decode = plan_attention(n, h, d, n, q.dtype, max_query_len=1, num_splits=meta.num_splits,
-                                    workspace=meta.workspace, **common)
-            meta.launches.append((decode, meta.query_start[: n + 1], meta.seq_lens[:n], meta.block_tables[:n]))
+        meta.attention = []
+        if n:  # its rows are the step's first decode_tokens tokens (a padding decode slot has none)
+            decode = plan_attention(meta.decode_tokens, h, d, n, q.dtype, max_query_len=1,
+                                    num_splits=meta.num_splits, workspace=meta.workspace, **common)
+            meta.attention.append((decode, meta.query_start[: n + 1], meta.seq_lens[:n], meta.block_tables[:n]))
         if b > n:
             general = plan_attention(t, h, d, b - n, q.dtype, max_query_len=meta.max_query_len, **common)
-            meta.launches.append((general, meta.query_start[n:], meta.seq_lens[n:], meta.block_tables[n:]))
+            meta.attention.append((general, meta.query_start[n:], meta.seq_lens[n:], meta.block_tables[n:]))
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
 
@@ -145,21 +162,27 @@ class TritonBackend(AttentionBackend):
         splits = {bk: choose_num_splits(bk.seqs, s.num_kv_heads, s.max_blocks_per_seq * s.block_size,
                                         num_sms or self.num_sms) for bk in buckets if bk.decode}
         partials = max([bk.tokens * n for bk, n in splits.items()] + [0]) * s.num_heads
-        max_seqs, max_tokens = max(sum(slots(bk)) for bk in buckets), max(bk.tokens for bk in buckets)
+        lay = Layout.tight(max(sum(slots(bk)) for bk in buckets), 0, max(bk.tokens for bk in buckets), 0)
         # Until the first fill, no sequence has a token or a context and no token a KV slot: the capture's steps
         # read nothing and write nothing (a slot of 0 would be a store into the pool).
-        ints = torch.zeros(2 * max_seqs + 1 + max_tokens, dtype=torch.int32, device=dev)
-        ints[2 * max_seqs + 1 :] = -1
+        ints = torch.zeros(lay.size, dtype=torch.int32, device=dev)
+        ints[lay.slots_at :] = -1
         return GraphBuffers(
             ints=ints,
-            block_tables=torch.zeros(max_seqs, s.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(lay.seqs, s.max_blocks_per_seq, dtype=torch.int32, device=dev),
             workspace=torch.empty(partials * (s.head_dim + 1), dtype=torch.float32, device=dev),
-            splits=splits, max_seqs=max_seqs, max_tokens=max_tokens)
+            splits=splits, max_seqs=lay.seqs, max_tokens=lay.tokens)
+
+    def _graph_layout(self, static: GraphBuffers, bucket: GraphBucket, width: int) -> Layout:
+        """Bucket's slots at the static buffer's region offsets (its tables in the host buffer after its slots)."""
+        big = Layout.tight(static.max_seqs, 0, static.max_tokens, 0)
+        decodes, others = slots(bucket)
+        return Layout(decodes + others, decodes, bucket.tokens, width, big.lens_at, big.slots_at, big.size)
 
     def graph_view(self, static: GraphBuffers, bucket: GraphBucket) -> TritonMetadata:
-        s, big_s = self.shape, static.max_seqs
-        decodes, others = slots(bucket)
-        b, n = decodes + others, static.splits.get(bucket, 1)
+        self.ops.launches = Launches()
+        s, lay = self.shape, self._graph_layout(static, bucket, 0)
+        n = static.splits.get(bucket, 1)
         workspace = None
         if n > 1:
             rows = bucket.tokens * s.num_heads * n
@@ -167,52 +190,87 @@ class TritonBackend(AttentionBackend):
             lse = static.workspace[rows * s.head_dim : rows * (s.head_dim + 1)].view(bucket.tokens, s.num_heads, n)
             workspace = (out, lse)
         ints = static.ints
-        return TritonMetadata(ints[2 * big_s + 1 : 2 * big_s + 1 + bucket.tokens], ints[: b + 1],
-                              ints[big_s + 1 : big_s + 1 + b], static.block_tables[:b], num_decodes=decodes,
+        return TritonMetadata(ints[lay.slots_at : lay.slots_at + bucket.tokens], ints[: lay.seqs + 1],
+                              ints[lay.lens_at : lay.lens_at + lay.seqs], static.block_tables[: lay.seqs],
+                              num_decodes=lay.decodes, decode_tokens=lay.decodes if bucket.decode else 0,
                               max_query_len=bucket.max_query_len, num_splits=n, workspace=workspace)
 
     def fill_graph_metadata(self, static: GraphBuffers, batch: StepBatch, bucket: GraphBucket) -> None:
-        """The bucket's sequence slots: decode slots, then (a token bucket) the slots of the other sequences and a
-        spare. Padding slots have no context. A decode bucket's each own one padding token; in a token bucket the
-        padding decode slots own no token and the spare owns every padding token, so the two grids' sequences stay
-        in token order and every row of the output is written (zeros for padding)."""
-        big_s, big_t = static.max_seqs, static.max_tokens
-        n, t, qs = batch.num_seqs, len(batch.token_ids), batch.query_start
+        n = batch.num_seqs
         d = n if batch.max_query_len == 1 else batch.num_decodes
-        decodes, others = slots(bucket)
         width = max(len(table) for table in batch.block_tables)
         assert width <= static.block_tables.shape[1], "block table longer than max_model_len allows"
-        assert d <= decodes and n - d <= max(others - 1, 0), "the batch does not fit the bucket"
-        head = 2 * big_s + 1 + big_t
-        host = self.staging.buffer(head + (decodes + others) * width)
-        starts, lens = host[: big_s + 1], host[big_s + 1 : 2 * big_s + 1]
-        starts[: d + 1] = qs[: d + 1]
-        starts[d + 1 : decodes + 1] = range(d + 1, decodes + 1) if bucket.decode else d
-        lens[:d] = batch.seq_lens[:d]
-        lens[d:decodes] = 0
-        if others:
-            starts[decodes : decodes + n - d + 1] = qs[d:]
-            starts[decodes + n - d + 1 : decodes + others + 1] = bucket.tokens
-            lens[decodes : decodes + n - d] = batch.seq_lens[d:]
-            lens[decodes + n - d : decodes + others] = 0
-        host[2 * big_s + 1 : 2 * big_s + 1 + t] = batch.slot_mapping
-        host[2 * big_s + 1 + t : 2 * big_s + 1 + bucket.tokens] = -1
-        # Table rows past a sequence's blocks, and padding slots' rows, are left as they are: the kernel reads a
-        # sequence's table only up to its context, and a padding slot has none.
-        rows = host[head:].reshape(decodes + others, width)
-        _fill_tables(rows[:d], batch.block_tables[:d])
-        _fill_tables(rows[decodes:], batch.block_tables[d:])
-        used = decodes + n - d if n > d else d
-        self.staging.to_device(static.ints, 0, head)
-        self.staging.to_device(static.block_tables[:used, :width], head, head + used * width)
+        lay = self._graph_layout(static, bucket, width)
+        assert d <= lay.decodes and n - d <= max(lay.seqs - lay.decodes - 1, 0), "the batch does not fit the bucket"
+        host = self.staging.buffer(lay.size)
+        lay.write(host, batch, d, bucket.tokens, bucket.decode)
+        used = lay.decodes + n - d if n > d else d
+        self.staging.to_device(static.ints, 0, lay.tables_at)
+        self.staging.to_device(static.block_tables[:used, :width], lay.tables_at, lay.tables_at + used * width)
 
 
 def slots(bucket: GraphBucket) -> tuple[int, int]:
     """A bucket's sequence slots: (decode slots, other slots). A token bucket of t tokens holds up to bucket.seqs
-    decodes, or up to t // 2 sequences of two tokens or more, and has one spare slot for the padding tokens."""
+    decodes (their slots padded to a 16-byte boundary), or up to t // 2 sequences of two tokens or more, and has one
+    spare slot for the padding tokens."""
     if bucket.decode:
         return bucket.seqs, 0
-    return bucket.seqs, min(bucket.seqs, bucket.tokens // 2) + 1
+    return _align(bucket.seqs), min(bucket.seqs, bucket.tokens // 2) + 1
+
+
+def _align(n: int) -> int:
+    """int32 elements up to the next 16-byte boundary: Triton specializes a kernel on its pointers' 16-byte
+    alignment, and Launches relaunches only aligned tensors."""
+    return -(-n // 4) * 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a step's int32 metadata lies in one host buffer, each region 16-byte aligned: query_start of `seqs`
+    sequence slots (+1), seq_lens, the KV slots of `tokens` tokens, then block tables of `seqs` rows of `width`.
+    Slots [0, decodes) run on the decode grid, the rest on the general grid; padding slots have no context."""
+
+    seqs: int
+    decodes: int
+    tokens: int
+    width: int
+    lens_at: int
+    slots_at: int
+    tables_at: int
+
+    @classmethod
+    def tight(cls, seqs: int, decodes: int, tokens: int, width: int) -> Layout:
+        lens_at = _align(seqs + 1)
+        slots_at = lens_at + _align(seqs)
+        return cls(seqs, decodes, tokens, width, lens_at, slots_at, slots_at + _align(tokens))
+
+    @property
+    def size(self) -> int:
+        return self.tables_at + self.seqs * self.width
+
+    def write(self, host, batch: StepBatch, d: int, tokens: int, decode_bucket: bool) -> None:
+        """Lay out batch (its first d sequences its decodes) padded to `tokens` tokens. A decode bucket's padding
+        slots each own one padding token; otherwise padding decode slots own no token, and the general grid's last
+        slot (a token bucket's spare) owns every padding token, so the two grids' sequences stay in token order and
+        every row of the output is written (zeros for padding). Table rows past a sequence's blocks, and padding
+        slots' rows, are left as they are: the kernel reads a sequence's table only up to its context."""
+        n, t, qs = batch.num_seqs, len(batch.token_ids), batch.query_start
+        g = n - d
+        starts, lens = host[: self.seqs + 1], host[self.lens_at : self.lens_at + self.seqs]
+        starts[: d + 1] = qs[: d + 1]
+        starts[d + 1 : self.decodes + 1] = range(d + 1, self.decodes + 1) if decode_bucket else d
+        lens[:d] = batch.seq_lens[:d]
+        lens[d : self.decodes] = 0
+        if self.seqs > self.decodes:
+            starts[self.decodes : self.decodes + g + 1] = qs[d:]
+            starts[self.decodes + g + 1 :] = tokens
+            lens[self.decodes : self.decodes + g] = batch.seq_lens[d:]
+            lens[self.decodes + g :] = 0
+        host[self.slots_at : self.slots_at + t] = batch.slot_mapping
+        host[self.slots_at + t : self.slots_at + tokens] = -1
+        rows = host[self.tables_at : self.size].reshape(self.seqs, self.width)
+        _fill_tables(rows[:d], batch.block_tables[:d])
+        _fill_tables(rows[self.decodes :], batch.block_tables[d:])
 
 
 def _fill_tables(rows, tables: list[list[int]]) -> None:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import cdiv, next_power_of_2
+from engine.kernels.launch import Consts, Launches, cdiv, next_power_of_2
 
 BLOCK_COLS = 1024  # output columns per program: 14336-wide rows (Llama-3.1-8B) take 14 programs
 
@@ -30,20 +30,24 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, I: tl.constexpr, BLOCK: tl.co
 
 
 @lru_cache(maxsize=None)
-def _launch_shape(i: int) -> tuple[int, int, int]:
-    """(programs per row, BLOCK, warps) for rows of i outputs."""
+def _launch_shape(i: int, num_warps: int | None) -> tuple[int, Consts]:
+    """(programs per row, constants) for rows of i outputs."""
     block = min(next_power_of_2(i), BLOCK_COLS)
-    return cdiv(i, block), block, min(max(block // 256, 1), 8)
+    return cdiv(i, block), Consts(I=i, BLOCK=block, num_warps=num_warps or min(max(block // 256, 1), 8))
 
 
-def silu_and_mul(x: Tensor, *, num_warps: int | None = None) -> Tensor:
-    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I], a new contiguous tensor of x's dtype."""
+def silu_and_mul(x: Tensor, *, num_warps: int | None = None, launches: Launches | None = None) -> Tensor:
+    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I], a new contiguous tensor of x's dtype. launches: the
+    step's (engine/kernels/launch.py)."""
     n, two_i = x.shape
     assert two_i % 2 == 0 and x.stride(1) == 1, "x must be [N, 2I] with a contiguous last dim"
     i = two_i // 2
     out = torch.empty(n, i, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    programs, block, warps = _launch_shape(i)
-    _silu_and_mul_kernel[(n, programs)](x, out, x.stride(0), I=i, BLOCK=block, num_warps=num_warps or warps)
+    programs, consts = _launch_shape(i, num_warps)
+    if launches is None:
+        _silu_and_mul_kernel[(n, programs)](x, out, x.stride(0), **consts.kwargs)
+    else:
+        launches(_silu_and_mul_kernel, (n, programs), (x, out), (x.stride(0),), consts)
     return out

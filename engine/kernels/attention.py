@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import next_power_of_2
+from engine.kernels.launch import Consts, Launches, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)  # a constexpr: kernels may read only constexpr globals
@@ -258,11 +258,11 @@ class AttentionLaunch:
 
     grid: tuple[int, ...]
     args: tuple  # the kernel's arguments after its nine tensors
-    consts: dict
+    consts: Consts
     part: tuple[Tensor, Tensor] | None  # split-KV partial outputs and log-sum-exps (None: no split)
     merge_grid: tuple[int, int] = (0, 0)
     merge_args: tuple = ()
-    merge_consts: dict = field(default_factory=dict)
+    merge_consts: Consts | None = None
 
 
 def plan_attention(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int, dtype: torch.dtype, *,
@@ -288,28 +288,33 @@ def plan_attention(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int
     else:
         part_strides = (0, 0, 0, 0, 0)  # unused: the kernel writes `out` directly
     dot_dtype, dot_precision = _dot_types(dtype)
-    consts = dict(G=group, HEAD_DIM=d, D_PAD=max(next_power_of_2(d), 16), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-                  BLOCK_Q=block_q, TILE_N=cfg.tile_n, DECODE=decode, NUM_SPLITS=splits, DOT_DTYPE=dot_dtype,
-                  DOT_PRECISION=dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    consts = Consts(G=group, HEAD_DIM=d, D_PAD=max(next_power_of_2(d), 16), BLOCK_SIZE=block_size,
+                    BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, DECODE=decode, NUM_SPLITS=splits,
+                    DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages)
     launch = AttentionLaunch(
         grid=(b, hkv, splits) if decode else (t // block_q + b, hkv),
         args=(b, scale * LOG2E, *q_strides, *out_strides, *cache_strides, table_stride, *part_strides),
         consts=consts, part=part)
     if splits > 1:
         launch = replace(launch, merge_grid=(t, h), merge_args=(*out_strides, *part_strides),
-                         merge_consts=dict(NUM_SPLITS=splits, S_PAD=next_power_of_2(splits), HEAD_DIM=d,
-                                           D_PAD=next_power_of_2(d), num_warps=4 if d >= 128 else 1))
+                         merge_consts=Consts(NUM_SPLITS=splits, S_PAD=next_power_of_2(splits), HEAD_DIM=d,
+                                             D_PAD=next_power_of_2(d), num_warps=4 if d >= 128 else 1))
     return launch
 
 
 def launch_attention(launch: AttentionLaunch, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     block_tables: Tensor, query_start: Tensor, seq_lens: Tensor) -> Tensor:
-    """Run a planned attention: its tensors must have the shapes and strides it was planned with."""
+                     block_tables: Tensor, query_start: Tensor, seq_lens: Tensor,
+                     launches: Launches | None = None) -> Tensor:
+    """Run a planned attention: its tensors must have the shapes and strides it was planned with. launches: the
+    step's (engine/kernels/launch.py)."""
     part_out, part_lse = launch.part or (out, out)
-    _attention_kernel[launch.grid](out, q, k_cache, v_cache, block_tables, query_start, seq_lens, part_out, part_lse,
-                                   *launch.args, **launch.consts)
+    launches = launches or Launches()
+    launches(_attention_kernel, launch.grid, (out, q, k_cache, v_cache, block_tables, query_start, seq_lens, part_out,
+                                              part_lse), launch.args, launch.consts)
     if launch.part is not None:
-        _merge_splits_kernel[launch.merge_grid](out, part_out, part_lse, *launch.merge_args, **launch.merge_consts)
+        launches(_merge_splits_kernel, launch.merge_grid, (out, part_out, part_lse), launch.merge_args,
+                 launch.merge_consts)
     return out
 
 

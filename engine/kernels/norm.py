@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import cdiv, next_power_of_2
+from engine.kernels.launch import Consts, Launches, cdiv, next_power_of_2
 
 ROW_BLOCK_ELEMENTS = 2048  # elements one program normalises: several short rows (per-head q/k norm) or one long one
 
@@ -48,36 +48,38 @@ def _rms_norm_kernel(
 
 
 @lru_cache(maxsize=4096)
-def _launch_shape(n_rows: int, d: int) -> tuple[int, int, int, int]:
-    """(programs, BLOCK_N, BLOCK_D, warps) for n_rows rows of d elements."""
+def _launch_shape(n_rows: int, d: int, add: bool, num_warps: int | None) -> tuple[int, Consts]:
+    """(programs, constants) for n_rows rows of d elements."""
     block_d = next_power_of_2(d)
     block_n = min(max(ROW_BLOCK_ELEMENTS // block_d, 1), next_power_of_2(n_rows))
-    return cdiv(n_rows, block_n), block_n, block_d, min(max(block_n * block_d // 512, 1), 16)
+    warps = num_warps or min(max(block_n * block_d // 512, 1), 16)
+    return cdiv(n_rows, block_n), Consts(D=d, BLOCK_N=block_n, BLOCK_D=block_d, ADD=add, num_warps=warps)
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, out: Tensor, s: Tensor,
-            num_warps: int | None) -> None:
-    d = x.shape[-1]
+            num_warps: int | None, launches: Launches | None = None) -> None:
     three_d = x.dim() == 3
     n_rows = x.shape[0] * x.shape[1] if three_d else x.shape[0]
     if n_rows == 0:
         return
-    programs, block_n, block_d, warps = _launch_shape(n_rows, d)
-    _rms_norm_kernel[(programs,)](
-        x, residual if residual is not None else x, weight, out, s,
-        n_rows, x.shape[1] if three_d else 1, x.stride(0), x.stride(1) if three_d else 0,
-        residual.stride(0) if residual is not None else 0, eps,
-        D=d, BLOCK_N=block_n, BLOCK_D=block_d, ADD=residual is not None, num_warps=num_warps or warps,
-    )
+    programs, consts = _launch_shape(n_rows, x.shape[-1], residual is not None, num_warps)
+    tensors = (x, residual if residual is not None else x, weight, out, s)
+    scalars = (n_rows, x.shape[1] if three_d else 1, x.stride(0), x.stride(1) if three_d else 0,
+               residual.stride(0) if residual is not None else 0, eps)
+    if launches is None:
+        _rms_norm_kernel[(programs,)](*tensors, *scalars, **consts.kwargs)
+    else:
+        launches(_rms_norm_kernel, (programs,), tensors, scalars, consts)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, *, num_warps: int | None = None) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, *, num_warps: int | None = None,
+             launches: Launches | None = None) -> Tensor:
     """RMSNorm over the last dim of x [N, D] or [N, heads, D] (leading strides arbitrary, last dim contiguous);
-    returns a new contiguous tensor of x's shape and dtype."""
+    returns a new contiguous tensor of x's shape and dtype. launches: the step's (engine/kernels/launch.py)."""
     assert x.dim() in (2, 3), "x must be [N, D] or [N, heads, D]"
     assert x.stride(-1) == 1 and weight.shape == (x.shape[-1],) and weight.is_contiguous(), "last dim must be contiguous"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(x, None, weight, eps, out, out, num_warps)
+    _launch(x, None, weight, eps, out, out, num_warps, launches)
     return out
 
 
@@ -92,8 +94,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, *,
     return out, s
 
 
-def add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm_(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                  launches: Launches | None = None) -> tuple[Tensor, Tensor]:
     """add_rms_norm in place: residual becomes s and x its normalised output; returns (x, residual). Both must be
     contiguous [N, D] of one dtype (the model's hidden states always are: checked once per model, not per call)."""
-    _launch(x, residual, weight, eps, x, residual, None)
+    _launch(x, residual, weight, eps, x, residual, None, launches)
     return x, residual

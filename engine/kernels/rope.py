@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import next_power_of_2
+from engine.kernels.launch import Consts, Launches, next_power_of_2
 
 
 @triton.jit
@@ -89,6 +89,13 @@ def _pads(h: int, hkv: int, d: int) -> tuple[int, int, int, int, int]:
     return h_pad, next_power_of_2(hkv), half_pad, next_power_of_2(d), min(max(h_pad * half_pad // 256, 1), 8)
 
 
+@lru_cache(maxsize=None)
+def _fused_consts(h: int, hkv: int, d: int, num_warps: int | None) -> Consts:
+    h_pad, hkv_pad, half_pad, d_pad, warps = _pads(h, hkv, d)
+    return Consts(H=h, HKV=hkv, H_PAD=h_pad, HKV_PAD=hkv_pad, HALF=d // 2, HALF_PAD=half_pad, D_PAD=d_pad,
+                  num_warps=num_warps or warps)
+
+
 def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, *,
                num_warps: int | None = None) -> tuple[Tensor, Tensor]:
     """Rotate q [T, H, D] and k [T, Hkv, D] by positions [T]; cos/sin [max_positions, D/2]. Returns new (q, k)."""
@@ -112,14 +119,15 @@ def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor
 
 
 def rope_store_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
-                  v_cache: Tensor, slot_mapping: Tensor, *, out: Tensor | None = None,
-                  num_warps: int | None = None) -> Tensor:
+                  v_cache: Tensor, slot_mapping: Tensor, *, out: Tensor | None = None, num_warps: int | None = None,
+                  launches: Launches | None = None) -> Tensor:
     """Rotate q [T, H, D] and k [T, Hkv, D] by positions [T] (cos/sin [max_positions, D/2]); store the rotated k and
     v [T, Hkv, D] into k_cache, v_cache [num_slots, Hkv, D] at slot_mapping [T] (< 0 skips); return the rotated q
     (into out, a contiguous [T, H, D] tensor, when given).
 
     The checks of apply_rope and store_kv hold for the arguments; they run here only when out is None, so that the
-    engine's per-layer call (which passes out, with arguments checked once for the model) stays cheap."""
+    engine's per-layer call (which passes out, with arguments checked once for the model) stays cheap. launches:
+    the step's (engine/kernels/launch.py)."""
     t, h, d = q.shape
     hkv = k.shape[1]
     if out is None:
@@ -131,12 +139,12 @@ def rope_store_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos: Tenso
         out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    h_pad, hkv_pad, half_pad, d_pad, warps = _pads(h, hkv, d)
     qs, ks, vs, cs = q.stride(), k.stride(), v.stride(), k_cache.stride()
-    _rope_store_kv_kernel[(t,)](
-        q, k, v, out, k_cache, v_cache, positions, slot_mapping, cos, sin,
-        qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], cs[0], cs[1], cos.stride(0), sin.stride(0),
-        H=h, HKV=hkv, H_PAD=h_pad, HKV_PAD=hkv_pad, HALF=d // 2, HALF_PAD=half_pad, D_PAD=d_pad,
-        num_warps=num_warps or warps,
-    )
+    tensors = (q, k, v, out, k_cache, v_cache, positions, slot_mapping, cos, sin)
+    scalars = (qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], cs[0], cs[1], cos.stride(0), sin.stride(0))
+    consts = _fused_consts(h, hkv, d, num_warps)
+    if launches is None:
+        _rope_store_kv_kernel[(t,)](*tensors, *scalars, **consts.kwargs)
+    else:
+        launches(_rope_store_kv_kernel, (t,), tensors, scalars, consts)
     return out

@@ -67,13 +67,15 @@ OVERSIZED = AttentionConfig(block_m=16, tile_n=256, num_warps=4, num_stages=6)
 class Launch:
     kernel: str
     shared: int  # bytes of shared memory the compiled kernel needs
+    args: tuple = ()  # what the launcher was given: grid, stream, function, metadata, hooks, then every argument
 
 
 class StopAfterPtxas(DriverBase):
     """Triton's view of an H100 that compiles kernels to cubins but loads and runs none: each launch is recorded."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_args: bool = True) -> None:
         self.launches: list[Launch] = []
+        self.keep_args = keep_args  # whether a launch's record keeps its arguments (and so its tensors alive)
         self.utils = self  # Triton asks its driver's C helpers (utils) for device properties and module loading
 
     @classmethod
@@ -113,8 +115,7 @@ class StopAfterPtxas(DriverBase):
 
     def launcher_cls(self, src: Any, metadata: Any) -> Callable[..., None]:
         """The launcher Triton builds for a loaded kernel (Triton's name for it): this one records the launch."""
-        launch = Launch(metadata.name, metadata.shared)
-        return lambda *args: self.launches.append(launch)
+        return lambda *args: self.launches.append(Launch(metadata.name, metadata.shared, args if self.keep_args else ()))
 
 
 @dataclass(frozen=True)
@@ -197,8 +198,8 @@ class Model:
 
     @staticmethod
     def positions(t: int) -> Tensor:
-        """Positions as ModelRunner uploads them: the second row of one [2, T] int64 tensor (token ids first)."""
-        return torch.zeros(2, t, dtype=torch.int64)[1]
+        """Positions as ModelRunner uploads them: after the token ids in one int64 tensor, 16-byte aligned."""
+        return torch.zeros(2 * t + 2, dtype=torch.int64)[t + t % 2 : t + t % 2 + t]
 
     def attention(self, meta: TritonMetadata, t: int, positions: Tensor) -> None:
         """One layer's attention kernels as Attention.forward runs them: the backend's rope_and_attend (RoPE fused
@@ -351,6 +352,39 @@ def elementwise_cases(dt: str) -> list[Case]:
     return cases
 
 
+def relaunch_check(dt: str) -> None:
+    """engine/kernels/launch.py's Launches: a step's second launch of each kind (the compiled kernel's launcher called
+    directly) gives the launcher what the first, through the JIT, gave it (but the launch hooks and their
+    metadata, which it leaves out when no profiler set a hook): two layers of a decode step, a prompt and a mixed
+    step, each kernel of a layer."""
+    m = model(dt)
+
+    def described(launch: Launch) -> tuple:
+        args = launch.args[:6] + launch.args[8:]
+        return tuple((x.dtype, x.shape, x.stride()) if isinstance(x, Tensor) else x for x in args)
+
+    for seqs in ([(CACHED_PREFIX, 1)] * 4, [(0, 64)], [(1, 1), (CACHED_PREFIX, 16)]):
+        batch = m.step(seqs)
+        batch.num_decodes = sum(1 for _, new in seqs if new == 1)
+        meta = m.backend.prepare(batch)
+        t = len(batch.token_ids)
+        q, k, v = m.qkv(t)
+        hidden, residual = torch.zeros(t, LLAMA.hidden_size, dtype=m.dtype), torch.zeros(t, LLAMA.hidden_size,
+                                                                                           dtype=m.dtype)
+        weight = torch.ones(LLAMA.hidden_size, dtype=m.dtype)
+        gate_up, positions = torch.zeros(t, 2 * LLAMA.intermediate_size, dtype=m.dtype), m.positions(t)
+        layers = []
+        for _ in range(2):
+            before = len(_stand_in.launches)
+            m.backend.ops.add_rms_norm(hidden, residual, weight, LLAMA.rms_norm_eps)
+            m.backend.rope_and_attend(q, k, v, m.k_cache, m.v_cache, meta, m.d**-0.5, positions, m.cos, m.sin)
+            m.backend.ops.silu_and_mul(gate_up)
+            layers.append(_stand_in.launches[before:])
+        first, second = ([described(launch) for launch in layer] for layer in layers)
+        assert len(first) == len(second) >= 4 and first == second, f"relaunch differs from the JIT's launch: {seqs}"
+        assert all(launch.args[7] is None for launch in layers[1]), "the second layer went through the JIT"
+
+
 def sm_ids_launch(programs: int = 4) -> None:
     """The green-context probe's %smid kernel (probe_kernels.sm_ids allocates on CUDA: launched here directly)."""
     sm = torch.empty(programs, dtype=torch.int32)
@@ -375,6 +409,7 @@ def cases(part: str) -> list[Case]:
     slow = attention_cases("float32") + graph_cases("bfloat16")
     fast = [case for dt in ("bfloat16", "float16") for case in attention_cases(dt)]
     fast += [case for dt in DTYPES for case in elementwise_cases(dt)]
+    fast.append(Case("relaunch bfloat16", "relaunch", lambda: relaunch_check("bfloat16")))
     fast.append(Case("probe spin float32", "probe", lambda: spin(torch.zeros(2 * BLOCK), 1000)))
     fast.append(Case("probe sm_ids", "probe", sm_ids_launch))
     return {"slow": slow, "fast": fast}.get(part, slow + fast)
