@@ -41,6 +41,7 @@ class Sequence:
     num_cached: int = 0        # prompt tokens the prefix cache served at first admission
     route: Route | None = None
     aborted: bool = False
+    started: bool = False      # a chunk of it has been in a step (inline), or the prefill worker said so
     reported: bool = False     # route and cached tokens already sent with an output
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # inline prefill's, until the first token
 
@@ -61,6 +62,7 @@ class Step:
     inputs: list[StepInput] = field(default_factory=list)
     seqs: list[Sequence] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)  # requests whose first chunk is in this step
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -172,6 +174,9 @@ class DecodeScheduler:
                                          self.blocks.block_table(seq.request_id), sample=chunk == todo,
                                          prompt_logprobs=ask))
             step.seqs.append(seq)
+            if not seq.started:
+                seq.started = True
+                step.started.append(seq.request_id)
             budget -= chunk
             prefill_tokens += chunk
         return step

@@ -134,6 +134,8 @@ class DecodeWorker:
             step = self.scheduler.schedule()
             for job in step.jobs:
                 self.jobs.send(self.encode(job))
+            if step.started:  # before the step: it may be a prefill longer than --max-queue-time-s
+                self.out.send(WorkerOutput(self.cfg.unit, started=step.started))
             if self.shares is not None:
                 self.rebalance()
             step_s = 0.0

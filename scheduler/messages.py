@@ -178,6 +178,9 @@ class WorkerOutput(msgspec.Struct, tag=True, gc=False):
     ready: WorkerReady | None = None
     fatal: str | None = None  # the worker cannot start (e.g. the model does not fit): the server stops with this
     prefill_stats: PrefillStats | None = None
+    # Requests whose first chunk has just been put in a step of this worker: they no longer wait to be scheduled,
+    # so --max-queue-time-s ends them no more (sent before the step runs, which may be a long prefill).
+    started: list[str] = []
 
 
 ToDecode = GenerateRequest | AbortRequest

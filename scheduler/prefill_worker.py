@@ -82,7 +82,9 @@ class PrefillWorker:
             self.receive(block=not self.queue)
             if not self.queue:
                 continue  # an abort for a job that had already finished
-            inputs, active = self.pack()
+            inputs, active, first = self.pack()
+            if first:  # before the pass: it may be a prefill longer than --max-queue-time-s
+                self.out.send(WorkerOutput(self.cfg.unit, started=first))
             done = [a for a, i in zip(active, inputs) if i.sample]
             started = time.perf_counter()
             # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
@@ -128,10 +130,11 @@ class PrefillWorker:
     def on_stream(self) -> Any:
         return torch.cuda.stream(self.streams.stream("prefill", self.key)) if self.streams else contextlib.nullcontext()
 
-    def pack(self) -> tuple[list[StepInput], list[ActiveJob]]:
-        """The next forward pass: chunks of queued jobs, oldest first, up to the token budget."""
+    def pack(self) -> tuple[list[StepInput], list[ActiveJob], list[str]]:
+        """The next forward pass: chunks of queued jobs, oldest first, up to the token budget; and the jobs whose first
+        chunk it is."""
         budget = self.cfg.engine.max_num_batched_tokens
-        inputs, active = [], []
+        inputs, active, started = [], [], []
         for a in self.queue:
             if budget <= 0:
                 break
@@ -142,9 +145,11 @@ class PrefillWorker:
             inputs.append(StepInput(a.job.token_ids[a.num_computed:a.num_computed + chunk], a.num_computed,
                                     a.job.block_table, sample=chunk == todo, prompt_logprobs=ask))
             active.append(a)
+            if a.num_computed == a.job.num_cached:
+                started.append(a.job.request_id)
             a.num_computed += chunk
             budget -= chunk
-        return inputs, active
+        return inputs, active, started
 
     def drop(self, active: ActiveJob) -> None:
         """Take a job off the queue and forget what sampling kept of it."""

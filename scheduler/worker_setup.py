@@ -66,8 +66,9 @@ def zmq_socket(ctx: zmq.Context, kind: int, address: str, bind: bool = False) ->
 
 
 class ApiServers:
-    """A worker's way to the API servers: each request's outputs go to the API server that sent it, and the rest of
-    a WorkerOutput (stats, ready, fatal) to every one. With a single API server, the message goes as it is."""
+    """A worker's way to the API servers: each request's outputs (and the news that it started) go to the API server
+    that sent it, and the rest of a WorkerOutput (stats, ready, fatal) to every one. With a single API server, the
+    message goes as it is."""
 
     def __init__(self, ctx: zmq.Context, cfg: UnitConfig) -> None:
         self.socks = [zmq_socket(ctx, zmq.PUSH, cfg.outputs_address(i)) for i in range(cfg.api_servers)]
@@ -78,12 +79,15 @@ class ApiServers:
             self.socks[0].send(self.encode(msg))
             return
         outputs: list[list] = [[] for _ in self.socks]
+        started: list[list] = [[] for _ in self.socks]
         for out in msg.outputs:
             outputs[api_server_of(out.request_id)].append(out)
+        for request_id in msg.started:
+            started[api_server_of(request_id)].append(request_id)
         to_all = msg.stats is not None or msg.ready is not None or msg.fatal is not None or msg.prefill_stats is not None
-        for sock, mine in zip(self.socks, outputs):
-            if mine or to_all:
-                sock.send(self.encode(msgspec.structs.replace(msg, outputs=mine)))
+        for sock, mine, began in zip(self.socks, outputs, started):
+            if mine or began or to_all:
+                sock.send(self.encode(msgspec.structs.replace(msg, outputs=mine, started=began)))
 
 
 def requests_socket(ctx: zmq.Context, cfg: UnitConfig) -> zmq.Socket:

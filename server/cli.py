@@ -69,8 +69,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="per unit: requests waiting to start beyond which a new one is answered 429 with Retry-After "
                         "(default: --max-num-seqs, one batch; 0: no limit)")
     p.add_argument("--max-queue-time-s", type=float, default=DEFAULT_MAX_QUEUE_TIME_S,
-                   help="a request that would wait longer than this to start is answered 429 on arrival, one that "
-                        "has waited this long without starting is ended with 429 (0: no limit)")
+                   help="a request that would wait longer than this to start (to have a chunk in a step) is answered "
+                        "429 on arrival, one that has waited this long without starting is ended with 429; a started "
+                        "request runs however long its prefill takes (0: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended "
                         "with an error")

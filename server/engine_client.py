@@ -44,11 +44,13 @@ class EngineError(Exception):
 class Admission:
     """Bounded waiting per unit: a request that cannot start soon is answered 429 at once, not queued for minutes.
 
-    A request waits from its arrival to its first token. A unit takes a new one while fewer than max_waiting of
-    its requests wait and the wait it predicts is within max_queue_s: its waiting requests times the mean time
-    between two starts while requests were queued (measured only under a backlog, so an idle spell does not
-    read as a slow unit); a request that has waited max_queue_s all the same (a burst, a slow step) is ended
-    with 429 before any of its answer is sent.
+    A request waits from its arrival until a worker puts its first chunk in a step (the worker says so before the
+    step runs; a first token says so too). A unit takes a new one while fewer than max_waiting of its requests
+    wait and the wait it predicts is within max_queue_s: its waiting requests times the mean time between two
+    starts while requests were queued (measured only under a backlog, so an idle spell does not read as a slow
+    unit); a request that has waited max_queue_s all the same (a burst, a slow step) is ended with 429, and its
+    blocks freed. Once started, a request runs to its end however long its prefill takes: the limit bounds
+    queueing, not work.
     """
 
     max_waiting: int | None = None  # None: no limit
@@ -62,11 +64,10 @@ MAX_RETRY_AFTER_S = 60
 
 @dataclass
 class StartRate:
-    """The time between two starts (first tokens) on a unit while requests were queued: the median of the latest
-    samples.
+    """The time between two starts (a request's first chunk put in a step) on a unit while requests were queued: the
+    median of the latest samples.
 
-    Starts come in batches: every request whose first token came in one worker message starts at the same moment
-    (a decode step that finished many prefills). A batch is one sample, its gap from the previous start shared
+    Starts come in batches: every request a worker started in one step starts at the same moment. A batch is one sample, its gap from the previous start shared
     among its requests; counting the first request of a batch at the whole gap and the others at zero would let
     the first sample alone say "one start per step" after a burst, and answer 429 to a queue the next step clears.
 
@@ -87,7 +88,7 @@ class StartRate:
         return statistics.median(self._samples) if len(self._samples) >= START_INTERVAL_MIN_SAMPLES else None
 
     def started(self, now: float, arrival: float) -> None:
-        """A request that arrived at `arrival` had its first token at `now`."""
+        """A request that arrived at `arrival` started at `now`."""
         if now != self.last_start:  # a new batch: the previous one's sample is complete
             self._fold()
             # A request already queued at the previous start: the gap measures the unit, not the arrivals.
@@ -138,6 +139,7 @@ class _Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float = 0.0
     last_token: float = 0.0
+    started: bool = False  # a worker put its first chunk in a step: it waits no more
     route: Route | None = None
     done: bool = False
 
@@ -164,7 +166,7 @@ class _Request:
 class UnitState:
     ready_roles: set[str] = field(default_factory=set)
     pids: dict[str, int] = field(default_factory=dict)  # role -> the worker's pid, from its ready message
-    waiting: int = 0  # requests sent to the unit that have not had their first token
+    waiting: int = 0  # requests sent to the unit that have not started (no chunk of theirs in a step yet)
     starts: StartRate = field(default_factory=StartRate)
     stats: WorkerStats | None = None
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)  # set when ready, or when it cannot start
@@ -242,7 +244,7 @@ class EngineClient:
         return min(lens) if lens else None
 
     def predicted_wait(self, unit: int) -> float | None:
-        """Seconds a new request would wait for its first token on unit (None: not measured yet)."""
+        """Seconds a new request would wait to start on unit (None: not measured yet)."""
         state = self.state[unit]
         return None if state.starts.interval_s is None else state.waiting * state.starts.interval_s
 
@@ -325,11 +327,13 @@ class EngineClient:
             await self.to_units[req.unit].send(message)
             while True:
                 timeout = None
-                if not req.first_token and self.admission.max_queue_s is not None:
+                if not req.started and self.admission.max_queue_s is not None:
                     timeout = req.arrival + self.admission.max_queue_s - time.monotonic()
                 try:
                     items = await req.take(timeout)
                 except TimeoutError:
+                    if req.started:  # it started while this waited: its prefill may take as long as it takes
+                        continue
                     self.metrics.rejected("queue_time")
                     raise EngineError(429, f"the server is overloaded: this request waited "
                                            f"{self.admission.max_queue_s:g}s without starting (--max-queue-time-s); "
@@ -369,6 +373,9 @@ class EngineClient:
                 self.router.live[msg.unit].prefill_tokens_per_s = msg.prefill_stats.tokens_per_s
                 self.metrics.prefill_speed_measured(msg.unit, msg.prefill_stats.tokens_per_s)
             now = time.monotonic()
+            for request_id in msg.started:
+                if (req := self.requests.get(request_id)) is not None and not req.started:
+                    self._started(req, now)
             for out in msg.outputs:
                 req = self.requests.get(out.request_id)
                 if req is None:
@@ -403,7 +410,8 @@ class EngineClient:
         if out.token_ids:
             if not req.output_ids:
                 req.first_token = now
-                self._started(req, now)
+                if not req.started:  # a worker that does not say when it starts (the stub engine)
+                    self._started(req, now)
                 self.metrics.first_token(now - req.arrival)
             else:
                 self.metrics.inter_token(now - req.last_token, len(out.token_ids))
@@ -421,6 +429,7 @@ class EngineClient:
             self._end(req, None, finished=True)
 
     def _started(self, req: _Request, now: float) -> None:
+        req.started = True
         state = self.state[req.unit]
         state.waiting -= 1
         state.starts.started(now, req.arrival)
@@ -429,7 +438,7 @@ class EngineClient:
         """Forget a request; when it finished normally its unit's router index learns the answer too."""
         if req.done:
             return
-        if not req.first_token:
+        if not req.started:
             self.state[req.unit].waiting -= 1
         req.done = True
         self.requests.pop(req.request_id, None)

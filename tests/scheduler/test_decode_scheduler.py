@@ -277,3 +277,20 @@ def test_prefill_batch_tokens_finishes_appends_one_after_another() -> None:
     assert first_step(None) == [("a", 6), ("b", 7)]
     assert first_step(8) == [("a", 6), ("b", 7)]  # 6 < 8: b joins (and may take the step past the limit)
     assert first_step(6) == [("a", 6)]            # a alone: b waits a step
+
+
+def test_a_request_starts_when_its_first_chunk_is_in_a_step() -> None:
+    """What --max-queue-time-s waits for: a step names the requests whose first inline chunk it carries, once each;
+    a request handed to the prefill worker, or still waiting for a slot, has not started here."""
+    s = make(budget=8, aggregated=True, max_num_seqs=1)
+    s.add(req("long", list(range(10, 30))))
+    s.add(req("queued", [5] * 4))
+    step = s.schedule()
+    assert step.started == ["long"] and len(s.waiting) == 1
+    s.postprocess(step, [])
+    step = s.schedule()  # its second chunk: already started
+    assert step.started == [] and len(s.waiting) == 1
+    remote = make()
+    remote.add(req("miss", [7] * 9))
+    step = remote.schedule()
+    assert [j.request_id for j in step.jobs] == ["miss"] and step.started == []

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server_process import ServerProcess
 
@@ -64,6 +65,37 @@ def test_past_capacity_only_200s_and_429s_with_retry_after(start_server) -> None
     assert refused.status_code in (200, 429)  # whichever, never a 5xx
     assert server.metrics()["ppd:requests_rejected_total"] == statuses.count(429)
     wait_until(lambda: idle(server), 60, "the server to drain")
+
+
+@pytest.mark.parametrize("policy", ["aggregated", "pd"])
+def test_queue_time_bounds_waiting_to_start_not_the_prefill(start_server, policy: str) -> None:
+    """--max-queue-time-s bounds the wait to be scheduled, in the decode worker's queue (aggregated: one sequence at a
+    time) and in the prefill worker's (pd: first come, first served): a prefill that takes several times the limit
+    on an idle server completes; requests queued behind it are ended with 429 at the limit, and leave no KV block
+    or sequence slot behind."""
+    limit = 0.3
+    server = start_server("--policy", policy, "--max-queue-time-s", str(limit), "--max-num-batched-tokens", "8",
+                          "--max-num-seqs", "1" if policy == "aggregated" else "4", "--max-waiting-requests", "0")
+    def long_prompt(word: str) -> dict:  # about 3,000 tokens: 375 steps of 8 (a new word: nothing cached)
+        return body(f"{word} " * 600, 4)
+
+    started = time.monotonic()
+    alone = httpx.post(f"{server.url}{CHAT}", json=long_prompt("load"), timeout=120)
+    took = time.monotonic() - started
+    assert alone.status_code == 200, alone.text
+    assert took > 2 * limit, f"the prefill took {took:.2f}s: too short to show anything against a {limit}s limit"
+
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(httpx.post, f"{server.url}{CHAT}", json=long_prompt("more"), timeout=120)
+        time.sleep(0.1)  # the long prefill runs first
+        queued = [pool.submit(httpx.post, f"{server.url}{CHAT}", json=body(f"{i} short", 4), timeout=120)
+                  for i in range(3)]
+        assert first.result().status_code == 200
+        for future in queued:
+            resp = future.result()
+            assert resp.status_code == 429 and "without starting" in resp.json()["error"]["message"], resp.text
+    wait_until(lambda: idle(server), 30, "the queued requests' blocks and slots to be freed")
+    assert server.metrics()["vllm:num_requests_waiting"] == 0
 
 
 def test_streams_abandoned_before_their_first_token_leave_at_once(start_server) -> None:
