@@ -71,8 +71,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--api-key", default=None,
                       help="sent as 'Authorization: Bearer KEY' (default: $PPD_API_KEY, else $OPENAI_API_KEY, else none)")
     load.add_argument("--ignore-retry-after", action="store_true",
-                      help="closed loop: send the next conversation at once after a 429/503, instead of waiting the "
-                           "Retry-After the server asked for (as OpenAI's SDK does): a storm of retries")
+                      help="a request refused with 429/503 fails there (and a closed-loop slot sends its next "
+                           "conversation at once), instead of being sent again after the Retry-After the server asked "
+                           "for, as OpenAI's SDK does")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -433,7 +434,13 @@ def _fitted_scale(args: argparse.Namespace, served: dict) -> float:
 
 
 def _print_failures(summary: dict, what: str = "") -> None:
-    """Failed requests and their most common reasons, on screen (not only in summary.json)."""
+    """Failed requests and their most common reasons, and a saturated server, on screen (not only in
+    summary.json)."""
+    if summary.get("refused_then_retried"):
+        print(f"{what}the server saturated: it refused {summary['refused_then_retried']} of {summary['requests']} "
+              f"requests at first (429 or 503 with Retry-After), which were sent again after it; it served "
+              f"{summary['requests_per_s'] or 0:.2f} requests/s for {summary['conversations']} conversations started: "
+              "lower --qps (or --concurrency) to measure it below saturation", file=sys.stderr)
     if summary.get("failed"):
         print(f"{what}{summary['failed']} of {summary['requests']} requests failed:", file=sys.stderr)
         for reason, count in summary.get("errors", {}).items():

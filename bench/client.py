@@ -61,6 +61,7 @@ class RequestRecord:
     cached_tokens: int | None   # usage.prompt_tokens_details.cached_tokens when present
     route: str | None       # the x-ppd-route response header when present
     error: str | None = None    # None on success; timeouts, HTTP errors, stream errors give a short reason
+    retries: int = 0        # times the server refused it (429 or 503 with Retry-After) before this answer
 
     @property
     def success(self) -> bool:
@@ -89,7 +90,9 @@ class LoadConfig:
     temperature: float = 0.0
     extra_body: dict = field(default_factory=dict)   # merged into every request body
     headers: dict = field(default_factory=dict)      # sent with every request (e.g. x-ppd-route to force a route)
-    honor_retry_after: bool = True   # closed loop: a slot refused with Retry-After waits that long, as OpenAI's SDK does
+    # A request refused with a 429 or 503 that carries Retry-After is sent again after that long, within its timeout,
+    # as OpenAI's SDK retries (the server saturated: the report says so); its times count from its first sending.
+    honor_retry_after: bool = True
     token_timing: bool = False  # ask for return_token_ids on every request: TTFT and ITL time tokens, not text
 
 
@@ -292,10 +295,23 @@ class _Load:
 
     async def request(self, body: bytes, cid: str, turn: int
                       ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
-        """Send one streamed request; the record, the streamed text, token ids (None if none came), the
-        Retry-After seconds of a 429 or 503 that carried one (0 otherwise) and the response's id (Responses API)."""
+        """Send one streamed request, again after the Retry-After of each refusal while its timeout allows (unless
+        told not to: a request sent before the run's end may be refused past it, and is still answered); the record, the streamed text, token ids (None if none came), the Retry-After seconds of a 429
+        or 503 that carried one and ended it (0 otherwise) and the response's id (Responses API)."""
+        start, retries = perf_counter(), 0
+        while True:
+            record, text, ids, retry_after, response_id = await self._send(body, cid, turn, start)
+            if (record.error is None or not retry_after or not self.cfg.honor_retry_after
+                    or perf_counter() + retry_after - start > self.cfg.timeout):
+                record.retries = retries
+                return record, text, ids, retry_after, response_id
+            retries += 1
+            await asyncio.sleep(retry_after)
+
+    async def _send(self, body: bytes, cid: str, turn: int, start: float
+                    ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
+        """One sending of a request first sent at `start` (request's results)."""
         route, retry_after = None, 0.0
-        start = perf_counter()
         stream = _ResponsesStream(start) if self.cfg.api == "responses" else _Stream(start)
         try:
             async with self.session.post(self.url, data=body, headers=self.headers) as resp:

@@ -85,6 +85,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, goodput: dict
         "prefix_cache_hit_fraction": _hit_fraction(ok),
         "prefix_cache_hit_fraction_turn2plus": _hit_fraction([r for r in ok if r.turn >= 1]),
         "routes": dict(Counter(r.route for r in records if r.route is not None)),
+        # Requests the server refused (429 or 503 with Retry-After) and that were sent again: it saturated.
+        "refused_then_retried": sum(1 for r in records if r.retries),
         "errors": dict(Counter((r.error or "")[:200] for r in records if not r.success).most_common(5)),
     }
     ttft2, tpot2 = summary["ttft_turn2plus_ms_p50"], summary["tpot_turn2plus_ms_p50"]

@@ -20,7 +20,8 @@ For tests:
 - a body field `"stub": {"ttft_ms": .., "itl_ms": .., "token_ids": false}` overrides the timing of
   that request, or plays a server that ignores `return_token_ids`;
 - the last user message (chat) or a text prompt may contain `[stub:http400]` (a 400 with an
-  OpenAI error body), `[stub:http429=S]` (a 429 with `Retry-After: S`, logged), `[stub:sse-error]`
+  OpenAI error body), `[stub:http429=S]` (a 429 with `Retry-After: S`, logged; `[stub:http429=S,N]`: only
+  the first N times that message comes, then an answer), `[stub:sse-error]`
   (one token, then an error event), `[stub:sleep=S]` (S more seconds before the first token);
 - GET /stub/log: per request (the last 10,000), the body, `arrived` (its perf_counter time) and
   `first_token_s`, the stub's measured time from arrival to writing the first token (its timer
@@ -38,14 +39,14 @@ import subprocess
 import sys
 import time
 import traceback
-from collections import deque
+from collections import Counter, deque
 from time import perf_counter
 from typing import Any
 
 import msgspec
 
 _encode = msgspec.json.Encoder().encode
-MARKER = re.compile(r"\[stub:(http400|sse-error|sleep=([0-9.]+)|http429=([0-9.]+))\]")
+MARKER = re.compile(r"\[stub:(http400|sse-error|sleep=([0-9.]+)|http429=([0-9.]+)(?:,(\d+))?)\]")
 LOG_LIMIT = 10_000  # requests kept in /stub/log
 REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 501: "Not Implemented"}
 
@@ -130,6 +131,7 @@ class Stub:
         self.ttft_ms, self.itl_ms, self.route = ttft_ms, itl_ms, route
         self.log: deque[dict] = deque(maxlen=LOG_LIMIT)
         self.in_flight = self.max_in_flight = 0
+        self.refused: Counter[str] = Counter()  # per message, the 429s [stub:http429=S,N] gave it
 
     async def handle(self, conn: Connection, method: str, path: str, body: bytes, arrived: float) -> None:
         if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
@@ -150,6 +152,7 @@ class Stub:
                                "requests": len(self.log)})
         elif method == "POST" and path == "/stub/reset":
             self.log.clear()
+            self.refused.clear()
             self.max_in_flight = self.in_flight
             conn.respond(200, {"ok": True})
         else:
@@ -170,7 +173,8 @@ class Stub:
             conn.respond(400, {"error": {"message": "stub: bad request as asked", "type": "BadRequestError",
                                          "param": None, "code": 400}})
             return
-        if marker and marker.group(3):
+        if marker and marker.group(3) and (marker.group(4) is None or self.refused[last_user] < int(marker.group(4))):
+            self.refused[last_user] += 1
             self.log.append({"path": "/v1/completions", "body": body, "arrived": arrived, "first_token_s": None})
             conn.respond(429, {"error": {"message": "stub: overloaded as asked", "type": "RateLimitError",
                                          "param": None, "code": 429}},

@@ -16,6 +16,7 @@ import pytest
 
 from bench.client import (NEEDS_TOKEN_IDS, Conversation, LoadConfig, RequestRecord, Turn, _Stream, poisson_arrivals,
                           run_load)
+from bench.report import summarize
 from bench.stub_server import start_stub
 
 TTFT_MS, ITL_MS = 20.0, 2.0
@@ -91,15 +92,27 @@ def test_completions_sends_prompt_plus_generated_plus_new_ids(stub):
 
 
 @pytest.mark.parametrize("honor", [True, False])
-def test_a_refused_closed_loop_slot_waits_the_retry_after_unless_told_not_to(stub, honor: bool):
+def test_a_refused_request_is_sent_again_after_the_retry_after_unless_told_not_to(stub, honor: bool):
     refused = Conversation("c0", [Turn("hello [stub:http429=0.4]", 4)])
-    records = run(stub, [refused], concurrency=1, duration=1.0, honor_retry_after=honor)
+    records = run(stub, [refused], concurrency=1, duration=1.0, timeout=1.0, honor_retry_after=honor)
     arrivals = [entry["arrived"] for entry in call(stub, "/stub/log")]
-    assert len(records) == len(arrivals) and all(r.error.startswith("HTTP 429") for r in records)
-    if honor:  # sent at about 0, 0.4 and 0.8 s, as OpenAI's SDK would
+    assert all(r.error.startswith("HTTP 429") for r in records)
+    if honor:  # one request sent at about 0, 0.4 and 0.8 s, as OpenAI's SDK would, then its timeout
         assert 2 <= len(arrivals) <= 3 and min(b - a for a, b in zip(arrivals, arrivals[1:])) >= 0.39
-    else:  # back to back: a storm
-        assert len(arrivals) > 20
+        assert len(records) == 1 and records[0].retries == len(arrivals) - 1
+    else:  # every refusal fails its request, and the slot sends the next at once: a storm
+        assert len(records) == len(arrivals) > 20 and all(r.retries == 0 for r in records)
+
+
+def test_a_saturated_server_answers_every_request_in_the_end_and_the_report_says_so(stub):
+    """What a server past its capacity does (429 with Retry-After until a slot frees): the request succeeds, its
+    TTFT counts from its first sending, and the summary counts it as refused then retried, not failed."""
+    conv = Conversation("c0", [Turn("busy [stub:http429=0.2,2]", 3), Turn("and then", 2)], ignore_eos=True)
+    records = once(stub, conv, extra_body=FAST)
+    assert [(r.turn, r.error, r.retries) for r in records] == [(0, None, 2), (1, None, 0)]
+    assert records[0].ttft >= 0.4  # two refusals, 0.2 s each, before the answer
+    summary = summarize(records, 1.0)
+    assert summary["failed"] == 0 and summary["refused_then_retried"] == 1
 
 
 def test_completions_multi_turn_without_token_ids_fails_clearly(stub):
