@@ -20,6 +20,8 @@ from pathlib import Path
 from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
 from engine.cuda_graphs import MAX_GRAPH_TOKENS
 from engine.demo import DEMO_MODEL, demo_model_path
+from engine.gguf import SMOLLM2, GGUFError, gguf_in
+from engine.gguf import model_folder as gguf_folder
 from engine.engine import EngineConfig
 from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describe
 from engine.memory_plan import StartupError, plan_from_request
@@ -106,13 +108,15 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     if not 0 <= args.max_graph_tokens <= MAX_GRAPH_TOKENS:
         raise UsageError(f"--max-graph-tokens {args.max_graph_tokens}: give 0 (graphs for decode-only steps) up to "
                          f"{MAX_GRAPH_TOKENS}")
-    path = str(demo_model_path()) if args.model == DEMO_MODEL else os.path.abspath(args.model)
+    path = model_path(args.model)
     try:
         mcfg = check_model_folder(path, args.load_format)
     except ModelError as exc:
         raise UsageError(str(exc)) from exc
     if args.max_model_len is not None and args.max_model_len > mcfg.max_position_embeddings:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's {mcfg.max_position_embeddings} positions")
+    if not args.skip_tokenizer_init and args.tokenizer is None and (problem := tokenizer_missing(path)):
+        raise UsageError(problem)
 
     gpus = visible_gpus()
     device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
@@ -178,8 +182,36 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     if kv_events is not None and kv_events.publishing:
         log.info("%s", describe(kv_events, len(units)))
-    name = args.served_model_name or (DEMO_MODEL if args.model == DEMO_MODEL else os.path.basename(path.rstrip("/")))
+    name = args.served_model_name or (args.model if args.model in (DEMO_MODEL, SMOLLM2)
+                                      else os.path.basename(args.model.rstrip("/")).removesuffix(".gguf"))
     return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
+
+
+def model_path(model: str) -> str:
+    """The folder --model stands for: the demo's, a Hugging Face folder, or the cache folder of a GGUF (`smollm2`, a
+    .gguf file, a folder holding one), converted on first use; UsageError for a GGUF this server does not serve."""
+    if model == DEMO_MODEL:
+        return str(demo_model_path())
+    try:
+        gguf = gguf_in(model)
+        return str(gguf_folder(gguf)) if gguf is not None else os.path.abspath(model)
+    except GGUFError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+# What a tokenizer is made of on disk: one of these files (or pairs) is enough for transformers to load one.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",),
+                   ("tiktoken.model",), ("qwen.tiktoken",))
+
+
+def tokenizer_missing(folder: str) -> str | None:
+    """Why folder cannot give a tokenizer (None: it can): a folder of config and weights alone must not start with
+    whatever tokenizer transformers improvises, nor fail later with transformers' own message."""
+    path = Path(folder)
+    if any(all((path / name).exists() for name in files) for files in TOKENIZER_FILES):
+        return None
+    return (f"{folder} has no tokenizer files ({', '.join(' + '.join(f) for f in TOKENIZER_FILES)}): give one with "
+            "--tokenizer FOLDER, or serve token ids only with --skip-tokenizer-init")
 
 
 # On the CPU a split gives each worker its own cores; below this many per unit one engine on every core serves more.

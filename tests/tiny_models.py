@@ -113,3 +113,88 @@ def assert_prompt_logprobs(folder: str | Path, prompt_ids: list[int], shown: lis
         assert int((row > row[token] + 1e-4).sum()) + 1 <= own["rank"] <= int((row > row[token] - 1e-4).sum()) + 1
         alternatives = sorted((v["logprob"] for v in entry.values() if v["rank"] <= top), reverse=True)
         assert alternatives == pytest.approx(row.topk(top).values.tolist(), abs=1e-4)
+
+
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32") -> Path:
+    """A tiny random `arch` model as a GGUF file, as llama.cpp's converter writes one: its metadata, a byte-level
+    gpt2 tokenizer (the demo's) with a chat template, tensors under llama.cpp's names, Llama's q and k rows permuted,
+    2-D weights in `quant` (F32, F16 or Q8_0; norms and biases stay F32). Qwen3's head_dim is 128, as in every
+    Qwen3: transformers' GGUF reader takes no other."""
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    from engine.demo import _bytes_to_unicode, _special_tokens, CHAT_TEMPLATE, NUM_BYTES
+
+    path = Path(path)
+    folder = write_tiny_model(path.parent / f"{path.stem}-hf", arch, **({"head_dim": 128} if arch == "qwen3" else {}))
+    cfg = __import__("json").loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    name = _GGUF_ARCH[arch]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), name)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    writer.add_value_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    byte_chars = _bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(NUM_BYTES)] + _special_tokens(cfg["vocab_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * NUM_BYTES + [3] * (len(tokens) - NUM_BYTES))
+    writer.add_token_merges([])
+    writer.add_token_scores([0.0] * len(tokens))  # transformers reads merges from scores when there are none
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    writer.add_chat_template(CHAT_TEMPLATE)
+    qtype = gguf.GGMLQuantizationType[quant]
+    for key, tensor in state.items():
+        data = tensor.float().numpy()
+        if key == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif key == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif key == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = key.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            gname = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
+            if name == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's permute
+                n = heads if module == "self_attn.q_proj" else kv_heads
+                data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if data.ndim == 2 and quant != "F32":
+            writer.add_tensor(gname, quantize(data.astype("float16" if quant == "F16" else "float32"), qtype),
+                              raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, data.astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def hf_gguf_model(path: str | Path) -> PreTrainedModel:
+    """transformers' own reading of a GGUF file (float32, eager attention), cached per file."""
+    path = Path(path)
+    key = str(path.resolve())
+    if key not in _HF_MODELS:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                     attn_implementation="eager")
+        _HF_MODELS[key] = model.eval()
+    return _HF_MODELS[key]

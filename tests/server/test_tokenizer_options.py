@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.demo import demo_model_path
 from tests.server_process import ServerProcess
+from tests.tiny_models import write_tiny_model
 
 
 def test_skip_tokenizer_init_serves_token_ids(start_server, weights_only: Path) -> None:
@@ -46,3 +48,19 @@ def test_a_folder_without_tokenizer_is_refused_before_any_worker_starts(weights_
     assert result.returncode == 2, result.stderr
     assert "tokenizer" in result.stderr and "--skip-tokenizer-init" in result.stderr and "--tokenizer" in result.stderr
     assert "Traceback" not in result.stderr and "ppd.launcher" not in result.stderr
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_folder_of_config_and_weights_alone_is_refused_in_one_line(arch: str, tmp_path: Path) -> None:
+    """transformers improvises a tokenizer for a Qwen3 folder without tokenizer files, and refuses a Llama one in three
+    lines about sentencepiece and tiktoken: the server says in one line what is missing and the two ways on."""
+    import subprocess
+    import sys
+
+    folder = write_tiny_model(tmp_path / arch, arch)
+    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "has no tokenizer files (tokenizer.json, tokenizer.model" in lines[0], result.stderr
+    assert "--tokenizer FOLDER" in lines[0] and "--skip-tokenizer-init" in lines[0]
