@@ -44,10 +44,27 @@ class ToolOutput:
         else:
             try:
                 content, calls = None, calls_from_forced(text, self.tools, self.name)
-            except ValueError:  # cut off (max_tokens) before the calls were complete: the text is all there is
-                content, calls = text, []
+            except ValueError:  # cut off (max_tokens): the calls begun, with their arguments as far as they got
+                partial = self._cut_off_calls(text)
+                self.called = bool(partial)
+                return (None if partial else text), partial
         self.called = bool(calls)
         return content, [call.model_dump() for call in calls]
+
+    def _cut_off_calls(self, text: str) -> list[dict[str, Any]]:
+        """A forced output cut off before it was whole, as what agents expect of a call cut by max_tokens (OpenAI's
+        shape, the arguments' text as far as it was generated): a named function's call, or required's calls whose
+        names were complete (the ids the stream gave them, where it ran)."""
+        def call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+            return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+        if self.mode == "named":
+            return [call(self._call_id, self.name, text)] if text else []  # type: ignore[arg-type]
+        forced = self._forced
+        if forced is None:
+            forced = ForcedCallStream()
+            forced.feed(text)
+        return [call(c["id"], c["name"], c["arguments"]) for c in forced.calls if c["name"] is not None]
 
     def delta(self, text: str, final: bool) -> dict[str, Any]:
         """The chat delta for the next piece of text ({} when nothing is decided yet)."""

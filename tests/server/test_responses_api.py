@@ -120,6 +120,18 @@ def test_forced_function_call_streams_its_arguments_and_its_output_goes_back(cli
     assert after.usage.input_tokens_details.cached_tokens >= resp.usage.input_tokens // BLOCK * BLOCK > 0
 
 
+@pytest.mark.parametrize(("choice", "tokens"), [({"type": "function", "name": "get_weather"}, 6), ("required", 48)])
+def test_a_forced_call_cut_by_max_output_tokens_stays_a_function_call(client: openai.OpenAI, choice, tokens) -> None:
+    """What agents expect: the call item, status incomplete, its arguments as far as they were generated; not a
+    message holding partial JSON (required: cut once the call's name is out, the demo's tokens being bytes)."""
+    resp = client.responses.create(model="demo", input="Weather in Paris?", tools=[WEATHER], tool_choice=choice,
+                                   temperature=0, max_output_tokens=tokens)
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    (call,) = resp.output
+    assert call.type == "function_call" and call.status == "incomplete" and call.name == "get_weather"
+    assert call.arguments and not call.arguments.endswith("}")  # cut: not yet valid JSON
+
+
 def test_stored_responses_are_read_deleted_and_missing_ones_are_404(client: openai.OpenAI) -> None:
     resp = client.responses.create(model="demo", input="Keep this.", metadata={"k": "v"}, **GREEDY)
     got = client.responses.retrieve(resp.id)
