@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from engine.gguf import GGUFError, gguf_in, model_folder, smollm2_gguf
 from engine.loader import load_model
 from engine.model import kv_pool_shape
-from engine.model_runner import ModelRunner, StepInput
+from engine.model_runner import ModelRunner, PromptLogprobsAsk, StepInput
 from tests.tiny_models import hf_gguf_model, write_tiny_gguf
 
 QUANTS = {"llama": "Q8_0", "mistral": "F16", "qwen2": "F32", "qwen3": "Q8_0"}
@@ -108,12 +108,30 @@ def smollm2() -> Path:
         pytest.skip(str(exc))
 
 
+@pytest.fixture(scope="module")
+def smollm2_folder(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GGUF converted once for the module's tests (about 10 s)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPD_CACHE_DIR", str(tmp_path_factory.mktemp("smollm2")))
+        return model_folder(smollm2)
+
+
+PAGE = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, a goldsmith from "
+        "Mainz, combined movable metal type, an oil-based ink and a wooden press adapted from those used to make wine. "
+        "Before his invention, books were copied by hand, most often by monks working in the scriptoria of monasteries, "
+        "and a single volume could take months to finish. The new machine made it possible to print hundreds of pages "
+        "in a day. Within fifty years presses were at work in more than two hundred cities across Europe, and millions "
+        "of books had been printed. Ideas travelled faster than ever before: scientists shared their results, reformers "
+        "spread their arguments, and ordinary people learned to read. Many historians count the printing press among "
+        "the inventions that did the most to shape the modern world.")
+
+
 PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a Python function that adds two numbers.",
            "Name three colours of the rainbow."]
 
 
-def test_smollm2_greedy_ids_equal_transformers_on_chat_prompts(smollm2: Path) -> None:
-    folder = model_folder(smollm2)
+def test_smollm2_greedy_ids_equal_transformers_on_chat_prompts(smollm2: Path, smollm2_folder: Path) -> None:
+    folder = smollm2_folder
     tokenizer, runner, hf = AutoTokenizer.from_pretrained(folder), runner_for(folder), hf_gguf_model(smollm2)
     for question in PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
@@ -124,3 +142,22 @@ def test_smollm2_greedy_ids_equal_transformers_on_chat_prompts(smollm2: Path) ->
         assert ours[: len(theirs)] == theirs and len(theirs) > 5
         if question.startswith("What is the capital"):
             assert tokenizer.decode(ours).startswith("The capital of France is Paris.")
+
+
+@torch.no_grad()
+def test_smollm2_prompt_logprobs_on_real_text_equal_transformers(smollm2: Path, smollm2_folder: Path) -> None:
+    """A page of English text: each token's logprob (what the completions API's prompt_logprobs and echo report)
+    within 1e-3 of transformers' in float32, and the page's perplexity within 1%."""
+    folder = smollm2_folder
+    tokenizer, runner, hf = AutoTokenizer.from_pretrained(folder), runner_for(folder), hf_gguf_model(smollm2)
+    ids = tokenizer(PAGE)["input_ids"]
+    assert 150 < len(ids) < 400
+    ask = PromptLogprobsAsk(ids[1:], 1)
+    _, hidden = runner.run([StepInput(ids, 0, list(range(-(-(len(ids) + 1) // 16))), prompt_logprobs=ask)])
+    ours = runner.model.compute_logits(hidden, runner.backend.ops).log_softmax(-1)
+    theirs = hf(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    targets = torch.tensor(ids[1:])[:, None]
+    ours, theirs = ours.gather(1, targets)[:, 0], theirs.gather(1, targets)[:, 0]
+    assert (ours - theirs).abs().max() < 1e-3
+    perplexity = (-ours.mean()).exp(), (-theirs.mean()).exp()
+    assert abs(perplexity[0] / perplexity[1] - 1) < 0.01 and perplexity[1] < 30  # real text reads as text
