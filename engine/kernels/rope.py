@@ -36,6 +36,18 @@ def _rotate(x_ptr, out_ptr, stride_h, stride_out_h, cos, sin, offs_i, i_ok,
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """Token t's rotation: cos and sin of its position over the first HALF dimensions (float32), with their offsets
+    and mask."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_i = tl.arange(0, HALF_PAD)
+    i_ok = offs_i < HALF
+    cos = tl.load(cos_ptr + pos * stride_cos + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_sin + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    return cos, sin, offs_i, i_ok
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
@@ -43,11 +55,7 @@ def _rope_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_i = tl.arange(0, HALF_PAD)
-    i_ok = offs_i < HALF
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    cos, sin, offs_i, i_ok = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, HALF, HALF_PAD)
     _rotate(q_ptr + t * stride_qt, q_out_ptr + t * (H * 2 * HALF), stride_qh, 2 * HALF, cos, sin, offs_i, i_ok,
             H, H_PAD, HALF)
     _rotate(k_ptr + t * stride_kt, k_out_ptr + t * (HKV * 2 * HALF), stride_kh, 2 * HALF, cos, sin, offs_i, i_ok,
@@ -63,11 +71,7 @@ def _rope_store_kv_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    offs_i = tl.arange(0, HALF_PAD)
-    i_ok = offs_i < HALF
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * stride_sin + offs_i, mask=i_ok, other=0.0).to(tl.float32)
+    cos, sin, offs_i, i_ok = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, HALF, HALF_PAD)
     _rotate(q_ptr + t * stride_qt, q_out_ptr + t * (H * 2 * HALF), stride_qh, 2 * HALF, cos, sin, offs_i, i_ok,
             H, H_PAD, HALF)
     slot = tl.load(slot_ptr + t).to(tl.int64)
