@@ -1,7 +1,8 @@
 """`ppd bench engine`: the engine alone against the hardware's floors, on one device.
 
 In one run it measures the device's two ceilings (copy bandwidth, counting bytes
-read plus written; the matmul rate in the model's dtype), then times:
+read plus written; the matmul rate in the model's dtype, float32 for bfloat16 on a CPU without native bfloat16),
+then times:
 - decode steps at several batch sizes and contexts;
 - full prefills at several prompt lengths (prompts batched to about 8K tokens);
 - append-prefills of new tokens over a long cached prefix;
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig, resolve_dtype
+from engine.cpu_isa import has_native_bf16, isa
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
 from engine.model import kv_block_nbytes
@@ -155,9 +157,13 @@ def _copy_ms(nbytes: int, device: torch.device, repeat: int) -> float:
 
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> Ceilings:
-    """Copy bandwidth (a large device-to-device copy, bytes read + written) and the matmul rate on random data."""
+    """Copy bandwidth (a large device-to-device copy, bytes read + written) and the matmul rate on random data, in
+    dtype, or in float32 for bfloat16 on a CPU without native bfloat16 (the engine's linear layers run in float32
+    there, engine/attention/cpu_linear.py, and PyTorch's bfloat16 matmul is no ceiling of the hardware's)."""
     nbytes = (64 if quick else 256) * 2**20 if device.type == "cpu" else 2 * 2**30
     copy_gbps = 2 * nbytes / (_copy_ms(nbytes, device, repeat=5 if quick else 20) / 1000) / 1e9
+    if device.type == "cpu" and dtype == torch.bfloat16 and not has_native_bf16():
+        dtype = torch.float32
     n = (256 if quick else 1024) if device.type == "cpu" else 8192
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
@@ -417,6 +423,8 @@ def _meta(engine: Engine, cfg: EngineConfig) -> dict:
     meta = {"torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count(),
             "attention_backend": engine.runner.backend.name, "kv_blocks": engine.num_kv_blocks,
             "block_size": cfg.block_size, "kv_plan": engine.plan.summary, "threads": torch.get_num_threads()}
+    if engine.device.type == "cpu":
+        meta["cpu_build"] = cpu_build()
     try:
         import triton
 
@@ -424,6 +432,14 @@ def _meta(engine: Engine, cfg: EngineConfig) -> dict:
     except ImportError:
         pass
     return meta
+
+
+def cpu_build() -> str:
+    """Which build of our CPU kernels ran (engine/cpu_isa.py) and the instruction set PyTorch's kernels ran with."""
+    limits = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+    held = [f"{name}={os.environ[name]}" for name in limits if os.environ.get(name)]
+    return (f"our kernels: {isa()} build; PyTorch's: {torch.backends.cpu.get_cpu_capability()}"
+            + (f" ({', '.join(held)})" if held else ""))
 
 
 # ---- output ------------------------------------------------------------------------------------------
@@ -444,7 +460,8 @@ def markdown(report: Report) -> str:
              "every time is the median of repeated runs."
              + (f" {report.rounds} rounds, each measuring the ceilings and then the grid: times, floors and ceilings "
                 "are the medians over the rounds, time / floor the median of each round's ratio."
-                if report.rounds > 1 else ""), "",
+                if report.rounds > 1 else "")
+             + (f" CPU: {report.meta['cpu_build']}." if report.meta.get("cpu_build") else ""), "",
              "| step | shape | time ms | host ms | floor ms (bound) | time / floor | tokens/s |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for p in report.points:

@@ -1,6 +1,7 @@
 /* What the CPU kernels (cpu_decode.c, cpu_prefill.c, cpu_elementwise.c, cpu_gemv.c) share: bfloat16 to and from
- * float32 as torch converts, the order that interleaves two vectors' 16-bit elements into pairs, and (with AVX-512)
- * the exponential of 16 lanes and the sums of 16 vectors' lanes at once. */
+ * float32 as torch converts (a vector of them too, with AVX2 or AVX-512), the order that interleaves two vectors'
+ * 16-bit elements into pairs, and (with AVX-512) the exponential of 16 lanes and the sums of 16 vectors' lanes at
+ * once. */
 #ifndef PPD_CPU_COMMON_H
 #define PPD_CPU_COMMON_H
 
@@ -26,8 +27,19 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 static const short INTERLEAVE[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+
+/* 8 bfloat16 as float32: a zero-extending load and a shift (GCC's own vector conversion takes four shuffles) */
+static inline __m256 widen_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+#endif
+
+#if defined(__AVX512F__)
+static inline __m512 widen_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 
 #define LOG2E 1.44269504088896341f /* the kernels scale scores by it once, so that e^(s - m) is exp2_16(s' - m') */
 

@@ -7,8 +7,10 @@
  * are fewer than two per thread, a range of its KV heads; in the bfloat16 path a range of its keys, the ranges'
  * results combined after): its heads' scores over the context, reading each key
  * row's heads together (a slot's heads are contiguous: a pass per head ran 8x slower), a softmax, then the
- * values weighted by them, in float32. Built with -ffast-math: the softmax's exponentials are vectorized, and
- * nothing here relies on infinities or NaNs (scores of finite K and q are finite).
+ * values weighted by them, in float32. Three bodies: with AVX512-BF16, the bfloat16 dot products (decode_bf16_dp);
+ * with AVX2 or AVX-512, vectors of 8 or 16 floats for head sizes that are multiples of them (decode_vec, float32
+ * and bfloat16 widened); the plain loop (DEFINE_DECODE) for the rest. Built with -ffast-math: the softmax's
+ * exponentials are vectorized, and nothing here relies on infinities or NaNs (scores of finite K and q are finite).
  *
  * Built by engine/attention/cpu_kernel.py with the host compiler (-O3 -march=native -ffast-math -fopenmp) and loaded with ctypes; it
  * links the OpenMP runtime that PyTorch already loaded, so both share one thread pool.
@@ -88,8 +90,206 @@ static inline float f32_store(float x) { return x; }
         return failed;                                                                                              \
     }
 
-DEFINE_DECODE(paged_decode_f32, float, f32_load, f32_store)
-DEFINE_DECODE(decode_bf16_widened, uint16_t, bf16_to_f32, f32_to_bf16)
+DEFINE_DECODE(decode_f32_plain, float, f32_load, f32_store)
+DEFINE_DECODE(decode_bf16_plain, uint16_t, bf16_to_f32, f32_to_bf16)
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#define HAVE_VEC 1
+
+/* The float32 decode, and the bfloat16 one widened, in vectors of VL floats (8 with AVX2, 16 with AVX-512), for
+ * head sizes that are multiples of VL. The loop above computes a score as one dot product, a chain of dependent
+ * FMAs and a sum of lanes per key and head, and keeps the values' accumulators in memory, so it waits on its FMAs
+ * and stores. Here, as in the bfloat16 dot-product path: scores VL keys at a time, each key's partial sums in its
+ * own vector, the VL vectors' lanes summed together after (reduce_vl); values a block of up to 8 vectors of a
+ * head's accumulators kept in registers across VL keys; the next chunk's rows prefetched into L2 while this one
+ * computes (bench/results/cpu-2core/isa/README.md has what each step gained). */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vlf __attribute__((vector_size(4 * VL)));
+
+/* VL elements of a float32 or bfloat16 row, from element i, as float32 */
+static inline __attribute__((always_inline)) vlf vload(const void *row, int64_t i, const int bf16) {
+    vlf f;
+    if (bf16) {
+#if VL == 16
+        const __m512 w = widen_bf16x16((const uint16_t *)row + i);
+#else
+        const __m256 w = widen_bf16x8((const uint16_t *)row + i);
+#endif
+        memcpy(&f, &w, sizeof f);
+    } else {
+        memcpy(&f, (const float *)row + i, sizeof f);
+    }
+    return f;
+}
+
+/* r[i] = the sum of v[i]'s lanes, for VL vectors */
+static inline vlf reduce_vl(const vlf *v) {
+    vlf out;
+#if VL == 16
+    const __m512 r = reduce16((const __m512 *)v);
+#else
+    const __m256 *x = (const __m256 *)v;
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+    /* ab: x0..x3 summed over their low halves (low 128 bits), then over their high halves; cd: x4..x7 */
+    const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+#endif
+    memcpy(&out, &r, sizeof out);
+    return out;
+}
+
+static inline void prefetch_chunk(const char *cache, const int32_t *table, int64_t t0, int64_t L, int64_t block_size,
+                                  int64_t row_bytes, int64_t from, int64_t bytes) {
+    for (int64_t t = t0; t < t0 + VL && t < L; t++) {
+        const char *r = cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_bytes + from;
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
+    }
+}
+
+/* One work item: sequence b's query heads of KV heads g0 .. g1-1 over its L keys. NV (vectors of a block of the
+ * values' accumulators, dividing D / VL) and bf16 are constants at each call. Returns 1 where its scratch could not
+ * be allocated. */
+static inline __attribute__((always_inline)) int decode_item_vec(
+    const void *q, const void *k_cache, const void *v_cache, const int32_t *table, void *out, int64_t b, int64_t g0,
+    int64_t g1, int64_t L, int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale,
+    const int bf16, const int NV) {
+    const int64_t G = num_heads / num_kv_heads, HI = (g1 - g0) * G, esize = bf16 ? 2 : 4;
+    const int64_t row_bytes = num_kv_heads * D * esize, Lp = (L + VL - 1) / VL * VL;
+    float *qf = aligned_alloc(64, sizeof(float) * (size_t)((2 * HI * D + HI * Lp + 15) / 16 * 16));
+    if (!qf) return 1;
+    float *accs = qf + HI * D, *p = accs + HI * D;
+    for (int64_t i = 0; i < HI * D; i++) {
+        const int64_t at = (b * num_heads + g0 * G) * D + i;
+        qf[i] = (bf16 ? bf16_to_f32(((const uint16_t *)q)[at]) : ((const float *)q)[at]) * scale;
+    }
+    const char *kc = k_cache, *vc = v_cache;
+    /* Scores, VL keys at a time (past L: the last key again, its scores unused). */
+    for (int64_t t0 = 0; t0 < L; t0 += VL) {
+        const char *krow[VL];
+        for (int64_t i = 0; i < VL; i++) {
+            const int64_t t = t0 + i < L ? t0 + i : L - 1;
+            krow[i] = kc + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_bytes;
+        }
+        prefetch_chunk(kc, table, t0 + VL, L, block_size, row_bytes, g0 * D * esize, (g1 - g0) * D * esize);
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t h = 0; h < G; h++) {
+                const float *qh = qf + ((g - g0) * G + h) * D;
+                vlf acc[VL];
+                for (int i = 0; i < VL; i++) acc[i] = (vlf){0};
+                for (int64_t d = 0; d < D; d += VL) {
+                    vlf qv;
+                    memcpy(&qv, qh + d, sizeof qv);
+                    for (int i = 0; i < VL; i++) acc[i] += qv * vload(krow[i], g * D + d, bf16);
+                }
+                const vlf sums = reduce_vl(acc);
+                memcpy(p + ((g - g0) * G + h) * Lp + t0, &sums, sizeof sums);
+            }
+    }
+    for (int64_t h = 0; h < HI; h++) {
+        float *ph = p + h * Lp, m = -3.0e38f, sum = 0.0f;
+        for (int64_t t = 0; t < L; t++) m = ph[t] > m ? ph[t] : m;
+        _Pragma("omp simd reduction(+ : sum)")
+        for (int64_t t = 0; t < L; t++) { ph[t] = expf(ph[t] - m); sum += ph[t]; }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+        for (int64_t t = 0; t < L; t++) ph[t] *= inv;
+    }
+    /* Values: each head's accumulators, NV vectors at a time, in registers across the chunk's keys. */
+    for (int64_t i = 0; i < HI * D; i++) accs[i] = 0.0f;
+    for (int64_t t0 = 0; t0 < L; t0 += VL) {
+        const int64_t n = L - t0 < VL ? L - t0 : VL;
+        const char *vrow[VL];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t t = t0 + i;
+            vrow[i] = vc + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_bytes;
+        }
+        prefetch_chunk(vc, table, t0 + VL, L, block_size, row_bytes, g0 * D * esize, (g1 - g0) * D * esize);
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t h = 0; h < G; h++) {
+                const float *w = p + ((g - g0) * G + h) * Lp + t0;
+                float *ah = accs + ((g - g0) * G + h) * D;
+                for (int64_t d0 = 0; d0 < D; d0 += NV * VL) {
+                    vlf a[8];
+                    for (int c = 0; c < NV; c++) memcpy(&a[c], ah + d0 + c * VL, sizeof a[c]);
+                    for (int64_t i = 0; i < n; i++)
+                        for (int c = 0; c < NV; c++) a[c] += w[i] * vload(vrow[i], g * D + d0 + c * VL, bf16);
+                    for (int c = 0; c < NV; c++) memcpy(ah + d0 + c * VL, &a[c], sizeof a[c]);
+                }
+            }
+    }
+    for (int64_t i = 0; i < HI * D; i++) {
+        const int64_t at = (b * num_heads + g0 * G) * D + i;
+        if (bf16) ((uint16_t *)out)[at] = f32_to_bf16(accs[i]);
+        else ((float *)out)[at] = accs[i];
+    }
+    free(qf);
+    return 0;
+}
+
+/* The work items as the loop above splits them: a sequence each where they keep every thread busy, else ranges of
+ * a sequence's KV heads. */
+static int decode_vec(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                      const int32_t *seq_lens, void *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t D, int64_t block_size, int64_t max_blocks, float scale, int64_t num_threads,
+                      const int bf16) {
+    int64_t parts = (2 * num_threads + num_seqs - 1) / num_seqs;
+    parts = parts < 1 ? 1 : parts > num_kv_heads ? num_kv_heads : parts;
+    int NV = 8; /* the largest divisor of D / VL up to 8 */
+    while ((D / VL) % NV) NV--;
+    int failed = 0;
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(num_threads)")
+    for (int64_t item = 0; item < num_seqs * parts; item++) {
+        const int64_t b = item / parts, part = item % parts, L = seq_lens[b];
+        const int64_t g0 = part * num_kv_heads / parts, g1 = (part + 1) * num_kv_heads / parts;
+        if (L <= 0 || g1 <= g0) continue;
+        const int32_t *table = block_tables + b * max_blocks;
+#define VITEM(BF16, NVC)                                                                                           \
+    decode_item_vec(q, k_cache, v_cache, table, out, b, g0, g1, L, num_heads, num_kv_heads, D, block_size, scale,  \
+                    BF16, NVC)
+        int bad = 0;
+        if (bf16) {
+            switch (NV) {
+            case 8: bad = VITEM(1, 8); break;
+            case 6: bad = VITEM(1, 6); break;
+            case 5: bad = VITEM(1, 5); break;
+            case 4: bad = VITEM(1, 4); break;
+            case 3: bad = VITEM(1, 3); break;
+            case 2: bad = VITEM(1, 2); break;
+            default: bad = VITEM(1, 1); break;
+            }
+        } else {
+            switch (NV) {
+            case 8: bad = VITEM(0, 8); break;
+            case 6: bad = VITEM(0, 6); break;
+            case 5: bad = VITEM(0, 5); break;
+            case 4: bad = VITEM(0, 4); break;
+            case 3: bad = VITEM(0, 3); break;
+            case 2: bad = VITEM(0, 2); break;
+            default: bad = VITEM(0, 1); break;
+            }
+        }
+#undef VITEM
+        if (bad) failed = 1;
+    }
+    return failed;
+}
+#endif
+
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                     const int32_t *seq_lens, float *out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, int64_t num_threads) {
+#ifdef HAVE_VEC
+    if (head_dim % VL == 0)
+        return decode_vec(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                          head_dim, block_size, max_blocks, scale, num_threads, 0);
+#endif
+    return decode_f32_plain(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                            head_dim, block_size, max_blocks, scale, num_threads);
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -352,6 +552,11 @@ int paged_decode_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         return decode_bf16_dp(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
                               head_dim, block_size, max_blocks, scale, num_threads);
 #endif
-    return decode_bf16_widened(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
-                               head_dim, block_size, max_blocks, scale, num_threads);
+#ifdef HAVE_VEC
+    if (head_dim % VL == 0)
+        return decode_vec(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                          head_dim, block_size, max_blocks, scale, num_threads, 1);
+#endif
+    return decode_bf16_plain(q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads, num_kv_heads,
+                             head_dim, block_size, max_blocks, scale, num_threads);
 }

@@ -1,17 +1,22 @@
-/* Linear layers of a few rows in bfloat16 on CPUs with AVX512-BF16: out [M, N] = x [M, K] @ w [N, K]^T (+ bias), for
- * M up to 8 (a decode step's batch, where the weights' bytes set the time; cpu_linear.py uses it up to 2 rows).
+/* Linear layers of a few rows in bfloat16: out [M, N] = x [M, K] @ w [N, K]^T (+ bias), for M up to 8 (a decode
+ * step's batch, where the weights' bytes set the time; cpu_linear.py chooses the rows it runs here).
  *
- * oneDNN's GEMM on its prepacked weights read them at about 20 GB/s in a one-row decode step on a 2-core Zen 4 whose
- * copy bandwidth is 31-36 GB/s; from 3 rows on it is the faster (engine/attention/cpu_linear.py chooses). Here each
- * thread takes whole groups of R = 16 / P adjacent weight rows (P: M rounded up to 1, 2, 4 or 8) and keeps R x P
- * float32 accumulators in registers over K, 32 elements at a time (vdpbf16ps: a pair of products a lane), so
- * every weight is read once, in address order within each row, and used for all M rows of x. The 16 accumulators'
- * lanes are summed together (reduce16), each output rounded to bfloat16 once, as torch's linear rounds it; the
- * additions run in another order than oneDNN's, so results may differ from torch's in the last place.
+ * Each thread takes whole groups of R adjacent weight rows and keeps R x M float32 accumulators in registers over K,
+ * so every weight is read once, in address order within each row, and used for all M rows of x; each output is
+ * rounded to bfloat16 once, as torch's linear rounds it, but the additions run in another order than oneDNN's, so
+ * results may differ from torch's in the last place. Two bodies:
+ *   - with AVX512-BF16: R = 16 / P (P: M rounded up to 1, 2, 4 or 8), K 32 elements at a time (vdpbf16ps: a pair of
+ *     products a lane), the 16 accumulators' lanes summed together (reduce16). oneDNN's GEMM on its prepacked
+ *     bfloat16 weights is the faster from 3 rows on.
+ *   - elsewhere: each weight vector widened to float32 in registers (a shift) and multiplied into the rows of x,
+ *     widened once; the bfloat16 weights are read at half float32's bytes, where oneDNN has no native bfloat16 to
+ *     run and cpu_linear.py multiplies a float32 copy of each weight.
  *
  * Built with the other CPU kernels into one library by engine/attention/cpu_kernel.py.
  */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cpu_common.h"
 
@@ -40,13 +45,70 @@ static inline __attribute__((always_inline)) void gemv_group(const uint16_t *x, 
         for (int m = 0; m < M; m++) out[m * N + n0 + r] = f32_to_bf16(sums[r * P + m] + b);
     }
 }
+#else
+#if defined(__AVX512F__)
+#define WL 16 /* floats in a vector */
+#else
+#define WL 8
+#endif
+typedef float vw __attribute__((vector_size(4 * WL)));
+typedef uint32_t vu __attribute__((vector_size(4 * WL)));
+typedef uint16_t vh __attribute__((vector_size(2 * WL)));
+
+static inline vw widen(const uint16_t *p) { /* WL bfloat16 as float32: each one's bits in the high half */
+    vw f;
+#if WL == 16
+    const __m512 w = widen_bf16x16(p);
+#elif defined(__AVX2__)
+    const __m256 w = widen_bf16x8(p);
+#else
+    vh h;
+    memcpy(&h, p, sizeof h);
+    const vu w = __builtin_convertvector(h, vu) << 16;
+#endif
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* Rows n0 .. n0 + R - 1 of out (those below N) for the M rows of xf (x widened). Always inlined with M and R
+ * constants: R x M accumulators, at most 8 (a sixteen-register AVX2 file keeps them with a weight and a row of x). */
+static inline __attribute__((always_inline)) void gemv_group(const float *xf, const uint16_t *w, const uint16_t *bias,
+                                                             uint16_t *out, int64_t K, int64_t N, int64_t n0,
+                                                             const int M, const int R) {
+    const uint16_t *wr[8];
+    for (int r = 0; r < R; r++) wr[r] = w + (n0 + r < N ? n0 + r : N - 1) * K;
+    vw acc[8];
+    for (int i = 0; i < R * M; i++) acc[i] = (vw){0};
+    /* Each row prefetched at the same place of the row as many groups ahead as make 4 KB or more (a thread's groups
+     * lie one after another): from DRAM the hardware prefetchers alone read the weights slower, and a fixed distance
+     * within the group's rows lands on the next row of the group, already read, where K is short
+     * (bench/results/cpu-2core/isa/README.md). */
+    const int64_t ahead = (2048 + R * K - 1) / (R * K) * R * K;
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(wr[r] + k + ahead, 0, 3);
+            for (int u = 0; u < 32; u += WL) {
+                const vw wv = widen(wr[r] + k + u);
+                for (int m = 0; m < M; m++) acc[r * M + m] += wv * *(const vw *)(xf + m * K + k + u);
+            }
+        }
+    }
+    for (int r = 0; r < R && n0 + r < N; r++) {
+        const float b = bias ? bf16_to_f32(bias[n0 + r]) : 0.0f;
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int l = 0; l < WL; l++) s += acc[r * M + m][l];
+            out[m * N + n0 + r] = f32_to_bf16(s + b);
+        }
+    }
+}
 #endif
 
-/* 0 done; 1 where this CPU or the shape is not one it takes (K a multiple of 32, M from 1 to 8): use another path. */
+/* 0 done; 1 where the shape is not one it takes (K a multiple of 32, M from 1 to 8) or scratch could not be had. */
 int linear_few_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *out, int64_t M,
                          int64_t K, int64_t N, int64_t num_threads) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (K % 32 != 0 || M < 1 || M > 8) return 1;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     const int P = M == 1 ? 1 : M == 2 ? 2 : M <= 4 ? 4 : 8;
     const int64_t R = 16 / P, groups = (N + R - 1) / R;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
@@ -64,7 +126,24 @@ int linear_few_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b
     }
     return 0;
 #else
-    (void)x, (void)w, (void)bias, (void)out, (void)M, (void)K, (void)N, (void)num_threads;
-    return 1;
+    float *xf = aligned_alloc(64, sizeof(float) * (size_t)(M * K));
+    if (!xf) return 1;
+    for (int64_t i = 0; i < M * K; i++) xf[i] = bf16_to_f32(x[i]);
+    const int64_t R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1, groups = (N + R - 1) / R;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t g = 0; g < groups; g++) {
+        switch (M) {
+        case 1: gemv_group(xf, w, bias, out, K, N, g * R, 1, 8); break;
+        case 2: gemv_group(xf, w, bias, out, K, N, g * R, 2, 4); break;
+        case 3: gemv_group(xf, w, bias, out, K, N, g * R, 3, 2); break;
+        case 4: gemv_group(xf, w, bias, out, K, N, g * R, 4, 2); break;
+        case 5: gemv_group(xf, w, bias, out, K, N, g * R, 5, 1); break;
+        case 6: gemv_group(xf, w, bias, out, K, N, g * R, 6, 1); break;
+        case 7: gemv_group(xf, w, bias, out, K, N, g * R, 7, 1); break;
+        case 8: gemv_group(xf, w, bias, out, K, N, g * R, 8, 1); break;
+        }
+    }
+    free(xf);
+    return 0;
 #endif
 }

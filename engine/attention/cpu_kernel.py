@@ -2,8 +2,10 @@
 layers of a few rows: cpu_gemv.c): built once per machine with the host's C compiler, loaded with ctypes.
 
 The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
-the CPU's flags (it is built for this CPU, -march=native). Without a compiler, or if the build fails, load()
-returns None with the reason in the log, and attention falls back to PyTorch's kernels.
+the CPU's flags (it is built for this CPU, -march=native). $PPD_CPU_ISA=avx2 (engine/cpu_isa.py) builds it without
+AVX-512 instead, as an AVX2-only CPU of the same kind would run it, into a file of its own beside the other.
+Without a compiler, or if the build fails, load() returns None with the reason in the log, and attention falls back
+to PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from engine.cpu_isa import isa, proc_flags
+
 log = logging.getLogger("ppd.engine")
 
 SOURCES = [Path(__file__).with_name(name)
@@ -31,17 +35,8 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
 # the library loads, and every float in the server (torch's too) would lose its subnormals.
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",)}  # -mno-avx512f turns off every AVX-512 extension with it
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the suffix of each entry point
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _compiler() -> str | None:
@@ -51,18 +46,21 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build(extra_flags: tuple[str, ...] = ()) -> Path:
+def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Path:
     """The shared library for this machine, compiled now unless the cache has it; RuntimeError if it cannot be.
-    extra_flags go after FLAGS (the tests build without the CPU's bfloat16 instructions, for the other path)."""
+    build_isa: 'native' or 'avx2' (default: $PPD_CPU_ISA's); extra_flags go after the others (the tests build
+    without the CPU's bfloat16 instructions, for the other path)."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError(f"no C compiler on this machine ({os.environ.get('CC') or 'cc or gcc'}; set $CC to one)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    flags = [*FLAGS, *extra_flags]
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in (*SOURCES, *HEADERS)), *version, *flags, *LINK_FLAGS, platform.machine(), _cpu_flags()])
-                         .encode()).hexdigest()[:16]
+    build_isa = build_isa or isa()
+    flags = [*FLAGS, *ISA_FLAGS[build_isa], *extra_flags]
+    cpu = " ".join(sorted(proc_flags())) or platform.processor()
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in (*SOURCES, *HEADERS)), *version, *flags, *LINK_FLAGS,
+                                    platform.machine(), cpu]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve") / "cpu-kernels"
-    target = cache / f"cpu_attention-{key}.so"
+    target = cache / f"cpu_attention-{'' if build_isa == 'native' else build_isa + '-'}{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -75,7 +73,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed to build {name}: {proc.stderr.strip()[-1500:]}")
         os.replace(built, target)
-    log.info("built the CPU attention kernels: %s", target)
+    log.info("built the CPU kernels (%s): %s", build_isa, target)
     return target
 
 
@@ -174,8 +172,8 @@ class CpuKernels:
         return out
 
     def linear_few_rows(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-        """x [M, K] @ weight [N, K]^T (+ bias [N]) in bfloat16 for M of 1 to 8 (cpu_gemv.c); None where this CPU
-        or the shape is not one the kernel takes. x, weight and bias contiguous bfloat16."""
+        """x [M, K] @ weight [N, K]^T (+ bias [N]) in bfloat16 for M of 1 to 8 (cpu_gemv.c); None where the shape
+        is not one the kernel takes (K a multiple of 32). x, weight and bias contiguous bfloat16."""
         (m, k), n = x.shape, weight.shape[0]
         out = x.new_empty((m, n))
         failed = self.lib.linear_few_rows_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
@@ -185,7 +183,8 @@ class CpuKernels:
 
 @functools.cache
 def load() -> CpuKernels | None:
-    """The kernels for this machine, or None (the reason logged once) where they cannot be built."""
+    """The kernels for this machine ($PPD_CPU_ISA's build), or None (the reason logged once) where they cannot be
+    built."""
     try:
         return CpuKernels(build())
     except (RuntimeError, OSError) as exc:

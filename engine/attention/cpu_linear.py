@@ -1,15 +1,22 @@
-"""The CPU backend's ops: the linear layers on weights prepacked for oneDNN (in cpu_gemv.c at 1-2 rows), RMSNorm,
-SiLU-and-multiply and RoPE fused.
+"""The CPU backend's ops: the linear layers on weights prepacked for oneDNN (bfloat16 ones of a few rows in
+cpu_gemv.c), RMSNorm, SiLU-and-multiply and RoPE fused.
 
 oneDNN reorders a weight once into the blocked layout its GEMM kernels read; on a 2-core Zen 4 that ran a
 bfloat16 [5632 x 1024] linear 1.4x faster at 1 row and 1.5x at 8 rows than torch's linear on the plain weight
 (and no slower at 2,048). The packed copy is this process's own memory: a worker's weights take about twice their
 size (the shared arena and the packed copy), and every runner of a process shares one packed copy per weight.
 Where oneDNN is unavailable, or the dtype is not float32 or bfloat16, the plain weight is used.
+
+On a CPU without native bfloat16 (engine/cpu_isa.py) PyTorch's bfloat16 GEMMs run at a fraction of float32's speed,
+so a bfloat16 weight is prepacked as float32 (its copy twice the arena's bytes, where a float32 model's is the same
+as its arena's) and multiplied in float32, x widened and the output rounded to bfloat16 once, as torch rounds it;
+up to FEW_ROWS_WIDENED rows cpu_gemv.c reads the bfloat16 weight itself and widens it in registers (half the bytes
+of the float32 copy).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 
@@ -18,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.attention.cpu_kernel import DTYPES, load
+from engine.cpu_isa import has_native_bf16
 from engine.ops import TorchOps
 
 # id(weight) -> (a weak reference to the weight, its packed copy). Weak, so that a weight freed (an engine closed)
@@ -28,28 +36,35 @@ _lock = threading.Lock()
 # the engine (bench/results/cpu-2core/cpu-kernels/abg.py): 0.68-0.85x the decode step at 1-2 rows, but 1.08x at 3,
 # 1.2x at 4 and 1.4-1.5x at 8, where oneDNN's blocked weights compute faster than the kernel streams.
 FEW_ROWS = 2
+# Without native bfloat16 the kernel, reading the bfloat16 weights and widening them in registers, is the faster up to
+# its limit of 8 rows against oneDNN's float32 GEMM on the float32 copy (bench/results/cpu-2core/isa/README.md).
+FEW_ROWS_WIDENED = 8
 
 
-def _can_pack(dtype: torch.dtype) -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32
+@functools.cache
+def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a weight of this dtype is prepacked in: its own, float32 for bfloat16 on a CPU without native
+    bfloat16, or None (not packed: no oneDNN, or a dtype it does not take here)."""
+    if not torch.backends.mkldnn.is_available() or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if dtype == torch.bfloat16 and not (has_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return torch.float32
+    return dtype
 
 
 def packed(weight: Tensor) -> Tensor | None:
-    """weight [out, in] prepacked (made on first use, then reused), or None where it cannot be."""
+    """weight [out, in] prepacked in packed_dtype (made on first use, then reused), or None where it cannot be."""
     key = id(weight)
     entry = _packed.get(key)
     if entry is not None and entry[0]() is weight:
         return entry[1]
-    if weight.dim() != 2 or weight.device.type != "cpu" or not _can_pack(weight.dtype):
+    if weight.dim() != 2 or weight.device.type != "cpu" or packed_dtype(weight.dtype) is None:
         return None
     with _lock:  # the runners of a process (the prefill thread's too) pack each weight once
         entry = _packed.get(key)
         if entry is None or entry[0]() is not weight:
-            copy = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            plain = weight.detach().to(packed_dtype(weight.dtype)).contiguous()
+            copy = torch.ops.mkldnn._reorder_linear_weight(plain, None)
             entry = _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), copy)
     return entry[1]
 
@@ -96,7 +111,8 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if (x.dim() == 2 and 0 < x.shape[0] <= FEW_ROWS and x.dtype == weight.dtype == torch.bfloat16
+        few = FEW_ROWS if packed_dtype(torch.bfloat16) == torch.bfloat16 else FEW_ROWS_WIDENED
+        if (x.dim() == 2 and 0 < x.shape[0] <= few and x.dtype == weight.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
                 and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.is_contiguous()))):
             kernels = load()
@@ -106,4 +122,7 @@ class CpuOps(TorchOps):
         w = packed(weight) if x.shape[0] and x.dim() == 2 and x.dtype == weight.dtype else None
         if w is None:
             return F.linear(x, weight, bias)
+        if w.dtype != x.dtype:  # bfloat16 in float32 (no native bfloat16)
+            wide = None if bias is None else bias.to(w.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype).contiguous(), w, wide, "none", [], "").to(x.dtype)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")

@@ -15,8 +15,9 @@
  *     position in the tiles that cross the diagonal;
  *   - acc^T[d][row] += P^T . V, from a broadcast value element times a vector of P^T.
  * No horizontal sums and no transposed copies of K or V; Q is transposed and the output transposed back once per
- * item. The micro-kernels keep a 4 x (R / 16) block of accumulators in registers (GCC vector extensions: AVX-512
- * with -march=native where the CPU has it, narrower vectors elsewhere).
+ * item. The micro-kernels keep a block of accumulators in registers (GCC vector extensions): with AVX-512, 4 keys
+ * (or head dimensions) x all R / 16 vectors of rows; with AVX2's 16 registers of 8 floats, 4 x at most 3 vectors,
+ * an item's rows in blocks (a 4 x 4 block of 8-float vectors spilled: 4-6x the kernel's time).
  *
  * Built with engine/attention/cpu_decode.c into one library by engine/attention/cpu_kernel.py.
  */
@@ -27,12 +28,21 @@
 
 #include "cpu_common.h"
 
-#define LANES 16                     /* floats in a vector */
-#define MAX_ROWS 64                  /* rows of a work item, at most: 4 vectors */
-#define KEYS 64                      /* keys in a tile */
-#define MASKED (-1.0e30f)            /* a masked score: exp() of it, less any finite max, is 0 */
+/* A micro-kernel keeps KEY_BLOCK x RV accumulators in registers, for KEY_BLOCK keys (scores) or head dimensions
+ * (values) and RV <= ROW_BLOCK vectors of rows, with the RV vectors they share and a broadcast. */
+#if defined(__AVX512F__)
+#define LANES 16     /* floats in a vector */
+#define ROW_BLOCK 4  /* 16 + 4 + 1 of 32 registers: an item's rows (at most 64) in one block */
+#else
+#define LANES 8      /* AVX2 or narrower */
+#define ROW_BLOCK 3  /* 12 + 3 + 1 of 16 registers: an item of 64 rows (8 vectors) in blocks of 3, 3 and 2 */
+#endif
+#define KEY_BLOCK 4
+#define MAX_ROWS 64 /* rows of a work item, at most */
+#define KEYS 64 /* keys in a tile */
+#define MASKED (-1.0e30f) /* a masked score: exp() of it, less any finite max, is 0 */
 
-typedef float vf __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(4 * LANES)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -47,26 +57,26 @@ static inline void load_row(float *dst, const void *src, int64_t n, int bf16) {
     }
 }
 
-/* St[j][r] = sum_d Kf[j][d] * Qt[d][r] for keys j < nk; rows in RV vectors (RP = RV * LANES floats a line). */
+/* St[j][r] = sum_d Kf[j][d] * Qt[d][r] for keys j < nk and the RV vectors of rows from Qt and St (RV <= 4, and
+ * ROW_BLOCK where it runs; RP floats a line). */
 ALWAYS_INLINE void scores(const float *restrict Qt, const float *restrict Kf, float *restrict St, int64_t nk,
-                          int64_t D, const int RV) {
-    const int64_t RP = RV * LANES;
+                          int64_t D, int64_t RP, const int RV) {
     int64_t j = 0;
-    for (; j + 4 <= nk; j += 4) {
-        vf s[4][4] = {{0}};
+    for (; j + KEY_BLOCK <= nk; j += KEY_BLOCK) {
+        vf s[KEY_BLOCK][4] = {{0}};
         for (int64_t d = 0; d < D; d++) {
             vf qv[4];
 #pragma GCC unroll 4
             for (int v = 0; v < RV; v++) qv[v] = *(const vf *)(Qt + d * RP + v * LANES);
 #pragma GCC unroll 4
-            for (int jj = 0; jj < 4; jj++) {
+            for (int jj = 0; jj < KEY_BLOCK; jj++) {
                 const vf kb = (vf){0} + Kf[(j + jj) * D + d];
 #pragma GCC unroll 4
                 for (int v = 0; v < RV; v++) s[jj][v] += kb * qv[v];
             }
         }
 #pragma GCC unroll 4
-        for (int jj = 0; jj < 4; jj++)
+        for (int jj = 0; jj < KEY_BLOCK; jj++)
 #pragma GCC unroll 4
             for (int v = 0; v < RV; v++) *(vf *)(St + (j + jj) * RP + v * LANES) = s[jj][v];
     }
@@ -82,15 +92,14 @@ ALWAYS_INLINE void scores(const float *restrict Qt, const float *restrict Kf, fl
     }
 }
 
-/* At[d][r] += sum_j Pt[j][r] * Vf[j][d] for keys j < nk. */
+/* At[d][r] += sum_j Pt[j][r] * Vf[j][d] for keys j < nk and the RV vectors of rows from Pt and At. */
 ALWAYS_INLINE void weigh_values(const float *restrict Pt, const float *restrict Vf, float *restrict At, int64_t nk,
-                                int64_t D, const int RV) {
-    const int64_t RP = RV * LANES;
+                                int64_t D, int64_t RP, const int RV) {
     int64_t d = 0;
-    for (; d + 4 <= D; d += 4) {
-        vf a[4][4];
+    for (; d + KEY_BLOCK <= D; d += KEY_BLOCK) {
+        vf a[KEY_BLOCK][4];
 #pragma GCC unroll 4
-        for (int dd = 0; dd < 4; dd++)
+        for (int dd = 0; dd < KEY_BLOCK; dd++)
 #pragma GCC unroll 4
             for (int v = 0; v < RV; v++) a[dd][v] = *(const vf *)(At + (d + dd) * RP + v * LANES);
         for (int64_t j = 0; j < nk; j++) {
@@ -98,14 +107,14 @@ ALWAYS_INLINE void weigh_values(const float *restrict Pt, const float *restrict 
 #pragma GCC unroll 4
             for (int v = 0; v < RV; v++) pv[v] = *(const vf *)(Pt + j * RP + v * LANES);
 #pragma GCC unroll 4
-            for (int dd = 0; dd < 4; dd++) {
+            for (int dd = 0; dd < KEY_BLOCK; dd++) {
                 const vf vb = (vf){0} + Vf[j * D + d + dd];
 #pragma GCC unroll 4
                 for (int v = 0; v < RV; v++) a[dd][v] += vb * pv[v];
             }
         }
 #pragma GCC unroll 4
-        for (int dd = 0; dd < 4; dd++)
+        for (int dd = 0; dd < KEY_BLOCK; dd++)
 #pragma GCC unroll 4
             for (int v = 0; v < RV; v++) *(vf *)(At + (d + dd) * RP + v * LANES) = a[dd][v];
     }
@@ -123,22 +132,35 @@ ALWAYS_INLINE void weigh_values(const float *restrict Pt, const float *restrict 
     }
 }
 
+/* The micro-kernels over an item's rv vectors of rows: in one block where they fit (always with AVX-512's 16 lanes),
+ * its line length a constant, else in blocks of at most ROW_BLOCK vectors, as even as they can be (a block of one
+ * vector would keep too few accumulators to hide the FMAs' latency). */
+#define OVER_BLOCKS(KERNEL, A, B, C)                                                                               \
+    do {                                                                                                           \
+        if (rv <= ROW_BLOCK) switch (rv) {                                                                         \
+            case 1: KERNEL(A, B, C, nk, D, 1 * LANES, 1); return;                                                  \
+            case 2: KERNEL(A, B, C, nk, D, 2 * LANES, 2); return;                                                  \
+            case 3: KERNEL(A, B, C, nk, D, 3 * LANES, 3); return;                                                  \
+            case 4: KERNEL(A, B, C, nk, D, 4 * LANES, 4); return;                                                  \
+        }                                                                                                          \
+        const int blocks = (rv + ROW_BLOCK - 1) / ROW_BLOCK;                                                       \
+        for (int b = 0, v0 = 0, n; b < blocks; b++, v0 += n) {                                                    \
+            n = (rv - v0 + blocks - b - 1) / (blocks - b);                                                         \
+            switch (n) {                                                                                           \
+                case 1: KERNEL(A + v0 * LANES, B, C + v0 * LANES, nk, D, rv * LANES, 1); break;                    \
+                case 2: KERNEL(A + v0 * LANES, B, C + v0 * LANES, nk, D, rv * LANES, 2); break;                    \
+                case 3: KERNEL(A + v0 * LANES, B, C + v0 * LANES, nk, D, rv * LANES, 3); break;                    \
+                default: KERNEL(A + v0 * LANES, B, C + v0 * LANES, nk, D, rv * LANES, 4); break;                   \
+            }                                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
 static void scores_rv(const float *Qt, const float *Kf, float *St, int64_t nk, int64_t D, int rv) {
-    switch (rv) {
-        case 1: scores(Qt, Kf, St, nk, D, 1); break;
-        case 2: scores(Qt, Kf, St, nk, D, 2); break;
-        case 3: scores(Qt, Kf, St, nk, D, 3); break;
-        default: scores(Qt, Kf, St, nk, D, 4); break;
-    }
+    OVER_BLOCKS(scores, Qt, Kf, St);
 }
 
 static void weigh_values_rv(const float *Pt, const float *Vf, float *At, int64_t nk, int64_t D, int rv) {
-    switch (rv) {
-        case 1: weigh_values(Pt, Vf, At, nk, D, 1); break;
-        case 2: weigh_values(Pt, Vf, At, nk, D, 2); break;
-        case 3: weigh_values(Pt, Vf, At, nk, D, 3); break;
-        default: weigh_values(Pt, Vf, At, nk, D, 4); break;
-    }
+    OVER_BLOCKS(weigh_values, Pt, Vf, At);
 }
 
 typedef struct {

@@ -1,6 +1,6 @@
 """The CPU backend: our decode and prefill kernels (engine/attention/cpu_decode.c, cpu_prefill.c) against float64
-reference attention, and the
-backend's mixed steps against the torch backend's."""
+reference attention, the elementwise and few-rows linear kernels against PyTorch's ops, each in this CPU's build and
+in the build without AVX-512 (PPD_CPU_ISA=avx2), and the backend's mixed steps against the torch backend's."""
 
 from __future__ import annotations
 
@@ -18,6 +18,15 @@ kernels = cpu_kernel.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler here to build the CPU kernel")
 
 
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def built(request: pytest.FixtureRequest) -> cpu_kernel.CpuKernels:
+    """Each build of the kernels: for this CPU (-march=native), and without AVX-512 (the paths of an AVX2-only CPU,
+    whose vectors are half as wide)."""
+    if kernels is None:
+        pytest.skip("no C compiler here to build the CPU kernel")
+    return cpu_kernel.CpuKernels(cpu_kernel.build(build_isa=request.param))
+
+
 def paged(lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
     """A pool of random K/V with each sequence's blocks scattered over it, and its block tables."""
     gen = torch.Generator().manual_seed(seed)
@@ -33,14 +42,15 @@ def paged(lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dt
     return k_cache, v_cache, tables
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 64), (16, 8, 64), (8, 2, 128), (12, 2, 96)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(4, 4, 64), (16, 8, 64), (8, 2, 128), (12, 2, 96), (4, 1, 80)])
 @pytest.mark.parametrize("lens", [[1, 15, 16, 17, 100, 513], [700], [3, 300]], ids=["many", "one", "two"])
-def test_decode_kernel_matches_float64_reference(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                                                 head_dim: int, lens: list[int]) -> None:
-    """Many sequences (one per work item) and one or two (their KV heads split among the threads)."""
-    check_decode(kernels, dtype, num_heads, num_kv_heads, head_dim, lens)
+def test_decode_kernel_matches_float64_reference(built: cpu_kernel.CpuKernels, dtype: torch.dtype, num_heads: int,
+                                                 num_kv_heads: int, head_dim: int, lens: list[int]) -> None:
+    """Many sequences (one per work item) and one or two (their KV heads split among the threads); head sizes that
+    are multiples of a vector (8 floats with AVX2, 16 with AVX-512) and one that is not with AVX-512 (80)."""
+    check_decode(built, dtype, num_heads, num_kv_heads, head_dim, lens)
 
 
 def check_decode(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -62,7 +72,6 @@ def check_decode(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, num_heads: 
     assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("lens", "news", "heads", "block_size"), [
     ([17], [17], (4, 4, 64), 16),                        # a prompt inside one key tile
@@ -72,17 +81,19 @@ def check_decode(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, num_heads: 
     ([50, 90], [50, 3], (6, 6, 48), 8),                  # a head size that is no multiple of 16
     ([33], [20], (4, 1, 80), 32),                        # G = 4 over one KV head, larger blocks
 ], ids=["one-tile", "appends", "short-append", "group-of-7", "head-48", "head-80"])
-def test_prefill_kernel_matches_float64_reference(dtype: torch.dtype, lens: list[int], news: list[int],
-                                                  heads: tuple[int, int, int], block_size: int) -> None:
+def test_prefill_kernel_matches_float64_reference(built: cpu_kernel.CpuKernels, dtype: torch.dtype, lens: list[int],
+                                                  news: list[int], heads: tuple[int, int, int],
+                                                  block_size: int) -> None:
     """Sequence b's news[b] new queries are the last of its lens[b] tokens and attend causally, over blocks
     scattered in the pool."""
-    check_prefill(kernels, dtype, lens, news, heads, block_size)
+    check_prefill(built, dtype, lens, news, heads, block_size)
 
 
 @needs_kernel
 def test_the_kernels_without_the_cpus_bfloat16_instructions() -> None:
-    """Where the CPU has AVX512-BF16 the bfloat16 rows take the dot-product paths; the paths every other CPU takes
-    (bfloat16 widened to float32) are built here without those instructions and checked the same way."""
+    """Where the CPU has AVX512-BF16 the bfloat16 rows take the dot-product paths; the paths of an AVX-512 CPU
+    without them (bfloat16 widened to float32) are built here without those instructions and checked the same way
+    (the AVX2 build's widened paths are in the tests above)."""
     try:
         plain = cpu_kernel.CpuKernels(cpu_kernel.build(("-mno-avx512bf16",)))
     except RuntimeError as exc:
@@ -91,6 +102,7 @@ def test_the_kernels_without_the_cpus_bfloat16_instructions() -> None:
         check_prefill(plain, torch.bfloat16, lens, news, heads, 16)
     for lens in ([1, 15, 16, 17, 100, 513], [700]):
         check_decode(plain, torch.bfloat16, 16, 8, 64, lens)
+    check_few_rows(plain)
 
 
 def check_prefill(kernels: cpu_kernel.CpuKernels, dtype: torch.dtype, lens: list[int], news: list[int],
@@ -208,21 +220,19 @@ def test_loading_the_kernel_keeps_subnormal_floats() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_norm_and_silu_equal_torchs_composition(dtype: torch.dtype) -> None:
+def test_the_fused_norm_and_silu_equal_torchs_composition(built: cpu_kernel.CpuKernels, dtype: torch.dtype) -> None:
     """RMSNorm (with the residual add) and SiLU-and-multiply in one pass, rounded where TorchOps' ops round: equal
     to TorchOps' results but for last-place differences where the sum of squares or exp() rounds otherwise."""
-    from engine.attention.cpu_linear import CpuOps
     from engine.ops import TorchOps
 
     gen = torch.Generator().manual_seed(5)
     x, residual = (torch.randn(37, 1024, generator=gen) * 3).to(dtype), torch.randn(37, 1024, generator=gen).to(dtype)
     weight = (torch.rand(1024, generator=gen) + 0.5).to(dtype)
     gate_up = (torch.randn(37, 2 * 704, generator=gen) * 4).to(dtype)
-    pairs = [(CpuOps.rms_norm(x, weight, 1e-5), TorchOps.rms_norm(x, weight, 1e-5)),
-             *zip(CpuOps.add_rms_norm(x, residual, weight, 1e-6), TorchOps.add_rms_norm(x, residual, weight, 1e-6)),
-             (CpuOps.silu_and_mul(gate_up), TorchOps.silu_and_mul(gate_up))]
+    pairs = [(built.rms_norm(x, weight, 1e-5)[0], TorchOps.rms_norm(x, weight, 1e-5)),
+             *zip(built.rms_norm(x, weight, 1e-6, residual), TorchOps.add_rms_norm(x, residual, weight, 1e-6)),
+             (built.silu_mul(gate_up), TorchOps.silu_and_mul(gate_up))]
     for ours, ref in pairs:
         assert ours.dtype == dtype and ours.shape == ref.shape
         if dtype == torch.float32:
@@ -230,18 +240,33 @@ def test_the_fused_norm_and_silu_equal_torchs_composition(dtype: torch.dtype) ->
         else:  # a bfloat16 step apart at most (two where a step of silu's rounding meets the product's), and rarely
             torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -6, atol=1e-30)
             assert (ours == ref).float().mean() > 0.99
-    # What the kernels do not take goes to PyTorch's ops: a view that is not contiguous.
-    strided = gate_up[:, ::2]
-    assert not strided.is_contiguous()
-    assert torch.equal(CpuOps.silu_and_mul(strided), TorchOps.silu_and_mul(strided))
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_rope_kernel_equals_torchs_exactly(dtype: torch.dtype) -> None:
-    """RoPE on q and k as views of one QKV output (strided tokens), rounded where TorchOps rounds: bit for bit its
-    result, so that greedy ids cannot move; what the kernel does not take (a transposed view) goes to PyTorch."""
+def test_the_cpu_ops_leave_what_the_elementwise_kernels_cannot_take_to_torch() -> None:
+    """The CPU ops run the kernels, and send PyTorch's ops what they do not take: a view that is not contiguous, a
+    RoPE input whose heads are not contiguous."""
     from engine.attention.cpu_linear import CpuOps
+    from engine.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(7, 256, generator=gen), torch.rand(256, generator=gen) + 0.5
+    assert torch.equal(CpuOps.rms_norm(x, weight, 1e-5), kernels.rms_norm(x, weight, 1e-5)[0])
+    strided = torch.randn(7, 512, generator=gen)[:, ::2]
+    assert not strided.is_contiguous()
+    assert torch.equal(CpuOps.silu_and_mul(strided), TorchOps.silu_and_mul(strided))
+    q, k = torch.randn(5, 8, 64, generator=gen), torch.randn(5, 2, 64, generator=gen)
+    freqs = torch.arange(64, dtype=torch.float32)[:, None] * (10000.0 ** (-torch.arange(0, 64, 2) / 64))[None, :]
+    positions = torch.randint(0, 64, (5,), generator=gen)
+    every_other = q[:, ::2]  # heads not contiguous: PyTorch's ops
+    assert torch.equal(CpuOps.apply_rope(every_other, k, positions, freqs.cos(), freqs.sin())[0],
+                       TorchOps.apply_rope(every_other, k, positions, freqs.cos(), freqs.sin())[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_kernel_equals_torchs_exactly(built: cpu_kernel.CpuKernels, dtype: torch.dtype) -> None:
+    """RoPE on q and k as views of one QKV output (strided tokens), rounded where TorchOps rounds: bit for bit its
+    result, so that greedy ids cannot move."""
     from engine.ops import TorchOps
 
     gen = torch.Generator().manual_seed(11)
@@ -252,27 +277,15 @@ def test_the_rope_kernel_equals_torchs_exactly(dtype: torch.dtype) -> None:
     freqs = torch.arange(4096, dtype=torch.float32)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))[None, :]
     cos, sin = freqs.cos(), freqs.sin()
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
-    ours, ref = CpuOps.apply_rope(q, k, positions, cos, sin), TorchOps.apply_rope(q, k, positions, cos, sin)
-    for a, b in zip(ours, ref):
+    ours = built.rope(q, positions, cos, sin), built.rope(k, positions, cos, sin)
+    for a, b in zip(ours, TorchOps.apply_rope(q, k, positions, cos, sin)):
         assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b)
-    every_other = q[:, ::2]  # heads not contiguous: PyTorch's ops
-    assert torch.equal(CpuOps.apply_rope(every_other, k, positions, cos, sin)[0],
-                       TorchOps.apply_rope(every_other, k, positions, cos, sin)[0])
 
 
-@needs_kernel
-def test_the_few_rows_linear_equals_torchs_to_its_last_place() -> None:
-    """cpu_gemv.c's bfloat16 linear at 1-8 rows (with and without a bias, N not a multiple of its row groups) gives
-    torch's linear but for last-place differences (its sums run in another order); the CPU ops use it at 1-2 rows
-    and oneDNN from 3, and a K that is not a multiple of 32 is refused (the caller falls back)."""
+def check_few_rows(kernels: cpu_kernel.CpuKernels) -> None:
     import torch.nn.functional as F
 
-    from engine.attention import cpu_linear
-
     gen = torch.Generator().manual_seed(3)
-    probe = kernels.linear_few_rows(torch.ones(1, 32, dtype=torch.bfloat16), torch.ones(1, 32, dtype=torch.bfloat16), None)
-    if probe is None:
-        pytest.skip("this CPU has no AVX512-BF16: the kernel refuses, and oneDNN runs every linear")
     for m in range(1, 9):
         for n, k in ((1, 64), (37, 1024), (200, 96)):
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
@@ -283,12 +296,51 @@ def test_the_few_rows_linear_equals_torchs_to_its_last_place() -> None:
             torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-2)
             assert (ours == ref).float().mean() >= 0.9, (m, n, k)
     assert kernels.linear_few_rows(torch.ones(1, 48, dtype=torch.bfloat16), torch.ones(4, 48, dtype=torch.bfloat16), None) is None
-    w = (torch.randn(300, 512, generator=gen) / 20).to(torch.bfloat16)
-    for m in (1, 2, 3):
-        x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
-        via_kernel = kernels.linear_few_rows(x, w, None)
-        assert torch.equal(cpu_linear.CpuOps.linear(x, w), via_kernel if m <= cpu_linear.FEW_ROWS
-                           else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
+
+
+def test_the_few_rows_linear_equals_torchs_to_its_last_place(built: cpu_kernel.CpuKernels) -> None:
+    """cpu_gemv.c's bfloat16 linear at 1-8 rows (with and without a bias, N not a multiple of its row groups) gives
+    torch's linear but for last-place differences (its sums run in another order), with AVX512-BF16's dot products
+    or the weights widened to float32; a K that is not a multiple of 32 is refused (the caller falls back)."""
+    check_few_rows(built)
+
+
+@needs_kernel
+def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() -> None:
+    """With native bfloat16, 1-2 rows in the kernel and oneDNN's bfloat16 GEMM from 3; without it (simulated:
+    PPD_CPU_ISA=avx2) up to 8 rows in the kernel and from 9 oneDNN's float32 GEMM on a float32 copy of the weight,
+    rounded to bfloat16 once: torch's result but for last-place differences."""
+    import torch.nn.functional as F
+
+    from engine.attention import cpu_linear
+    from engine.cpu_isa import has_native_bf16
+
+    gen = torch.Generator().manual_seed(4)
+    w, bias = (torch.randn(300, 512, generator=gen) / 20).to(torch.bfloat16), torch.randn(300).to(torch.bfloat16)
+    if has_native_bf16() and cpu_linear.packed_dtype(torch.bfloat16) == torch.bfloat16:
+        for m in (1, 2, 3):
+            x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
+            via_kernel = kernels.linear_few_rows(x, w, None)
+            assert torch.equal(cpu_linear.CpuOps.linear(x, w), via_kernel if m <= cpu_linear.FEW_ROWS
+                               else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PPD_CPU_ISA", "avx2")
+        cpu_linear.packed_dtype.cache_clear()
+        try:
+            wide = w.clone()  # packed afresh, in float32
+            for m in (1, 8, 9, 40):
+                x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
+                ours = cpu_linear.CpuOps.linear(x, wide, bias)
+                if m <= cpu_linear.FEW_ROWS_WIDENED:
+                    assert torch.equal(ours, kernels.linear_few_rows(x, wide, bias))
+                else:
+                    assert cpu_linear.packed(wide).dtype == torch.float32
+                    in_float32 = F.linear(x.float(), wide.float(), bias.float()).to(torch.bfloat16)
+                    assert (ours == in_float32).float().mean() > 0.98  # else a rounding apart (sums' order)
+                torch.testing.assert_close(ours.float(), F.linear(x, w, bias).float(), rtol=2 ** -7, atol=1e-2)
+        finally:
+            patch.undo()
+            cpu_linear.packed_dtype.cache_clear()
 
 
 @needs_kernel

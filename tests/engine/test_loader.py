@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import config
 from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype, weight_shapes
 from engine.loader import arena_nbytes, bind_arena, build_model, load_model, load_weights
 from engine.model import Model, kv_pool_shape
@@ -101,6 +104,41 @@ def test_dtype_names(llama_folder: Path) -> None:
         resolve_dtype("float64", cfg)
     model, _ = load_model(llama_folder, dtype_name="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # an EPYC of Zen 2 or 3: no native bfloat16
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_auto_serves_a_16_bit_checkpoint_in_float32_on_a_cpu_without_native_bfloat16(
+        llama_folder: Path, stored: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
+    """Where PyTorch's bfloat16 matmuls are slow, auto picks float32 and the log says why and how to keep bfloat16;
+    with avx512_bf16 or amx_bf16 it keeps the checkpoint's dtype; a GPU's dtype does not depend on its host CPU."""
+    cfg = dataclasses.replace(ModelConfig.from_folder(llama_folder), dtype=stored)
+    config._say.cache_clear()
+    with caplog.at_level(logging.INFO, logger="ppd.engine"):
+        assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY) == torch.float32
+        assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY) == torch.float32
+    said = [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()]
+    assert len(said) == 1  # once a process
+    assert all(w in said[0] for w in ("no native bfloat16", "avx512_bf16", "amx_bf16", "float32", "--dtype bfloat16"))
+    assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY | {"avx512f", "avx512_bf16"}) == stored
+    assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY | {"amx_bf16"}) == stored
+    assert resolve_dtype("auto", cfg, "cuda", AVX2_ONLY) == stored
+    assert resolve_dtype("auto", dataclasses.replace(cfg, dtype=torch.float32), "cpu", AVX2_ONLY) == torch.float32
+
+
+def test_bfloat16_asked_for_is_served_in_bfloat16_on_any_cpu(llama_folder: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """--dtype bfloat16 is honoured without native bfloat16, and the log says how it runs there and what it costs."""
+    cfg = dataclasses.replace(ModelConfig.from_folder(llama_folder), dtype=torch.bfloat16)
+    config._say.cache_clear()
+    with caplog.at_level(logging.INFO, logger="ppd.engine"):
+        assert resolve_dtype("bfloat16", cfg, "cpu", AVX2_ONLY) == torch.bfloat16
+        assert resolve_dtype("bfloat16", cfg, "cpu", AVX2_ONLY | {"amx_bf16"}) == torch.bfloat16
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "--dtype bfloat16 on a CPU without native bfloat16" in said[0]
+    assert "float32 copy of each weight" in said[0]
 
 
 def test_dummy_weights_need_no_safetensors(llama_folder: Path, tmp_path: Path) -> None:
