@@ -17,6 +17,7 @@ from engine.model import kv_pool_shape
 from engine.model_runner import ModelRunner, PromptLogprobsAsk, StepInput
 from tests.tiny_models import hf_gguf_model, write_tiny_gguf
 
+pytest.importorskip("accelerate", reason="transformers reads a GGUF model (the oracle here) only with accelerate")
 QUANTS = {"llama": "Q8_0", "mistral": "F16", "qwen2": "F32", "qwen3": "Q8_0"}
 
 
