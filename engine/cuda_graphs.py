@@ -105,6 +105,8 @@ class StepGraphs:
         assert self.buckets, "a graph set needs decode buckets or max_tokens > 0"
         self.decode = [b for b in self.buckets if b.decode]
         self.tokens = [b for b in self.buckets if not b.decode]
+        self._decode_seqs = [b.seqs for b in self.decode]  # bucket_for's bisections, once
+        self._token_counts = [b.tokens for b in self.tokens]
         self.io = io or GraphIO(self.buckets, model.cfg.vocab_size, model.rope_cos.device)
         assert self.io.tokens >= max(b.tokens for b in self.buckets) and self.io.samples >= self.max_batch
         self.static = backend.graph_metadata(self.buckets, num_sms)
@@ -148,11 +150,11 @@ class StepGraphs:
         if batch.hidden_rows or n > self.max_batch:
             return None
         if batch.is_decode and self.decode:
-            return self.decode[bisect.bisect_left([b.seqs for b in self.decode], n)]
+            return self.decode[bisect.bisect_left(self._decode_seqs, n)]
         t = len(batch.token_ids)
         if t > self.max_tokens:
             return None
-        return self.tokens[bisect.bisect_left([b.tokens for b in self.tokens], t)]
+        return self.tokens[bisect.bisect_left(self._token_counts, t)]
 
     def run(self, batch: StepBatch, bucket: GraphBucket) -> Tensor:
         """Float32 logits [sampled rows of batch, vocab], by replaying bucket's graph (from bucket_for(batch))."""
