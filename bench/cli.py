@@ -35,7 +35,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default="mixed", choices=["decode-heavy", "balanced", "prefill-heavy", "mixed"],
                    help="synthetic: the turn-2+ shape (PPD paper)")
     g.add_argument("--turn1", default="mixed", choices=["short", "long", "mixed"], help="synthetic: turn-1 length")
-    g.add_argument("--turns", type=int, default=2, help="synthetic, uniform: turns per conversation")
+    g.add_argument("--turns", type=int, default=None,
+                   help="synthetic, uniform: turns per conversation (default 2); sharegpt: only conversations of at "
+                        "least this many turns, cut to it (default: every conversation, all its turns)")
     g.add_argument("--user-tokens", default="200-400", metavar="LOW-HIGH",
                    help="uniform: each turn's new user tokens, drawn uniformly in LOW-HIGH (default 200-400)")
     g.add_argument("--output-tokens", type=int, default=64, help="uniform: each answer's tokens (default 64)")
@@ -342,13 +344,13 @@ def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any)
     from bench.workloads import load_workload
 
     if args.workload == "synthetic":
-        options = dict(profile=args.profile, turn1=args.turn1, turns=args.turns, scale=_fitted_scale(args, served),
+        options = dict(profile=args.profile, turn1=args.turn1, turns=args.turns or 2, scale=_fitted_scale(args, served),
                        api=_text_or_ids(args.api))
     elif args.workload == "uniform":
         low, _, high = args.user_tokens.partition("-")
         if not (low.isdigit() and (high or low).isdigit()):
             raise BenchError(f"--user-tokens {args.user_tokens!r}: give LOW-HIGH or N, e.g. 200-400")
-        options = dict(turns=args.turns, user_tokens=(int(low), int(high or low)), output_tokens=args.output_tokens,
+        options = dict(turns=args.turns or 2, user_tokens=(int(low), int(high or low)), output_tokens=args.output_tokens,
                        api=_text_or_ids(args.api))
     elif args.workload == "sharegpt":
         max_input = args.max_input_tokens
@@ -356,6 +358,8 @@ def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any)
             # Room for the answer and for chat-template tokens, which the workload does not count.
             max_input = int(0.9 * served["max_model_len"]) - args.max_output_tokens
         options = dict(path=args.dataset, max_input_tokens=max_input, max_output_tokens=args.max_output_tokens)
+        if args.turns:
+            options.update(max_turns=args.turns, min_turns=args.turns)
     else:
         options = dict(path=args.dataset)
     try:
@@ -421,7 +425,7 @@ def _fitted_scale(args: argparse.Namespace, served: dict) -> float:
 
     if args.scale is not None:
         return args.scale
-    longest, context = synthetic_longest(args.profile, args.turn1, args.turns), served.get("max_model_len")
+    longest, context = synthetic_longest(args.profile, args.turn1, args.turns or 2), served.get("max_model_len")
     if not context or longest <= 0.9 * context:
         return 1.0
     scale = round(0.9 * context / longest, 4)

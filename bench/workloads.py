@@ -235,8 +235,9 @@ def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[An
 
 def _sharegpt_conversation(record: Any, index: int, tokenizer: Any, max_turns: int | None,
                            max_input_tokens: int | None, max_output_tokens: int,
-                           ignore_eos: bool) -> Conversation | None:
-    """One ShareGPT record as a Conversation, or None when it is malformed or nothing fits the limits."""
+                           ignore_eos: bool, min_turns: int = 1) -> Conversation | None:
+    """One ShareGPT record as a Conversation, or None when it is malformed or fewer than min_turns fit the
+    limits."""
     if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
         return None
     messages = []
@@ -262,7 +263,7 @@ def _sharegpt_conversation(record: Any, index: int, tokenizer: Any, max_turns: i
         context += n_in + n_out
         if max_turns is not None and len(turns) == max_turns:
             break
-    if not turns:
+    if len(turns) < max(1, min_turns):
         return None
     conv_id = str(record.get("id", f"sharegpt-{index}"))
     return Conversation(id=conv_id, turns=turns, system=system, ignore_eos=ignore_eos)
@@ -281,12 +282,13 @@ def sharegpt_path() -> Path:
 
 def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any = None, max_turns: int | None = None,
              max_input_tokens: int | None = None, max_output_tokens: int = 1024,
-             ignore_eos: bool = False) -> list[Conversation]:
+             ignore_eos: bool = False, min_turns: int = 1) -> list[Conversation]:
     """num_conversations conversations drawn by seed from a ShareGPT-format JSON list.
 
     Human turns become Turn.user; the reply that follows sets max_tokens (its length in tokens by
     the tokenizer, else len/4; capped at max_output_tokens); a trailing human turn with no reply is
-    dropped. max_input_tokens caps each turn's prompt, counted as system + earlier inputs and
+    dropped; turns past max_turns are cut, and a record with fewer than min_turns usable turns is skipped (both
+    at N: conversations of exactly N turns). max_input_tokens caps each turn's prompt, counted as system + earlier inputs and
     max_tokens + this input (chat-template tokens not counted): a conversation ends before the turn
     that would exceed it. Records that are not of this shape are skipped; a truncated file yields its
     complete records. Fewer usable conversations than asked: all of them, with a warning.
@@ -300,7 +302,7 @@ def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any
         if len(conversations) == num_conversations:
             break
         conv = _sharegpt_conversation(records[i], i, tokenizer, max_turns, max_input_tokens, max_output_tokens,
-                                      ignore_eos)
+                                      ignore_eos, min_turns)
         if conv is None:
             continue
         if conv.id in ids:

@@ -210,6 +210,9 @@ def test_sharegpt_counts_with_the_tokenizer_and_applies_limits(tmp_path: Path, b
     capped = {c.id: c for c in sharegpt(path, 100, seed=0, tokenizer=byte_tokenizer, max_output_tokens=16)}
     assert [t.max_tokens for t in capped["plain"].turns] == [16, 8]
     assert len({c.id: c for c in sharegpt(path, 100, seed=0, max_turns=1)}["plain"].turns) == 1
+    # `ppd bench --workload sharegpt --turns 2`: only the conversations of 2 turns or more, cut to 2.
+    assert {c.id for c in sharegpt(path, 100, seed=0, max_turns=2, min_turns=2)} == {
+        c.id for c in convs.values() if len(c.turns) >= 2}
     # "hi there" (8) + 40 + "more" (4) = 52 tokens of prompt for turn 2: a limit of 51 stops before it.
     limited = {c.id: c for c in sharegpt(path, 100, seed=0, tokenizer=byte_tokenizer, max_input_tokens=51)}
     assert len(limited["plain"].turns) == 1
