@@ -1,8 +1,9 @@
 """vLLM's CPU build as the peer of `ppd bench compare --peer vllm`: its install, command line and environment.
 
 What is matched, so that the two servers answer the same requests on the same model:
-- the model folder (`--model`; the built-in demo's folder when ppd serves the demo) and the name clients use
-  (`--served-model-name`, else ppd's default: the folder's name, or 'demo');
+- the model folder (`--model`; the built-in demo's folder when ppd serves the demo, and for a GGUF or `smollm2`
+  the folder ppd converts it into, in float32 with its tokenizer) and the name clients use (`--served-model-name`,
+  else ppd's default: the folder's or file's name, or 'demo' or 'smollm2');
 - the dtype: ppd's `auto` is the checkpoint's dtype on the CPU, so vLLM is given that dtype by name (vLLM's own
   `auto` would run a float32 checkpoint in a 16-bit type);
 - the context (`--max-model-len`), batch limits (`--max-num-seqs`, `--max-num-batched-tokens`), `--tokenizer`,
@@ -74,11 +75,17 @@ def vllm_command(python: Path, serve_args: list[str], peer_args: list[str], port
     """vLLM's OpenAI server on 127.0.0.1:port, matched to `ppd serve <serve_args>` (see the module docstring)."""
     from engine.config import ModelConfig, ModelError, resolve_dtype
     from engine.demo import DEMO_MODEL, demo_model_path
+    from engine.gguf import SMOLLM2, GGUFError, gguf_in, model_folder
 
     model = option_value(serve_args, "--model") or DEMO_MODEL
     folder = str(demo_model_path()) if model == DEMO_MODEL else model
+    try:  # a GGUF (or `smollm2`): the folder ppd serves it from, converted once into the cache
+        if model != DEMO_MODEL and (gguf := gguf_in(model)) is not None:
+            folder = str(model_folder(gguf))
+    except GGUFError as exc:
+        raise BenchError(f"--model {model}: {exc}") from exc
     name = option_value(serve_args, "--served-model-name") or (
-        DEMO_MODEL if model == DEMO_MODEL else os.path.basename(model.rstrip("/")))
+        model if model in (DEMO_MODEL, SMOLLM2) else os.path.basename(model.rstrip("/")).removesuffix(".gguf"))
     dtype = option_value(serve_args, "--dtype") or "auto"
     if dtype == "auto":
         try:

@@ -46,6 +46,20 @@ def test_vllm_command_serves_the_demo_folder_as_demo(cache_dir: Path, monkeypatc
     assert cmd[cmd.index("--served-model-name") + 1] == "demo" and cmd[cmd.index("--dtype") + 1] == "float32"
 
 
+def test_vllm_command_serves_a_gguf_from_the_folder_ppd_converts_it_into(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.gguf import model_folder
+    from tests.tiny_models import write_tiny_gguf
+
+    monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "tiny-q8.gguf", "llama", "Q8_0")
+    cmd = vllm_command(Path("python"), ["--model", str(path)], [], 1)
+    assert cmd[cmd.index("--model") + 1] == str(model_folder(path))  # vLLM's CPU build does not read GGUF files
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny-q8"  # ppd's name for it
+    with pytest.raises(BenchError, match="--model"):
+        vllm_command(Path("python"), ["--model", str(tmp_path / "broken.gguf")], [], 1)
+
+
 def test_vllm_env_binds_every_core_and_preloads_what_the_venv_has(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "lib").mkdir()
