@@ -20,6 +20,31 @@
 
 #include "cpu_common.h"
 
+#if defined(__AVX512F__)
+#define WL 16 /* floats in a vector */
+#else
+#define WL 8
+#endif
+typedef float vw __attribute__((vector_size(4 * WL)));
+typedef uint32_t vu __attribute__((vector_size(4 * WL)));
+typedef uint16_t vh __attribute__((vector_size(2 * WL)));
+
+static inline vw widen(const uint16_t *p) { /* WL bfloat16 as float32: each one's bits in the high half */
+    vw f;
+#if WL == 16
+    const __m512 w = widen_bf16x16(p);
+#elif defined(__AVX2__)
+    const __m256 w = widen_bf16x8(p);
+#else
+    vh h;
+    memcpy(&h, p, sizeof h);
+    const vu w = __builtin_convertvector(h, vu) << 16;
+#endif
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* Rows n0 .. n0 + 16/P - 1 of out (those below N) for the M rows of x. Always inlined with M and P constants. */
 static inline __attribute__((always_inline)) void gemv_group(const uint16_t *x, const uint16_t *w,
@@ -46,30 +71,6 @@ static inline __attribute__((always_inline)) void gemv_group(const uint16_t *x, 
     }
 }
 #else
-#if defined(__AVX512F__)
-#define WL 16 /* floats in a vector */
-#else
-#define WL 8
-#endif
-typedef float vw __attribute__((vector_size(4 * WL)));
-typedef uint32_t vu __attribute__((vector_size(4 * WL)));
-typedef uint16_t vh __attribute__((vector_size(2 * WL)));
-
-static inline vw widen(const uint16_t *p) { /* WL bfloat16 as float32: each one's bits in the high half */
-    vw f;
-#if WL == 16
-    const __m512 w = widen_bf16x16(p);
-#elif defined(__AVX2__)
-    const __m256 w = widen_bf16x8(p);
-#else
-    vh h;
-    memcpy(&h, p, sizeof h);
-    const vu w = __builtin_convertvector(h, vu) << 16;
-#endif
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
 /* Rows n0 .. n0 + R - 1 of out (those below N) for the M rows of xf (x widened). Always inlined with M and R
  * constants: R x M accumulators, at most 8 (a sixteen-register AVX2 file keeps them with a weight and a row of x). */
 static inline __attribute__((always_inline)) void gemv_group(const float *xf, const uint16_t *w, const uint16_t *bias,
@@ -146,4 +147,98 @@ int linear_few_rows_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *b
     free(xf);
     return 0;
 #endif
+}
+
+/* Linear layers of up to 32 rows in float32: out [M, N] = x [M, K] @ w [N, K]^T (+ bias), the weights float32 or
+ * bfloat16 widened in registers, x float32 (a bfloat16 model's rows widened once by the caller), out float32. A decode
+ * step's batch at 8-32 rows, where the weights' bytes and then the FMAs set the time and oneDNN's float32 GEMM reads
+ * its prepacked weights at half the copy rate on AVX2 (bench/results/cpu-2core/isa/README.md).
+ *
+ * Each thread takes a contiguous range of weight rows in blocks of about 96 KB; within a block, MG rows of x at a time
+ * (held in registers) against RG weight rows at a time: MG x RG accumulators over K (AVX2: 3 x 4, at 32 rows 0.88-0.95x
+ * oneDNN's time where 4 x 2 took 0.99-1.04x and 2 x 6 0.94-1.08x), each weight vector loaded (and
+ * widened) once for the MG rows. The block's weights come from DRAM on its first pass of rows and from L2 on the
+ * others. Sums in vector lanes, added together at the end: another order than oneDNN's, so results may differ from
+ * torch's in the last places. */
+#if WL == 16
+#define MG 4 /* 4 x 4 accumulators, 4 rows of x and a weight vector in 32 registers */
+#define RG 4
+#else
+#define MG 3 /* 3 x 4 accumulators (12 FMA chains), 3 rows of x and a weight vector in 16 registers */
+#define RG 4
+#endif
+
+static inline __attribute__((always_inline)) vw load_w(const void *w, int64_t i, const int wide) {
+    if (wide) return widen((const uint16_t *)w + i);
+    vw v;
+    memcpy(&v, (const float *)w + i, sizeof v);
+    return v;
+}
+
+/* out[m0 .. m0 + M - 1][n0 .. n0 + R - 1]; always inlined with M, R and wide constants. */
+static inline __attribute__((always_inline)) void rows_tile(const float *x, const void *w, const float *bias,
+                                                            float *out, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                                                            const int M, const int R, const int wide) {
+    vw acc[MG * RG];
+    for (int i = 0; i < M * R; i++) acc[i] = (vw){0};
+    const float *xr = x + m0 * K;
+    for (int64_t k = 0; k < K; k += WL) {
+        vw xv[MG];
+        for (int m = 0; m < M; m++) memcpy(&xv[m], xr + m * K + k, sizeof xv[m]);
+        for (int r = 0; r < R; r++) {
+            const vw wv = load_w(w, (n0 + r) * K + k, wide);
+            for (int m = 0; m < M; m++) acc[r * M + m] += wv * xv[m];
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float b = bias ? bias[n0 + r] : 0.0f;
+        for (int m = 0; m < M; m++) {
+            float s = 0.0f;
+            for (int l = 0; l < WL; l++) s += acc[r * M + m][l];
+            out[(m0 + m) * N + n0 + r] = s + b;
+        }
+    }
+}
+
+/* Rows m0 .. m0 + M - 1 of x against weight rows n0 .. n1 - 1 (n1 - n0 a multiple of RG, or the range's tail). */
+static inline __attribute__((always_inline)) void rows_pass(const float *x, const void *w, const float *bias,
+                                                            float *out, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                                                            int64_t n1, const int M, const int wide) {
+    int64_t n = n0;
+    for (; n + RG <= n1; n += RG) rows_tile(x, w, bias, out, K, N, m0, n, M, RG, wide);
+    for (; n < n1; n++) rows_tile(x, w, bias, out, K, N, m0, n, M, 1, wide);
+}
+
+static void rows_block(const float *x, const void *w, const float *bias, float *out, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, int64_t n1, const int wide) {
+    int64_t m = 0;
+    for (; m + MG <= M; m += MG) rows_pass(x, w, bias, out, K, N, m, n0, n1, MG, wide);
+    switch (M - m) {
+    case 1: rows_pass(x, w, bias, out, K, N, m, n0, n1, 1, wide); break;
+    case 2: rows_pass(x, w, bias, out, K, N, m, n0, n1, 2, wide); break;
+    case 3: rows_pass(x, w, bias, out, K, N, m, n0, n1, 3, wide); break;
+#if MG > 4
+#error "rows_block handles a remainder of up to 3 rows"
+#endif
+    }
+}
+
+/* 0 done; 1 where the shape is not one it takes (K a multiple of the vector, M from 1 to 32). w_bf16: the weights
+ * (and nothing else) are bfloat16. */
+int linear_rows_f32(const float *x, const void *w, const float *bias, float *out, int64_t M, int64_t K, int64_t N,
+                    int64_t w_bf16, int64_t num_threads) {
+    if (K % WL != 0 || M < 1 || M > 32) return 1;
+    const int64_t bytes = w_bf16 ? 2 : 4;
+    int64_t block = (96 * 1024) / (K * bytes) / RG * RG; /* weight rows a block: about 96 KB, whole tiles */
+    if (block < RG) block = RG;
+    const int64_t blocks = (N + block - 1) / block;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * block, n1 = n0 + block < N ? n0 + block : N;
+        if (w_bf16)
+            rows_block(x, w, bias, out, M, K, N, n0, n1, 1);
+        else
+            rows_block(x, w, bias, out, M, K, N, n0, n1, 0);
+    }
+    return 0;
 }

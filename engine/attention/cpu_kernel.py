@@ -97,6 +97,8 @@ class CpuKernels:
             rope.restype = ctypes.c_int
         self.lib.linear_few_rows_bf16.argtypes = [ptr] * 4 + [i64] * 4
         self.lib.linear_few_rows_bf16.restype = ctypes.c_int
+        self.lib.linear_rows_f32.argtypes = [ptr] * 4 + [i64] * 5
+        self.lib.linear_rows_f32.restype = ctypes.c_int
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                      scale: float, block_size: int) -> Tensor:
@@ -178,6 +180,17 @@ class CpuKernels:
         out = x.new_empty((m, n))
         failed = self.lib.linear_few_rows_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                                out.data_ptr(), m, k, n, torch.get_num_threads())
+        return None if failed else out
+
+    def linear_rows(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+        """x [M, K] @ weight [N, K]^T (+ bias [N]) in float32 for M of 1 to 32 (cpu_gemv.c), weight float32 or
+        bfloat16 (widened in registers); None where the shape is not one the kernel takes (K a multiple of the
+        vector). x and bias contiguous float32, weight contiguous."""
+        (m, k), n = x.shape, weight.shape[0]
+        out = x.new_empty((m, n))
+        failed = self.lib.linear_rows_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                          out.data_ptr(), m, k, n, int(weight.dtype == torch.bfloat16),
+                                          torch.get_num_threads())
         return None if failed else out
 
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.attention.cpu_kernel import DTYPES, load
-from engine.cpu_isa import has_native_bf16
+from engine.cpu_isa import cpu_flags, has_native_bf16
 from engine.ops import TorchOps
 
 # id(weight) -> (a weak reference to the weight, its packed copy). Weak, so that a weight freed (an engine closed)
@@ -39,6 +39,17 @@ FEW_ROWS = 2
 # Without native bfloat16 the kernel, reading the bfloat16 weights and widening them in registers, is the faster up to
 # its limit of 8 rows against oneDNN's float32 GEMM on the float32 copy (bench/results/cpu-2core/isa/README.md).
 FEW_ROWS_WIDENED = 8
+# On a CPU without AVX-512 (an AVX2 build), linears of up to this many rows run in cpu_gemv.c's float32 kernel, whose
+# weights (float32, or bfloat16 widened in registers) are read once for every 3 rows of x: float32 weights at 1-32
+# rows in 0.64-0.95x the time of oneDNN's float32 GEMM, bfloat16 ones at 9-32 rows in 0.67-1.05x
+# (bench/results/cpu-2core/isa/rows_bench.py, AVX2 environment). With AVX-512 oneDNN is the faster from 4 rows
+# (1.3-3x), and at 1 row the kernel gains little (0.66-0.97x): it is not taken there.
+ROWS_F32 = 32
+
+
+def rows_kernel_rows() -> int:
+    """How many rows of a linear cpu_gemv.c's float32 kernel takes on this CPU (0: none)."""
+    return 0 if "avx512f" in cpu_flags() else ROWS_F32
 
 
 @functools.cache
@@ -119,6 +130,15 @@ class CpuOps(TorchOps):
             out = kernels.linear_few_rows(x.contiguous(), weight, bias) if kernels is not None else None
             if out is not None:
                 return out
+        if (x.dim() == 2 and 0 < x.shape[0] <= rows_kernel_rows() and x.dtype == weight.dtype
+                and (x.dtype == torch.float32 or packed_dtype(x.dtype) == torch.float32) and weight.dim() == 2
+                and weight.shape[1] == x.shape[1] and weight.is_contiguous()
+                and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]))):
+            kernels = load()
+            wide = None if bias is None else bias.float().contiguous()
+            out = kernels.linear_rows(x.float().contiguous(), weight, wide) if kernels is not None else None
+            if out is not None:
+                return out.to(x.dtype)
         w = packed(weight) if x.shape[0] and x.dim() == 2 and x.dtype == weight.dtype else None
         if w is None:
             return F.linear(x, weight, bias)

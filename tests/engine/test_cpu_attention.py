@@ -305,11 +305,32 @@ def test_the_few_rows_linear_equals_torchs_to_its_last_place(built: cpu_kernel.C
     check_few_rows(built)
 
 
+def test_the_rows_linear_equals_float64_for_float32_and_bfloat16_weights(built: cpu_kernel.CpuKernels) -> None:
+    """cpu_gemv.c's float32 linear of 1-32 rows (every remainder of its row groups; N not a multiple of its weight
+    tiles nor of its blocks; with and without a bias) equals the float64 product of the same numbers to float32's
+    accuracy, its weights float32 or bfloat16 widened in registers; a K its vectors do not divide, or 33 rows, is
+    refused (the caller falls back)."""
+    gen = torch.Generator().manual_seed(5)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 31, 32):
+        for n, k in ((1, 64), (37, 1024), (131, 96), (600, 160)):
+            x = torch.randn(m, k, generator=gen)
+            w = torch.randn(n, k, generator=gen) / k ** 0.5
+            bias = torch.randn(n, generator=gen) if n % 2 else None
+            for weight in (w, w.to(torch.bfloat16)):
+                ours = built.linear_rows(x, weight, bias)
+                ref = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+                assert ours.shape == (m, n) and ours.dtype == torch.float32
+                torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
+    assert built.linear_rows(torch.ones(1, 44), torch.ones(4, 44), None) is None
+    assert built.linear_rows(torch.ones(33, 64), torch.ones(4, 64), None) is None
+
+
 @needs_kernel
 def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() -> None:
-    """With native bfloat16, 1-2 rows in the kernel and oneDNN's bfloat16 GEMM from 3; without it (simulated:
-    PPD_CPU_ISA=avx2) up to 8 rows in the kernel and from 9 oneDNN's float32 GEMM on a float32 copy of the weight,
-    rounded to bfloat16 once: torch's result but for last-place differences."""
+    """With native bfloat16, 1-2 rows in the kernel and oneDNN's bfloat16 GEMM from 3; without AVX-512 (simulated:
+    PPD_CPU_ISA=avx2) up to 8 rows in the few-rows kernel, 9-32 in the float32 rows kernel (the weight widened) and
+    from 33 oneDNN's float32 GEMM on a float32 copy of the weight, rounded to bfloat16 once: torch's result but for
+    last-place differences; a float32 model's linears of up to 32 rows in the rows kernel, oneDNN's from 33."""
     import torch.nn.functional as F
 
     from engine.attention import cpu_linear
@@ -328,16 +349,28 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
         cpu_linear.packed_dtype.cache_clear()
         try:
             wide = w.clone()  # packed afresh, in float32
-            for m in (1, 8, 9, 40):
+            for m in (1, 8, 9, 32, 40):
                 x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
                 ours = cpu_linear.CpuOps.linear(x, wide, bias)
                 if m <= cpu_linear.FEW_ROWS_WIDENED:
                     assert torch.equal(ours, kernels.linear_few_rows(x, wide, bias))
+                elif m <= cpu_linear.ROWS_F32:
+                    assert torch.equal(ours, kernels.linear_rows(x.float(), wide, bias.float()).to(torch.bfloat16))
                 else:
                     assert cpu_linear.packed(wide).dtype == torch.float32
                     in_float32 = F.linear(x.float(), wide.float(), bias.float()).to(torch.bfloat16)
                     assert (ours == in_float32).float().mean() > 0.98  # else a rounding apart (sums' order)
                 torch.testing.assert_close(ours.float(), F.linear(x, w, bias).float(), rtol=2 ** -7, atol=1e-2)
+            w32, bias32 = w.float(), bias.float()  # a float32 model: the float32 kernel up to ROWS_F32 rows
+            for m in (1, 32, 33):
+                x = torch.randn(m, 512, generator=gen)
+                ours = cpu_linear.CpuOps.linear(x, w32, bias32)
+                if m <= cpu_linear.ROWS_F32:
+                    assert torch.equal(ours, kernels.linear_rows(x, w32, bias32))
+                else:
+                    assert torch.equal(ours, torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w32), bias32,
+                                                                                "none", [], ""))
+                torch.testing.assert_close(ours, F.linear(x, w32, bias32), rtol=1e-5, atol=1e-5)
         finally:
             patch.undo()
             cpu_linear.packed_dtype.cache_clear()

@@ -1,7 +1,8 @@
 """Where an engine step's wall time goes (issue 23's model, dummy weights, the pool as `ppd bench engine` sizes it):
 our kernels and each linear layer timed by wrapping them, 10 steps after 3 warm-ups; `rest` is everything else
-(embedding, sampling, Python). Usage: python step_parts.py DTYPE BATCH CONTEXT [NEW_TOKENS]"""
-import collections, sys, time
+(embedding, sampling, Python). Usage: [MODEL=FOLDER] python step_parts.py DTYPE BATCH CONTEXT [NEW_TOKENS]
+(MODEL: another model folder, e.g. SmolLM2's converted one)"""
+import collections, os, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 import torch
@@ -28,7 +29,7 @@ cpu_linear.CpuOps.linear = staticmethod(timed(lambda x, w, *_: f"linear {x.shape
                                               cpu_linear.CpuOps.linear))
 dtype, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 new = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-engine = start_engine(engine_config(str(Path(__file__).resolve().parents[3] / "models" / "llama-1b-cpu"),
+engine = start_engine(engine_config(os.environ.get("MODEL") or str(Path(__file__).resolve().parents[3] / "models" / "llama-1b-cpu"),
                                     torch.device("cpu"), CPU_GRID, dtype))
 try:
     blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
