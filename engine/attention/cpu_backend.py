@@ -6,6 +6,13 @@ one call per layer, across the CPU's threads: a decode row (one new token) is a 
 row a tile of flash attention with the other new tokens of its sequence. Where the kernels cannot be built
 (engine/attention/cpu_kernel.py says why), the dtype is not float32 or bfloat16, or a KV head has more than
 MAX_GROUP query heads, every row goes to PyTorch's SDPA over the gathered blocks, as in the torch backend.
+
+bfloat16 prefill rows on a CPU with AMX go to PyTorch's SDPA as well, per sequence over its gathered blocks: its
+flash attention multiplies tiles on AMX, where our kernel's AVX512-BF16 dot products are no faster than its
+float32 path. On a 2-core Xeon with AMX-BF16, at SmolLM2-135M's layer (9 heads, 3 KV heads, D 64): 0.56x our
+kernel's time on a 512-token prompt, 0.82x on 16 prompts of 128, 0.44x on 256 new tokens over 1,024 cached, 0.52x on
+64 over 2,048, the gather and masks included (bench/results/cpu-2core/smollm2/sdpa_layer.py). float32, and CPUs
+without AMX, keep our kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from engine.attention.base import StepBatch
 from engine.attention.cpu_kernel import DTYPES, load
 from engine.attention.cpu_linear import CpuOps
 from engine.attention.torch_backend import AttentionMetadata, TorchBackend, sdpa_attention, store_kv
+from engine.cpu_isa import cpu_flags
 
 MAX_GROUP = 64  # query heads per KV head the prefill kernel takes (its work items have at most 64 rows)
 
@@ -55,6 +63,23 @@ class CpuMetadata:
     full: AttentionMetadata  # the whole step, for SDPA when the kernels are not used
     decode: Rows | None      # sequences adding one token
     prefill: Rows | None     # sequences adding several (a prompt, or an append-prefill over cached tokens)
+    prefill_sdpa: AttentionMetadata | None = None  # the prefill sequences alone, for SDPA (bfloat16 on AMX)
+
+
+def prefill_in_sdpa(dtype: torch.dtype) -> bool:
+    """Whether prefill rows of this dtype go to PyTorch's SDPA rather than our kernel: bfloat16 where the CPU has
+    AMX-BF16 (and PPD_CPU_ISA does not hide it)."""
+    return dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+
+
+def only(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
+    """meta restricted to the sequences seqs (their rows concatenated in that order)."""
+    starts = [0]
+    for i in seqs:
+        starts.append(starts[-1] + meta.query_start[i + 1] - meta.query_start[i])
+    return AttentionMetadata(slot_mapping=meta.slot_mapping, query_start=starts,
+                             context_lens=[meta.context_lens[i] for i in seqs],
+                             block_tables=[meta.block_tables[i] for i in seqs], block_size=meta.block_size)
 
 
 class CpuBackend(TorchBackend):
@@ -69,8 +94,9 @@ class CpuBackend(TorchBackend):
         qs = batch.query_start
         single = [i for i in range(batch.num_seqs) if qs[i + 1] - qs[i] == 1]
         several = [i for i in range(batch.num_seqs) if qs[i + 1] - qs[i] != 1]
-        return CpuMetadata(full=super().prepare(batch), decode=Rows.of(batch, single),
-                           prefill=Rows.of(batch, several))
+        full = super().prepare(batch)
+        return CpuMetadata(full=full, decode=Rows.of(batch, single), prefill=Rows.of(batch, several),
+                           prefill_sdpa=only(full, several) if several else None)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: CpuMetadata,
                 scale: float) -> Tensor:
@@ -79,15 +105,21 @@ class CpuBackend(TorchBackend):
                 or q.shape[1] // k_cache.shape[1] > MAX_GROUP):
             return sdpa_attention(q, k_cache, v_cache, meta.full, scale)
         bs = meta.full.block_size
-        parts = []
-        if meta.decode is not None:
-            parts.append((meta.decode, self.kernels.paged_decode, ()))
-        if meta.prefill is not None:
-            parts.append((meta.prefill, self.kernels.paged_prefill, (meta.prefill.query_start,)))
+
+        def decode(x: Tensor) -> Tensor:
+            rows = meta.decode
+            return self.kernels.paged_decode(x, k_cache, v_cache, rows.tables, rows.lens, scale, bs)
+
+        def prefill(x: Tensor) -> Tensor:
+            if prefill_in_sdpa(x.dtype):
+                return sdpa_attention(x, k_cache, v_cache, meta.prefill_sdpa, scale)
+            rows = meta.prefill
+            return self.kernels.paged_prefill(x, k_cache, v_cache, rows.tables, rows.lens, rows.query_start, scale, bs)
+
+        parts = [(rows, fn) for rows, fn in ((meta.decode, decode), (meta.prefill, prefill)) if rows is not None]
         if len(parts) == 1 and parts[0][0].everything:
-            rows, kernel, extra = parts[0]
-            return kernel(q, k_cache, v_cache, rows.tables, rows.lens, *extra, scale, bs)
+            return parts[0][1](q)
         out = torch.empty_like(q)
-        for rows, kernel, extra in parts:
-            out[rows.rows] = kernel(q[rows.rows], k_cache, v_cache, rows.tables, rows.lens, *extra, scale, bs)
+        for rows, fn in parts:
+            out[rows.rows] = fn(q[rows.rows])
         return out

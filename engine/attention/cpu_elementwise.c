@@ -20,14 +20,49 @@
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+static inline __m512 widen_bf16x16_masked(const uint16_t *p, __mmask16 m) { /* lanes outside m: 0 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+static inline __m512 round_bf16x16(__m512 v) { /* each lane rounded to bfloat16 (to nearest even) and back */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+#endif
+
 /* out = rms_norm(x + residual) * w over rows of n; residual NULL: no add (sum unused), else sum = x + residual. */
 int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out, uint16_t *sum,
                   int64_t rows, int64_t n, float eps, int64_t num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * n > 4096)")
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * n;
         uint16_t *outr = out + r * n;
         float squares = 0.0f;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        /* 16 at a time (the plain loops below took about 2x the time at 512 rows) */
+        __m512 sq = _mm512_setzero_ps();
+        const uint16_t *rr = residual ? residual + r * n : NULL;
+        uint16_t *sr = residual ? sum + r * n : NULL;
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = i + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+            __m512 v = widen_bf16x16_masked(xr + i, m);
+            if (rr) {
+                const __m256i s16 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, widen_bf16x16_masked(rr + i, m)));
+                _mm256_mask_storeu_epi16(sr + i, m, s16);
+                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+            }
+            sq = _mm512_fmadd_ps(v, v, sq);
+        }
+        if (rr) xr = sr;
+        squares = _mm512_reduce_add_ps(sq);
+        const float inv = (float)(1.0 / sqrt((double)(squares / (float)n + eps)));
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 m = i + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+            const __m512 h = round_bf16x16(_mm512_mul_ps(widen_bf16x16_masked(xr + i, m), _mm512_set1_ps(inv)));
+            _mm256_mask_storeu_epi16(outr + i, m,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(h, widen_bf16x16_masked(w + i, m))));
+        }
+#else
         if (residual) {
             const uint16_t *rr = residual + r * n;
             uint16_t *sr = sum + r * n;
@@ -45,6 +80,7 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w
         const float inv = (float)(1.0 / sqrt((double)(squares / (float)n + eps))); /* not -ffast-math's estimate */
         _Pragma("omp simd")
         for (int64_t i = 0; i < n; i++) outr[i] = f32_to_bf16(round_bf16(bf16_to_f32(xr[i]) * inv) * bf16_to_f32(w[i]));
+#endif
     }
     return 0;
 }
@@ -78,10 +114,23 @@ int silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * n, *u = g + n;
         uint16_t *o = out + r * n;
+        int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+        /* 16 at a time: e^-g as exp2_16 (relative error about 1e-7, below the bfloat16 rounding that follows), the
+         * roundings by vcvtneps2bf16 (to nearest even, as f32_to_bf16). The plain loop below, which GCC does not
+         * vectorize through f32_to_bf16's NaN test, took 3-4x the time at 512 rows. */
+        for (; i < n; i += 16) {
+            const __mmask16 m = i + 16 <= n ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+            const __m512 gi = widen_bf16x16_masked(g + i, m), ui = widen_bf16x16_masked(u + i, m);
+            const __m512 e = exp2_16(_mm512_mul_ps(gi, _mm512_set1_ps(-LOG2E)));
+            const __m512 a = round_bf16x16(_mm512_div_ps(gi, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_mask_storeu_epi16(o + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, ui)));
+        }
+#endif
         _Pragma("omp simd")
-        for (int64_t i = 0; i < n; i++) {
-            const float gi = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * bf16_to_f32(u[i]));
+        for (int64_t j = i; j < n; j++) {
+            const float gi = bf16_to_f32(g[j]);
+            o[j] = f32_to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * bf16_to_f32(u[j]));
         }
     }
     return 0;
