@@ -185,5 +185,36 @@ static inline float as_is(float f) { return f; }
         return 0;                                                                                                   \
     }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+DEFINE_ROPE(rope_bf16_plain, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+
+/* bfloat16 RoPE 16 pairs at a time where D/2 is a multiple of 16: each product rounded by vcvtneps2bf16 (to nearest
+ * even, as f32_to_bf16) before the sum, so that the results are the plain loop's bit for bit (a 512-token prefill
+ * of SmolLM2-135M: 0.54x the plain loop's time for its 60 calls). */
+int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *positions, const float *cos,
+              const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
+    const int64_t half = D / 2;
+    if (half % 16 != 0)
+        return rope_bf16_plain(x, stride, out, positions, cos, sin, tokens, heads, D, num_threads);
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 c = round_bf16x16(_mm512_loadu_ps(ct + i)), s = round_bf16x16(_mm512_loadu_ps(st + i));
+            for (int64_t h = 0; h < heads; h++) {
+                const uint16_t *xh = x + t * stride + h * D;
+                uint16_t *oh = out + (t * heads + h) * D;
+                const __m512 x1 = widen_bf16x16(xh + i), x2 = widen_bf16x16(xh + i + half);
+                const __m512 a = round_bf16x16(_mm512_mul_ps(x1, c)), b = round_bf16x16(_mm512_mul_ps(x2, s));
+                const __m512 e = round_bf16x16(_mm512_mul_ps(x2, c)), f = round_bf16x16(_mm512_mul_ps(x1, s));
+                _mm256_storeu_si256((__m256i *)(oh + i), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(a, b)));
+                _mm256_storeu_si256((__m256i *)(oh + i + half), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(e, f)));
+            }
+        }
+    }
+    return 0;
+}
+#else
 DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
+#endif
 DEFINE_ROPE(rope_f32, float, as_is, as_is, as_is)

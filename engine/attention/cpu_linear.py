@@ -47,8 +47,9 @@ FEW_ROWS_WIDENED = 8
 ROWS_F32 = 32
 
 
+@functools.cache
 def rows_kernel_rows() -> int:
-    """How many rows of a linear cpu_gemv.c's float32 kernel takes on this CPU (0: none)."""
+    """How many rows of a linear cpu_gemv.c's float32 kernel takes on this CPU (0: none); cached, as packed_dtype."""
     return 0 if "avx512f" in cpu_flags() else ROWS_F32
 
 
@@ -130,8 +131,9 @@ class CpuOps(TorchOps):
             out = kernels.linear_few_rows(x.contiguous(), weight, bias) if kernels is not None else None
             if out is not None:
                 return out
-        if (x.dim() == 2 and 0 < x.shape[0] <= rows_kernel_rows() and x.dtype == weight.dtype
-                and (x.dtype == torch.float32 or packed_dtype(x.dtype) == torch.float32) and weight.dim() == 2
+        if (x.dim() == 2 and 0 < x.shape[0] <= ROWS_F32 and x.dtype == weight.dtype
+                and (x.dtype == torch.float32 or packed_dtype(x.dtype) == torch.float32)
+                and x.shape[0] <= rows_kernel_rows() and weight.dim() == 2
                 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
                 and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1]))):
             kernels = load()

@@ -357,7 +357,7 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
                                else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPD_CPU_ISA", "avx2")
-        cpu_linear.packed_dtype.cache_clear()
+        cpu_linear.packed_dtype.cache_clear(), cpu_linear.rows_kernel_rows.cache_clear()
         try:
             wide = w.clone()  # packed afresh, in float32
             for m in (1, 8, 9, 32, 40):
@@ -384,7 +384,7 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
                 torch.testing.assert_close(ours, F.linear(x, w32, bias32), rtol=1e-5, atol=1e-5)
         finally:
             patch.undo()
-            cpu_linear.packed_dtype.cache_clear()
+            cpu_linear.packed_dtype.cache_clear(), cpu_linear.rows_kernel_rows.cache_clear()
 
 
 @needs_kernel
