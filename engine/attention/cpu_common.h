@@ -37,9 +37,11 @@ static inline __m256 widen_bf16x8(const uint16_t *p) {
 #endif
 
 #if defined(__AVX512F__)
-static inline __m512 widen_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline __m512 bf16x16_to_f32(__m256i h) { /* 16 bfloat16 as float32: each one's bits in the high half */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+
+static inline __m512 widen_bf16x16(const uint16_t *p) { return bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)p)); }
 
 #define LOG2E 1.44269504088896341f /* the kernels scale scores by it once, so that e^(s - m) is exp2_16(s' - m') */
 

@@ -22,11 +22,11 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 static inline __m512 widen_bf16x16_masked(const uint16_t *p, __mmask16 m) { /* lanes outside m: 0 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
 }
 
 static inline __m512 round_bf16x16(__m512 v) { /* each lane rounded to bfloat16 (to nearest even) and back */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+    return bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
 
@@ -49,7 +49,7 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w
             if (rr) {
                 const __m256i s16 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(v, widen_bf16x16_masked(rr + i, m)));
                 _mm256_mask_storeu_epi16(sr + i, m, s16);
-                v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s16), 16));
+                v = bf16x16_to_f32(s16);
             }
             sq = _mm512_fmadd_ps(v, v, sq);
         }

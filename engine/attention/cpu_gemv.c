@@ -44,7 +44,6 @@ static inline vw widen(const uint16_t *p) { /* WL bfloat16 as float32: each one'
     return f;
 }
 
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* Rows n0 .. n0 + 16/P - 1 of out (those below N) for the M rows of x. Always inlined with M and P constants. */
 static inline __attribute__((always_inline)) void gemv_group(const uint16_t *x, const uint16_t *w,
