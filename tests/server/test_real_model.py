@@ -114,7 +114,7 @@ def first_difference(ours: list[int], theirs: list[int], logprobs: list[torch.Te
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_ids_equal_transformers_on_20_chat_prompts_through_both_routes(dtype, gguf, start_server) -> None:
-    """Each prompt's first turn goes to the prefill worker (only the template's system prompt can be cached); its
+    """Each prompt's first turn is a miss but for the template's system prompt (the policy picks its route); its
     second turn, the first answer and a follow-up question appended, runs once on each route over the cached first
     turn. float32: every id equal. bfloat16: texts may part only at a near-tie, where transformers' own
     log-probabilities put our token within TIE of its own. transformers' bfloat16 logits of 16-32 are 1/8 apart, so
