@@ -11,6 +11,17 @@ from bench.servers import start_server, stop_server
 from bench.soak import gauges
 
 
+def greedy_completion(server: "ServerProcess", model: str, prompt: list[int], max_tokens: int,
+                      route: str | None = None, timeout: float = 120, **fields) -> httpx.Response:
+    """/v1/completions of token ids, greedy past any end of turn, with the answer's ids; route asks for one for an
+    append-prefill (x-ppd-route). Asserts a 200."""
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=timeout, headers={"x-ppd-route": route} if route else {},
+                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True, **fields})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
 class ServerProcess:
     """`ppd serve <args>` on a free port, ready; `stop()` sends SIGTERM and returns the exit status."""
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, greedy_completion
 from tests.tiny_models import assert_prompt_logprobs, hf_logits, hf_model
 
 NEW_TOKENS = 6
@@ -28,12 +28,7 @@ def server(start_server, tiny_llama) -> ServerProcess:
 
 
 def complete(server: ServerProcess, prompt: list[int], route: str | None = None, **fields) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, **fields}
-    resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120,
-                      headers={"x-ppd-route": route} if route else {})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return greedy_completion(server, "tiny", prompt, fields.pop("max_tokens", NEW_TOKENS), route, **fields).json()
 
 
 def ids(rng: random.Random, n: int) -> list[int]:

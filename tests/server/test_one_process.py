@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.server.test_lifecycle import wait_until
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, greedy_completion
 from tests.tiny_models import hf_greedy
 
 NEW_TOKENS = 10
@@ -30,11 +30,7 @@ def server(start_server, tiny_llama: Path) -> ServerProcess:
 
 
 def complete(server: ServerProcess, prompt: list[int], route: str | None = None, **extra) -> tuple[list[int], str]:
-    headers = {"x-ppd-route": route} if route else {}
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, headers=headers, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True, **extra})
-    assert resp.status_code == 200, resp.text
+    resp = greedy_completion(server, "tiny", prompt, NEW_TOKENS, route, **extra)
     return resp.json()["choices"][0]["token_ids"], resp.headers["x-ppd-route"]
 
 

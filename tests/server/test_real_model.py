@@ -19,6 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.gguf import GGUFError, smollm2_gguf
+from tests.server_process import greedy_completion
 from tests.tiny_models import hf_gguf_model
 
 pytestmark = pytest.mark.slow
@@ -103,10 +104,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.T
 
 
 def complete(server, prompt: list[int], route: str | None = None) -> tuple[list[int], str, int]:
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=300, headers={"x-ppd-route": route} if route else {},
-                      json={"model": "smollm2", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "return_token_ids": True})
-    assert resp.status_code == 200, resp.text
+    resp = greedy_completion(server, "smollm2", prompt, NEW_TOKENS, route, timeout=300)
     body = resp.json()
     return body["choices"][0]["token_ids"], resp.headers["x-ppd-route"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 

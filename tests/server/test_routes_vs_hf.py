@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.demo import write_byte_tokenizer
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, greedy_completion
 from tests.tiny_models import ARCHS, assert_prompt_logprobs, hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
@@ -31,10 +31,7 @@ def arch_server(request, start_server, tmp_path_factory) -> tuple[str, ServerPro
 
 def complete(server: ServerProcess, prompt: list[int], route: str | None = None) -> tuple[list[int], str, int]:
     """Greedy ids, the route header and the cached prompt tokens; route asks for one for an append-prefill."""
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=120, headers={"x-ppd-route": route} if route else {},
-                      json={"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "return_token_ids": True})
-    assert resp.status_code == 200, resp.text
+    resp = greedy_completion(server, "tiny", prompt, NEW_TOKENS, route)
     body = resp.json()
     return body["choices"][0]["token_ids"], resp.headers["x-ppd-route"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
