@@ -32,6 +32,7 @@ def missing_on_gpu_host() -> list[str]:
     return sorted(names - ON_GPU_HOST - NOT_BLOCKABLE)
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_gpu_tests_collect_without_the_test_extra(tmp_path: Path) -> None:
     blocked = missing_on_gpu_host()
     assert "kubernetes_validate" in blocked and "cbor2" in blocked

@@ -152,6 +152,7 @@ def test_the_tokenizer_comes_only_from_a_folder_that_has_one(weights_only: Path,
         folder(given=str(weights_only))
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_compare_that_measured_nothing_says_what_and_fails(stub, tmp_path: Path) -> None:
     # Every request past a 1 ms timeout: the stub answers after 5 ms.
     timed_out = ppd("bench", "compare", "--policies", "", "--server", f"stub={stub.url}", "--qps", "2", "--duration",

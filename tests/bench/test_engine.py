@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bench.engine import QUICK_GRID, ModelCost, markdown, run, write
@@ -111,6 +112,7 @@ def test_rounds_report_medians_and_each_rounds_own_ratio() -> None:
     assert merge_rounds(rounds[:1]) is rounds[0]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_cli_runs_quick_and_writes_results(cache_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir)}
     result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "engine", "--quick", "--rounds", "2",

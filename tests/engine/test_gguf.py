@@ -131,6 +131,7 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a Py
            "Name three colours of the rainbow."]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_smollm2_greedy_ids_equal_transformers_on_chat_prompts(smollm2: Path, smollm2_folder: Path) -> None:
     folder = smollm2_folder
     tokenizer, runner, hf = AutoTokenizer.from_pretrained(folder), runner_for(folder), hf_gguf_model(smollm2)

@@ -41,6 +41,7 @@ def read_sse(resp: httpx.Response) -> list[str]:
     return [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_past_capacity_only_200s_and_429s_with_retry_after(start_server) -> None:
     # Long prompts through a small token budget: the admitted requests take a while to start, the rest must not wait.
     server = start_server("--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--max-waiting-requests", "4",
@@ -117,6 +118,7 @@ def test_streams_abandoned_before_their_first_token_leave_at_once(start_server) 
     assert wait_until(lambda: idle(server), 10, "the abandoned requests to leave") < 2.0
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_sigterm_lets_streams_finish_or_end_them_properly(start_server) -> None:
     server = start_server("--shutdown-timeout", "3")
     outcomes: dict[str, list] = {"short": [], "long": [], "plain": []}

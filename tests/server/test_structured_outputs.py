@@ -217,6 +217,7 @@ FAMILY_CALLS = {
 }
 
 
+@pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 @pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
 def test_each_familys_template_renders_tools_and_its_calls_round_trip(family, start_server, tmp_path_factory) -> None:
     from engine.demo import write_byte_tokenizer
