@@ -92,6 +92,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     compare.add_argument("--server", action="append", default=[], metavar="NAME=URL",
                          help="also measure a running server (e.g. vllm=http://host:8000); repeatable")
     compare.add_argument("--serve-args", default="", help="extra arguments for each `ppd serve` (e.g. \"--model /m --units 2\")")
+    compare.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                         help="also start `ppd serve` with these arguments after --serve-args, reported as ppd:NAME "
+                              "(e.g. bs64=\"--policy aggregated --block-size 64\"): settings side by side; repeatable")
     compare.add_argument("--peer", default=None, choices=["vllm"],
                          help="also start this server on the same model, a fresh one each round, taking turns with "
                               "ours (implies --interleave), and report ours over it: vllm (its CPU build, installed "
@@ -193,11 +196,19 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         peers.append((name, url))
     if args.peer in (n for n, _ in peers):
         raise BenchError(f"--server {args.peer}=... and --peer {args.peer} would share a label: rename the --server")
-    if not policies and not peers and not args.peer:
-        raise BenchError("nothing to compare: give --policies, --peer vllm and/or --server NAME=URL")
+    variants = []
+    for item in args.variant:
+        name, sep, extra = item.partition("=")
+        if not sep or not name or f"ppd:{name}" in (f"ppd:{p}" for p in policies) or name in (n for n, _ in variants):
+            raise BenchError(f"--variant {item!r}: expected NAME=ARGS with a NAME no policy or other variant has, "
+                             f"e.g. bs64=\"--block-size 64\"")
+        variants.append((name, shlex.split(extra)))
+    if not policies and not variants and not peers and not args.peer:
+        raise BenchError("nothing to compare: give --policies, --variant, --peer vllm and/or --server NAME=URL")
     out = Path(args.out or default_out("compare"))
     serve_args = with_model_args(shlex.split(args.serve_args), local_model(args.model))
     targets = [Target(f"ppd:{p}", start=functools.partial(_start_ppd, p, serve_args)) for p in policies]
+    targets += [Target(f"ppd:{n}", start=functools.partial(start_server, [*serve_args, *extra])) for n, extra in variants]
     targets += [Target(n, url=u) for n, u in peers]
     if args.peer:
         from bench import peer_vllm
@@ -205,7 +216,7 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         venv, peer_args = Path(args.peer_venv or peer_vllm.default_venv()), shlex.split(args.peer_args)
         targets.append(Target(args.peer, start=lambda log: peer_vllm.start_vllm(venv, serve_args, peer_args, log)))
     # What no server's start can change is checked before the first one loads a model.
-    if ((policies or args.peer) and "--skip-tokenizer-init" in serve_args
+    if ((policies or variants or args.peer) and "--skip-tokenizer-init" in serve_args
             and (args.api, args.workload) != ("completions", "synthetic")):
         raise BenchError("a server started with --skip-tokenizer-init takes token ids only: pass --api completions "
                          "(with --workload synthetic)")

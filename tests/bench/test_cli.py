@@ -171,6 +171,29 @@ def test_compare_that_measured_nothing_says_what_and_fails(stub, tmp_path: Path)
     assert summary["label"]["server"] == "stub" and summary["success_rate"] == 1.0
 
 
+@pytest.mark.slow
+def test_compare_runs_our_server_under_each_variants_settings(tmp_path: Path) -> None:
+    """--variant NAME=ARGS: our server started with those arguments after --serve-args, reported as ppd:NAME."""
+    out = tmp_path / "variants"
+    result = ppd("bench", "compare", "--policies", "", "--variant", "blocks16=--block-size 16",
+                 "--variant", "blocks32=--policy aggregated --block-size 32", "--qps", "2", "--duration", "2",
+                 "--api", "completions", "--scale", "0.05", "--serve-args", "--kv-cache-memory 0.1", "--out", str(out),
+                 "--no-progress", timeout=300)
+    assert result.returncode == 0, result.stderr
+    summaries = json.loads((out / "summary.json").read_text())
+    assert [s["label"]["server"] for s in summaries] == ["ppd:blocks16", "ppd:blocks32"]
+    assert all(s["success_rate"] == 1.0 for s in summaries)
+    assert "blocks of 16 tokens" in (out / "serve-blocks16.log").read_text()
+    blocks32 = (out / "serve-blocks32.log").read_text()
+    assert "blocks of 32 tokens" in blocks32 and "policy aggregated" in blocks32
+
+
+@pytest.mark.parametrize("variant", ["nothing", "=--block-size 32", "dlocal=--block-size 32"])
+def test_compare_refuses_a_variant_without_its_own_name(variant: str) -> None:
+    result = ppd("bench", "compare", "--policies", "dlocal", "--variant", variant)
+    assert result.returncode != 0 and "--variant" in result.stderr and "NAME=ARGS" in result.stderr
+
+
 def test_compare_rejects_unknown_policy() -> None:
     result = ppd("bench", "compare", "--policies", "fastest")
     assert result.returncode == 2 and "fastest" in result.stderr and "aggregated" in result.stderr
