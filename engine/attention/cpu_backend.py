@@ -98,9 +98,25 @@ class CpuBackend(TorchBackend):
         return CpuMetadata(full=full, decode=Rows.of(batch, single), prefill=Rows.of(batch, several),
                            prefill_sdpa=only(full, several) if several else None)
 
+    def rope_and_attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: CpuMetadata,
+                        scale: float, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """RoPE and the KV store in one kernel call (rope_store_kv), then attend; the unfused path where a tensor is
+        not as the kernel reads it."""
+        if (self.kernels is None or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+                or q.dtype not in DTYPES or positions.dtype != torch.int64 or cos.dtype != torch.float32
+                or cos.shape[-1] * 2 != q.shape[-1]
+                or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in (q, k, v))):
+            return super().rope_and_attend(q, k, v, k_cache, v_cache, meta, scale, positions, cos, sin)
+        q = self.kernels.rope_store_kv(q, k, v, k_cache, v_cache, meta.full.slot_mapping, positions, cos, sin)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: CpuMetadata,
                 scale: float) -> Tensor:
         store_kv(k, v, k_cache, v_cache, meta.full.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def attend(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: CpuMetadata, scale: float) -> Tensor:
+        """Attention over the caches, the step's new keys and values already stored."""
         if (self.kernels is None or q.dtype not in DTYPES or q.dtype != k_cache.dtype
                 or q.shape[1] // k_cache.shape[1] > MAX_GROUP):
             return sdpa_attention(q, k_cache, v_cache, meta.full, scale)

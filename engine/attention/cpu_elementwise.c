@@ -163,16 +163,19 @@ int silu_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int64_t nu
 static inline float as_is(float f) { return f; }
 
 #define DEFINE_ROPE(NAME, T, LOAD, STORE, ROUND)                                                                     \
-    NO_FP_CONTRACT_FN int NAME(const T *x, int64_t stride, T *out, const int64_t *positions, const float *cos,     \
-                               const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {  \
+    NO_FP_CONTRACT_FN int NAME(const T *x, int64_t stride, T *out, const int64_t *rows, const int64_t *positions,  \
+                               const float *cos, const float *sin, int64_t tokens, int64_t heads, int64_t D,       \
+                               int64_t num_threads) {                                                               \
         NO_FP_CONTRACT_HERE                                                                                         \
         const int64_t half = D / 2;                                                                                 \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")      \
         for (int64_t t = 0; t < tokens; t++) {                                                                      \
+            const int64_t r = rows ? rows[t] : t;                                                                   \
+            if (r < 0) continue;                                                                                    \
             const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;                           \
             for (int64_t h = 0; h < heads; h++) {                                                                   \
                 const T *xh = x + t * stride + h * D;                                                               \
-                T *oh = out + (t * heads + h) * D;                                                                  \
+                T *oh = out + (r * heads + h) * D;                                                                  \
                 _Pragma("omp simd")                                                                                 \
                 for (int64_t i = 0; i < half; i++) {                                                                \
                     const float c = ROUND(ct[i]), s = ROUND(st[i]);                                                 \
@@ -191,19 +194,21 @@ DEFINE_ROPE(rope_bf16_plain, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 /* bfloat16 RoPE 16 pairs at a time where D/2 is a multiple of 16: each product rounded by vcvtneps2bf16 (to nearest
  * even, as f32_to_bf16) before the sum, so that the results are the plain loop's bit for bit (a 512-token prefill
  * of SmolLM2-135M: 0.54x the plain loop's time for its 60 calls). */
-int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *positions, const float *cos,
-              const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
+int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *rows, const int64_t *positions,
+              const float *cos, const float *sin, int64_t tokens, int64_t heads, int64_t D, int64_t num_threads) {
     const int64_t half = D / 2;
     if (half % 16 != 0)
-        return rope_bf16_plain(x, stride, out, positions, cos, sin, tokens, heads, D, num_threads);
+        return rope_bf16_plain(x, stride, out, rows, positions, cos, sin, tokens, heads, D, num_threads);
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * D > 65536)")
     for (int64_t t = 0; t < tokens; t++) {
+        const int64_t r = rows ? rows[t] : t;
+        if (r < 0) continue;
         const float *ct = cos + positions[t] * half, *st = sin + positions[t] * half;
         for (int64_t i = 0; i < half; i += 16) {
             const __m512 c = round_bf16x16(_mm512_loadu_ps(ct + i)), s = round_bf16x16(_mm512_loadu_ps(st + i));
             for (int64_t h = 0; h < heads; h++) {
                 const uint16_t *xh = x + t * stride + h * D;
-                uint16_t *oh = out + (t * heads + h) * D;
+                uint16_t *oh = out + (r * heads + h) * D;
                 const __m512 x1 = widen_bf16x16(xh + i), x2 = widen_bf16x16(xh + i + half);
                 const __m512 a = round_bf16x16(_mm512_mul_ps(x1, c)), b = round_bf16x16(_mm512_mul_ps(x2, s));
                 const __m512 e = round_bf16x16(_mm512_mul_ps(x2, c)), f = round_bf16x16(_mm512_mul_ps(x1, s));
@@ -218,3 +223,22 @@ int rope_bf16(const uint16_t *x, int64_t stride, uint16_t *out, const int64_t *p
 DEFINE_ROPE(rope_bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 #endif
 DEFINE_ROPE(rope_f32, float, as_is, as_is, as_is)
+
+/* A layer's RoPE and KV store in one call (a decode step's layer made five calls of it from Python): q [tokens,
+ * heads, D] rotated into q_out (contiguous); k rotated and v copied as they are into slot slots[t] of k_cache and
+ * v_cache [num_slots, kv_heads, D] (a negative slot: nothing stored). q, k and v may be views of the QKV
+ * projection's output, each token's heads from x + t * its stride, as rope_* reads them. */
+#define DEFINE_ROPE_STORE(NAME, ROPE, T)                                                                             \
+    int NAME(const T *q, int64_t q_stride, const T *k, int64_t k_stride, const T *v, int64_t v_stride, T *q_out,    \
+             T *k_cache, T *v_cache, const int64_t *slots, const int64_t *positions, const float *cos,              \
+             const float *sin, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t D, int64_t num_threads) {   \
+        ROPE(q, q_stride, q_out, NULL, positions, cos, sin, tokens, heads, D, num_threads);                          \
+        ROPE(k, k_stride, k_cache, slots, positions, cos, sin, tokens, kv_heads, D, num_threads);                    \
+        for (int64_t t = 0; t < tokens; t++)                                                                         \
+            if (slots[t] >= 0)                                                                                       \
+                memcpy(v_cache + slots[t] * kv_heads * D, v + t * v_stride, sizeof(T) * (size_t)(kv_heads * D));    \
+        return 0;                                                                                                    \
+    }
+
+DEFINE_ROPE_STORE(rope_store_kv_bf16, rope_bf16, uint16_t)
+DEFINE_ROPE_STORE(rope_store_kv_f32, rope_f32, float)

@@ -1,5 +1,5 @@
 """Our CPU kernels (attention: cpu_decode.c, cpu_prefill.c; RMSNorm, SiLU and RoPE: cpu_elementwise.c; linear
-layers of a few rows: cpu_gemv.c): built once per machine with the host's C compiler, loaded with ctypes.
+layers of a few rows: cpu_gemv.c, and on AMX: cpu_amx.c): built once per machine with the host's C compiler, loaded with ctypes.
 
 The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
 the CPU's flags (it is built for this CPU, -march=native). $PPD_CPU_ISA=avx2 (engine/cpu_isa.py) builds it without
@@ -29,7 +29,7 @@ from engine.cpu_isa import isa, proc_flags
 log = logging.getLogger("ppd.engine")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c", "cpu_gemv.c")]
+           for name in ("cpu_decode.c", "cpu_prefill.c", "cpu_elementwise.c", "cpu_gemv.c", "cpu_amx.c")]
 HEADERS = [Path(__file__).with_name("cpu_common.h")]  # included by the sources: part of the build's cache key
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]  # compiling
 # Linking without -ffast-math: with it gcc links crtfastmath.o, which sets flush-to-zero for the whole process when
@@ -92,9 +92,14 @@ class CpuKernels:
             norm.argtypes = [ptr] * 5 + [i64, i64, ctypes.c_float, i64]
             silu.argtypes = [ptr] * 2 + [i64] * 3
             norm.restype = silu.restype = ctypes.c_int
-            rope = getattr(self.lib, f"rope_{suffix}")
-            rope.argtypes = [ptr, i64] + [ptr] * 4 + [i64] * 4
-            rope.restype = ctypes.c_int
+            rope, rope_store = getattr(self.lib, f"rope_{suffix}"), getattr(self.lib, f"rope_store_kv_{suffix}")
+            rope.argtypes = [ptr, i64] + [ptr] * 5 + [i64] * 4
+            rope_store.argtypes = [ptr, i64] * 3 + [ptr] * 7 + [i64] * 5
+            rope.restype = rope_store.restype = ctypes.c_int
+        self.lib.amx_pack_bf16.argtypes = [ptr] * 2 + [i64] * 2
+        self.lib.amx_linear_bf16.argtypes = [ptr] * 4 + [i64] * 4
+        self.lib.amx_pack_bf16.restype = self.lib.amx_linear_bf16.restype = self.lib.amx_ready.restype = ctypes.c_int
+        self.rope_store = {dtype: getattr(self.lib, f"rope_store_kv_{suffix}") for dtype, suffix in DTYPES.items()}
         self.lib.linear_few_rows_bf16.argtypes = [ptr] * 4 + [i64] * 4
         self.lib.linear_few_rows_bf16.restype = ctypes.c_int
         self.lib.linear_rows_f32.argtypes = [ptr] * 4 + [i64] * 5
@@ -169,8 +174,22 @@ class CpuKernels:
         assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         out = torch.empty((t, heads, d), dtype=x.dtype)
         getattr(self.lib, f"rope_{DTYPES[x.dtype]}")(
-            x.data_ptr(), x.stride(0), out.data_ptr(), positions.contiguous().data_ptr(), cos.data_ptr(),
+            x.data_ptr(), x.stride(0), out.data_ptr(), None, positions.contiguous().data_ptr(), cos.data_ptr(),
             sin.data_ptr(), t, heads, d, torch.get_num_threads())
+        return out
+
+    def rope_store_kv(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
+                      positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """rope(q), with rope(k) and v written at their slots of k_cache and v_cache [num_slots, Hkv, D] (slots [T]
+        int64; a negative slot stores nothing): one call for what rope twice and two index_copy_ do. q, k and v as
+        rope takes x, one dtype with the caches; positions int64 and slots contiguous, the tables as rope's. Returns
+        the rotated q, a new contiguous [T, H, D]."""
+        t, heads, d = q.shape
+        out = torch.empty((t, heads, d), dtype=q.dtype)
+        self.rope_store[q.dtype](q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                 out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                 positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), t, heads, k.shape[1], d,
+                                 torch.get_num_threads())
         return out
 
     def linear_few_rows(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
@@ -180,6 +199,22 @@ class CpuKernels:
         out = x.new_empty((m, n))
         failed = self.lib.linear_few_rows_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                                out.data_ptr(), m, k, n, torch.get_num_threads())
+        return None if failed else out
+
+    def amx_pack(self, weight: Tensor) -> Tensor | None:
+        """weight [N, K] bfloat16 (contiguous) packed into the AMX kernel's tiles (cpu_amx.c), or None where it
+        cannot be (no AMX in this build, N not a multiple of 16, K of 32)."""
+        n, k = weight.shape
+        out = torch.empty(n * k, dtype=torch.bfloat16)
+        return None if self.lib.amx_pack_bf16(weight.data_ptr(), out.data_ptr(), n, k) else out
+
+    def amx_linear(self, x: Tensor, packed: Tensor, n: int, bias: Tensor | None) -> Tensor | None:
+        """x [M, K] @ weight^T (+ bias [N]) in bfloat16 on AMX (M at least 1), weight [N, K] as amx_pack packed it;
+        None where the kernel cannot run (this process was refused AMX). x and bias contiguous bfloat16."""
+        m, k = x.shape
+        out = x.new_empty((m, n))
+        failed = self.lib.amx_linear_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                          out.data_ptr(), m, k, n, torch.get_num_threads())
         return None if failed else out
 
     def linear_rows(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:

@@ -1,5 +1,6 @@
-"""The CPU backend's ops: the linear layers on weights prepacked for oneDNN (bfloat16 ones of a few rows in
-cpu_gemv.c), RMSNorm, SiLU-and-multiply and RoPE fused.
+"""The CPU backend's ops: the linear layers on weights prepacked for oneDNN (bfloat16 ones of a decode step's rows
+on AMX's tiles in cpu_amx.c where the CPU has AMX-BF16, else of a few rows in cpu_gemv.c), RMSNorm,
+SiLU-and-multiply and RoPE fused.
 
 oneDNN reorders a weight once into the blocked layout its GEMM kernels read; on a 2-core Zen 4 that ran a
 bfloat16 [5632 x 1024] linear 1.4x faster at 1 row and 1.5x at 8 rows than torch's linear on the plain weight
@@ -28,9 +29,10 @@ from engine.attention.cpu_kernel import DTYPES, load
 from engine.cpu_isa import cpu_flags, has_native_bf16
 from engine.ops import TorchOps
 
-# id(weight) -> (a weak reference to the weight, its packed copy). Weak, so that a weight freed (an engine closed)
-# frees its copy, and an id reused by a later tensor is told apart by the reference.
-_packed: dict[int, tuple[weakref.ref, Tensor]] = {}
+# (kind, id(weight)) -> (a weak reference to the weight, its packed copy of that kind: "onednn" or "amx"). Weak, so
+# that a weight freed (an engine closed) frees its copies, and an id reused by a later tensor is told apart by the
+# reference.
+_packed: dict[tuple[str, int], tuple[weakref.ref, Tensor | None]] = {}
 _lock = threading.Lock()
 # bfloat16 linears of up to this many rows run in cpu_gemv.c (on CPUs with AVX512-BF16), the rest in oneDNN. A/B in
 # the engine (bench/results/cpu-2core/cpu-kernels/abg.py): 0.68-0.85x the decode step at 1-2 rows, but 1.08x at 3,
@@ -45,12 +47,29 @@ FEW_ROWS_WIDENED = 8
 # (bench/results/cpu-2core/isa/rows_bench.py, AVX2 environment). With AVX-512 oneDNN is the faster from 4 rows
 # (1.3-3x), and at 1 row the kernel gains little (0.66-0.97x): it is not taken there.
 ROWS_F32 = 32
+# On a CPU with AMX-BF16, bfloat16 linears of up to this many rows run in cpu_amx.c on weights packed into its tiles:
+# SmolLM2-135M's four linears of a layer cycled over 30 layers (as a decode step reads them) in 0.51-0.72x oneDNN's
+# time at 1 and 8 rows and 0.69-0.91x at 32, its 49,152-row head in 0.85-0.95x; from 256 rows oneDNN's GEMM is the
+# faster on some shapes (1.66-1.75x at 2,048 rows), so prefill steps keep it (bench/results/cpu-2core/smollm2/
+# amx_linear.py). A process that runs both keeps both packed copies: three copies of each weight with the arena.
+AMX_ROWS = 32
 
 
 @functools.cache
 def rows_kernel_rows() -> int:
     """How many rows of a linear cpu_gemv.c's float32 kernel takes on this CPU (0: none); cached, as packed_dtype."""
     return 0 if "avx512f" in cpu_flags() else ROWS_F32
+
+
+def few_rows() -> int:
+    """How many rows of a bfloat16 linear cpu_gemv.c's bfloat16 kernel takes on this CPU (from packed_dtype's cache)."""
+    return FEW_ROWS if packed_dtype(torch.bfloat16) == torch.bfloat16 else FEW_ROWS_WIDENED
+
+
+def small_rows() -> int:
+    """The most rows of a linear that any of our kernels (cpu_gemv.c, cpu_amx.c) takes on this CPU (more: oneDNN,
+    at once)."""
+    return max(few_rows(), rows_kernel_rows(), amx_rows())
 
 
 @functools.cache
@@ -66,18 +85,47 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 def packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] prepacked in packed_dtype (made on first use, then reused), or None where it cannot be."""
-    key = id(weight)
-    entry = _packed.get(key)
+    entry = _packed.get(("onednn", id(weight)))
     if entry is not None and entry[0]() is weight:
         return entry[1]
     if weight.dim() != 2 or weight.device.type != "cpu" or packed_dtype(weight.dtype) is None:
         return None
+    return _copy(weight, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(
+        w.detach().to(packed_dtype(w.dtype)).contiguous(), None))
+
+
+def amx_rows() -> int:
+    """How many rows of a bfloat16 linear run on AMX in cpu_amx.c (0: none: no AMX-BF16 on this CPU, or hidden by
+    $PPD_CPU_ISA, no kernels, or the OS refused this process AMX's tiles)."""
+    if "amx_bf16" not in cpu_flags() or packed_dtype(torch.bfloat16) != torch.bfloat16:
+        return 0
+    return AMX_ROWS if _amx_ready() else 0
+
+
+@functools.cache
+def _amx_ready() -> bool:
+    kernels = load()
+    return kernels is not None and kernels.lib.amx_ready() == 1
+
+
+def amx_packed(weight: Tensor) -> Tensor | None:
+    """weight [out, in] bfloat16 packed into AMX tiles (made on first use, then reused), or None where it cannot be
+    (a shape the kernel does not take: out not a multiple of 16, in of 32)."""
+    entry = _packed.get(("amx", id(weight)))
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
+        return None
+    return _copy(weight, "amx", lambda w: load().amx_pack(w))
+
+
+def _copy(weight: Tensor, kind: str, make) -> Tensor | None:
+    """The copy of weight that make(weight) returns, made once per process and kept while weight lives."""
+    key = (kind, id(weight))
     with _lock:  # the runners of a process (the prefill thread's too) pack each weight once
         entry = _packed.get(key)
         if entry is None or entry[0]() is not weight:
-            plain = weight.detach().to(packed_dtype(weight.dtype)).contiguous()
-            copy = torch.ops.mkldnn._reorder_linear_weight(plain, None)
-            entry = _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), copy)
+            entry = _packed[key] = (weakref.ref(weight, lambda _, key=key: _packed.pop(key, None)), make(weight))
     return entry[1]
 
 
@@ -123,7 +171,28 @@ class CpuOps(TorchOps):
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        few = FEW_ROWS if packed_dtype(torch.bfloat16) == torch.bfloat16 else FEW_ROWS_WIDENED
+        if x.dim() == 2 and 0 < x.shape[0] <= small_rows():
+            out = CpuOps.linear_small(x, weight, bias)
+            if out is not None:
+                return out
+        w = packed(weight) if x.shape[0] and x.dim() == 2 and x.dtype == weight.dtype else None
+        if w is None:
+            return F.linear(x, weight, bias)
+        if w.dtype != x.dtype:  # bfloat16 in float32 (no native bfloat16)
+            wide = None if bias is None else bias.to(w.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype).contiguous(), w, wide, "none", [], "").to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+
+    @staticmethod
+    def linear_small(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+        """x [M, K] of up to small_rows() rows through cpu_amx.c or cpu_gemv.c where they take them, else None."""
+        if (x.dtype == weight.dtype == torch.bfloat16 and x.shape[0] <= amx_rows()
+                and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.is_contiguous()))
+                and (tiles := amx_packed(weight)) is not None and weight.shape[1] == x.shape[1]):
+            out = load().amx_linear(x.contiguous(), tiles, weight.shape[0], bias)
+            if out is not None:
+                return out
+        few = few_rows()
         if (x.dim() == 2 and 0 < x.shape[0] <= few and x.dtype == weight.dtype == torch.bfloat16
                 and weight.dim() == 2 and weight.shape[1] == x.shape[1] and weight.is_contiguous()
                 and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.is_contiguous()))):
@@ -141,10 +210,4 @@ class CpuOps(TorchOps):
             out = kernels.linear_rows(x.float().contiguous(), weight, wide) if kernels is not None else None
             if out is not None:
                 return out.to(x.dtype)
-        w = packed(weight) if x.shape[0] and x.dim() == 2 and x.dtype == weight.dtype else None
-        if w is None:
-            return F.linear(x, weight, bias)
-        if w.dtype != x.dtype:  # bfloat16 in float32 (no native bfloat16)
-            wide = None if bias is None else bias.to(w.dtype)
-            return torch.ops.mkldnn._linear_pointwise(x.to(w.dtype).contiguous(), w, wide, "none", [], "").to(x.dtype)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+        return None

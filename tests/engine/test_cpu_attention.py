@@ -5,6 +5,7 @@ in the build without AVX-512 (PPD_CPU_ISA=avx2), and the backend's mixed steps a
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,16 +205,17 @@ def test_the_packed_linear_equals_torchs_and_follows_its_weight(dtype: torch.dty
     from engine.attention import cpu_linear
 
     ops = cpu_linear.CpuOps()
-    x, bias = torch.randn(5, 64).to(dtype), torch.randn(48).to(dtype)
+    x, bias = torch.randn(40, 64).to(dtype), torch.randn(48).to(dtype)
     for _ in range(3):
         weight = torch.randn(48, 64).to(dtype)
-        for rows in (x, x[:1], x[:0]):
+        for rows in (x, x[:5], x[:1], x[:0]):  # 40 rows: oneDNN's; 1 and 5: AMX's tiles where the CPU has them
             expected = torch.nn.functional.linear(rows, weight, bias)
             torch.testing.assert_close(ops.linear(rows, weight, bias), expected, atol=1e-2, rtol=1e-2)
-        key = id(weight)
-        assert (key in cpu_linear._packed) == (cpu_linear.packed(weight) is not None)
-        del weight
-        assert key not in cpu_linear._packed
+        key, onednn = id(weight), cpu_linear.packed(weight)
+        assert (("onednn", key) in cpu_linear._packed) == (onednn is not None)
+        assert (("amx", key) in cpu_linear._packed) == (dtype == torch.bfloat16 and cpu_linear.amx_rows() > 0)
+        del weight, onednn
+        assert not any(k == key for _, k in cpu_linear._packed)
 
 
 def test_loading_the_kernel_keeps_subnormal_floats() -> None:
@@ -293,6 +295,57 @@ def test_the_rope_kernel_equals_torchs_exactly(built: cpu_kernel.CpuKernels, dty
         assert a.dtype == dtype and a.is_contiguous() and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_the_kv_store_in_one_call_equal_the_two_apart(built: cpu_kernel.CpuKernels,
+                                                                dtype: torch.dtype) -> None:
+    """rope_store_kv (a layer's RoPE and KV store in one call): q rotated as rope rotates it; k rotated and v as it
+    is at each token's slot, bit for bit what rope and index_copy_ write; a slot of -1 (a padding token) and every
+    slot not in the step keep what they held."""
+    from engine.attention.torch_backend import store_kv
+    from engine.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(12)
+    tokens, heads, kv_heads, d, num_slots = 37, 9, 3, 64, 128
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen) * 2).to(dtype)
+    q, k, v = (x.view(tokens, -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * (10000.0 ** (-torch.arange(0, d, 2) / d))[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    slots[5] = -1
+    caches = [torch.randn(num_slots, kv_heads, d, generator=gen).to(dtype) for _ in range(4)]
+    k_cache, v_cache, k_expected, v_expected = caches[0], caches[1], caches[0].clone(), caches[1].clone()
+    q_rotated, k_rotated = TorchOps.apply_rope(q, k, positions, cos, sin)
+    kept = slots >= 0
+    store_kv(k_rotated[kept], v[kept], k_expected, v_expected, slots[kept])
+    ours = built.rope_store_kv(q, k, v, k_cache, v_cache, slots, positions, cos, sin)
+    assert ours.is_contiguous() and torch.equal(ours, q_rotated)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+
+
+def test_the_amx_linear_equals_torchs_but_for_last_places(built: cpu_kernel.CpuKernels) -> None:
+    """bfloat16 linears of 1-40 rows on AMX's tiles (cpu_amx.c), with and without bias, a last group of fewer than
+    four column blocks, rows past one tile's 16: torch's result within a bfloat16 rounding (float32 sums in another
+    order), most of it bit for bit. Shapes the tiles do not take, and CPUs without AMX, are refused (None)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(13)
+    if built.amx_pack(torch.ones(16, 32, dtype=torch.bfloat16)) is None:  # only the AVX2 build, or no AMX here
+        assert "amx_bf16" not in cpu_kernel.proc_flags() or "-avx2-" in Path(built.lib._name).name
+        return
+    for m in (1, 5, 16, 17, 32, 40):
+        for n, k in ((16, 32), (48, 64), (320, 576), (576, 1536)):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+            w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+            bias = torch.randn(n, generator=gen).to(torch.bfloat16) if n % 3 else None
+            ours, ref = built.amx_linear(x, built.amx_pack(w), n, bias), F.linear(x, w, bias)
+            assert ours.shape == ref.shape and ours.dtype == torch.bfloat16
+            torch.testing.assert_close(ours.float(), ref.float(), rtol=2 ** -7, atol=1e-2)
+            assert (ours == ref).float().mean() >= 0.9, (m, n, k)
+    assert built.amx_pack(torch.ones(24, 32, dtype=torch.bfloat16)) is None  # 24 outputs: not whole tiles
+    assert built.amx_pack(torch.ones(16, 48, dtype=torch.bfloat16)) is None
+
+
 def check_few_rows(kernels: cpu_kernel.CpuKernels) -> None:
     import torch.nn.functional as F
 
@@ -350,11 +403,20 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
     gen = torch.Generator().manual_seed(4)
     w, bias = (torch.randn(300, 512, generator=gen) / 20).to(torch.bfloat16), torch.randn(300).to(torch.bfloat16)
     if has_native_bf16() and cpu_linear.packed_dtype(torch.bfloat16) == torch.bfloat16:
-        for m in (1, 2, 3):
+        for m in (1, 2, 3):  # 300 outputs: not a whole number of AMX tiles
             x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
             via_kernel = kernels.linear_few_rows(x, w, None)
             assert torch.equal(cpu_linear.CpuOps.linear(x, w), via_kernel if m <= cpu_linear.FEW_ROWS
                                else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
+        if cpu_linear.amx_rows():  # 320 outputs: up to AMX_ROWS rows on AMX's tiles, oneDNN from there
+            w320, bias320 = (torch.randn(320, 512, generator=gen) / 20).to(torch.bfloat16), torch.randn(320).to(torch.bfloat16)
+            for m in (1, 8, cpu_linear.AMX_ROWS, cpu_linear.AMX_ROWS + 1):
+                x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
+                ours = cpu_linear.CpuOps.linear(x, w320, bias320)
+                assert torch.equal(ours, kernels.amx_linear(x, cpu_linear.amx_packed(w320), 320, bias320)
+                                   if m <= cpu_linear.AMX_ROWS else
+                                   torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w320), bias320, "none", [], ""))
+                torch.testing.assert_close(ours.float(), F.linear(x, w320, bias320).float(), rtol=2 ** -7, atol=1e-2)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPD_CPU_ISA", "avx2")
         cpu_linear.packed_dtype.cache_clear(), cpu_linear.rows_kernel_rows.cache_clear()
