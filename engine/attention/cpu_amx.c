@@ -144,7 +144,9 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
     const int64_t blocks = N / 16, groups = (blocks + GN - 1) / GN;
     _Pragma("omp parallel num_threads(num_threads)") {
         int configured = 0;
-        _Pragma("omp for schedule(static)")
+        /* Dynamic: a thread that the OS descheduled (the API server and the clients share the cores) holds up
+         * only the group it is in, not a fixed half of the layer. */
+        _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t g = 0; g < groups; g++) {
             const int64_t g0 = g * GN, nb = blocks - g0 < GN ? blocks - g0 : GN;
             const uint16_t *wg = packed + g0 * 16 * K; /* every earlier group is GN whole blocks */

@@ -20,6 +20,11 @@
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* Rows of up to this many elements in all run on the calling thread: a decode step's norm or SiLU (8 x 576: 5 us)
+ * gains nothing from a second thread, and waits for it at the barrier when the OS has lent its core to another
+ * process (the API server, a client): 1.75 ms a call on average, measured here while a benchmark ran beside. */
+#define SERIAL_UP_TO 65536
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 static inline __m512 widen_bf16x16_masked(const uint16_t *p, __mmask16 m) { /* lanes outside m: 0 */
     return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
@@ -33,7 +38,7 @@ static inline __m512 round_bf16x16(__m512 v) { /* each lane rounded to bfloat16 
 /* out = rms_norm(x + residual) * w over rows of n; residual NULL: no add (sum unused), else sum = x + residual. */
 int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w, uint16_t *out, uint16_t *sum,
                   int64_t rows, int64_t n, float eps, int64_t num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * n > 4096)")
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * n > SERIAL_UP_TO)")
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * n;
         uint16_t *outr = out + r * n;
@@ -87,7 +92,7 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *w
 
 int rms_norm_f32(const float *x, const float *residual, const float *w, float *out, float *sum, int64_t rows,
                  int64_t n, float eps, int64_t num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * n > SERIAL_UP_TO)")
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
         float *outr = out + r * n, squares = 0.0f;
@@ -110,7 +115,7 @@ int rms_norm_f32(const float *x, const float *residual, const float *w, float *o
 
 /* x [rows, 2n] = [gate | up] -> out [rows, n] = silu(gate) * up */
 int silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int64_t num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * n > SERIAL_UP_TO)")
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = x + r * 2 * n, *u = g + n;
         uint16_t *o = out + r * n;
@@ -137,7 +142,7 @@ int silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t n, int
 }
 
 int silu_mul_f32(const float *x, float *out, int64_t rows, int64_t n, int64_t num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (rows * n > SERIAL_UP_TO)")
     for (int64_t r = 0; r < rows; r++) {
         const float *g = x + r * 2 * n, *u = g + n;
         float *o = out + r * n;
