@@ -48,10 +48,12 @@ FEW_ROWS_WIDENED = 8
 # (1.3-3x), and at 1 row the kernel gains little (0.66-0.97x): it is not taken there.
 ROWS_F32 = 32
 # On a CPU with AMX-BF16, bfloat16 linears of up to this many rows run in cpu_amx.c on weights packed into its tiles:
-# SmolLM2-135M's four linears of a layer cycled over 30 layers (as a decode step reads them) in 0.51-0.72x oneDNN's
-# time at 1 and 8 rows and 0.69-0.91x at 32, its 49,152-row head in 0.85-0.95x; from 256 rows oneDNN's GEMM is the
-# faster on some shapes (1.66-1.75x at 2,048 rows), so prefill steps keep it (bench/results/cpu-2core/smollm2/
-# amx_linear.py). A process that runs both keeps both packed copies: three copies of each weight with the arena.
+# SmolLM2-135M's four linears of a layer cycled over 30 layers (as a decode step reads them) in 0.59-0.79x oneDNN's
+# time at 1 and 8 rows and 0.69-1.04x at 32, its 49,152-row head in 0.92-0.95x at 1-8 rows (1.19x at 32); from 48 rows
+# the two are within noise of each other or oneDNN's GEMM, which blocks x for the caches, is the faster (0.71-1.61x at
+# 48-256 rows, 1.81-2.09x at 2,048), so mixed and prefill steps keep it (bench/results/cpu-2core/smollm2/
+# amx_linear.py, amx_linear.txt). A process that runs both keeps both packed copies: three copies of each weight with
+# the arena.
 AMX_ROWS = 32
 
 

@@ -1,7 +1,7 @@
 """bfloat16 linears on AMX's tiles (cpu_amx.c) against oneDNN's GEMM on its prepacked weights, at SmolLM2-135M's
 shapes, both threads: a layer's four linears cycled over 30 layers of their own weights (as a decode step reads them:
 each weight from memory, not from the last call's cache), medians of 7 passes, at 1, 8 and 32 rows; the 49,152 x 576
-head at 1-32 rows; then 64-2,048 rows (prefill) on one weight each, repeated. Usage: python amx_linear.py"""
+head at 1-32 rows; then 48-2,048 rows (mixed steps, prefill) on one weight each, repeated. Usage: python amx_linear.py"""
 import sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
@@ -58,7 +58,7 @@ for rows in (1, 8, 32):
 for n, k in SHAPES[:3]:
     w = torch.randn(n, k, dtype=torch.bfloat16)
     fns = onednn(w), amx(w)
-    for rows in (64, 256, 2048):
+    for rows in (48, 96, 128, 160, 256, 2048):
         x = torch.randn(rows, k, dtype=torch.bfloat16)
         a, b = (median(lambda: fn(x), 7) for fn in fns)
         print(f"{rows:>4} rows, {n} x {k}: oneDNN {a * 1e3:.2f} ms, AMX {b * 1e3:.2f} ms ({b / a:.2f}x)")
