@@ -208,7 +208,8 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     out = Path(args.out or default_out("compare"))
     serve_args = with_model_args(shlex.split(args.serve_args), local_model(args.model))
     targets = [Target(f"ppd:{p}", start=functools.partial(_start_ppd, p, serve_args)) for p in policies]
-    targets += [Target(f"ppd:{n}", start=functools.partial(start_server, [*serve_args, *extra])) for n, extra in variants]
+    targets += [Target(f"ppd:{n}", start=functools.partial(start_server, [*serve_args, *extra]))
+                for n, extra in variants]
     targets += [Target(n, url=u) for n, u in peers]
     if args.peer:
         from bench import peer_vllm

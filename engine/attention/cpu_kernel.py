@@ -1,5 +1,6 @@
 """Our CPU kernels (attention: cpu_decode.c, cpu_prefill.c; RMSNorm, SiLU and RoPE: cpu_elementwise.c; linear
-layers of a few rows: cpu_gemv.c, and on AMX: cpu_amx.c): built once per machine with the host's C compiler, loaded with ctypes.
+layers of a few rows: cpu_gemv.c, and on AMX: cpu_amx.c): built once per machine with the host's C compiler, loaded
+with ctypes.
 
 The build is cached under $PPD_CACHE_DIR (default ~/.cache/ppd-serve) by a hash of the source, the compiler and
 the CPU's flags (it is built for this CPU, -march=native). $PPD_CPU_ISA=avx2 (engine/cpu_isa.py) builds it without

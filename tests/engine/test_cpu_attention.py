@@ -1,5 +1,5 @@
 """The CPU backend: our decode and prefill kernels (engine/attention/cpu_decode.c, cpu_prefill.c) against float64
-reference attention, the elementwise and few-rows linear kernels against PyTorch's ops, each in this CPU's build and
+reference attention, the elementwise, few-rows and AMX linear kernels against PyTorch's ops, each in this CPU's build and
 in the build without AVX-512 (PPD_CPU_ISA=avx2), and the backend's mixed steps against the torch backend's."""
 
 from __future__ import annotations
@@ -391,7 +391,8 @@ def test_the_rows_linear_equals_float64_for_float32_and_bfloat16_weights(built: 
 
 @needs_kernel
 def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() -> None:
-    """With native bfloat16, 1-2 rows in the kernel and oneDNN's bfloat16 GEMM from 3; without AVX-512 (simulated:
+    """With native bfloat16, 1-2 rows in the kernel and oneDNN's bfloat16 GEMM from 3 (on AMX, of a weight that is whole
+    tiles, up to AMX_ROWS rows in the AMX kernel, oneDNN's GEMM from there); without AVX-512 (simulated:
     PPD_CPU_ISA=avx2) up to 8 rows in the few-rows kernel, 9-32 in the float32 rows kernel (the weight widened) and
     from 33 oneDNN's float32 GEMM on a float32 copy of the weight, rounded to bfloat16 once: torch's result but for
     last-place differences; a float32 model's linears of up to 32 rows in the rows kernel, oneDNN's from 33."""
@@ -409,7 +410,8 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
             assert torch.equal(cpu_linear.CpuOps.linear(x, w), via_kernel if m <= cpu_linear.FEW_ROWS
                                else torch.ops.mkldnn._linear_pointwise(x, cpu_linear.packed(w), None, "none", [], ""))
         if cpu_linear.amx_rows():  # 320 outputs: up to AMX_ROWS rows on AMX's tiles, oneDNN from there
-            w320, bias320 = (torch.randn(320, 512, generator=gen) / 20).to(torch.bfloat16), torch.randn(320).to(torch.bfloat16)
+            w320 = (torch.randn(320, 512, generator=gen) / 20).to(torch.bfloat16)
+            bias320 = torch.randn(320).to(torch.bfloat16)
             for m in (1, 8, cpu_linear.AMX_ROWS, cpu_linear.AMX_ROWS + 1):
                 x = torch.randn(m, 512, generator=gen).to(torch.bfloat16)
                 ours = cpu_linear.CpuOps.linear(x, w320, bias320)
