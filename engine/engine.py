@@ -22,7 +22,7 @@ from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, StartupError, check_free_at_start,
                                 plan_from_measurement, plan_from_request)
-from engine.model import kv_block_nbytes, kv_pool_shape
+from engine.model import Model, kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.prompt_logprobs import prompt_logprobs
 from engine.guided import GuidedDecoding
@@ -136,7 +136,8 @@ class Engine:
             if not cfg.enforce_eager and runner.backend.supports_cuda_graphs:
                 runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens)
         else:
-            runner = ModelRunner(model, kv_pool, cfg.block_size, cfg.attention_backend, max_model_len=plan.max_model_len)
+            runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
+            runner.bind_kv_cache(kv_pool)
         log.info("engine ready in %.1fs", time.monotonic() - started)
         return cls(cfg, mcfg, runner, plan, (weights_handle, kv_handle))
 
@@ -164,8 +165,8 @@ class Engine:
             if not cfg.enforce_eager and cfg.max_graph_tokens and runner.backend.supports_cuda_graphs:
                 runner.capture_graphs(cfg.max_num_seqs, max_tokens=cfg.max_graph_tokens, decode=False)
         else:
-            runner = ModelRunner(model, open_shared(kv), cfg.block_size, cfg.attention_backend,
-                                 max_model_len=plan.max_model_len)
+            runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
+            runner.bind_kv_cache(open_shared(kv))
         return cls(cfg, mcfg, runner, plan, (weights, kv))
 
     @classmethod
@@ -294,6 +295,22 @@ def _scratch_pool(mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, devi
     """A private pool big enough for the dummy steps of start-up (the largest step, as sequences of one block or more)."""
     num_blocks = -(-cfg.max_num_batched_tokens // cfg.block_size) + min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
     return torch.zeros(kv_pool_shape(mcfg, num_blocks, cfg.block_size), dtype=dtype, device=device)
+
+
+def _warmed_cpu_runner(model: Model, mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype,
+                       max_model_len: int) -> ModelRunner:
+    """A CPU runner that has run a prefill step and a decode step on a private pool of a few blocks: the CPU ops pack
+    each weight for the path that first needs it (oneDNN's layout for steps of many rows, AMX's tiles for a decode
+    step's few) and load the kernels, a few hundred milliseconds for SmolLM2-135M, which the first requests would
+    otherwise wait for. The caller binds the real pool after."""
+    tokens = min(256, cfg.max_num_batched_tokens, max_model_len - 1)
+    blocks = -(-(tokens + 1) // cfg.block_size)
+    scratch = torch.zeros(kv_pool_shape(mcfg, blocks, cfg.block_size), dtype=dtype)
+    runner = ModelRunner(model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_model_len)
+    table = list(range(blocks))
+    runner.forward([StepInput([1] * tokens, 0, table)])
+    runner.forward([StepInput([1], tokens, table)])
+    return runner
 
 
 def _largest_step(runner: ModelRunner, cfg: EngineConfig) -> None:
