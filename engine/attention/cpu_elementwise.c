@@ -22,7 +22,7 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* Rows of up to this many elements in all run on the calling thread: a decode step's norm or SiLU (8 x 576: 5 us)
  * gains nothing from a second thread, and waits for it at the barrier when the OS has lent its core to another
- * process (the API server, a client): 1.75 ms a call on average, measured here while a benchmark ran beside. */
+ * process (the API server, a client): in one run on a busy host the norm averaged 1.75 ms a call. */
 #define SERIAL_UP_TO 65536
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
