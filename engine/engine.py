@@ -301,15 +301,16 @@ def _warmed_cpu_runner(model: Model, mcfg: ModelConfig, cfg: EngineConfig, dtype
                        max_model_len: int) -> ModelRunner:
     """A CPU runner that has run a prefill step and a decode step on a private pool of a few blocks: the CPU ops pack
     each weight for the path that first needs it (oneDNN's layout for steps of many rows, AMX's tiles for a decode
-    step's few) and load the kernels, a few hundred milliseconds for SmolLM2-135M, which the first requests would
-    otherwise wait for. The caller binds the real pool after."""
-    tokens = min(256, cfg.max_num_batched_tokens, max_model_len - 1)
+    step's few) and load the kernels, each packing a pass over every weight that the first requests would otherwise
+    wait for. The caller binds the real pool after."""
+    tokens = max(1, min(256, cfg.max_num_batched_tokens, max_model_len - 1))
     blocks = -(-(tokens + 1) // cfg.block_size)
     scratch = torch.zeros(kv_pool_shape(mcfg, blocks, cfg.block_size), dtype=dtype)
     runner = ModelRunner(model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_model_len)
     table = list(range(blocks))
     runner.forward([StepInput([1] * tokens, 0, table)])
-    runner.forward([StepInput([1], tokens, table)])
+    if tokens < max_model_len:
+        runner.forward([StepInput([1], tokens, table)])
     return runner
 
 
