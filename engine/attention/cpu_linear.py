@@ -63,11 +63,13 @@ def rows_kernel_rows() -> int:
     return 0 if "avx512f" in cpu_flags() else ROWS_F32
 
 
+@functools.cache
 def few_rows() -> int:
-    """How many rows of a bfloat16 linear cpu_gemv.c's bfloat16 kernel takes on this CPU (from packed_dtype's cache)."""
+    """How many rows of a bfloat16 linear cpu_gemv.c's bfloat16 kernel takes on this CPU; cached, as packed_dtype."""
     return FEW_ROWS if packed_dtype(torch.bfloat16) == torch.bfloat16 else FEW_ROWS_WIDENED
 
 
+@functools.cache
 def small_rows() -> int:
     """The most rows of a linear that any of our kernels (cpu_gemv.c, cpu_amx.c) takes on this CPU (more: oneDNN,
     at once)."""
@@ -96,18 +98,20 @@ def packed(weight: Tensor) -> Tensor | None:
         w.detach().to(packed_dtype(w.dtype)).contiguous(), None))
 
 
+@functools.cache
 def amx_rows() -> int:
     """How many rows of a bfloat16 linear run on AMX in cpu_amx.c (0: none: no AMX-BF16 on this CPU, or hidden by
-    $PPD_CPU_ISA, no kernels, or the OS refused this process AMX's tiles)."""
+    $PPD_CPU_ISA, no kernels, or the OS refused this process AMX's tiles); cached, as packed_dtype."""
     if "amx_bf16" not in cpu_flags() or packed_dtype(torch.bfloat16) != torch.bfloat16:
         return 0
-    return AMX_ROWS if _amx_ready() else 0
-
-
-@functools.cache
-def _amx_ready() -> bool:
     kernels = load()
-    return kernels is not None and kernels.lib.amx_ready() == 1
+    return AMX_ROWS if kernels is not None and kernels.lib.amx_ready() == 1 else 0
+
+
+def forget_cpu_decisions() -> None:
+    """Clear the cached per-CPU decisions above, so that the next linear reads $PPD_CPU_ISA again (tests)."""
+    for decision in (packed_dtype, rows_kernel_rows, few_rows, amx_rows, small_rows):
+        decision.cache_clear()
 
 
 def amx_packed(weight: Tensor) -> Tensor | None:

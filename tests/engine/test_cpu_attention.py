@@ -421,7 +421,7 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
                 torch.testing.assert_close(ours.float(), F.linear(x, w320, bias320).float(), rtol=2 ** -7, atol=1e-2)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PPD_CPU_ISA", "avx2")
-        cpu_linear.packed_dtype.cache_clear(), cpu_linear.rows_kernel_rows.cache_clear()
+        cpu_linear.forget_cpu_decisions()
         try:
             wide = w.clone()  # packed afresh, in float32
             for m in (1, 8, 9, 32, 40):
@@ -448,7 +448,7 @@ def test_the_cpu_ops_linear_takes_the_kernel_for_few_rows_and_onednn_for_more() 
                 torch.testing.assert_close(ours, F.linear(x, w32, bias32), rtol=1e-5, atol=1e-5)
         finally:
             patch.undo()
-            cpu_linear.packed_dtype.cache_clear(), cpu_linear.rows_kernel_rows.cache_clear()
+            cpu_linear.forget_cpu_decisions()
 
 
 @needs_kernel
