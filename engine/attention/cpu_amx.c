@@ -80,46 +80,33 @@ int amx_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K) {
     return 0;
 }
 
-/* The group of column blocks from g0 (nb of them) for rows m0 .. m0 + rows - 1; its packed tiles from wg. */
+/* The group of column blocks from g0 (nb of them, 1 to GN) for rows m0 .. m0 + rows - 1; its packed tiles from wg.
+ * The tile numbers are literals (the intrinsics paste them into the instruction), so the blocks are unrolled, each
+ * past the first taken where the group has it: the same for every chunk, so the branches predict. */
 static inline __attribute__((always_inline)) void group(const uint16_t *x, const uint16_t *wg, const uint16_t *bias,
                                                         uint16_t *out, int64_t K, int64_t N, int64_t g0, int64_t nb,
-                                                        int64_t m0, int rows, const int NB) {
+                                                        int64_t m0, int rows) {
     const int64_t chunks = K / 32;
-    /* NB: the blocks of a whole group (GN), a constant, so that the tile numbers are; a last, short group loops. */
-    if (NB) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const uint16_t *t = wg;
-        for (int64_t c = 0; c < chunks; c++, t += GN * 512) {
-            _tile_loadd(TA, x + m0 * K + c * 32, K * 2);
-            _tile_loadd(TB, t, 64);
-            _tile_dpbf16ps(0, TA, TB);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t *t = wg;
+    for (int64_t c = 0; c < chunks; c++, t += nb * 512) {
+        _tile_loadd(TA, x + m0 * K + c * 32, K * 2);
+        _tile_loadd(TB, t, 64);
+        _tile_dpbf16ps(0, TA, TB);
+        if (nb > 1) {
             _tile_loadd(TB2, t + 512, 64);
             _tile_dpbf16ps(1, TA, TB2);
+        }
+        if (nb > 2) {
             _tile_loadd(TB, t + 1024, 64);
             _tile_dpbf16ps(2, TA, TB);
+        }
+        if (nb > 3) {
             _tile_loadd(TB2, t + 1536, 64);
             _tile_dpbf16ps(3, TA, TB2);
-        }
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        const uint16_t *t = wg;
-        for (int64_t c = 0; c < chunks; c++, t += nb * 512) {
-            _tile_loadd(TA, x + m0 * K + c * 32, K * 2);
-            _tile_loadd(TB, t, 64);
-            _tile_dpbf16ps(0, TA, TB);
-            if (nb > 1) {
-                _tile_loadd(TB2, t + 512, 64);
-                _tile_dpbf16ps(1, TA, TB2);
-            }
-            if (nb > 2) {
-                _tile_loadd(TB, t + 1024, 64);
-                _tile_dpbf16ps(2, TA, TB);
-            }
         }
     }
     float acc[GN][16][16] __attribute__((aligned(64)));
@@ -153,8 +140,7 @@ int amx_linear_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
             for (int64_t m0 = 0; m0 < M; m0 += 16) {
                 const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
                 if (configured != rows) configure(rows), configured = rows;
-                if (nb == GN) group(x, wg, bias, out, K, N, g0, nb, m0, rows, 1);
-                else group(x, wg, bias, out, K, N, g0, nb, m0, rows, 0);
+                group(x, wg, bias, out, K, N, g0, nb, m0, rows);
             }
         }
         if (configured) _tile_release();
