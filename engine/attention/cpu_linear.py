@@ -89,9 +89,6 @@ def packed_dtype(dtype: torch.dtype) -> torch.dtype | None:
 
 def packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] prepacked in packed_dtype (made on first use, then reused), or None where it cannot be."""
-    entry = _packed.get(("onednn", id(weight)))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
     if weight.dim() != 2 or weight.device.type != "cpu" or packed_dtype(weight.dtype) is None:
         return None
     return _copy(weight, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(
@@ -117,9 +114,6 @@ def forget_cpu_decisions() -> None:
 def amx_packed(weight: Tensor) -> Tensor | None:
     """weight [out, in] bfloat16 packed into AMX tiles (made on first use, then reused), or None where it cannot be
     (a shape the kernel does not take: out not a multiple of 16, in of 32)."""
-    entry = _packed.get(("amx", id(weight)))
-    if entry is not None and entry[0]() is weight:
-        return entry[1]
     if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_contiguous():
         return None
     return _copy(weight, "amx", lambda w: load().amx_pack(w))
@@ -128,6 +122,9 @@ def amx_packed(weight: Tensor) -> Tensor | None:
 def _copy(weight: Tensor, kind: str, make) -> Tensor | None:
     """The copy of weight that make(weight) returns, made once per process and kept while weight lives."""
     key = (kind, id(weight))
+    entry = _packed.get(key)
+    if entry is not None and entry[0]() is weight:
+        return entry[1]
     with _lock:  # the runners of a process (the prefill thread's too) pack each weight once
         entry = _packed.get(key)
         if entry is None or entry[0]() is not weight:
