@@ -24,7 +24,7 @@ from torch import Tensor
 
 from engine.attention.base import StepBatch
 from engine.attention.cpu_kernel import DTYPES, load
-from engine.attention.cpu_linear import CpuOps
+from engine.attention.cpu_linear import CpuOps, rope_takes
 from engine.attention.torch_backend import AttentionMetadata, TorchBackend, sdpa_attention, store_kv
 from engine.cpu_isa import cpu_flags
 
@@ -102,10 +102,8 @@ class CpuBackend(TorchBackend):
                         scale: float, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE and the KV store in one kernel call (rope_store_kv), then attend; the unfused path where a tensor is
         not as the kernel reads it."""
-        if (self.kernels is None or not q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-                or q.dtype not in DTYPES or positions.dtype != torch.int64 or cos.dtype != torch.float32
-                or cos.shape[-1] * 2 != q.shape[-1]
-                or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in (q, k, v))):
+        if (self.kernels is None or not q.dtype == k_cache.dtype == v_cache.dtype
+                or not rope_takes(positions, cos, q, k, v)):
             return super().rope_and_attend(q, k, v, k_cache, v_cache, meta, scale, positions, cos, sin)
         q = self.kernels.rope_store_kv(q, k, v, k_cache, v_cache, meta.full.slot_mapping, positions, cos, sin)
         return self.attend(q, k_cache, v_cache, meta, scale)

@@ -132,6 +132,14 @@ def _copy(weight: Tensor, kind: str, make) -> Tensor | None:
     return entry[1]
 
 
+def rope_takes(positions: Tensor, cos: Tensor, *xs: Tensor) -> bool:
+    """Whether the RoPE kernels (rope, rope_store_kv) take these [T, heads, D] tensors: one dtype of theirs, on the
+    CPU, each token's heads and dimensions contiguous; int64 positions and float32 tables of D/2."""
+    return (xs[0].dtype in DTYPES and all(x.dtype == xs[0].dtype for x in xs) and xs[0].device.type == "cpu"
+            and positions.dtype == torch.int64 and cos.dtype == torch.float32 and cos.shape[-1] * 2 == xs[0].shape[-1]
+            and all(x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in xs))
+
+
 def _fusable(*tensors: Tensor) -> bool:
     return all(t.dtype in DTYPES and t.dtype == tensors[0].dtype and t.device.type == "cpu" and t.is_contiguous()
                for t in tensors)
@@ -166,9 +174,7 @@ class CpuOps(TorchOps):
     @staticmethod
     def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         kernels = load()
-        if (kernels is None or q.dtype not in DTYPES or k.dtype != q.dtype or q.device.type != "cpu"
-                or positions.dtype != torch.int64 or cos.dtype != torch.float32 or cos.shape[-1] * 2 != q.shape[-1]
-                or any(x.stride(2) != 1 or x.stride(1) != x.shape[2] for x in (q, k))):
+        if kernels is None or not rope_takes(positions, cos, q, k):
             return TorchOps.apply_rope(q, k, positions, cos, sin)
         return kernels.rope(q, positions, cos, sin), kernels.rope(k, positions, cos, sin)
 
