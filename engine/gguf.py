@@ -4,7 +4,9 @@ cache and reused after.
 The folder holds what a Hugging Face checkpoint holds: config.json and the tokenizer with its chat template, read
 from the GGUF's metadata through transformers' GGUF reader (the `gguf` package), and model.safetensors with every
 tensor dequantized to float32 (as transformers dequantizes a GGUF), llama.cpp's tensor names mapped back to Hugging
-Face's and its row permutation of Llama's q and k projections undone. `--dtype` then casts the weights at load as
+Face's and its row permutation of Llama's q and k projections undone. A Llama 3.x GGUF carries its RoPE scaling as
+per-frequency divisors (the `rope_freqs` tensor) instead of metadata; transformers' GGUF reader drops them, so the
+folder's config.json states the Llama 3 scaling that gives those divisors (see llama3_scaling). `--dtype` then casts the weights at load as
 for any checkpoint; `--dtype auto` serves a quantized, bf16 or f16 GGUF in bfloat16 (where the CPU runs it; see
 engine/config.py) and an f32 one in float32.
 
@@ -23,14 +25,18 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from engine.model import llama3_scaled
 
 log = logging.getLogger("ppd.engine")
 
@@ -47,7 +53,7 @@ _IN_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layerno
              "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_SKIPPED = {"rope_freqs.weight"}  # Llama 3's rope factors: config.json's rope scaling says the same
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors: config.json's rope scaling, not a weight (llama3_scaling)
 
 
 class GGUFError(ValueError):
@@ -152,7 +158,7 @@ def hf_name(name: str) -> str | None:
     """A llama.cpp tensor name as Hugging Face names it (None: a tensor the checkpoint does not keep)."""
     if name in _TOP:
         return _TOP[name]
-    if name in _SKIPPED:
+    if name == ROPE_FREQS:
         return None
     match = _LAYER.match(name)
     if match is None or match.group(2) not in _IN_LAYER:
@@ -168,13 +174,12 @@ def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def dequantized(reader, arch: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the GGUF as a float32 tensor under its Hugging Face name."""
+def dequantized(reader, arch: str):
+    """(Hugging Face name, float32 array) for each weight of the GGUF, dequantized one at a time as it is asked for."""
     from gguf.quants import dequantize  # noqa: PLC0415
 
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
-    out = {}
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -186,8 +191,73 @@ def dequantized(reader, arch: str) -> dict[str, torch.Tensor]:
             data = unpermute(data, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute(data, kv_heads)
-        out[name] = torch.from_numpy(np.array(data, copy=not data.flags.writeable or not data.flags.c_contiguous))
-    return out
+        yield name, np.ascontiguousarray(data, dtype="<f4")
+
+
+def save_float32(reader, arch: str, path: Path, metadata: dict[str, str]) -> None:
+    """model.safetensors with every weight of the GGUF in float32, written a tensor at a time: the header first (a
+    tensor's size is known from its shape), then each tensor as it is dequantized. Converting holds one dequantized
+    tensor, not the model's float32 weights (safetensors' save_file holds them twice: the tensors and the file's
+    bytes)."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for tensor in reader.tensors:
+        if (name := hf_name(tensor.name)) is not None:
+            shape = [int(n) for n in reversed(tensor.shape)]
+            header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
+            offset += 4 * math.prod(shape)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, data in dequantized(reader, arch):
+            assert data.nbytes == header[name]["data_offsets"][1] - header[name]["data_offsets"][0], name
+            out.write(memoryview(data).cast("B"))
+
+
+def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict | None:
+    """The Llama 3 RoPE scaling (config.json's rope_scaling) whose frequencies are llama.cpp's: each of theta^(-2i/d)
+    divided by its `divisors[i]`, the rope_freqs tensor that llama.cpp's converter computes from a Llama 3.x
+    rope_scaling. None when every divisor is 1; GGUFError when they are not of Llama 3's form.
+
+    Llama 3 keeps frequencies above orig / high cycles a token, divides those below orig / low by `factor`, and in
+    between divides by 1 / ((1 - s) / factor + s) with s a line in the frequency, 1 at the band's top and 0 at its
+    bottom. Only the band's two edges matter (orig, low and high give the same frequencies for any orig / low and
+    orig / high), so low is 1, as in every Llama 3.x, and the edges come from the middle band's divisors: a line
+    fitted through two or more, else edges placed between the frequencies that one or none leaves free."""
+    divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if divisors.shape != inv_freq.shape or divisors.min() <= 0:
+        raise GGUFError(f"rope_freqs has {divisors.size} values, not head_dim / 2 = {inv_freq.size} positive ones")
+    factor = float(divisors.max())
+    if factor <= 1 + 1e-6:
+        return None
+    cycles = inv_freq / (2 * math.pi)  # a frequency in cycles a token: 1 / its wavelength
+    kept, divided = divisors <= 1 + 1e-6, divisors >= factor * (1 - 1e-6)
+    middle = ~kept & ~divided
+    smooth = (1 / divisors[middle] - 1 / factor) / (1 - 1 / factor)
+    if middle.sum() >= 2:  # s = (cycles - bottom) / (top - bottom)
+        slope, intercept = np.polyfit(cycles[middle], smooth, 1)
+        bottom, top = -intercept / slope, (1 - intercept) / slope
+    else:
+        below = cycles[divided].max(initial=0.0)  # the band's bottom edge lies above every divided frequency
+        above = cycles[kept].min(initial=2 * cycles.max())  # and its top below every kept one
+        if middle.any():
+            bottom = (below + cycles[middle][0]) / 2
+            top = bottom + (cycles[middle][0] - bottom) / smooth[0]
+        else:
+            bottom, top = below + (above - below) / 3, below + 2 * (above - below) / 3
+    for rounded in (True, False):
+        original, high = float(1 / bottom), float(top / bottom)
+        if rounded:
+            original, high = round(original), round(high, 4)
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+                   "original_max_position_embeddings": original}
+        if 0 < bottom < top and np.allclose(inv_freq / llama3_scaled(torch.from_numpy(inv_freq), scaling).numpy(),
+                                            divisors, rtol=1e-4, atol=0):
+            return scaling
+    raise GGUFError(f"rope_freqs (RoPE divisors {np.round(divisors, 3).tolist()}) is not Llama 3's scaling; this "
+                    "server applies no other")
 
 
 def serving_dtype(reader) -> str:
@@ -199,7 +269,6 @@ def serving_dtype(reader) -> str:
 
 
 def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
 
     arch = _field(reader, "general.architecture")
@@ -208,10 +277,14 @@ def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
     config.dtype = serving_dtype(reader)
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
         config.head_dim = int(head_dim)  # transformers' reader leaves Qwen3's at its default
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None and (scaling := llama3_scaling(
+            freqs.data, float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
+            int(config.head_dim or config.hidden_size // config.num_attention_heads))) is not None:
+        config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **scaling}
     config.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
     tokenizer.save_pretrained(folder)
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_file(dequantized(reader, arch), folder / "model.safetensors", metadata={"format": "pt",
-                                                                                "source": gguf_path.name})
+    save_float32(reader, arch, folder / "model.safetensors", {"format": "pt", "source": gguf_path.name})

@@ -30,10 +30,12 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> Tensor:
     """RoPE inverse frequencies theta^(-2i/d), with Llama 3's frequency-dependent scaling when configured."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv_freq
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate smoothly in between.
+    return inv_freq if cfg.rope_scaling is None else llama3_scaled(inv_freq, cfg.rope_scaling)
+
+
+def llama3_scaled(inv_freq: Tensor, s: dict) -> Tensor:
+    """Llama 3.1's scaling of RoPE inverse frequencies: keep high frequencies, divide low ones by `factor`,
+    interpolate smoothly in between."""
     old_len = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / s["low_freq_factor"], inv_freq / s["factor"], inv_freq)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
@@ -122,11 +124,64 @@ _GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_
                "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32") -> Path:
+def llama_cpp_rope_divisors(cfg: dict[str, Any]) -> list[float] | None:
+    """The rope_freqs tensor llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes for a Llama 3
+    rope_scaling: a divisor per RoPE frequency, 1 above orig / high_freq_factor cycles a token, `factor` below
+    orig / low_freq_factor, smoothly between. None without llama3 scaling."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    theta = float(rope.get("rope_theta") or cfg.get("rope_theta"))
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)):
+        wavelen = 2 * math.pi / float(freq)
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return divisors
+
+
+# Where each K-quant block (256 weights) keeps its float16 scales (ggml-common.h: block_q2_K ... block_q6_K); every
+# other byte (sub-block scales, quants, high bits) is valid whatever its value.
+_K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def k_quant_blocks(rows: int, cols: int, quant: str, rng: np.random.Generator, std: float = 0.1) -> np.ndarray:
+    """A rows x cols weight in K-quant `quant` as the raw blocks a GGUF holds (the gguf package reads K-quants but
+    cannot write them): random bytes, each block's float16 scales drawn and then scaled (the weights are linear in
+    them) to give the weights a standard deviation of `std`, a trained layer's spread."""
+    import gguf
+    from gguf.quants import dequantize
+
+    qtype = gguf.GGMLQuantizationType[quant]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    assert cols % block == 0, f"a K-quant row holds whole blocks of {block}"
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    scales = {offset: rng.uniform(0.5, 1.5, size=(rows, cols // block)) for offset in _K_QUANT_SCALES[quant]}
+
+    def write(spread: float) -> np.ndarray:
+        for offset, scale in scales.items():
+            raw[:, :, offset:offset + 2] = (scale * spread).astype(np.float16)[..., None].view(np.uint8)
+        return raw.reshape(rows, -1)
+
+    return write(std / float(dequantize(write(1.0), qtype).std()))
+
+
+def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides: Any) -> Path:
     """A tiny random `arch` model as a GGUF file, as llama.cpp's converter writes one: its metadata, a byte-level
     gpt2 tokenizer (the demo's) with a chat template, tensors under llama.cpp's names, Llama's q and k rows permuted,
-    2-D weights in `quant` (F32, F16 or Q8_0; norms and biases stay F32). Qwen3's head_dim is 128, as in every
-    Qwen3: transformers' GGUF reader takes no other."""
+    Llama 3's RoPE scaling as the rope_freqs tensor, 2-D weights in `quant` (F32, F16, Q8_0, or K-quants: a
+    comma-separated list is cycled over the weights, as a Q4_K_M file mixes Q4_K and Q6_K; norms and biases stay
+    F32). K-quant weights are random blocks, not the model's (see k_quant_blocks), and need widths that are
+    multiples of 256 (`overrides` of the model's config). Qwen3's head_dim is 128, as in every Qwen3: transformers'
+    GGUF reader takes no other."""
     import gguf
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -134,7 +189,8 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32") -> Path:
     from engine.demo import _bytes_to_unicode, _special_tokens, CHAT_TEMPLATE, NUM_BYTES
 
     path = Path(path)
-    folder = write_tiny_model(path.parent / f"{path.stem}-hf", arch, **({"head_dim": 128} if arch == "qwen3" else {}))
+    folder = write_tiny_model(path.parent / f"{path.stem}-hf", arch,
+                              **({"head_dim": 128} if arch == "qwen3" else {}), **overrides)
     cfg = __import__("json").loads((folder / "config.json").read_text())
     state = load_file(folder / "model.safetensors")
     name = _GGUF_ARCH[arch]
@@ -161,7 +217,10 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32") -> Path:
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_chat_template(CHAT_TEMPLATE)
-    qtype = gguf.GGMLQuantizationType[quant]
+    quants, weights, rng = quant.split(","), 0, np.random.default_rng(0)
+    qtype = gguf.GGMLQuantizationType[quants[0]]
+    if name == "llama" and (divisors := llama_cpp_rope_divisors(cfg)) is not None:
+        writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
     for key, tensor in state.items():
         data = tensor.float().numpy()
         if key == "model.embed_tokens.weight":
@@ -177,7 +236,12 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32") -> Path:
             if name == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's permute
                 n = heads if module == "self_attn.q_proj" else kv_heads
                 data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        if data.ndim == 2 and quant != "F32":
+        if data.ndim == 2 and quants[0] in _K_QUANT_SCALES:
+            kind = quants[weights % len(quants)]
+            weights += 1
+            writer.add_tensor(gname, k_quant_blocks(*data.shape, kind, rng),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif data.ndim == 2 and quant != "F32":
             writer.add_tensor(gname, quantize(data.astype("float16" if quant == "F16" else "float32"), qtype),
                               raw_dtype=qtype)
         else:
@@ -190,11 +254,17 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32") -> Path:
 
 
 def hf_gguf_model(path: str | Path) -> PreTrainedModel:
-    """transformers' own reading of a GGUF file (float32, eager attention), cached per file."""
+    """transformers' own reading of a GGUF file (float32, eager attention), cached per file, with the file's RoPE
+    divisors (rope_freqs) applied as llama.cpp applies them: transformers' GGUF reader drops them."""
+    import gguf
+
     path = Path(path)
     key = str(path.resolve())
     if key not in _HF_MODELS:
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
                                                      attn_implementation="eager")
+        divisors = [t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight"]
+        if divisors:
+            model.model.rotary_emb.inv_freq /= torch.from_numpy(divisors[0].data.astype("float32").reshape(-1))
         _HF_MODELS[key] = model.eval()
     return _HF_MODELS[key]

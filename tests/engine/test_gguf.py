@@ -7,15 +7,17 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.gguf import GGUFError, gguf_in, model_folder, smollm2_gguf
+from engine.config import ModelConfig
+from engine.gguf import GGUFError, gguf_in, llama3_scaling, model_folder, smollm2_gguf
 from engine.loader import load_model
-from engine.model import kv_pool_shape
+from engine.model import kv_pool_shape, llama3_scaled, rope_inv_freq
 from engine.model_runner import ModelRunner, PromptLogprobsAsk, StepInput
-from tests.tiny_models import hf_gguf_model, write_tiny_gguf
+from tests.tiny_models import hf_gguf_model, hf_greedy, llama_cpp_rope_divisors, write_tiny_gguf
 
 pytest.importorskip("accelerate", reason="transformers reads a GGUF model (the oracle here) only with accelerate")
 QUANTS = {"llama": "Q8_0", "mistral": "F16", "qwen2": "F32", "qwen3": "Q8_0"}
@@ -64,6 +66,65 @@ def test_greedy_ids_equal_transformers_reading_the_same_gguf(arch: str, tmp_path
     assert ours.encode(text) == theirs.encode(text) and ours.decode(ours.encode(text)) == text
     messages = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(messages, tokenize=False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_k_quant_weights_give_transformers_greedy_ids(arch: str, tmp_path: Path) -> None:
+    """Every K-quant the gguf package reads (Q2_K to Q6_K, cycled over the weights as a Q4_K_M file mixes two),
+    in a model of 256-wide rows: Llama's q and k rows permuted in their blocks, Qwen2's biases beside them."""
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K", hidden_size=256,
+                           intermediate_size=512)
+    import gguf  # noqa: PLC0415
+
+    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} == {"F32", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                                                           "Q6_K"}
+    rng, runner = random.Random(7), runner_for(model_folder(path))
+    for n in (6, 30):
+        prompt = [rng.randrange(3, 256) for _ in range(n)]
+        assert greedy(runner, prompt, 8) == hf_greedy_gguf(path, prompt, 8)
+
+
+def test_a_llama3_gguf_keeps_its_rope_scaling(tmp_path: Path) -> None:
+    """llama.cpp's converter writes Llama 3.x's RoPE scaling as per-frequency divisors (rope_freqs), which
+    transformers' GGUF reader drops: the converted folder states the scaling, and an F32 GGUF serves the greedy ids
+    of the Hugging Face model it was written from, at positions where the unscaled frequencies would part."""
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", "F32")
+    original, folder = tmp_path / "llama-hf", model_folder(path)
+    theirs, ours = ModelConfig.from_folder(original), ModelConfig.from_folder(folder)
+    assert ours.rope_scaling is not None and ours.rope_scaling["factor"] == theirs.rope_scaling["factor"]
+    cpu = torch.device("cpu")
+    assert torch.allclose(rope_inv_freq(ours, cpu), rope_inv_freq(theirs, cpu), rtol=1e-5, atol=0)
+    rng, runner = random.Random(3), runner_for(folder)
+    for n in (40, 90):
+        prompt = [rng.randrange(3, 256) for _ in range(n)]
+        assert greedy(runner, prompt, 8) == hf_greedy(original, prompt, 8)
+
+
+@pytest.mark.parametrize("head_dim,scaling", [
+    (128, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    (64, {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    (64, {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 4096}),
+    (16, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+])
+def test_rope_divisors_become_the_llama3_scaling_that_gives_them(head_dim: int, scaling: dict) -> None:
+    """Llama 3.1 8B/70B (head_dim 128), 3.2 1B/3B (64, factor 32), another band, and a head too small to fix the
+    band's edges: the stated scaling gives llama.cpp's frequencies, whatever (orig, low, high) it picks."""
+    theta = 500000.0
+    cfg = {"rope_parameters": {"rope_type": "llama3", "rope_theta": theta, **scaling}, "head_dim": head_dim}
+    divisors = np.array(llama_cpp_rope_divisors(cfg))
+    found = llama3_scaling(divisors.astype(np.float32), theta, head_dim)
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    assert np.allclose((inv_freq / llama3_scaled(inv_freq, found)).numpy(), divisors, rtol=1e-4)
+    if head_dim >= 64 and scaling["low_freq_factor"] == 1.0:
+        assert found == {"rope_type": "llama3", **scaling}, "a real Llama 3.x's own numbers"
+
+
+def test_rope_divisors_of_another_form_are_refused() -> None:
+    assert llama3_scaling(np.ones(32, np.float32), 500000.0, 64) is None
+    with pytest.raises(GGUFError, match="not Llama 3's scaling"):
+        llama3_scaling(np.array([1.0, 2.0, 1.0, 8.0], np.float32), 50000.0, 8)
+    with pytest.raises(GGUFError, match="head_dim / 2 = 32"):
+        llama3_scaling(np.ones(16, np.float32), 500000.0, 64)
 
 
 def test_what_is_not_served_is_refused_naming_what_is(tmp_path: Path) -> None:
