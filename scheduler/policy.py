@@ -17,13 +17,16 @@ decode worker), `aggregated` (one worker does everything). `ppd` decides per req
      TTFT(decode)  = 1.5 decode steps + new / inline rate   (the rest of the step under way, then the step
                                                              that carries the append)
      TPOT(prefill) = decode step;  TPOT(decode) = decode step + (new / inline rate) / output tokens
-   i.e. an inline append delays one step of every running sequence, spread over this request's output length.
+   i.e. an inline append delays one step of every running sequence, spread over this request's output length
+   (the router's estimate of it, scheduler/answer_length.py: max_tokens is only a cap).
 3. Route to decode when w_ttft * (TTFT(prefill) - TTFT(decode)) > w_tpot * (TPOT(decode) - TPOT(prefill)).
 4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the prefill route
    meets --ttft-slo-ms; never send to the prefill worker a request that would miss --ttft-slo-ms there while
    the decode route meets both.
-Observed TTFT and TPOT of each routed append update its cell's estimates (a bounded moving average: one
-observation moves an estimate by at most OBSERVATION_WEIGHT of itself, so one outlier cannot flip a cell).
+Observed TTFT and TPOT of each routed append update the estimates of the route it took (which the unit decides:
+one that no longer holds the prefix the router guessed prefills it cold) in the cell of what it was (the cached
+length the unit found, the tokens it computed, the answer it gave), a bounded moving average: one observation moves
+an estimate by at most OBSERVATION_WEIGHT of itself, so one outlier cannot flip a cell.
 """
 
 from __future__ import annotations
@@ -62,8 +65,22 @@ class UnitLive:
 class Decision:
     route: Route
     reason: str                                 # miss | static | table | queue | model | itl_slo | ttft_slo | client
-    cell: tuple[int, int, int] | None = None    # the table cell (for the online update)
+    cell: tuple[int, int, int] | None = None    # the table cell it was decided in
     queue_correction_ms: float = 0.0            # added to the table's prefill TTFT by the live state
+    load: int = 0                               # requests in flight on the unit, this one included
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a routed request did: the route its unit ran its prefill on, the cached length the unit found, the
+    tokens it computed, the answer's length, and the latencies the client saw."""
+
+    route: Route
+    cached: int
+    new: int
+    output: int
+    ttft_ms: float
+    tpot_ms: float | None  # None for a one-token answer
 
 
 class Policy:
@@ -81,8 +98,8 @@ class Policy:
             return Decision("prefill", "miss")
         return Decision("decode" if self.name == "dlocal" else "prefill", "static")
 
-    def observe(self, decision: Decision, ttft_ms: float, tpot_ms: float | None) -> None:
-        """A routed request finished: its first-token latency and time per output token (None for one token)."""
+    def observe(self, decision: Decision, outcome: Outcome) -> None:
+        """A routed request finished: what it did."""
 
 
 class PPDPolicy(Policy):
@@ -133,17 +150,20 @@ class PPDPolicy(Policy):
         elif obj.ttft_slo_ms is not None and not decode and ttft_p > obj.ttft_slo_ms >= ttft_d and not (
                 obj.itl_slo_ms is not None and step + inline_ms > obj.itl_slo_ms):
             decode, reason = True, "ttft_slo"
-        return Decision("decode" if decode else "prefill", reason, key, correction)
+        return Decision("decode" if decode else "prefill", reason, key, correction, load)
 
-    def observe(self, decision: Decision, ttft_ms: float, tpot_ms: float | None) -> None:
-        est = self.estimates.get(decision.cell) if decision.cell is not None else None
+    def observe(self, decision: Decision, outcome: Outcome) -> None:
+        if self.table is None or outcome.cached == 0:  # a cold prefill: no append, no cell
+            return
+        est = self.estimates.get(self.table.key(outcome.cached, outcome.new, outcome.output, decision.load))
         if est is None:
             return
-        route = est[decision.route]
+        route = est[outcome.route]
         # The estimate is the cell's typical latency: remove what the live queue added at decision time.
-        route[0] = _blend(route[0], ttft_ms - (decision.queue_correction_ms if decision.route == "prefill" else 0.0))
-        if tpot_ms is not None:
-            route[1] = _blend(route[1], tpot_ms)
+        route[0] = _blend(route[0], outcome.ttft_ms - (decision.queue_correction_ms if outcome.route == "prefill"
+                                                       else 0.0))
+        if outcome.tpot_ms is not None:
+            route[1] = _blend(route[1], outcome.tpot_ms)
 
 
 def _blend(old: float, observed: float) -> float:

@@ -22,8 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.prefix_hash import block_hashes
+from scheduler.answer_length import AnswerLengths
 from scheduler.messages import Finished, Placed, Route, RouterEvent
-from scheduler.policy import Decision, Policy, UnitLive
+from scheduler.policy import Decision, Outcome, Policy, UnitLive
 
 DEFAULT_SESSION_TTL_S = 3600.0
 log = logging.getLogger("ppd.router")
@@ -34,6 +35,8 @@ class Placement:
     unit: int
     decision: Decision
     est_cached_tokens: int
+    session: str | None = None
+    earlier_answers: tuple[int, ...] = ()  # the answer lengths of the conversation it continues
 
     @property
     def route(self) -> Route:
@@ -55,11 +58,14 @@ class Router:
         self.clock = clock
         self.origin = 0  # this API server's index, in the events it publishes
         self.publish: Callable[[RouterEvent], None] | None = None  # set with several API servers
+        self.answers = AnswerLengths()
 
-    def route(self, token_ids: list[int], available: Sequence[int], output_tokens: int = 1,
-              session: str | None = None, route_hint: Route | None = None) -> Placement:
-        """Choose one of the available units and a route for a new request asking for output_tokens, and count it
-        in that unit's load. route_hint (a client's choice) overrides the policy for an append-prefill."""
+    def route(self, token_ids: list[int], available: Sequence[int], max_tokens: int = 1,
+              session: str | None = None, route_hint: Route | None = None, min_tokens: int = 0,
+              ignore_eos: bool = False) -> Placement:
+        """Choose one of the available units and a route for a new request that may generate up to max_tokens, and
+        count it in that unit's load. The policy is given the answer's expected length (scheduler/answer_length.py),
+        which max_tokens only caps. route_hint (a client's choice) overrides the policy for an append-prefill."""
         hashes = block_hashes(token_ids, self.block_size)
         unit = self._session_unit(session, available)
         if unit is None:
@@ -67,6 +73,8 @@ class Router:
             unit = min(available, key=lambda u: (-matches[u], self.load[u], self.assigned[u], u))
         cached = self._match(self.index[unit], hashes) * self.block_size
         new, load, live = len(token_ids) - cached, self.load[unit] + 1, self.live[unit]
+        earlier = self.answers.earlier(hashes, session)
+        output_tokens = self.answers.estimate(earlier, max_tokens, min_tokens, ignore_eos)
         if route_hint is not None and cached > 0 and self.policy.name != "aggregated":
             decision = Decision(route_hint, "client")
         else:
@@ -79,12 +87,17 @@ class Router:
         self._placed(unit, hashes, session)
         if self.publish is not None:
             self.publish(Placed(self.origin, unit, hashes, session))
-        return Placement(unit, decision, cached)
+        return Placement(unit, decision, cached, session, earlier)
 
-    def finished(self, unit: int, token_ids: list[int]) -> None:
-        """A request on unit ended; token_ids (prompt + answer) are now likely cached there."""
+    def finished(self, unit: int, token_ids: list[int], answered: tuple[Placement, Outcome] | None = None) -> None:
+        """A request on unit ended; token_ids (prompt + answer) are now likely cached there. answered: a request
+        that ran to its end, its placement and what happened (the policy and the answer-length estimate learn)."""
         hashes = block_hashes(token_ids, self.block_size)
         self._finished(unit, hashes)
+        if answered is not None:
+            placement, outcome = answered
+            self.policy.observe(placement.decision, outcome)
+            self.answers.answered(hashes, placement.session, placement.earlier_answers, outcome.output)
         if self.publish is not None:
             self.publish(Finished(self.origin, unit, hashes))
 

@@ -107,6 +107,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd = per request, "
                         "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline); auto "
                         "(default): ppd, except aggregated on a CPU unit of fewer than 4 cores (the log says why)")
+    p.add_argument("--answer-length", default="estimate", choices=("estimate", "max-tokens"),
+                   help="ppd: the answer length the policy weighs an inline append against: estimate (default) from "
+                        "the conversation's earlier answers, else the model's recent ones, max_tokens a cap; "
+                        "max-tokens reads max_tokens as the length (right only for clients that send the true length, "
+                        "e.g. benchmarks with ignore_eos)")
     p.add_argument("--policy-table", default=None,
                    help="ppd: the profiled table (ppd profile policy); default: the shipped profile of this device and "
                         "model, else a cost model from live measurements")

@@ -25,8 +25,8 @@ from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent, UnitReset,
                                 WorkerOutput, WorkerReady, WorkerStats, new_request_id)
-from scheduler.policy import Decision
-from scheduler.router import Router
+from scheduler.policy import Outcome
+from scheduler.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
 
 
@@ -129,7 +129,7 @@ def coalesce(deltas: list[Delta]) -> Delta:
 class _Request:
     request_id: str
     unit: int
-    decision: Decision
+    placement: Placement
     prompt_ids: list[int]
     pending: list[Delta | EngineError] = field(default_factory=list)  # delivered, not yet taken by the caller
     waiter: asyncio.Future | None = None  # set while the caller waits for pending to fill
@@ -140,7 +140,8 @@ class _Request:
     first_token: float = 0.0
     last_token: float = 0.0
     started: bool = False  # a worker put its first chunk in a step: it waits no more
-    route: Route | None = None
+    route: Route | None = None  # where the unit ran the prefill (with the cached length it found)
+    cached: int | None = None
     done: bool = False
 
     def put(self, item: Delta | EngineError) -> None:
@@ -312,10 +313,11 @@ class EngineClient:
         available = [u for u in range(len(self.units)) if self.unit_ready(u) and self.overloaded(u) is None]
         if unit in available:
             available = [unit]
-        placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint)
+        placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint,
+                                   sampling.min_tokens, sampling.ignore_eos)
         self.metrics.route_decision(placed.decision.route, placed.decision.reason)
         req = _Request(new_request_id(self.api_server, next(self._ids), uuid.uuid4().hex[:8]), placed.unit,
-                       placed.decision, prompt_ids)
+                       placed, prompt_ids)
         try:
             message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
@@ -405,7 +407,7 @@ class EngineClient:
 
     def _deliver(self, req: _Request, out: RequestOutput, now: float) -> None:
         if out.route is not None and req.route is None:
-            req.route = out.route
+            req.route, req.cached = out.route, out.num_cached_tokens
             self.metrics.prefill_routed(out.route)
         if out.token_ids:
             if not req.output_ids:
@@ -422,11 +424,14 @@ class EngineClient:
                       out.prompt_logprobs))
         if out.finish_reason:
             self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
+            outcome = None
             if req.output_ids:
                 n = len(req.output_ids)
-                tpot = 1000 * (now - req.first_token) / (n - 1) if n > 1 else None
-                self.router.policy.observe(req.decision, 1000 * (req.first_token - req.arrival), tpot)
-            self._end(req, None, finished=True)
+                cached = req.cached if req.cached is not None else req.placement.est_cached_tokens
+                outcome = Outcome(req.route or req.placement.route, cached, len(req.prompt_ids) - cached, n,
+                                  1000 * (req.first_token - req.arrival),
+                                  1000 * (now - req.first_token) / (n - 1) if n > 1 else None)
+            self._end(req, None, finished=True, outcome=outcome)
 
     def _started(self, req: _Request, now: float) -> None:
         req.started = True
@@ -434,15 +439,17 @@ class EngineClient:
         state.waiting -= 1
         state.starts.started(now, req.arrival)
 
-    def _end(self, req: _Request, error: EngineError | None, finished: bool) -> None:
-        """Forget a request; when it finished normally its unit's router index learns the answer too."""
+    def _end(self, req: _Request, error: EngineError | None, finished: bool, outcome: Outcome | None = None) -> None:
+        """Forget a request; when it finished normally its unit's router index learns the answer too, and with an
+        outcome the policy and the answer-length estimate learn from it."""
         if req.done:
             return
         if not req.started:
             self.state[req.unit].waiting -= 1
         req.done = True
         self.requests.pop(req.request_id, None)
-        self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids)
+        self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids,
+                             None if outcome is None else (req.placement, outcome))
         if error is not None:
             req.put(error)
 

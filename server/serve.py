@@ -27,7 +27,7 @@ from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describ
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import MpsDaemonPlan, PartitionError, UnitPartition, green_available, plan_partitions
+from partition.backends import MpsDaemonPlan, PartitionError, UnitPartition, plan_green, plan_partitions
 from partition.cpu import available_cores
 from partition.processes import process_alive
 from scheduler.config import UnitConfig
@@ -444,6 +444,7 @@ def api_client(args: argparse.Namespace, plan: ServePlan, policy, api_server: in
 
     router = Router(len(plan.units), args.block_size, policy, plan.units[0].engine.num_kv_blocks or 0,
                     session_ttl_s=args.session_ttl_s)
+    router.answers.from_max_tokens = args.answer_length == "max-tokens"
     metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, api_server, args.api_server_count))
     return EngineClient(plan.units, router, metrics, admission_for(args), api_server)
 
@@ -485,12 +486,18 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
         if args.partition != "auto":
             raise UsageError(str(exc)) from exc
         problem = exc
-    # auto promised the best that works here: green contexts in one process where cuda-python can make them, else
-    # the time-sliced baseline, said plainly.
-    with_prefill = not plan.units[0].aggregated
-    kind = "green" if with_prefill and green_available() else "none"
-    log.warning("partition: %s; going on with --partition %s", problem, kind)
-    part = UnitPartition(kind, why=f"auto: MPS does not work here ({problem})", prefill_thread=kind == "green")
+    # auto promised the best that works here: green contexts in one process where the other settings allow them
+    # (plan_green decides, as for --partition green: not with --prefill-worker process, nor without cuda-python),
+    # else the time-sliced baseline, said plainly.
+    why = f"auto: MPS does not work here ({problem})"
+    try:
+        part = plan_green(plan.device, not plan.units[0].aggregated, args.prefill_worker, args.green_decode_sms or (),
+                          why)
+    except PartitionError as no_green:
+        why = f"{why}; green contexts are out too ({no_green})"
+        part = UnitPartition("none", why=why, prefill_thread=args.prefill_worker == "thread")
+    kind = part.backend
+    log.warning("partition: %s; going on with --partition %s", why, kind)
     plan.units[:] = [dataclasses.replace(u, partition=part, share_manager=share_manager_on(args.share_manager, kind))
                      for u in plan.units]
     plan.partition, plan.mps = kind, None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.policy import OBSERVATION_WEIGHT, Objective, PPDPolicy, UnitLive
+from scheduler.policy import OBSERVATION_WEIGHT, Objective, Outcome, PPDPolicy, UnitLive
 from scheduler.policy_table import Cell, PolicyTable, RouteStats, TableError, table_path
 
 CONTEXTS = [256, 1024]
@@ -109,12 +109,12 @@ def test_observations_move_estimates_boundedly_and_can_flip_a_cell_over_time() -
     policy = ppd(t)
     decision = policy.route(cached=200, new=60, output=500, load=1, live=LIVE)
     assert decision.route == "decode"
-    policy.observe(decision, ttft_ms=1e9, tpot_ms=1e9)  # one absurd outlier
+    policy.observe(decision, Outcome("decode", 200, 60, 500, ttft_ms=1e9, tpot_ms=1e9))  # one absurd outlier
     ttft, tpot = policy.estimates[(0, 0, 0)]["decode"]
     assert ttft == pytest.approx(80 * (1 + OBSERVATION_WEIGHT)) and tpot == pytest.approx(11 * (1 + OBSERVATION_WEIGHT))
     assert policy.route(cached=200, new=60, output=500, load=1, live=LIVE).route == "decode"
     for _ in range(30):  # a sustained change: decode really is slow now
-        policy.observe(decision, ttft_ms=150, tpot_ms=14)
+        policy.observe(decision, Outcome("decode", 200, 60, 500, ttft_ms=150, tpot_ms=14))
     assert policy.route(cached=200, new=60, output=500, load=1, live=LIVE).route == "prefill"
 
 
@@ -124,7 +124,8 @@ def test_observed_prefill_ttft_is_taken_without_the_live_queue_it_was_corrected_
     busy = UnitLive(prefill_queue_tokens=100, prefill_tokens_per_s=10_000)  # 10 ms queued now
     d = policy.route(cached=200, new=1000, output=50, load=8, live=busy)
     assert d.route == "prefill" and d.queue_correction_ms == pytest.approx(10)
-    policy.observe(d, ttft_ms=110, tpot_ms=10)  # 100 ms of service plus the 10 ms queue: the estimate stays
+    # 100 ms of service plus the 10 ms queue: the estimate stays
+    policy.observe(d, Outcome("prefill", 200, 1000, 50, ttft_ms=110, tpot_ms=10))
     assert policy.estimates[(0, 1, 1)]["prefill"][0] == pytest.approx(100)
 
 

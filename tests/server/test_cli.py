@@ -177,7 +177,7 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
 
     monkeypatch.setattr(backends, "MpsDaemon", Daemon)
     monkeypatch.setattr(backends, "check_mps_client", no_mps_client)
-    monkeypatch.setattr(server.serve, "green_available", lambda: False)
+    monkeypatch.setattr(backends, "green_available", lambda: False)
     daemon_plan = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=True,
                                 why="starting an MPS daemon")
     plan.mps, args.partition = daemon_plan, "auto"
@@ -193,6 +193,44 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     with pytest.raises(server.serve.UsageError, match="does not run as an MPS client"):
         server.serve.start_mps(args, plan)
     assert events == ["start", "check", "stop"]
+
+
+@pytest.mark.parametrize("prefill_worker", ["auto", "process"])
+def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allow(
+        prefill_worker: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto's fallback from MPS follows --partition green's rules: green contexts with the prefill worker a thread,
+    but not over --prefill-worker process (green splits SMs only inside a process), which keeps its process on the
+    time-sliced baseline and says why."""
+    import argparse
+    import shutil
+
+    import server.serve
+    from partition import backends
+    from partition.backends import MpsDaemonPlan, PartitionError
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    args = parser.parse_args(["--policy", "ppd", "--prefill-worker", prefill_worker])
+    plan = server.serve.plan_serve(args)
+    shutil.rmtree(plan.ipc_dir)
+
+    def no_mps_client(plan: MpsDaemonPlan) -> None:
+        raise PartitionError("--partition mps: a CUDA client does not run as an MPS client")
+
+    monkeypatch.setattr(backends, "check_mps_client", no_mps_client)
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    plan.device, args.partition = "NVIDIA H100 80GB HBM3", "auto"  # a GPU host, as far as the fallback can tell
+    plan.mps = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=False,
+                             why="an MPS daemon is running")
+    with caplog.at_level("WARNING", logger="ppd"):
+        assert server.serve.start_mps(args, plan) is None
+    part = plan.units[0].partition
+    if prefill_worker == "auto":
+        assert plan.partition == part.backend == "green" and part.prefill_thread
+    else:
+        assert plan.partition == part.backend == "none" and not part.prefill_thread, "the process asked for stays"
+        assert "--prefill-worker process" in part.why and "going on with --partition none" in caplog.text
 
 
 def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
