@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import functools
 import importlib
+import json
 import os
 import shlex
 import subprocess
@@ -49,6 +50,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="sharegpt: end a conversation before a turn whose prompt would pass this (default: fits the "
                         "server's max_model_len)")
     g.add_argument("--max-output-tokens", type=int, default=1024, help="sharegpt: cap on each answer's max_tokens")
+    g.add_argument("--max-tokens-from", default="workload", metavar="workload|none|RECORDS",
+                   help="each request's max_tokens: the workload's (default); none: sent without one (answers end where "
+                        "the model ends them, or at the context: what the OpenAI SDK sends by default); or a records "
+                        "file of an earlier run of the same workload and seed (records.jsonl), each turn's max_tokens "
+                        "the answer length it recorded: the true lengths, told to the server")
     g.add_argument("--num-conversations", type=int, default=200, help="distinct conversations (cycled if the run is longer)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer folder for exact text lengths (default: the served model's folder when it is local)")
@@ -94,7 +100,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     compare.add_argument("--serve-args", default="", help="extra arguments for each `ppd serve` (e.g. \"--model /m --units 2\")")
     compare.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                          help="also start `ppd serve` with these arguments after --serve-args, reported as ppd:NAME "
-                              "(e.g. bs64=\"--policy aggregated --block-size 64\"): settings side by side; repeatable")
+                              "(e.g. bs64=\"--policy aggregated --block-size 64\"): settings side by side; after a "
+                              "`--` in ARGS, the load's own --max-tokens-from for this server alone; repeatable")
     compare.add_argument("--peer", default=None, choices=["vllm"],
                          help="also start this server on the same model, a fresh one each round, taking turns with "
                               "ours (implies --interleave), and report ours over it: vllm (its CPU build, installed "
@@ -173,10 +180,25 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
 
 class Target(NamedTuple):
     """A server `compare` measures: one it starts afresh each round (start: its log -> (process, url)), or one
-    already running at url."""
+    already running at url; max_tokens_from, its own --max-tokens-from (a variant's)."""
     name: str
     url: str | None = None
     start: Callable[[Path], tuple[subprocess.Popen, str]] | None = None
+    max_tokens_from: str | None = None
+
+
+def _variant_args(name: str, args: list[str]) -> tuple[list[str], str | None]:
+    """A --variant's ARGS: the server's, then after `--` the load's --max-tokens-from for it alone."""
+    if "--" not in args:
+        return args, None
+    at = args.index("--")
+    load = argparse.ArgumentParser(prog=f"--variant {name}", add_help=False, exit_on_error=False)
+    load.add_argument("--max-tokens-from", required=True)
+    try:
+        return args[:at], load.parse_args(args[at + 1:]).max_tokens_from
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise BenchError(f"--variant {name}: after `--` only --max-tokens-from workload|none|RECORDS is taken "
+                         f"(got {' '.join(args[at + 1:])!r})") from exc
 
 
 def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
@@ -199,17 +221,17 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     variants = []
     for item in args.variant:
         name, sep, extra = item.partition("=")
-        if not sep or not name or f"ppd:{name}" in (f"ppd:{p}" for p in policies) or name in (n for n, _ in variants):
+        if not sep or not name or f"ppd:{name}" in (f"ppd:{p}" for p in policies) or name in (v[0] for v in variants):
             raise BenchError(f"--variant {item!r}: expected NAME=ARGS with a NAME no policy or other variant has, "
                              f"e.g. bs64=\"--block-size 64\"")
-        variants.append((name, shlex.split(extra)))
+        variants.append((name, *_variant_args(name, shlex.split(extra))))
     if not policies and not variants and not peers and not args.peer:
         raise BenchError("nothing to compare: give --policies, --variant, --peer vllm and/or --server NAME=URL")
     out = Path(args.out or default_out("compare"))
     serve_args = with_model_args(shlex.split(args.serve_args), local_model(args.model))
     targets = [Target(f"ppd:{p}", start=functools.partial(_start_ppd, p, serve_args)) for p in policies]
-    targets += [Target(f"ppd:{n}", start=functools.partial(start_server, [*serve_args, *extra]))
-                for n, extra in variants]
+    targets += [Target(f"ppd:{n}", start=functools.partial(start_server, [*serve_args, *extra]), max_tokens_from=load)
+                for n, extra, load in variants]
     targets += [Target(n, url=u) for n, u in peers]
     if args.peer:
         from bench import peer_vllm
@@ -251,7 +273,8 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
                     label = {"server": name, "qps": qps, "concurrency": concurrency}
                     for run in run_numbers:
                         # A fresh seed per run: conversations of an earlier run must not hit this one's cache.
-                        conversations = _workload(args, served, args.seed + 1000 * i + run, tokenizers[name])
+                        conversations = _workload(args, served, args.seed + 1000 * i + run, tokenizers[name],
+                                                  target.max_tokens_from)
                         summary, recs = _measure(args, base, model, conversations, qps, concurrency, goodput, label)
                         runs[(name, i)].append(summary)
                         _print_failures(summary, f"{name} at {qps or concurrency}: ")
@@ -350,9 +373,11 @@ def _why_nothing(summary: dict) -> str:
     return f"all {summary['requests']} requests failed ({reasons})"
 
 
-def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any) -> list[Conversation]:
+def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any,
+              max_tokens_from: str | None = None) -> list[Conversation]:
     """The conversations of one run against the server `served` (its /v1/models entry), with the tokenizer
-    `_tokenizer` gave (None: there is none, and the workload does not need one)."""
+    `_tokenizer` gave (None: there is none, and the workload does not need one), each turn's max_tokens from
+    max_tokens_from (default: --max-tokens-from)."""
     from bench.workloads import load_workload
 
     if args.workload == "synthetic":
@@ -375,9 +400,32 @@ def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any)
     else:
         options = dict(path=args.dataset)
     try:
-        return load_workload(args.workload, num_conversations=args.num_conversations, seed=seed, tokenizer=tokenizer, **options)
+        conversations = load_workload(args.workload, num_conversations=args.num_conversations, seed=seed,
+                                      tokenizer=tokenizer, **options)
     except (OSError, ValueError) as exc:
         raise BenchError(str(exc)) from exc
+    return _budgets(conversations, max_tokens_from or args.max_tokens_from)
+
+
+def _budgets(conversations: list[Conversation], source: str) -> list[Conversation]:
+    """The conversations with each turn's max_tokens from `source` (see --max-tokens-from)."""
+    if source == "workload":
+        return conversations
+    lengths: dict[tuple[str, int], int] = {}
+    if source != "none":
+        try:
+            for line in Path(source).read_text().splitlines():
+                record = json.loads(line)
+                if record.get("error") is None and record.get("output_tokens"):
+                    # A conversation cycled in a long run is the same one again ('c12#2'): the same answers.
+                    lengths[(record["conversation"].split("#")[0], record["turn"])] = record["output_tokens"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise BenchError(f"--max-tokens-from {source}: not a records.jsonl of an earlier run ({exc}); give "
+                             "workload, none or such a file") from exc
+    for conv in conversations:
+        for i, turn in enumerate(conv.turns):
+            turn.max_tokens = lengths.get((conv.id, i)) if source != "none" else None
+    return conversations
 
 
 def _text_or_ids(api: str) -> str:

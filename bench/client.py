@@ -35,7 +35,7 @@ _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "res
 @dataclass
 class Turn:
     user: str | list[int]   # new user input: text (chat API) or token ids (completions API)
-    max_tokens: int         # output budget; exact output length when the conversation has ignore_eos
+    max_tokens: int | None  # output budget (None: sent without one); exact output length with ignore_eos
 
 
 @dataclass
@@ -181,6 +181,10 @@ def _check(cfg: LoadConfig, conversations: list[Conversation]) -> None:
             raise ValueError(f"conversation {conv.id}: a system prompt needs the chat API")
 
 
+def _budget(key: str, turn: Turn) -> dict[str, int]:
+    return {} if turn.max_tokens is None else {key: turn.max_tokens}
+
+
 def _cycle(conversations: list[Conversation]) -> Iterator[tuple[str, Conversation]]:
     """The conversations in order, again and again; later rounds get ids like 'c12#2'."""
     for round_ in count(1):
@@ -252,10 +256,10 @@ class _Load:
                 return 0.0
             if chat:
                 history.append({"role": "user", "content": turn.user})
-                body = {**base, "messages": history, "max_tokens": turn.max_tokens, **cfg.extra_body}
+                body = {**base, "messages": history, **_budget("max_tokens", turn), **cfg.extra_body}
             else:
                 prompt_ids += turn.user
-                body = {**base, "prompt": prompt_ids, "max_tokens": turn.max_tokens, **cfg.extra_body}
+                body = {**base, "prompt": prompt_ids, **_budget("max_tokens", turn), **cfg.extra_body}
             record, text, ids, retry_after, _ = await self.request(_encode(body), cid, i)
             self.add(record)
             if record.error is not None:
@@ -284,7 +288,7 @@ class _Load:
         for i, turn in enumerate(conv.turns):
             if i and perf_counter() >= self.deadline:
                 return 0.0
-            body = {**base, "input": turn.user, "max_output_tokens": turn.max_tokens, **cfg.extra_body}
+            body = {**base, "input": turn.user, **_budget("max_output_tokens", turn), **cfg.extra_body}
             if previous is not None:
                 body["previous_response_id"] = previous
             record, _, _, retry_after, previous = await self.request(_encode(body), cid, i)

@@ -236,3 +236,32 @@ def test_bench_against_the_demo_fits_its_context_and_shows_failures(start_server
     # Too long on purpose: the reason is on screen, not only in summary.json.
     too_long = bench("--scale", "1")
     assert "requests failed" in too_long.stderr and "maximum context length is 512" in too_long.stderr
+
+
+def test_max_tokens_from_none_a_records_file_or_the_workload(tmp_path: Path) -> None:
+    """--max-tokens-from: the workload's budgets, none (sent without max_tokens), or each turn's recorded answer
+    length from an earlier run's records (a cycled conversation's records count for it)."""
+    from bench.cli import _budgets, _variant_args
+    from bench.client import Conversation, Turn, _budget
+
+    def conversations() -> list[Conversation]:
+        return [Conversation("a", [Turn("hi", 100), Turn("more", 100)]), Conversation("b", [Turn("yo", 50)])]
+
+    assert [[t.max_tokens for t in c.turns] for c in _budgets(conversations(), "workload")] == [[100, 100], [50]]
+    none = _budgets(conversations(), "none")
+    assert [[t.max_tokens for t in c.turns] for c in none] == [[None, None], [None]]
+    assert _budget("max_tokens", none[0].turns[0]) == {} and _budget("max_tokens", Turn("x", 7)) == {"max_tokens": 7}
+    records = tmp_path / "records.jsonl"
+    rows = [{"conversation": "a", "turn": 0, "output_tokens": 31, "error": None},
+            {"conversation": "a#2", "turn": 1, "output_tokens": 12, "error": None},
+            {"conversation": "b", "turn": 0, "output_tokens": 0, "error": "timeout"}]
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    told = _budgets(conversations(), str(records))
+    assert [[t.max_tokens for t in c.turns] for c in told] == [[31, 12], [None]], "unrecorded: no max_tokens"
+    with pytest.raises(BenchError, match="--max-tokens-from"):
+        _budgets(conversations(), str(tmp_path / "missing.jsonl"))
+    assert _variant_args("t", ["--policy", "ppd", "--", "--max-tokens-from", "x.jsonl"]) == (["--policy", "ppd"],
+                                                                                             "x.jsonl")
+    assert _variant_args("t", ["--policy", "ppd"]) == (["--policy", "ppd"], None)
+    with pytest.raises(BenchError, match="only --max-tokens-from"):
+        _variant_args("t", ["--policy", "ppd", "--", "--qps", "3"])
