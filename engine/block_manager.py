@@ -52,6 +52,7 @@ class _Seq:
     last_hash: int | None
     last_serial: int
     last_ext: bytes | None  # the vLLM hash of the last hashed block (KV-cache events on)
+    hashes: Sequence[int] = ()  # the chain hashes of its leading full blocks, where the caller had them
 
 
 class BlockManager:
@@ -83,15 +84,16 @@ class BlockManager:
         return seq_id in self._seqs
 
     def allocate(self, seq_id: str, token_ids: Sequence[int], num_extra_slots: int = 0,
-                 use_cache: bool = True) -> int | None:
+                 use_cache: bool = True, hashes: Sequence[int] = ()) -> int | None:
         """Pin the longest cached prefix of token_ids (none when not use_cache) and allocate blocks for the rest plus
-        num_extra_slots slots.
+        num_extra_slots slots. hashes: the chain hashes of token_ids' leading full blocks where the caller has them
+        (the router's, which came with the request): matching and caching those blocks then hashes nothing.
 
         Returns the number of cached tokens (always < len(token_ids) when token_ids is non-empty), or None,
         changing nothing, if there are not enough free blocks.
         """
         assert seq_id not in self._seqs, f"sequence {seq_id!r} is already allocated"
-        matched = self._match(token_ids) if use_cache else []
+        matched = self._match(token_ids, hashes) if use_cache else []
         if matched and len(matched) * self.block_size == len(token_ids):
             # At least one token must run to produce logits; recomputing the whole last block into a fresh
             # one keeps cached blocks immutable.
@@ -107,7 +109,7 @@ class BlockManager:
         table = [block.block_id for block in matched] + [self._take() for _ in range(num_new)]
         last = matched[-1] if matched else None
         self._seqs[seq_id] = _Seq(table, len(matched), last.hash if last else None, last.serial if last else _ROOT,
-                                  last.ext if last else None)
+                                  last.ext if last else None, hashes)
         return len(matched) * self.block_size
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -137,7 +139,7 @@ class BlockManager:
         run_parent = seq.last_ext
         for i in range(seq.num_hashed, num_full):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            h = chain_hash(seq.last_hash, tokens)
+            h = seq.hashes[i] if i < len(seq.hashes) else chain_hash(seq.last_hash, tokens)
             ext = self.hasher.block(seq.last_ext, tokens) if self.hasher else None
             existing = self._hash_to_block.get(h)
             if existing is not None:
@@ -190,13 +192,13 @@ class BlockManager:
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _match(self, token_ids: Sequence[int]) -> list[Block]:
+    def _match(self, token_ids: Sequence[int], hashes: Sequence[int] = ()) -> list[Block]:
         matched: list[Block] = []
         h, parent = None, _ROOT
         bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
+        for i, start in enumerate(range(0, len(token_ids) - bs + 1, bs)):
             tokens = tuple(token_ids[start : start + bs])
-            h = chain_hash(h, tokens)
+            h = hashes[i] if i < len(hashes) else chain_hash(h, tokens)
             block_id = self._hash_to_block.get(h)
             if block_id is None:
                 break

@@ -12,47 +12,14 @@ the tokens it already generated.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.model_runner import PromptLogprobsAsk, StepInput
-from engine.sampling_params import SamplingParams, TokenLogprobs
-from scheduler.messages import GenerateRequest, PrefillDone, PrefillJob, RequestOutput, Route, WorkerStats
-
-
-class SeqState(enum.Enum):
-    WAITING = "waiting"        # not holding blocks
-    REMOTE = "remote"          # prefill running on the prefill worker
-    PREFILLING = "prefilling"  # prefill running inline, chunk by chunk
-    RUNNING = "running"        # decoding
-
-
-@dataclass
-class Sequence:
-    request_id: str
-    token_ids: list[int]       # prompt, then generated tokens
-    num_prompt: int
-    sampling: SamplingParams
-    route_hint: Route
-    state: SeqState = SeqState.WAITING
-    num_computed: int = 0      # leading tokens whose KV is in the pool
-    num_cached: int = 0        # prompt tokens the prefix cache served at first admission
-    route: Route | None = None
-    aborted: bool = False
-    started: bool = False      # a chunk of it has been in a step (inline), or the prefill worker said so
-    reported: bool = False     # route and cached tokens already sent with an output
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # inline prefill's, until the first token
-
-    @property
-    def prompt_logprobs_asked(self) -> int | None:
-        """The prompt logprobs' top count while the first pass runs (None: not asked, or a recompute)."""
-        return self.sampling.prompt_logprobs if self.num_output == 0 else None
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
+from engine.model_runner import StepInput
+from engine.sampling_params import TokenLogprobs
+from scheduler.messages import GenerateRequest, PrefillDone, PrefillJob, RequestOutput, WorkerStats
+from scheduler.sequence import SeqState, Sequence, pack
 
 
 @dataclass
@@ -109,7 +76,11 @@ class DecodeScheduler:
             return RequestOutput(req.request_id, 0, [], error_status=400, error=(
                 f"the prompt needs {needed} KV blocks but the pool has {self.blocks.num_blocks}; "
                 "raise --kv-cache-memory or shorten the prompt"))
-        seq = Sequence(req.request_id, list(req.prompt_token_ids), len(req.prompt_token_ids), req.sampling, req.route)
+        # Hashes of the prompt's full blocks, if the request brought the right number of them (a worker never trusts
+        # a message: a wrong value can only miss the cache, whose blocks are matched by their tokens too).
+        hashes = req.block_hashes if len(req.block_hashes) == len(req.prompt_token_ids) // self.blocks.block_size else []
+        seq = Sequence(req.request_id, list(req.prompt_token_ids), len(req.prompt_token_ids), req.sampling, req.route,
+                       hashes)
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
         return None
@@ -162,23 +133,11 @@ class DecodeScheduler:
         # Shortest remaining prefill first: a turn's append (its history cached) is not held behind another
         # request's long uncached prompt; a long prompt takes whatever budget the short ones leave, and waits only
         # while short prefills fill whole steps.
-        prefill_tokens = 0
-        for seq in sorted(self.prefilling, key=lambda s: len(s.token_ids) - s.num_computed):
-            if budget <= 0 or (self.prefill_batch_tokens is not None and prefill_tokens >= self.prefill_batch_tokens):
-                break
-            todo = len(seq.token_ids) - seq.num_computed
-            chunk = min(todo, budget)
-            ask = PromptLogprobsAsk.for_chunk(seq.prompt_logprobs_asked, seq.token_ids, seq.num_prompt,
-                                              seq.num_computed, seq.num_computed + chunk)
-            step.inputs.append(StepInput(seq.token_ids[seq.num_computed:seq.num_computed + chunk], seq.num_computed,
-                                         self.blocks.block_table(seq.request_id), sample=chunk == todo,
-                                         prompt_logprobs=ask))
-            step.seqs.append(seq)
-            if not seq.started:
-                seq.started = True
-                step.started.append(seq.request_id)
-            budget -= chunk
-            prefill_tokens += chunk
+        chunks = pack(sorted(self.prefilling, key=lambda s: s.num_uncomputed), budget,
+                      lambda s: self.blocks.block_table(s.request_id), self.prefill_batch_tokens)
+        step.inputs += chunks.inputs
+        step.seqs += chunks.seqs
+        step.started += chunks.started
         return step
 
     def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None,
@@ -267,7 +226,7 @@ class DecodeScheduler:
                 return
             # A cached prefix has no logits: a request for prompt logprobs computes its whole prompt.
             cached = self.blocks.allocate(seq.request_id, seq.token_ids, num_extra_slots=1,
-                                          use_cache=seq.prompt_logprobs_asked is None)
+                                          use_cache=seq.prompt_logprobs_asked is None, hashes=seq.block_hashes)
             if cached is None:
                 return
             self.waiting.popleft()

@@ -44,12 +44,15 @@ def api_server_of(request_id: str) -> int:
 
 class GenerateRequest(msgspec.Struct, tag=True):
     """A new request for a unit. `route` is where the router wants the prefill to run when the unit has
-    part of the prompt cached; a prompt with no cached prefix always goes to the prefill worker."""
+    part of the prompt cached; a prompt with no cached prefix always goes to the prefill worker. block_hashes:
+    the chain hashes of the prompt's full blocks (engine/prefix_hash.py), which the router computed to place it:
+    the unit's prefix cache matches and caches with them instead of hashing the prompt again."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     route: Route
+    block_hashes: list[int] = []
 
 
 class AbortRequest(msgspec.Struct, tag=True):

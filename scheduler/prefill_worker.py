@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -28,28 +27,17 @@ import torch
 import zmq
 
 from engine.engine import Engine, device_info
-from engine.model_runner import PromptLogprobsAsk, StepInput
+from engine.model_runner import StepInput
 from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits
 from scheduler.config import UnitConfig
+from scheduler.sequence import Sequence, pack
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
                                 SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.worker_setup import ApiServers, ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 log = logging.getLogger("ppd.prefill")
-
-
-@dataclass
-class ActiveJob:
-    job: PrefillJob
-    num_computed: int  # leading tokens whose KV is in the pool (starts at the cached prefix)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # so far, when the job asked for them
-
-    def prompt_logprobs_asked(self) -> int | None:
-        """The prompt logprobs' top count, when this job computes them (a request's first pass; a recompute after
-        preemption sent them already)."""
-        return self.job.sampling.prompt_logprobs if self.job.output_index == 0 else None
 
 
 class PrefillWorker:
@@ -71,7 +59,7 @@ class PrefillWorker:
             self.engine.runner.use_graphs(self.key)
         else:
             self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
-        self.queue: deque[ActiveJob] = deque()
+        self.queue: deque[Sequence] = deque()
         self.tokens_per_s = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
         info = device_info(self.engine.device)
@@ -90,7 +78,9 @@ class PrefillWorker:
             # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
             # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
             with self.on_stream():
-                sampled, failed = self.engine.step_each(inputs, [a.job for a in done])
+                sampled, failed = self.engine.step_each(inputs, done)
+            for a, i in zip(active, inputs):
+                a.num_computed += len(i.token_ids)
             for pos, logprobs in sampled.prompt_logprobs.items():
                 active[pos].prompt_logprobs += logprobs
             if not failed:
@@ -99,7 +89,7 @@ class PrefillWorker:
             for pos, error in failed.items():
                 # Only this job ends; its blocks go back when the decode worker reads the PrefillDone.
                 self.drop(active[pos])
-                self.notify.send(self.encode(PrefillDone(active[pos].job.request_id, None,
+                self.notify.send(self.encode(PrefillDone(active[pos].request_id, None,
                                                          f"the prefill worker failed on this request ({error})")))
             self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs) if t is not None])
 
@@ -111,7 +101,9 @@ class PrefillWorker:
 
     def handle(self, msg: ToPrefill) -> None:
         if isinstance(msg, PrefillJob):
-            self.queue.append(ActiveJob(msg, msg.num_cached))
+            self.queue.append(Sequence(msg.request_id, msg.token_ids, msg.num_prompt, msg.sampling,
+                                       block_table=msg.block_table, num_computed=msg.num_cached,
+                                       num_cached=msg.num_cached))
             self.engine.prepare(msg.request_id, msg.sampling)
         elif isinstance(msg, SetShare):
             # Between two forward passes: the next one runs on the new cores, or the new split's stream.
@@ -121,52 +113,37 @@ class PrefillWorker:
             else:
                 repin(tuple(msg.cores))
         elif isinstance(msg, AbortPrefill):
-            for active in self.queue:
-                if active.job.request_id == msg.request_id:
-                    self.drop(active)
+            for job in self.queue:
+                if job.request_id == msg.request_id:
+                    self.drop(job)
                     self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
                     return
 
     def on_stream(self) -> Any:
         return torch.cuda.stream(self.streams.stream("prefill", self.key)) if self.streams else contextlib.nullcontext()
 
-    def pack(self) -> tuple[list[StepInput], list[ActiveJob], list[str]]:
+    def pack(self) -> tuple[list[StepInput], list[Sequence], list[str]]:
         """The next forward pass: chunks of queued jobs, oldest first, up to the token budget; and the jobs whose first
         chunk it is."""
-        budget = self.cfg.engine.max_num_batched_tokens
-        inputs, active, started = [], [], []
-        for a in self.queue:
-            if budget <= 0:
-                break
-            todo = len(a.job.token_ids) - a.num_computed
-            chunk = min(todo, budget)
-            ask = PromptLogprobsAsk.for_chunk(a.prompt_logprobs_asked(), a.job.token_ids, a.job.num_prompt,
-                                              a.num_computed, a.num_computed + chunk)
-            inputs.append(StepInput(a.job.token_ids[a.num_computed:a.num_computed + chunk], a.num_computed,
-                                    a.job.block_table, sample=chunk == todo, prompt_logprobs=ask))
-            active.append(a)
-            if a.num_computed == a.job.num_cached:
-                started.append(a.job.request_id)
-            a.num_computed += chunk
-            budget -= chunk
-        return inputs, active, started
+        packed = pack(self.queue, self.cfg.engine.max_num_batched_tokens, lambda job: job.block_table)
+        return packed.inputs, packed.seqs, packed.started
 
-    def drop(self, active: ActiveJob) -> None:
+    def drop(self, job: Sequence) -> None:
         """Take a job off the queue and forget what sampling kept of it."""
-        self.queue.remove(active)
-        self.engine.release(active.job.request_id)
+        self.queue.remove(job)
+        self.engine.release(job.request_id)
 
-    def finish(self, done: list[tuple[ActiveJob, int, TokenLogprobs | None]]) -> None:
+    def finish(self, done: list[tuple[Sequence, int, TokenLogprobs | None]]) -> None:
         """First tokens to the API server (with the measured speed, which the router reads), then the notifications
         that hand the blocks back to the decode worker."""
-        outputs = [RequestOutput(a.job.request_id, a.job.output_index, [t], route="prefill", num_cached_tokens=a.job.num_cached,
+        outputs = [RequestOutput(a.request_id, a.num_output, [t], route="prefill", num_cached_tokens=a.num_cached,
                                  logprobs=None if lp is None else [lp],
-                                 prompt_logprobs=None if a.prompt_logprobs_asked() is None else a.prompt_logprobs)
+                                 prompt_logprobs=None if a.prompt_logprobs_asked is None else a.prompt_logprobs)
                    for a, t, lp in done]
         self.out.send(WorkerOutput(self.cfg.unit, outputs, prefill_stats=PrefillStats(self.tokens_per_s)))
         for a, t, _ in done:
             self.drop(a)
-            self.notify.send(self.encode(PrefillDone(a.job.request_id, t)))
+            self.notify.send(self.encode(PrefillDone(a.request_id, t)))
 
 
 def run_prefill_worker(cfg: UnitConfig) -> None:

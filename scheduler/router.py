@@ -19,7 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.prefix_hash import block_hashes
 from scheduler.answer_length import AnswerLengths
@@ -37,6 +37,7 @@ class Placement:
     est_cached_tokens: int
     session: str | None = None
     earlier_answers: tuple[int, ...] = ()  # the answer lengths of the conversation it continues
+    hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, which travel with it to the unit
 
     @property
     def route(self) -> Route:
@@ -87,12 +88,17 @@ class Router:
         self._placed(unit, hashes, session)
         if self.publish is not None:
             self.publish(Placed(self.origin, unit, hashes, session))
-        return Placement(unit, decision, cached, session, earlier)
+        return Placement(unit, decision, cached, session, earlier, hashes)
 
-    def finished(self, unit: int, token_ids: list[int], answered: tuple[Placement, Outcome] | None = None) -> None:
+    def finished(self, unit: int, token_ids: list[int], answered: tuple[Placement, Outcome] | None = None,
+                 prompt_hashes: list[int] | None = None) -> None:
         """A request on unit ended; token_ids (prompt + answer) are now likely cached there. answered: a request
-        that ran to its end, its placement and what happened (the policy and the answer-length estimate learn)."""
-        hashes = block_hashes(token_ids, self.block_size)
+        that ran to its end, its placement and what happened (the policy and the answer-length estimate learn).
+        prompt_hashes: the hashes of its prompt's full blocks, computed when it was placed: only the blocks after
+        them are hashed now."""
+        known = prompt_hashes or []
+        hashes = known + block_hashes(token_ids[len(known) * self.block_size:], self.block_size,
+                                      known[-1] if known else None)
         self._finished(unit, hashes)
         if answered is not None:
             placement, outcome = answered

@@ -319,9 +319,9 @@ class EngineClient:
         req = _Request(new_request_id(self.api_server, next(self._ids), uuid.uuid4().hex[:8]), placed.unit,
                        placed, prompt_ids)
         try:
-            message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route))
+            message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route, placed.hashes))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
-            self.router.finished(placed.unit, prompt_ids)
+            self.router.finished(placed.unit, prompt_ids, prompt_hashes=placed.hashes)
             raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
         self.requests[req.request_id] = req
         self.state[req.unit].waiting += 1
@@ -449,7 +449,7 @@ class EngineClient:
         req.done = True
         self.requests.pop(req.request_id, None)
         self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids,
-                             None if outcome is None else (req.placement, outcome))
+                             None if outcome is None else (req.placement, outcome), req.placement.hashes)
         if error is not None:
             req.put(error)
 

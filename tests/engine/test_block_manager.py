@@ -332,3 +332,29 @@ def test_randomized_stress(weak_hash: bool, monkeypatch: pytest.MonkeyPatch) -> 
         bm.free(seq_id)
     check_invariants(bm)
     assert bm.num_free_blocks == bm.num_blocks and bm.usage == 0.0
+
+
+def test_the_routers_hashes_match_and_cache_as_the_tokens_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that brings its prompt's block hashes (the router's) is matched and cached under them without
+    hashing its prompt again, and the cache is the same as if it had hashed them: a later request without hashes
+    finds those blocks. Forged hashes only miss: the blocks' tokens are compared too."""
+    bs = 4
+    prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
+    hashes = block_hashes(prompt, bs)
+    m = BlockManager(num_blocks=16, block_size=bs)
+    calls = []
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, block: calls.append(block) or chain_hash(parent, block))
+    assert m.allocate("a", prompt, num_extra_slots=1, hashes=hashes) == 0
+    m.cache_blocks("a", prompt, len(prompt))
+    assert calls == [], "the prompt's blocks were hashed again"
+    answer = prompt + [7, 7, 7]
+    m.cache_blocks("a", answer, len(answer))
+    assert calls == [tuple(answer[12:16])], "only the answer's new block is hashed"
+    m.free("a")
+    assert m.allocate("b", answer + [9], num_extra_slots=1) == 16, "found by the tokens' own hashes"
+    m.free("b")
+    forged = [h + 1 for h in hashes]
+    assert m.allocate("c", prompt, num_extra_slots=1, hashes=forged) == 0
+    m.free("c")
+    other = [5] * 12
+    assert m.allocate("d", other, num_extra_slots=1, hashes=hashes) == 0, "another prompt's hashes serve nothing"

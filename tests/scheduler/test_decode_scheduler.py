@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams, TokenLogprobs
-from scheduler.decode_scheduler import DecodeScheduler, SeqState
+from scheduler.decode_scheduler import DecodeScheduler
+from scheduler.sequence import SeqState
 from scheduler.messages import GenerateRequest, PrefillDone
 
 BS = 4

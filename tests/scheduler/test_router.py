@@ -149,3 +149,18 @@ def test_an_api_servers_new_conversations_balance_with_the_others() -> None:
     a, b = _api_servers(2)
     units = [r.route([1000 * i + t for t in range(BS)], [0, 1]).unit for i, r in enumerate([a, b, a, b])]
     assert sorted(units) == [0, 0, 1, 1]  # alone, each would have put its first two on unit 0 then 1: the same
+
+
+def test_a_finished_request_hashes_only_its_answer_and_the_placement_carries_the_prompts() -> None:
+    """The router's index learns the same blocks whether the prompt's hashes are reused or computed again."""
+    from engine.prefix_hash import block_hashes
+
+    conv = list(range(100, 121))  # 5 full blocks and a token
+    answer = [1, 2, 3, 4, 5, 6]
+    reused, fresh = (Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100) for _ in "ab")
+    placed = reused.route(conv, available=[0])
+    assert placed.hashes == block_hashes(conv, BS), "the prompt's hashes travel with its placement"
+    reused.finished(0, conv + answer, prompt_hashes=placed.hashes)
+    fresh.route(conv, available=[0])
+    fresh.finished(0, conv + answer)
+    assert list(reused.index[0]) == list(fresh.index[0]) == block_hashes(conv + answer, BS)

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
-from scheduler.decode_scheduler import DecodeScheduler, SeqState
+from scheduler.decode_scheduler import DecodeScheduler
+from scheduler.sequence import SeqState
 from scheduler.messages import GenerateRequest, PrefillDone
 
 VOCAB, EOS, BS = 40, 2, 4
