@@ -14,8 +14,19 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
+
+
+def pad_tables(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [len(tables), longest] int32 array, padded with block 0. A row's slice assigned from its
+    list (numpy converts the list in C) beat one pass over all ids (np.fromiter over the chained lists: 1.4-2x the
+    time at 8-256 tables of 32-256 blocks)."""
+    out = np.zeros((len(tables), max(map(len, tables), default=0)), np.int32)
+    for row, table in zip(out, tables):
+        row[: len(table)] = table
+    return out
 
 
 @dataclass
@@ -32,6 +43,14 @@ class StepBatch:
     block_size: int
     hidden_rows: list[int] = field(default_factory=list)  # rows of T whose final hidden states are kept (prompt logprobs)
     num_decodes: int = 0  # the leading sequences that add one token each (ModelRunner.make_batch puts them first)
+    tables: np.ndarray | None = None  # [B, longest table] int32: block_tables padded with block 0, built once a step
+
+    def padded_tables(self) -> np.ndarray:
+        """block_tables as one [B, longest table] int32 array, padded with block 0 (what every kernel reads: a
+        sequence's row only up to its context), made on the first call."""
+        if self.tables is None:
+            self.tables = pad_tables(self.block_tables)
+        return self.tables
 
     @property
     def num_seqs(self) -> int:

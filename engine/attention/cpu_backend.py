@@ -36,7 +36,7 @@ class Rows:
     """The sequences of a step whose rows go to one kernel, in step order."""
 
     rows: Tensor         # their rows of T, sequences concatenated (int64)
-    tables: Tensor       # [sequences, longest table] int32, padded with block 0
+    tables: Tensor       # [sequences, longest table] int32, padded with block 0 (rows of StepBatch.padded_tables)
     lens: Tensor         # [sequences] int32: each context after the step
     query_start: Tensor  # [sequences + 1] int32: each sequence's first row in `rows`
     everything: bool     # the rows are all of T, in order
@@ -47,12 +47,11 @@ class Rows:
             return None
         qs = batch.query_start
         longest = max(len(batch.block_tables[i]) for i in seqs)
-        tables = [batch.block_tables[i] + [0] * (longest - len(batch.block_tables[i])) for i in seqs]
         starts = [0]
         for i in seqs:
             starts.append(starts[-1] + qs[i + 1] - qs[i])
         return Rows(rows=torch.tensor([r for i in seqs for r in range(qs[i], qs[i + 1])], dtype=torch.int64),
-                    tables=torch.tensor(tables, dtype=torch.int32).view(len(seqs), longest),
+                    tables=torch.from_numpy(batch.padded_tables()[seqs, :longest]),
                     lens=torch.tensor([batch.seq_lens[i] for i in seqs], dtype=torch.int32),
                     query_start=torch.tensor(starts, dtype=torch.int32),
                     everything=len(seqs) == batch.num_seqs)

@@ -97,7 +97,7 @@ class TritonBackend(AttentionBackend):
         d = n if max_query_len == 1 else batch.num_decodes
         # Decode slots padded to a 16-byte boundary where the general grid's sequences follow them.
         decodes = _align(d) if n > d else d
-        lay = Layout.tight(decodes + n - d, decodes, t, max(len(table) for table in batch.block_tables))
+        lay = Layout.tight(decodes + n - d, decodes, t, batch.padded_tables().shape[1])
         host = self.staging.buffer(lay.size)
         lay.write(host, batch, d, t, decode_bucket=False)
         dev = self.staging.to_device()
@@ -198,7 +198,7 @@ class TritonBackend(AttentionBackend):
     def fill_graph_metadata(self, static: GraphBuffers, batch: StepBatch, bucket: GraphBucket) -> None:
         n = batch.num_seqs
         d = n if batch.max_query_len == 1 else batch.num_decodes
-        width = max(len(table) for table in batch.block_tables)
+        width = batch.padded_tables().shape[1]
         assert width <= static.block_tables.shape[1], "block table longer than max_model_len allows"
         lay = self._graph_layout(static, bucket, width)
         assert d <= lay.decodes and n - d <= max(lay.seqs - lay.decodes - 1, 0), "the batch does not fit the bucket"
@@ -252,7 +252,7 @@ class Layout:
         """Lay out batch (its first d sequences its decodes) padded to `tokens` tokens. A decode bucket's padding
         slots each own one padding token; otherwise padding decode slots own no token, and the general grid's last
         slot (a token bucket's spare) owns every padding token, so the two grids' sequences stay in token order and
-        every row of the output is written (zeros for padding). Table rows past a sequence's blocks, and padding
+        every row of the output is written (zeros for padding). Table rows past the step's longest table, and padding
         slots' rows, are left as they are: the kernel reads a sequence's table only up to its context."""
         n, t, qs = batch.num_seqs, len(batch.token_ids), batch.query_start
         g = n - d
@@ -269,11 +269,6 @@ class Layout:
         host[self.slots_at : self.slots_at + t] = batch.slot_mapping
         host[self.slots_at + t : self.slots_at + tokens] = -1
         rows = host[self.tables_at : self.size].reshape(self.seqs, self.width)
-        _fill_tables(rows[:d], batch.block_tables[:d])
-        _fill_tables(rows[self.decodes :], batch.block_tables[d:])
-
-
-def _fill_tables(rows, tables: list[list[int]]) -> None:
-    """Copy each block table into its row of a [B, width] int32 array (entries past a table are left as they are)."""
-    for row, table in zip(rows, tables):
-        row[: len(table)] = table
+        tables = batch.padded_tables()
+        rows[:d, : tables.shape[1]] = tables[:d]
+        rows[self.decodes : self.decodes + g, : tables.shape[1]] = tables[d:]
