@@ -50,6 +50,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="sharegpt: end a conversation before a turn whose prompt would pass this (default: fits the "
                         "server's max_model_len)")
     g.add_argument("--max-output-tokens", type=int, default=1024, help="sharegpt: cap on each answer's max_tokens")
+    g.add_argument("--paste-tokens", type=int, default=0, metavar="N",
+                   help="sharegpt: put a passage of about N tokens of real text (another conversation's reply) before "
+                        "every later turn's message and ask for one sentence: long appends beside short answers")
     g.add_argument("--max-tokens-from", default="workload", metavar="workload|none|RECORDS",
                    help="each request's max_tokens: the workload's (default); none: sent without one (answers end where "
                         "the model ends them, or at the context: what the OpenAI SDK sends by default); or a records "
@@ -394,7 +397,8 @@ def _workload(args: argparse.Namespace, served: dict, seed: int, tokenizer: Any,
         if max_input is None and served.get("max_model_len"):
             # Room for the answer and for chat-template tokens, which the workload does not count.
             max_input = int(0.9 * served["max_model_len"]) - args.max_output_tokens
-        options = dict(path=args.dataset, max_input_tokens=max_input, max_output_tokens=args.max_output_tokens)
+        options = dict(path=args.dataset, max_input_tokens=max_input, max_output_tokens=args.max_output_tokens,
+                       paste_tokens=args.paste_tokens)
         if args.turns:
             options.update(max_turns=args.turns, min_turns=args.turns)
     else:

@@ -119,6 +119,13 @@ def _fit(tokenizer: Any, n: int, rng: random.Random) -> str:
     return min(candidates, key=lambda t: abs(count(t) - n))
 
 
+def _first_tokens(tokenizer: Any, text: str, n: int) -> str:
+    """About the first n tokens of text (by the tokenizer, else 4 characters a token)."""
+    if tokenizer is None:
+        return text[: 4 * n].strip()
+    return tokenizer.decode(_encode(tokenizer, text)[:n]).strip()
+
+
 def _token_ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:
     """Exactly n token ids: a tokenizer's encoding of random words, else random printable-ASCII ids."""
     if tokenizer is None:
@@ -282,7 +289,7 @@ def sharegpt_path() -> Path:
 
 def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any = None, max_turns: int | None = None,
              max_input_tokens: int | None = None, max_output_tokens: int = 1024,
-             ignore_eos: bool = False, min_turns: int = 1) -> list[Conversation]:
+             ignore_eos: bool = False, min_turns: int = 1, paste_tokens: int = 0) -> list[Conversation]:
     """num_conversations conversations drawn by seed from a ShareGPT-format JSON list.
 
     Human turns become Turn.user; the reply that follows sets max_tokens (its length in tokens by
@@ -292,6 +299,10 @@ def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any
     max_tokens + this input (chat-template tokens not counted): a conversation ends before the turn
     that would exceed it. Records that are not of this shape are skipped; a truncated file yields its
     complete records. Fewer usable conversations than asked: all of them, with a warning.
+
+    paste_tokens: every later turn's message is instead a passage of about that many tokens of real text (the start of
+    another record's long reply), then the message, then "Answer in one sentence.": long appends beside short answers,
+    as a user pasting a document to ask about it (the lengths above do not count the passages).
     """
     source = Path(path) if path is not None else sharegpt_path()
     records = list(iter_json_array(source))
@@ -309,7 +320,35 @@ def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any
             conv.id = f"{conv.id}#{i}"
         ids.add(conv.id)
         conversations.append(conv)
+    if paste_tokens > 0:
+        _paste(conversations, records, order, paste_tokens, tokenizer)
     return _enough(conversations, num_conversations, source)
+
+
+def _paste(conversations: list[Conversation], records: list[Any], order: list[int], tokens: int,
+           tokenizer: Any) -> None:
+    """Put a passage of about `tokens` tokens (the start of a long assistant reply, from the records in `order`
+    read backwards, so seldom the conversation's own) before every later turn's message, and ask for one sentence."""
+    passages = []
+    for i in reversed(order):
+        record = records[i]
+        if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
+            continue
+        replies = [m.get("value") for m in record["conversations"] if isinstance(m, dict)
+                   and m.get("from") in ("gpt", "chatgpt", "assistant") and isinstance(m.get("value"), str)]
+        for reply in replies:
+            if _count_tokens(tokenizer, reply) >= tokens:
+                passages.append(_first_tokens(tokenizer, reply, tokens))
+                break
+        if len(passages) >= sum(len(c.turns) for c in conversations):
+            break
+    if not passages:
+        raise ValueError(f"no reply of {tokens} tokens or more to paste")
+    n = 0
+    for conv in conversations:
+        for turn in conv.turns[1:]:
+            turn.user = f"{passages[n % len(passages)]}\n\n{turn.user}\n\nAnswer in one sentence."
+            n += 1
 
 
 def _enough(conversations: list[Conversation], wanted: int, source: Path | str) -> list[Conversation]:

@@ -323,3 +323,14 @@ def test_uniform_turns_draw_their_user_lengths_in_the_range_and_answer_exactly()
     assert [c.turns[0].user for c in again] == [c.turns[0].user for c in conversations]  # seeded
     with pytest.raises(ValueError, match="low <= high"):
         load_workload("uniform", num_conversations=1, seed=0, user_tokens=(400, 200), output_tokens=64)
+
+
+def test_sharegpt_paste_puts_a_long_reply_before_each_later_turn(tmp_path: Path) -> None:
+    """--paste-tokens: later turns carry a passage of real text (another record's long reply) and ask for one
+    sentence; turn 1 stays as it was."""
+    path = write_sharegpt(tmp_path / "s.json", RECORDS)
+    plain = {c.id: c for c in sharegpt(str(path), 100, seed=0, paste_tokens=10)}["plain"]
+    assert plain.turns[0].user == "hi there"
+    assert plain.turns[1].user == "a" * 40 + "\n\nmore\n\nAnswer in one sentence.", "the only reply of 10+ tokens"
+    with pytest.raises(ValueError, match="no reply of 500 tokens"):
+        sharegpt(str(path), 100, seed=0, paste_tokens=500)

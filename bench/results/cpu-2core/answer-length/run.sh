@@ -9,12 +9,14 @@
 #   truth:    --answer-length max-tokens, and each request sends max_tokens = its true answer length, recorded by
 #             a first run of the same conversations: the policy is told the truth (greedy answers repeat run to run
 #             but for bfloat16 near-ties under another batch: routes.py says how many had the recorded length)
-# Usage: run.sh OUT [ROUNDS]   (from the repository root)
+# Usage: [CONTEXT=1024] [PASTE=0] [TURNS=4] run.sh OUT [ROUNDS]   (from the repository root; PASTE=N: every later
+# turn carries a passage of about N tokens of real text and asks for one sentence, --paste-tokens)
 set -euo pipefail
-out=$1 rounds=${2:-2}
+out=$1 rounds=${2:-2} context=${CONTEXT:-1024} paste=${PASTE:-0} turns=${TURNS:-4}
 folder=$(python -c "from engine.gguf import model_folder, smollm2_gguf; print(model_folder(smollm2_gguf()))")
-common=(--serve-args "--model smollm2 --policy ppd --max-model-len 1024 --kv-cache-memory 2"
-        --workload sharegpt --turns 4 --max-output-tokens 256 --num-conversations 24 --tokenizer "$folder"
+common=(--serve-args "--model smollm2 --policy ppd --max-model-len $context --kv-cache-memory 2"
+        --workload sharegpt --turns "$turns" --paste-tokens "$paste" --max-output-tokens 256 --num-conversations 24
+        --tokenizer "$folder"
         --concurrency 8 --duration 90 --token-timing --no-progress --max-tokens-from none)
 # 1. The true lengths: the same conversations (each round's seed), answered once.
 python -m server.cli bench compare --policies ppd "${common[@]}" --repeat "$rounds" --out "$out/lengths"
