@@ -301,8 +301,9 @@ def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any
     complete records. Fewer usable conversations than asked: all of them, with a warning.
 
     paste_tokens: every later turn's message is instead a passage of about that many tokens of real text (the start of
-    another record's long reply), then the message, then "Answer in one sentence.": long appends beside short answers,
-    as a user pasting a document to ask about it (the lengths above do not count the passages).
+    another record's long reply), then the message, then "Answer in one sentence." (which turn 1 asks too): long
+    appends beside short answers, as a user pasting a document to ask about it (the lengths above do not count the
+    passages).
     """
     source = Path(path) if path is not None else sharegpt_path()
     records = list(iter_json_array(source))
@@ -325,10 +326,14 @@ def sharegpt(path: str | None, num_conversations: int, seed: int, tokenizer: Any
     return _enough(conversations, num_conversations, source)
 
 
+ONE_SENTENCE = "Answer in one sentence."
+
+
 def _paste(conversations: list[Conversation], records: list[Any], order: list[int], tokens: int,
            tokenizer: Any) -> None:
     """Put a passage of about `tokens` tokens (the start of a long assistant reply, from the records in `order`
-    read backwards, so seldom the conversation's own) before every later turn's message, and ask for one sentence."""
+    read backwards, so seldom the conversation's own) before every later turn's message, and ask every turn for one
+    sentence (a small model's greedy answer to a ShareGPT question otherwise often runs to the context)."""
     passages = []
     for i in reversed(order):
         record = records[i]
@@ -346,8 +351,9 @@ def _paste(conversations: list[Conversation], records: list[Any], order: list[in
         raise ValueError(f"no reply of {tokens} tokens or more to paste")
     n = 0
     for conv in conversations:
+        conv.turns[0].user = f"{conv.turns[0].user}\n\n{ONE_SENTENCE}"
         for turn in conv.turns[1:]:
-            turn.user = f"{passages[n % len(passages)]}\n\n{turn.user}\n\nAnswer in one sentence."
+            turn.user = f"{passages[n % len(passages)]}\n\n{turn.user}\n\n{ONE_SENTENCE}"
             n += 1
 
 

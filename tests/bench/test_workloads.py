@@ -326,11 +326,11 @@ def test_uniform_turns_draw_their_user_lengths_in_the_range_and_answer_exactly()
 
 
 def test_sharegpt_paste_puts_a_long_reply_before_each_later_turn(tmp_path: Path) -> None:
-    """--paste-tokens: later turns carry a passage of real text (another record's long reply) and ask for one
-    sentence; turn 1 stays as it was."""
+    """--paste-tokens: later turns carry a passage of real text (another record's long reply); every turn asks for
+    one sentence."""
     path = write_sharegpt(tmp_path / "s.json", RECORDS)
     plain = {c.id: c for c in sharegpt(str(path), 100, seed=0, paste_tokens=10)}["plain"]
-    assert plain.turns[0].user == "hi there"
+    assert plain.turns[0].user == "hi there\n\nAnswer in one sentence."
     assert plain.turns[1].user == "a" * 40 + "\n\nmore\n\nAnswer in one sentence.", "the only reply of 10+ tokens"
     with pytest.raises(ValueError, match="no reply of 500 tokens"):
         sharegpt(str(path), 100, seed=0, paste_tokens=500)
