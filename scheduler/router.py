@@ -90,18 +90,16 @@ class Router:
             self.publish(Placed(self.origin, unit, hashes, session))
         return Placement(unit, decision, cached, session, earlier, hashes)
 
-    def finished(self, unit: int, token_ids: list[int], answered: tuple[Placement, Outcome] | None = None,
-                 prompt_hashes: list[int] | None = None) -> None:
-        """A request on unit ended; token_ids (prompt + answer) are now likely cached there. answered: a request
-        that ran to its end, its placement and what happened (the policy and the answer-length estimate learn).
-        prompt_hashes: the hashes of its prompt's full blocks, computed when it was placed: only the blocks after
-        them are hashed now."""
-        known = prompt_hashes or []
+    def finished(self, unit: int, token_ids: list[int], placement: Placement | None = None,
+                 outcome: Outcome | None = None) -> None:
+        """A request on unit ended; token_ids (its prompt, and its answer if it finished) are now likely cached there.
+        placement: the request's, whose prompt hashes are reused (only the blocks after them are hashed now); outcome:
+        what a request that ran to its end did (the policy and the answer-length estimate learn from it)."""
+        known = placement.hashes if placement is not None else []
         hashes = known + block_hashes(token_ids[len(known) * self.block_size:], self.block_size,
                                       known[-1] if known else None)
         self._finished(unit, hashes)
-        if answered is not None:
-            placement, outcome = answered
+        if placement is not None and outcome is not None:
             self.policy.observe(placement.decision, outcome)
             self.answers.answered(hashes, placement.session, placement.earlier_answers, outcome.output)
         if self.publish is not None:

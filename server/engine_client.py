@@ -321,7 +321,7 @@ class EngineClient:
         try:
             message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route, placed.hashes))
         except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
-            self.router.finished(placed.unit, prompt_ids, prompt_hashes=placed.hashes)
+            self.router.finished(placed.unit, prompt_ids, placed)
             raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
         self.requests[req.request_id] = req
         self.state[req.unit].waiting += 1
@@ -449,7 +449,7 @@ class EngineClient:
         req.done = True
         self.requests.pop(req.request_id, None)
         self.router.finished(req.unit, req.prompt_ids + req.output_ids if finished else req.prompt_ids,
-                             None if outcome is None else (req.placement, outcome), req.placement.hashes)
+                             req.placement, outcome)
         if error is not None:
             req.put(error)
 

@@ -72,7 +72,7 @@ def test_the_router_gives_the_policy_the_estimate_and_learns_each_answer() -> No
         answer = [7] * length
         outcome = Outcome(placed.route, placed.est_cached_tokens, len(history) - placed.est_cached_tokens, length,
                           50.0, 10.0)
-        router.finished(0, history + answer, (placed, outcome))
+        router.finished(0, history + answer, placed, outcome)
         history += answer + [200] * 20
     assert policy.outputs == [PRIOR, 30, 40], "turn 1 the prior; then the conversation's answers' median"
     router.route(list(range(900, 960)), [0], max_tokens=4000)

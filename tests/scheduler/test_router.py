@@ -160,7 +160,7 @@ def test_a_finished_request_hashes_only_its_answer_and_the_placement_carries_the
     reused, fresh = (Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100) for _ in "ab")
     placed = reused.route(conv, available=[0])
     assert placed.hashes == block_hashes(conv, BS), "the prompt's hashes travel with its placement"
-    reused.finished(0, conv + answer, prompt_hashes=placed.hashes)
+    reused.finished(0, conv + answer, placed)
     fresh.route(conv, available=[0])
     fresh.finished(0, conv + answer)
     assert list(reused.index[0]) == list(fresh.index[0]) == block_hashes(conv + answer, BS)
