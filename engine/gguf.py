@@ -278,10 +278,10 @@ def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
         config.head_dim = int(head_dim)  # transformers' reader leaves Qwen3's at its default
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    theta = config.rope_parameters["rope_theta"]
     if freqs is not None and (scaling := llama3_scaling(
-            freqs.data, float(_field(reader, f"{arch}.rope.freq_base") or 10000.0),
-            int(config.head_dim or config.hidden_size // config.num_attention_heads))) is not None:
-        config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **scaling}
+            freqs.data, float(theta), int(config.head_dim or config.hidden_size // config.num_attention_heads))):
+        config.rope_parameters = {"rope_theta": theta, **scaling}
     config.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
     tokenizer.save_pretrained(folder)
