@@ -119,11 +119,12 @@ def _fit(tokenizer: Any, n: int, rng: random.Random) -> str:
     return min(candidates, key=lambda t: abs(count(t) - n))
 
 
-def _first_tokens(tokenizer: Any, text: str, n: int) -> str:
-    """About the first n tokens of text (by the tokenizer, else 4 characters a token)."""
+def _first_tokens(tokenizer: Any, text: str, n: int) -> str | None:
+    """About the first n tokens of text (by the tokenizer, else 4 characters a token); None if it is shorter."""
     if tokenizer is None:
-        return text[: 4 * n].strip()
-    return tokenizer.decode(_encode(tokenizer, text)[:n]).strip()
+        return text[: 4 * n].strip() if _count_tokens(None, text) >= n else None
+    ids = _encode(tokenizer, text)
+    return tokenizer.decode(ids[:n]).strip() if len(ids) >= n else None
 
 
 def _token_ids(tokenizer: Any, n: int, rng: random.Random) -> list[int]:
@@ -334,18 +335,17 @@ def _paste(conversations: list[Conversation], records: list[Any], order: list[in
     """Put a passage of about `tokens` tokens (the start of a long assistant reply, from the records in `order`
     read backwards, so seldom the conversation's own) before every later turn's message, and ask every turn for one
     sentence (a small model's greedy answer to a ShareGPT question otherwise often runs to the context)."""
-    passages = []
+    passages, wanted = [], sum(len(c.turns) - 1 for c in conversations)
     for i in reversed(order):
         record = records[i]
         if not isinstance(record, dict) or not isinstance(record.get("conversations"), list):
             continue
-        replies = [m.get("value") for m in record["conversations"] if isinstance(m, dict)
-                   and m.get("from") in ("gpt", "chatgpt", "assistant") and isinstance(m.get("value"), str)]
-        for reply in replies:
-            if _count_tokens(tokenizer, reply) >= tokens:
-                passages.append(_first_tokens(tokenizer, reply, tokens))
-                break
-        if len(passages) >= sum(len(c.turns) for c in conversations):
+        replies = [m["value"] for m in record["conversations"] if isinstance(m, dict)
+                   and SHAREGPT_ROLES.get(m.get("from")) == "assistant" and isinstance(m.get("value"), str)]
+        passage = next((p for reply in replies if (p := _first_tokens(tokenizer, reply, tokens)) is not None), None)
+        if passage is not None:
+            passages.append(passage)
+        if len(passages) >= wanted:
             break
     if not passages:
         raise ValueError(f"no reply of {tokens} tokens or more to paste")
