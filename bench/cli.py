@@ -56,7 +56,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens-from", default="workload", metavar="workload|none|RECORDS",
                    help="each request's max_tokens: the workload's (default); none: sent without one (answers end where "
                         "the model ends them, or at the context: what the OpenAI SDK sends by default); or a records "
-                        "file of an earlier run of the same workload and seed (records.jsonl), each turn's max_tokens "
+                        "file of an earlier run of the same workload and seed (its RUN/records.jsonl.gz or RUN folder), each turn's max_tokens "
                         "the answer length it recorded: the true lengths, told to the server")
     g.add_argument("--num-conversations", type=int, default=200, help="distinct conversations (cycled if the run is longer)")
     g.add_argument("--tokenizer", default=None,
@@ -417,14 +417,14 @@ def _budgets(conversations: list[Conversation], source: str) -> list[Conversatio
         return conversations
     lengths: dict[tuple[str, int], int] = {}
     if source != "none":
+        from bench.report import read_records
         try:
-            for line in Path(source).read_text().splitlines():
-                record = json.loads(line)
+            for record in read_records(source):
                 if record.get("error") is None and record.get("output_tokens"):
                     # A conversation cycled in a long run is the same one again ('c12#2'): the same answers.
                     lengths[(record["conversation"].split("#")[0], record["turn"])] = record["output_tokens"]
         except (OSError, ValueError, KeyError) as exc:
-            raise BenchError(f"--max-tokens-from {source}: not a records.jsonl of an earlier run ({exc}); give "
+            raise BenchError(f"--max-tokens-from {source}: not the records of an earlier run ({exc}); give "
                              "workload, none or such a file") from exc
     for conv in conversations:
         for i, turn in enumerate(conv.turns):

@@ -8,6 +8,7 @@ matplotlib is imported inside the plot functions: the CLI imports this module.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import logging
 import re
@@ -293,8 +294,20 @@ def _cell(value: Any) -> str:
 
 # --- files --------------------------------------------------------------------------------------
 
+RECORDS = "records.jsonl.gz"  # a run's request records, one JSON object a line, compressed (about 0.1x)
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a run: its folder, its records.jsonl.gz, or a plain .jsonl (an older run's, or one made by
+    hand)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RECORDS if (path / RECORDS).exists() else path / "records.jsonl"
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+
 def write_report(summaries: Sequence[dict], out_dir: Path, records_by_run: dict[str, list] | None = None) -> list[Path]:
-    """Write summary.json, report.md, the plots (with matplotlib) and RUN/records.jsonl; return the paths."""
+    """Write summary.json, report.md, the plots (with matplotlib) and RUN/records.jsonl.gz; return the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "summary.json"]
@@ -325,9 +338,11 @@ def write_report(summaries: Sequence[dict], out_dir: Path, records_by_run: dict[
         while folder in used:
             folder += "_"
         used.add(folder)
-        path = out_dir / folder / "records.jsonl"
+        path = out_dir / folder / RECORDS
         path.parent.mkdir(exist_ok=True)
-        path.write_text("".join(json.dumps(dataclasses.asdict(r), default=str) + "\n" for r in records))
+        # mtime=0: the same records give the same bytes (a rerun leaves git nothing to store).
+        path.write_bytes(gzip.compress("".join(json.dumps(dataclasses.asdict(r), default=str) + "\n"
+                                               for r in records).encode(), mtime=0))
         written.append(path)
     return written
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from bench.cli import _tokenizer_folder
 from bench.common import BenchError
+from bench.report import read_records
 from bench.stub_server import start_stub
 from engine.demo import demo_model_path
 
@@ -104,7 +106,7 @@ def test_compare_interleaved_runs_each_server_once_per_round(stub, tmp_path: Pat
     assert all(s["repeats"] == 2 for s in summaries)
     # A fresh server per round, and each round's conversations distinct from the other's.
     assert (out / "serve-dlocal-round0.log").exists() and (out / "serve-dlocal-round1.log").exists()
-    ours = [{r["conversation"] for r in map(json.loads, (out / f"ppd_dlocal-3.0-run{i}" / "records.jsonl").open())}
+    ours = [{r["conversation"] for r in read_records(out / f"ppd_dlocal-3.0-run{i}" / "records.jsonl.gz")}
             for i in range(2)]
     assert ours[0] and not ours[0] & ours[1]
 
@@ -258,6 +260,11 @@ def test_max_tokens_from_none_a_records_file_or_the_workload(tmp_path: Path) -> 
     records.write_text("".join(json.dumps(r) + "\n" for r in rows))
     told = _budgets(conversations(), str(records))
     assert [[t.max_tokens for t in c.turns] for c in told] == [[31, 12], [None]], "unrecorded: no max_tokens"
+    packed = tmp_path / "run" / "records.jsonl.gz"  # what ppd bench writes: the run's folder or its file
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress(records.read_bytes()))
+    for source in (packed, packed.parent):
+        assert [[t.max_tokens for t in c.turns] for c in _budgets(conversations(), str(source))] == [[31, 12], [None]]
     with pytest.raises(BenchError, match="--max-tokens-from"):
         _budgets(conversations(), str(tmp_path / "missing.jsonl"))
     assert _variant_args("t", ["--policy", "ppd", "--", "--max-tokens-from", "x.jsonl"]) == (["--policy", "ppd"],

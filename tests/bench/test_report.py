@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.client import RequestRecord
-from bench.report import (HOST_COUNTERS, add_ratios, host_cost_table, host_costs, markdown_table, parse_goodput,
+from bench.report import (HOST_COUNTERS, add_ratios, read_records, host_cost_table, host_costs, markdown_table, parse_goodput,
                           plot_latency_vs_qps, ratio_table, summarize, write_report)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -183,9 +183,10 @@ def test_write_report_writes_summary_table_plots_and_records(tmp_path: Path) -> 
     assert {p.name for p in pngs} == {"latency_vs_qps.png", "ttft_pareto.png"}
     for png in pngs:
         assert png.read_bytes().startswith(PNG_SIGNATURE) and png.stat().st_size > 5000
-    record_files = sorted(p for p in paths if p.name == "records.jsonl")
+    record_files = sorted(p for p in paths if p.name == "records.jsonl.gz")
     assert len(record_files) == len(runs) and all(":" not in p.parent.name for p in record_files)
-    rows = [json.loads(line) for line in record_files[0].read_text().splitlines()]
+    rows = read_records(record_files[0])
+    assert read_records(record_files[0].parent) == rows
     assert len(rows) == 10 and rows[0]["conversation"] == "c0" and "itl" in rows[0]
 
 

@@ -2,21 +2,21 @@
 to the decode worker, routes equal to the truth server's for the same request, answers of the true length, TTFT
 turn 2+ p50 and TPOT p50 (from each run's records), and each as a ratio to the truth server's. Usage: routes.py OUT"""
 
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from bench.report import read_records
+
 out = Path(sys.argv[1])
 truth = {}
-for line in (out / "true-lengths.jsonl").read_text().splitlines():
-    r = json.loads(line)
+for r in read_records(out / "true-lengths.jsonl.gz"):
     truth[(r["conversation"].split("#")[0], r["turn"])] = r["output_tokens"]
 runs = defaultdict(list)  # server -> [records of a run]
 for folder in sorted((out / "compare").glob("*-run*")):
     server = folder.name.rsplit("-", 2)[0].removeprefix("ppd_")
-    runs[server].append([json.loads(x) for x in (folder / "records.jsonl").read_text().splitlines()])
+    runs[server].append(read_records(folder))
 
 
 def key(r):
