@@ -61,6 +61,7 @@ class TritonMetadata:
     max_query_len: int     # the general grid's longest query (its tile); 1 when every sequence is a decode
     num_splits: int        # the decode grid's KV splits
     workspace: tuple[Tensor, Tensor] | None = None  # split-KV partials, preallocated for graphs
+    max_seq_len: int = 0   # the general grid's longest sequence, keys included (its tile: default_config)
     # Set by the step's first layer and reused by the others (the model's dtype is not known to prepare):
     attention: list[tuple[AttentionLaunch, Tensor, Tensor, Tensor]] | None = None  # with query_start, seq_lens, tables
     q_rot: Tensor | None = None  # [T, H, D] rotated queries
@@ -110,14 +111,15 @@ class TritonBackend(AttentionBackend):
             slot_mapping=dev[lay.slots_at : lay.slots_at + t], query_start=dev[: lay.seqs + 1],
             seq_lens=dev[lay.lens_at : lay.lens_at + lay.seqs],
             block_tables=dev[lay.tables_at : lay.size].view(lay.seqs, lay.width), num_decodes=decodes,
-            decode_tokens=d, max_query_len=max_query_len, num_splits=splits, workspace=workspace)
+            decode_tokens=d, max_query_len=max_query_len, num_splits=splits, workspace=workspace,
+            max_seq_len=max(batch.seq_lens[d:], default=0))
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: TritonMetadata,
                 scale: float) -> Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
                                block_size=self.shape.block_size, scale=scale, max_query_len=meta.max_query_len,
-                               num_splits=meta.num_splits, workspace=meta.workspace)
+                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, workspace=meta.workspace)
 
     def rope_and_attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                         meta: TritonMetadata, scale: float, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -151,7 +153,8 @@ class TritonBackend(AttentionBackend):
                                     num_splits=meta.num_splits, workspace=meta.workspace, **common)
             meta.attention.append((decode, meta.query_start[: n + 1], meta.seq_lens[:n], meta.block_tables[:n]))
         if b > n:
-            general = plan_attention(t, h, d, b - n, q.dtype, max_query_len=meta.max_query_len, **common)
+            general = plan_attention(t, h, d, b - n, q.dtype, max_query_len=meta.max_query_len,
+                                     max_seq_len=meta.max_seq_len, **common)
             meta.attention.append((general, meta.query_start[n:], meta.seq_lens[n:], meta.block_tables[n:]))
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
@@ -193,7 +196,10 @@ class TritonBackend(AttentionBackend):
         return TritonMetadata(ints[lay.slots_at : lay.slots_at + bucket.tokens], ints[: lay.seqs + 1],
                               ints[lay.lens_at : lay.lens_at + lay.seqs], static.block_tables[: lay.seqs],
                               num_decodes=lay.decodes, decode_tokens=lay.decodes if bucket.decode else 0,
-                              max_query_len=bucket.max_query_len, num_splits=n, workspace=workspace)
+                              max_query_len=bucket.max_query_len, num_splits=n, workspace=workspace,
+                              # A token bucket keeps one tile, that of an append over the longest context: it
+                              # holds appends beside decodes; a short prompt of one pays little for it.
+                              max_seq_len=s.max_blocks_per_seq * s.block_size)
 
     def fill_graph_metadata(self, static: GraphBuffers, batch: StepBatch, bucket: GraphBucket) -> None:
         n = batch.num_seqs

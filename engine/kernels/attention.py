@@ -46,18 +46,25 @@ class AttentionConfig:
     num_stages: int
 
 
-# Not yet tuned on the H100: run `python -m bench.kernels` there and write the winners here. Compiled for sm_90
-# (bf16, head_dim 128) every entry fits without register spills.
 # Decode is bandwidth-bound: one 16-row tile per (sequence, KV head), 64-key steps, loads pipelined over 3 stages.
 # Prefill is compute-bound: the smallest tile that holds the longest query (short appends waste fewer rows), up to
-# 128 rows with 8 warps (two Hopper warpgroups), 64-key steps as in FlashAttention-2's Triton port for head_dim 128.
+# 128 rows with 8 warps (two Hopper warpgroups) and 64-key steps. An append over a long cached prefix reads many keys
+# per query row: 64 rows and 128-key steps. The two largest entries were measured on an H200 (`bench.kernels`'
+# sweep of 36 tiles at Llama-3.1-8B's heads, bench/results/nvidia-h200/call7/kernels): 128 x 64 with 2 stages was
+# the fastest for prompts of 512, 2,048 and 8,192 tokens (the 3 stages it had: 1.04-1.14x its time); for 256 new
+# tokens over 4,096 and 16,384 cached, 64 x 128 with 3 stages (128 x 64: 1.58-1.81x its time; at 256 new tokens
+# its 128-row tiles make 64 programs for 132 SMs). Between 4 and 17 keys per query the choice is unmeasured (a
+# long prompt's later chunks: 2,048 new over 6,144 cached is an append here). Compiled for sm_90
+# (bf16, head_dim 128) every entry fits without register spills.
 DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIGS = (
     AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3),
     AttentionConfig(block_m=32, tile_n=64, num_warps=4, num_stages=3),
     AttentionConfig(block_m=64, tile_n=64, num_warps=4, num_stages=3),
-    AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=3),
+    AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=2),
 )
+APPEND_CONFIG = AttentionConfig(block_m=64, tile_n=128, num_warps=4, num_stages=3)
+APPEND_KEYS_PER_QUERY = 4  # a step is an append when its longest sequence has this many keys per query or more
 
 
 @triton.jit
@@ -234,11 +241,15 @@ def workspace_for(max_tokens: int, num_heads: int, head_dim: int, num_splits: in
     return out, lse
 
 
-def default_config(max_query_len: int, group: int) -> AttentionConfig:
-    """The config table's entry for a batch: decode, else the smallest prefill tile holding the longest query."""
+def default_config(max_query_len: int, group: int, max_seq_len: int = 0) -> AttentionConfig:
+    """The config table's entry for a batch: decode; an append whose tile would pass 64 rows (its longest sequence,
+    keys included, at least APPEND_KEYS_PER_QUERY x its longest query); else the smallest prefill tile holding the
+    longest query. max_seq_len 0: not known (a prefill)."""
     if max_query_len == 1:
         return DECODE_CONFIG
     rows = max_query_len * group
+    if rows > APPEND_CONFIG.block_m and max_seq_len >= APPEND_KEYS_PER_QUERY * max_query_len:
+        return APPEND_CONFIG
     return next((c for c in PREFILL_CONFIGS if c.block_m >= rows), PREFILL_CONFIGS[-1])
 
 
@@ -268,14 +279,14 @@ class AttentionLaunch:
 def plan_attention(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int, dtype: torch.dtype, *,
                    q_strides: tuple[int, int], out_strides: tuple[int, int], cache_strides: tuple[int, int],
                    table_stride: int, num_kv_heads: int, block_size: int, scale: float, max_query_len: int,
-                   num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
+                   max_seq_len: int = 0, num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
                    config: AttentionConfig | None = None, device: torch.device | str = "cuda") -> AttentionLaunch:
     """The launch of paged_attention for a step of this shape (see paged_attention for the arguments); strides are
     (token, head) of q and out, (slot, head) of the caches, and the block table's row stride."""
     t, h, d, b, hkv = num_tokens, num_heads, head_dim, num_seqs, num_kv_heads
     group = h // hkv
     decode = max_query_len == 1
-    cfg = config or default_config(max_query_len, group)
+    cfg = config or default_config(max_query_len, group, max_seq_len)
     block_m = max(cfg.block_m, next_power_of_2(group))
     block_q = 1 if decode else block_m // group
     splits = num_splits if decode else 1
@@ -319,13 +330,14 @@ def launch_attention(launch: AttentionLaunch, out: Tensor, q: Tensor, k_cache: T
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, query_start: Tensor,
-                    seq_lens: Tensor, *, block_size: int, scale: float, max_query_len: int, out: Tensor | None = None,
-                    num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
+                    seq_lens: Tensor, *, block_size: int, scale: float, max_query_len: int, max_seq_len: int = 0,
+                    out: Tensor | None = None, num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
                     config: AttentionConfig | None = None) -> Tensor:
     """Causal attention of q [T, H, D] over each sequence's paged KV (see the module docstring); returns out [T, H, D].
 
     max_query_len must be >= every sequence's new-token count; 1 selects the decode grid, where num_splits > 1
     splits each sequence's keys (workspace: preallocated partials from workspace_for, else allocated here).
+    max_seq_len, the longest sequence's keys (0: not known), picks the append tile (default_config).
     config overrides the tile table (benchmarks). The engine plans a step's launch once (plan_attention) and
     runs it per layer (launch_attention); this checks the arguments, then does both.
     """
@@ -340,5 +352,6 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     launch = plan_attention(t, h, d, b, q.dtype, q_strides=q.stride()[:2], out_strides=out.stride()[:2],
                             cache_strides=k_cache.stride()[:2], table_stride=block_tables.stride(0),
                             num_kv_heads=hkv, block_size=block_size, scale=scale, max_query_len=max_query_len,
-                            num_splits=num_splits, workspace=workspace, config=config, device=q.device)
+                            max_seq_len=max_seq_len, num_splits=num_splits, workspace=workspace, config=config,
+                            device=q.device)
     return launch_attention(launch, out, q, k_cache, v_cache, block_tables, query_start, seq_lens)

@@ -43,7 +43,7 @@ from engine.attention.triton_backend import GraphBuffers, TritonBackend, TritonM
 from engine.config import ModelConfig
 from engine.cuda_graphs import graph_buckets
 from engine.engine import EngineConfig
-from engine.kernels.attention import (PREFILL_CONFIGS, AttentionConfig, choose_num_splits, default_config,
+from engine.kernels.attention import (APPEND_CONFIG, PREFILL_CONFIGS, AttentionConfig, choose_num_splits, default_config,
                                      paged_attention)
 from engine.kernels.rope import rope_store_kv
 from engine.kernels.store_kv import store_kv
@@ -223,7 +223,7 @@ class Model:
     def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig) -> None:
         """A prefill step whose tile default_config must pick as config."""
         meta = self.backend.prepare(self.step(seqs))
-        assert default_config(meta.max_query_len, self.h // self.hkv) == config
+        assert default_config(meta.max_query_len, self.h // self.hkv, meta.max_seq_len) == config
         t = sum(new for _, new in seqs)
         self.attention(meta, t, self.positions(t))
 
@@ -258,16 +258,16 @@ def first_batch_per_split() -> dict[int, tuple[int, int]]:
 
 
 def attention_cases(dt: str) -> list[Case]:
-    """Every entry of the prefill tile table, the biggest (the slowest to compile) first, each through the shortest
-    append over a cached prefix that default_config gives it, and a full-chunk prompt; then decode for every split
-    count the engine can choose, with the workspace prepare() allocates."""
+    """A full-chunk prompt, then the append tile and every entry of the prefill tile table, each through the shortest
+    append over a cached prefix that default_config gives it (an override where none does); then decode for every
+    split count the engine can choose, with the workspace prepare() allocates."""
     group, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
-    longest = default_config(chunk, group)
+    longest = default_config(chunk, group, chunk)
     cases = [Case(f"attention prefill {dt} {chunk}-token prompt", f"prefill {dt} {longest}",
                   lambda: model(dt).prefill([(0, chunk)], longest))]
-    for config in reversed(PREFILL_CONFIGS):
+    for config in (APPEND_CONFIG, *reversed(PREFILL_CONFIGS)):
         tile = f"tile {config.block_m}x{config.tile_n} warps {config.num_warps} stages {config.num_stages}"
-        new = next((n for n in range(2, chunk + 1) if default_config(n, group) == config), None)
+        new = next((n for n in range(2, chunk + 1) if default_config(n, group, CACHED_PREFIX + n) == config), None)
         if new is None:  # an entry this model's batches never get: compile it anyway
             cases.append(Case(f"attention prefill {dt} {tile} (override)", f"prefill {dt} {config}",
                               lambda config=config: model(dt).prefill_with(config, chunk)))
@@ -293,7 +293,7 @@ def graph_cases(dt: str) -> list[Case]:
         if bucket.decode:  # graphs are captured for the longest context (TritonBackend)
             decode.setdefault(choose_num_splits(bucket.seqs, LLAMA.num_kv_heads, longest, H100_SMS), bucket)
         else:
-            tiles.setdefault(default_config(bucket.max_query_len, group), bucket)
+            tiles.setdefault(default_config(bucket.max_query_len, group, longest), bucket)
     return ([Case(f"attention decode graph {dt} splits={splits} (batch {b.seqs})", f"graph {dt} {splits}",
                   lambda b=b, s=splits: model(dt).graph_step(b, s)) for splits, b in sorted(decode.items())]
             + [Case(f"attention step graph {dt} {b.tokens} tokens (tile {config.block_m}x{config.tile_n})",

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.kernels.attention import AttentionConfig, choose_num_splits, paged_attention, workspace_for
+from engine.kernels.attention import (APPEND_CONFIG, DECODE_CONFIG, PREFILL_CONFIGS, AttentionConfig, choose_num_splits,
+                                     default_config, paged_attention, workspace_for)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAD = (0, 0)  # a CUDA-graph padding row: seq_len 0, one query token
@@ -146,6 +147,25 @@ def test_default_config_long_prefill_crosses_query_tiles() -> None:
     batch = make_batch([(70, 300), (12, 1)], heads=2, kv_heads=1, head_dim=16, block_size=16,
                        dtype=torch.bfloat16, seed=7)
     run(batch)
+
+
+def test_default_config_tiles_by_step_kind() -> None:
+    """Decode, prefill and append tiles: an append of more than 64 rows over a cached prefix of 4x its new tokens
+    takes the append tile (64 rows, 128-key steps); one without its keys known, or over a short prefix, a prefill
+    tile."""
+    assert default_config(1, 4, 4096) == DECODE_CONFIG
+    assert default_config(256, 4) == default_config(256, 4, 300) == PREFILL_CONFIGS[-1]
+    assert default_config(256, 4, 256 + 4096) == default_config(17, 4, 1024) == APPEND_CONFIG
+    assert default_config(16, 4, 4096) == PREFILL_CONFIGS[2], "64 rows: the prefill table's 64-row tile"
+
+
+def test_append_over_a_long_prefix_with_the_append_tile() -> None:
+    """The append tile over 600 cached keys: 40 new tokens x 2 query heads per KV head = 80 rows, two query tiles,
+    five 128-key steps."""
+    batch = make_batch([(600, 40), (5, 1), (130, 33)], heads=4, kv_heads=2, head_dim=16, block_size=16,
+                       dtype=torch.bfloat16, seed=11)
+    assert default_config(batch.max_query_len, 2, max(batch.seq_lens.tolist())) == APPEND_CONFIG
+    run(batch, max_seq_len=max(batch.seq_lens.tolist()))
 
 
 def test_padding_rows_get_zeros() -> None:
