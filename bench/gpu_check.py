@@ -66,7 +66,7 @@ STEP_NAMES = ("host probe tests tests-gpu[:FILES] tests-kernels engine engine-ho
 GPU_TEST_S = {"tests/bench/test_partition_profile.py": 11, "tests/engine/kernels/test_activation.py": 7,
               "tests/engine/kernels/test_attention.py": 33, "tests/engine/kernels/test_norm.py": 5,
               "tests/engine/kernels/test_rope.py": 5, "tests/engine/kernels/test_store_kv.py": 2,
-              "tests/engine/test_engine.py": 75, "tests/engine/test_guided.py": 8,
+              "tests/engine/test_engine.py": 81, "tests/engine/test_guided.py": 8,
               "tests/engine/test_memory_plan.py": 4, "tests/engine/test_model_vs_hf.py": 9,
               "tests/engine/test_shared_memory.py": 9,
               "tests/partition/test_backends.py": 1, "tests/partition/test_green.py": 10,
@@ -93,6 +93,8 @@ class Step:
     limit_s: int
     outputs: tuple[str, ...] = ()
     expected_s: int | None = None  # on the GPU host: measured there where it ran, else estimated; None: unknown
+    resumable: bool = False  # keeps what it measured when stopped and goes on from it (`--from`): last in a call,
+                             # it takes whatever time is left
 
 
 @dataclass
@@ -141,7 +143,7 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         # ../shared/device/host_check.py where it was carried in .whl/, then every module of the project.
         script = (f"rc=0; if [ -f .whl/host_check.py ]; then {python} .whl/host_check.py || rc=1; fi; "
                   f"{python} -m bench.gpu_check --imports || rc=1; exit $rc")
-        return [Step("host", ("bash", "-c", script), 120, expected_s=15)]
+        return [Step("host", ("bash", "-c", script), 120, expected_s=23)]  # 14-23 s on the H200 (calls 4, 6)
     if name == "probe":
         return [Step("probe", (*ppd, "probe", "--out", f"{out}/probe.json"), 240, ("probe.json",), 62)]
     if name in ("tests-gpu", "tests-kernels"):  # one of the two, where a call has no time for both
@@ -169,12 +171,12 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
             steps.append(Step("tests-sm90-compile", ("env", "-u", "TRITON_INTERPRET", python, "-m",
                                                      "tests.engine.kernels.sm90_compile"), 300))
         return steps
-    if name == "engine":  # 32 s on the H200 (call1), before append and mixed steps were timed both ways
+    if name == "engine":  # 36 s on the H200 (call6), graphs captured and append and mixed steps timed both ways
         argv = (*ppd, "bench", "engine", "--out", str(out), *quick, *mode.engine_model)
-        return [Step("engine", argv, 150, ("engine-*.json",), 45)]
-    if name == "engine-host":  # one eager decode step and one append under the profiler: under a minute
+        return [Step("engine", argv, 150, ("engine-*.json",), 40)]
+    if name == "engine-host":  # one eager decode step and one append under the profiler: 12 s on the H200 (call6)
         argv = (python, "-m", "bench.engine_host", "--out", str(out), *mode.engine_model)
-        return [Step("engine-host", argv, 90, ("engine-host.json", "engine-host.md"), 40)]
+        return [Step("engine-host", argv, 90, ("engine-host.json", "engine-host.md"), 15)]
     if name == "sampling":
         argv = (*ppd, "bench", "sampling", "--out", f"{out}/sampling", *quick, *mode.engine_model)
         return [Step("sampling", argv, 360, ("sampling/sampling-*.json",))]
@@ -184,17 +186,18 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
                 "--duration", mode.pick("40", "8"), "--goodput", "ttft:500", "tpot:50", "--out", f"{out}/compare")
         if mode.rehearse:
             argv += ("--scale", "0.0625")
-        # Not yet run on a GPU: three servers, each about 35 s to start, 40 s of arrivals and the last turns' tail.
-        return [Step("compare", argv, 360, ("compare/summary.json",), 255)]
+        # Three servers, each about 35 s to start, 40 s of arrivals and the last turns' tail: 221 s on the H200 (call6).
+        return [Step("compare", argv, 360, ("compare/summary.json",), 225)]
     if name == "kernels":  # without CUDA it says so and writes nothing: nothing to check in a rehearsal
+        # 224 s on the H200 (call7), most of it the sweep of attention's tiles.
         return [Step("kernels", (python, "-m", "bench.kernels", "--out", f"{out}/kernels"), 540,
-                     mode.pick(("kernels/kernels-*.json",), ()))]
+                     mode.pick(("kernels/kernels-*.json",), ()), 230)]
     if name == "policy":
         # On the CPU a turn 1 over the longer context can outlast a short run (its turn 2 never starts): the
         # rehearsal keeps the shorter context, every shape, load and route.
         argv = (*ppd, "profile", "policy", "--serve-args", serve, "--duration", mode.pick("10", "8"), "--no-progress",
                 "--out", f"{out}/policy.json", *quick, *mode.pick((), ("--contexts", "160")))
-        return [Step("policy", argv, 540, ("policy.json",))]
+        return [Step("policy", argv, 540, ("policy.json",), resumable=True)]
     if base == "policy-eval" and arg:
         argv = (*ppd, "bench", "compare", "--policies", "pd,dlocal,ppd,aggregated",
                 "--serve-args", f"{serve} --policy-table {out}/policy.json", *load, "--profile", arg,
@@ -212,7 +215,7 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
     if name == "partition":
         argv = (*ppd, "profile", "partition", "--no-progress", "--out", f"{out}/partition.json", *quick,
                 *mode.engine_model)
-        return [Step("partition", argv, 540, ("partition.json",))]
+        return [Step("partition", argv, 540, ("partition.json",), resumable=True)]
     if base == "partition-compare":
         # pd on each partition; aggregated, one worker with nothing to partition, once as the baseline (under none).
         # On the CPU, MPS and green contexts have their nearest stand-ins: each worker on its own cores, and the
@@ -353,11 +356,14 @@ def steps_room_s(budget_s: float, archive: bool = True) -> float:
 
 
 def describe(steps: list[Step], budget_s: float) -> tuple[str, bool]:
-    """The call's steps with their limits and expected durations (a step not measured counts its limit), and
-    whether the expected durations fit the budget."""
+    """The call's steps with their limits and expected durations (a step not measured counts its limit; a resumable
+    last step takes what is left), and whether the expected durations fit the budget."""
     lines = [f"{'step':32} {'limit s':>8} {'expected s':>11} {'done by s':>10}"]
     done = 0
-    for step in steps:
+    for i, step in enumerate(steps):
+        if step.resumable and i == len(steps) - 1:
+            lines.append(f"{step.name:32} {step.limit_s:>8} {'the rest':>11} {'':>10}")
+            break
         done += step.expected_s if step.expected_s is not None else step.limit_s
         expected = "?" if step.expected_s is None else str(step.expected_s)
         lines.append(f"{step.name:32} {step.limit_s:>8} {expected:>11} {done:>10}")
