@@ -25,19 +25,19 @@ for `ppd probe` on a GPU host to show that green contexts partition anything ins
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partition.cpu import pin_to_cores, split_cores
 
-log = logging.getLogger("ppd.partition")
+if TYPE_CHECKING:
+    from partition.green import StreamSplits
+    from partition.mps import MpsDaemonPlan
 
-BACKENDS = ("cpu", "mps", "green", "none")
 PREFILL_WORKERS = ("auto", "process", "thread")
-ROLES = ("decode", "prefill")
 DEFAULT_MPS_DECODE_PERCENT = 100  # a cap, not a reservation: decode may use every SM when prefill leaves them
 DEFAULT_MPS_PREFILL_PERCENT = 80  # Semi-PD's defaults: prefill never takes the whole GPU from decode
 
@@ -79,28 +79,224 @@ class UnitPartition:
     @property
     def runtime_shares(self) -> bool:
         """Whether shares can change while the workers run: core pinning, and the choice among green splits."""
-        return (self.backend == "cpu" and len(self.cores) > 1) or self.backend == "green"
+        return backend_of(self).runtime_shares(self)
 
     def describe(self) -> str:
-        if self.backend == "none":
-            return ("none (the prefill worker is a thread: two streams with no split)" if self.prefill_thread
-                    else "none (the workers time-share the device)")
-        if self.backend == "green":
-            counts = ",".join(map(str, self.green_sms)) or "a quarter, half, three quarters"
-            return f"green (one process; decode on {counts} SMs by step, prefill on the rest)"
-        return f"{self.backend} (decode: {self.decode.describe()}; prefill: {self.prefill.describe()})"
+        return backend_of(self).describe(self)
 
 
-@dataclass
-class MpsDaemonPlan:
-    """The MPS daemon a server uses: an existing one (pipe_dir), or one to start (start=True) and stop at exit."""
+# ---- the backends: one interface ---------------------------------------------------------------------------------
 
-    binary: str | None
-    pipe_dir: Path
-    log_dir: Path
-    start: bool
-    why: str
-    env: dict[str, str] = field(default_factory=dict)
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What planning a partition needs from the command line and the host."""
+
+    device: str
+    num_units: int
+    with_prefill: bool  # the units have a prefill worker (every policy but aggregated)
+    cores: tuple[int, ...] = ()  # the CPU cores this server may use
+    workdir: Path = Path("/tmp")  # the server's private folder (an MPS daemon's pipe directory goes there)
+    mps_shares: tuple[int, int] | None = None  # --mps-decode-percent, --mps-prefill-percent
+    prefill_worker: str = "auto"  # --prefill-worker
+    green_sms: tuple[int, ...] = ()  # --green-decode-sms
+
+
+@dataclass(frozen=True)
+class ShareSpace:
+    """What a share manager (manager.py) splits at run time: its units (cores, or SM indices), the split the
+    workers start on, the shares decode may have (None: any count), whether a switch is free."""
+
+    units: tuple[int, ...]
+    start: tuple[tuple[int, ...], tuple[int, ...]]  # (decode's units, prefill's units)
+    sizes: tuple[int, ...] | None
+    free_switches: bool
+    what: str  # "cores" or "SMs", for the log
+
+
+class Backend:
+    """One way a unit's two workers share its device. The launcher plans it before any worker starts; each worker
+    applies its share before anything touches CUDA and checks it once its engine is on the device; the decode worker
+    asks it what a share manager may split; /health reports it."""
+
+    name = ""
+
+    def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
+        """Each unit's partition, and the MPS daemon to use or start (None: none); PartitionError if it cannot be."""
+        raise NotImplementedError
+
+    def apply(self, part: UnitPartition, role: str) -> None:
+        """In worker `role`, before anything touches CUDA."""
+
+    def check(self, part: UnitPartition, device: str) -> str | None:
+        """In a worker whose engine is on its device: why its partition does not hold (None: it does)."""
+        return None
+
+    def runtime_shares(self, part: UnitPartition) -> bool:
+        """Whether this partition's shares can change while the workers run."""
+        return False
+
+    def shares(self, part: UnitPartition, streams: StreamSplits | None) -> ShareSpace | None:
+        """What a share manager may split at run time (streams: the decode worker's green-context splits, if any);
+        None where shares are fixed once the workers start."""
+        return None
+
+    def streams(self, part: UnitPartition) -> tuple[StreamSplits, str | None]:
+        """A one-process unit's streams on a GPU (decode, and the prefill thread beside it), and why the partition
+        does not hold (None: it does): two ordinary streams, which overlap with no split. On the current device,
+        after torch's primary context is made."""
+        from partition.green import StreamSplits
+
+        return StreamSplits.plain(), None
+
+    def describe(self, part: UnitPartition) -> str:
+        return f"{self.name} (decode: {part.decode.describe()}; prefill: {part.prefill.describe()})"
+
+    def stats(self, part: UnitPartition) -> dict:
+        """The partition as /health reports it before the workers add their live shares."""
+        return {"backend": self.name}
+
+
+class CpuBackend(Backend):
+    """Each worker pinned to its own cores; a share manager moves cores between them at run time."""
+
+    name = "cpu"
+
+    def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
+        if req.device != "cpu":
+            raise PartitionError("--partition cpu pins CPU workers to cores; on GPUs use --partition mps, none or auto")
+        return [UnitPartition("cpu", Share(d), Share(p), cores=tuple(dict.fromkeys(d + p)), why=why)
+                for d, p in split_cores(list(req.cores), req.num_units, req.with_prefill)], None
+
+    def apply(self, part: UnitPartition, role: str) -> None:
+        pin_to_cores(part.share(role).cores)
+
+    def runtime_shares(self, part: UnitPartition) -> bool:
+        return len(part.cores) > 1
+
+    def shares(self, part: UnitPartition, streams: StreamSplits | None) -> ShareSpace | None:
+        if not self.runtime_shares(part):
+            return None
+        return ShareSpace(part.cores, (part.decode.cores, part.prefill.cores), None, False, "cores")
+
+
+class MpsBackend(Backend):
+    """Both workers clients of an MPS daemon, each capped at a share of the SMs fixed when it starts."""
+
+    name = "mps"
+
+    def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
+        from partition.mps import mps_daemon_plan
+
+        if req.device == "cpu":
+            raise PartitionError("--partition mps needs a GPU; on the CPU use --partition cpu (or auto)")
+        daemon = mps_daemon_plan(req.workdir)
+        if daemon.binary is None and not daemon.env:
+            raise PartitionError(f"--partition mps: {daemon.why}; install the CUDA toolkit's nvidia-cuda-mps-control "
+                                 "or start a daemon (nvidia-cuda-mps-control -d), or use --partition none")
+        decode_pct, prefill_pct = req.mps_shares or (DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT)
+        for name, pct in (("decode", decode_pct), ("prefill", prefill_pct)):
+            if not 1 <= pct <= 100:
+                raise PartitionError(f"--mps-{name}-percent {pct}: a percentage of the SMs, 1 to 100")
+        part = UnitPartition("mps", Share(mps_percent=decode_pct), Share(mps_percent=prefill_pct) if req.with_prefill
+                             else Share(), env=tuple(sorted(daemon.env.items())), why=f"{why}: {daemon.why}")
+        return [part] * req.num_units, daemon
+
+    def apply(self, part: UnitPartition, role: str) -> None:
+        os.environ.update(dict(part.env))
+        if (percent := part.share(role).mps_percent) is not None:
+            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(percent)
+
+    def check(self, part: UnitPartition, device: str) -> str | None:
+        if not device.startswith("cuda"):
+            return None
+        from partition.probe_gpus import mps_enabled
+
+        enabled = mps_enabled(0)
+        if enabled is False:
+            return (f"this worker is not an MPS client (it could not reach the daemon at "
+                    f"{dict(part.env).get('CUDA_MPS_PIPE_DIRECTORY', '/tmp/nvidia-mps')}): its kernels are "
+                    "time-sliced with the other worker's; check that the daemon runs as this user, or use "
+                    "--partition none")
+        if enabled is None:
+            return "cannot tell whether this worker is an MPS client (the driver does not say)"
+        return None
+
+    def stats(self, part: UnitPartition) -> dict:
+        return {"backend": self.name, "decode_percent": part.decode.mps_percent,
+                "prefill_percent": part.prefill.mps_percent}
+
+
+class GreenBackend(Backend):
+    """One process per unit, each worker on its own stream of a green context: SM splits made at start, one of them
+    picked per step by the share manager."""
+
+    name = "green"
+
+    def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
+        if req.device == "cpu":
+            raise PartitionError("--partition green splits a GPU's SMs; on the CPU use --partition cpu (or auto)")
+        if not req.with_prefill:
+            raise PartitionError("--partition green: --policy aggregated runs no prefill worker, there is nothing to "
+                                 "split; use --partition none")
+        if req.prefill_worker == "process":
+            raise PartitionError("--partition green with --prefill-worker process: green contexts split SMs only "
+                                 "inside one process; leave --prefill-worker at auto (a thread)")
+        if not green_available():
+            raise PartitionError("--partition green makes green contexts with cuda-python's driver API, which is not "
+                                 "installed: pip install cuda-python, or use --partition mps or none")
+        from partition.green import check_decode_sms
+
+        try:
+            counts = check_decode_sms(req.green_sms) if req.green_sms else ()
+        except ValueError as exc:
+            raise PartitionError(f"--green-decode-sms: {exc}") from exc
+        return [UnitPartition("green", why=why, prefill_thread=True, green_sms=counts)] * req.num_units, None
+
+    def runtime_shares(self, part: UnitPartition) -> bool:
+        return True
+
+    def shares(self, part: UnitPartition, streams: StreamSplits | None) -> ShareSpace | None:
+        if streams is None or not streams.decode_counts():
+            return None  # no green contexts (the log and /health say why): there is nothing to choose between
+        units, n = tuple(range(streams.total_sms)), streams.middle_decode_sms()
+        return ShareSpace(units, (units[:n], units[n:]), streams.decode_counts(), True, "SMs")
+
+    def streams(self, part: UnitPartition) -> tuple[StreamSplits, str | None]:
+        import torch
+
+        from partition.green import GreenError, StreamSplits, default_decode_sms
+
+        counts = part.green_sms or default_decode_sms(torch.cuda.get_device_properties(0).multi_processor_count)
+        try:
+            return StreamSplits.green(counts), None  # which logs the SM counts the driver granted
+        except (GreenError, ValueError) as exc:
+            return StreamSplits.plain(), (f"green contexts could not be made ({exc}): prefill and decode run on two "
+                                          "ordinary streams, overlapping with no SM split")
+
+    def describe(self, part: UnitPartition) -> str:
+        counts = ",".join(map(str, part.green_sms)) or "a quarter, half, three quarters"
+        return f"green (one process; decode on {counts} SMs by step, prefill on the rest)"
+
+
+class NoneBackend(Backend):
+    """No partition: two time-sliced processes on a GPU, or a prefill thread beside decode on two streams."""
+
+    name = "none"
+
+    def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
+        return [UnitPartition("none", why=why, prefill_thread=req.prefill_worker == "thread")] * req.num_units, None
+
+    def describe(self, part: UnitPartition) -> str:
+        return ("none (the prefill worker is a thread: two streams with no split)" if part.prefill_thread
+                else "none (the workers time-share the device)")
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (CpuBackend(), MpsBackend(), GreenBackend(), NoneBackend())}
+
+
+def backend_of(part: UnitPartition) -> Backend:
+    return BACKENDS[part.backend]
 
 
 # ---- planning, in the launcher (before any worker starts) ---------------------------------------------------------
@@ -115,8 +311,10 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
         raise PartitionError(f"--prefill-worker {prefill_worker}: not one of {', '.join(PREFILL_WORKERS)}")
     if kind == "auto":
         kind, why = auto_backend(device, with_prefill)
-    else:
+    elif kind in BACKENDS:
         why = f"--partition {kind}"
+    else:
+        raise PartitionError(f"--partition {kind}: not one of auto, {', '.join(BACKENDS)}")
     if prefill_worker == "thread" and not with_prefill:
         raise PartitionError("--prefill-worker thread: --policy aggregated runs no prefill worker")
     if prefill_worker == "thread" and kind in ("cpu", "mps"):
@@ -124,54 +322,9 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
                              "use --partition green (GPU) or none with a prefill thread")
     if green_sms and kind != "green":
         raise PartitionError(f"--green-decode-sms is for --partition green, not {kind}")
-    if kind == "green":
-        return kind, [plan_green(device, with_prefill, prefill_worker, green_sms, why)] * num_units, None
-    if kind == "cpu":
-        if device != "cpu":
-            raise PartitionError("--partition cpu pins CPU workers to cores; on GPUs use --partition mps, none or auto")
-        units = [UnitPartition("cpu", Share(d), Share(p), cores=tuple(dict.fromkeys(d + p)), why=why)
-                 for d, p in split_cores(cores, num_units, with_prefill)]
-        return kind, units, None
-    if kind == "none":
-        return kind, [UnitPartition("none", why=why, prefill_thread=prefill_worker == "thread")] * num_units, None
-    if kind == "mps":
-        if device == "cpu":
-            raise PartitionError("--partition mps needs a GPU; on the CPU use --partition cpu (or auto)")
-        daemon = mps_daemon_plan(workdir)
-        if daemon.binary is None and not daemon.env:
-            raise PartitionError(f"--partition mps: {daemon.why}; install the CUDA toolkit's nvidia-cuda-mps-control "
-                                 "or start a daemon (nvidia-cuda-mps-control -d), or use --partition none")
-        decode_pct, prefill_pct = mps_shares or (DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT)
-        for name, pct in (("decode", decode_pct), ("prefill", prefill_pct)):
-            if not 1 <= pct <= 100:
-                raise PartitionError(f"--mps-{name}-percent {pct}: a percentage of the SMs, 1 to 100")
-        env = tuple(sorted(daemon.env.items()))
-        part = UnitPartition("mps", Share(mps_percent=decode_pct), Share(mps_percent=prefill_pct) if with_prefill
-                             else Share(), env=env, why=f"{why}: {daemon.why}")
-        return kind, [part] * num_units, daemon
-    raise PartitionError(f"--partition {kind}: not one of auto, {', '.join(BACKENDS)}")
-
-
-def plan_green(device: str, with_prefill: bool, prefill_worker: str, green_sms: tuple[int, ...],
-               why: str) -> UnitPartition:
-    if device == "cpu":
-        raise PartitionError("--partition green splits a GPU's SMs; on the CPU use --partition cpu (or auto)")
-    if not with_prefill:
-        raise PartitionError("--partition green: --policy aggregated runs no prefill worker, there is nothing to "
-                             "split; use --partition none")
-    if prefill_worker == "process":
-        raise PartitionError("--partition green with --prefill-worker process: green contexts split SMs only "
-                             "inside one process; leave --prefill-worker at auto (a thread)")
-    if not green_available():
-        raise PartitionError("--partition green makes green contexts with cuda-python's driver API, which is not "
-                             "installed: pip install cuda-python, or use --partition mps or none")
-    from partition.green import check_decode_sms
-
-    try:
-        counts = check_decode_sms(green_sms) if green_sms else ()
-    except ValueError as exc:
-        raise PartitionError(f"--green-decode-sms: {exc}") from exc
-    return UnitPartition("green", why=why, prefill_thread=True, green_sms=counts)
+    req = PlanRequest(device, num_units, with_prefill, tuple(cores), workdir, mps_shares, prefill_worker, green_sms)
+    parts, daemon = BACKENDS[kind].plan(req, why)
+    return kind, parts, daemon
 
 
 def green_available() -> bool:
@@ -186,12 +339,14 @@ def green_available() -> bool:
 
 def auto_backend(device: str, with_prefill: bool = True) -> tuple[str, str]:
     """The backend --partition auto picks on this host, and why."""
+    from partition.mps import CONTROL, existing_mps_pipe_dir
+
     if device == "cpu":
         return "cpu", "auto: on the CPU each worker gets its own cores"
     running = existing_mps_pipe_dir()
     if running is not None:
         return "mps", f"auto: an MPS daemon runs (pipe directory {running})"
-    if shutil.which("nvidia-cuda-mps-control"):
+    if shutil.which(CONTROL):
         return "mps", "auto: nvidia-cuda-mps-control is installed, the server starts its own MPS daemon"
     if with_prefill and green_available():
         return "green", ("auto: no MPS on this host, so each unit is one process: the prefill worker is a thread of "
@@ -201,104 +356,14 @@ def auto_backend(device: str, with_prefill: bool = True) -> tuple[str, str]:
                     "pip install cuda-python, for overlap")
 
 
-def existing_mps_pipe_dir() -> Path | None:
-    """The pipe directory of an MPS control daemon that runs now (its pid file names a live process), else None."""
-    from partition.probe_mps import DEFAULT_PIPE_DIR, PID_FILE, read_pid
-    from partition.processes import process_alive
-
-    pipe_dir = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", DEFAULT_PIPE_DIR))
-    pid = read_pid(pipe_dir / PID_FILE)
-    return pipe_dir if pid is not None and process_alive(pid) else None
-
-
-def mps_daemon_plan(workdir: Path) -> MpsDaemonPlan:
-    """Use the daemon that runs, else start our own in workdir (a private pipe directory: no other process's
-    clients reach it, and stopping it touches nothing else)."""
-    binary = shutil.which("nvidia-cuda-mps-control")
-    running = existing_mps_pipe_dir()
-    if running is not None:
-        log_dir = Path(os.environ.get("CUDA_MPS_LOG_DIRECTORY", "/var/log/nvidia-mps"))
-        return MpsDaemonPlan(binary, running, log_dir, start=False, why=f"using the MPS daemon at {running}",
-                             env={"CUDA_MPS_PIPE_DIRECTORY": str(running)})
-    if binary is None:
-        return MpsDaemonPlan(None, workdir / "mps-pipe", workdir / "mps-log", start=False,
-                             why="no MPS daemon runs and nvidia-cuda-mps-control is not on PATH")
-    pipe_dir, log_dir = workdir / "mps-pipe", workdir / "mps-log"
-    return MpsDaemonPlan(binary, pipe_dir, log_dir, start=True, why=f"starting an MPS daemon in {pipe_dir}",
-                         env={"CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir), "CUDA_MPS_LOG_DIRECTORY": str(log_dir)})
-
-
-class MpsDaemon:
-    """The MPS control daemon the server started (start/stop), by the probe's tested machinery."""
-
-    def __init__(self, plan: MpsDaemonPlan) -> None:
-        from partition.probe_mps import Daemon
-
-        self.plan = plan
-        self.daemon = Daemon(plan.binary or "nvidia-cuda-mps-control", plan.pipe_dir, plan.log_dir)
-        self.stopped = False
-
-    def start(self) -> None:
-        from partition.probe_mps import start_daemon
-
-        found = start_daemon(self.daemon)
-        if not found["ok"]:
-            self.stop()  # it may have half-started
-            raise PartitionError(f"--partition mps: the MPS daemon did not start ({found['error']}); run "
-                                 f"`ppd probe` to see why, or use --partition none")
-        log.info("MPS daemon started (pid %s, pipe directory %s)", found["pid"], self.plan.pipe_dir)
-
-    def stop(self) -> None:
-        """Stop it (once; later calls do nothing)."""
-        from partition.probe_mps import stop_daemon
-
-        if self.stopped:
-            return
-        self.stopped = True
-        found = stop_daemon(self.daemon)
-        if found["stopped"]:
-            log.info("MPS daemon stopped")
-        else:
-            log.error("the MPS daemon we started did not stop: %s", found["error"])
-
-
-def check_mps_client(plan: MpsDaemonPlan, timeout: float = 60.0) -> None:
-    """PartitionError unless a CUDA client started with plan's environment runs as an MPS client. The control daemon
-    starts its server only when the first client connects, so a daemon that started may still fail there (a VM whose
-    device MPS cannot drive), and a client that cannot reach it runs time-sliced: found out now, in a child with a
-    timeout, rather than by workers that crash, restart and never come up, or hang."""
-    from partition.probe_mps import CONTROL, Daemon, check_client
-
-    found = check_client(Daemon(plan.binary or CONTROL, plan.pipe_dir, plan.log_dir), 0, None, {}, timeout)
-    if not found["is_mps_client"]:
-        why = found.get("error") or "neither the driver, the daemon nor NVML counts it as one"
-        raise PartitionError(f"--partition mps: a CUDA client of the MPS daemon at {plan.pipe_dir} does not run as an "
-                             f"MPS client ({why}); run `ppd probe` to see why, or use --partition none")
-
-
 # ---- in a worker ---------------------------------------------------------------------------------------------------
 
 
 def apply_at_start(part: UnitPartition, role: str) -> None:
     """In a worker, before anything touches CUDA: the daemon's environment, the thread percentage, the cores."""
-    os.environ.update(dict(part.env))
-    share = part.share(role)
-    if share.mps_percent is not None:
-        os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share.mps_percent)
-    pin_to_cores(share.cores)
+    backend_of(part).apply(part, role)
 
 
 def check_in_worker(part: UnitPartition, device: str) -> str | None:
     """In a worker whose engine is on its device: why its partition does not hold (None: it does)."""
-    if part.backend != "mps" or not device.startswith("cuda"):
-        return None
-    from partition.probe_gpus import mps_enabled
-
-    enabled = mps_enabled(0)
-    if enabled is False:
-        return (f"this worker is not an MPS client (it could not reach the daemon at "
-                f"{dict(part.env).get('CUDA_MPS_PIPE_DIRECTORY', '/tmp/nvidia-mps')}): its kernels are time-sliced "
-                "with the other worker's; check that the daemon runs as this user, or use --partition none")
-    if enabled is None:
-        return "cannot tell whether this worker is an MPS client (the driver does not say)"
-    return None
+    return backend_of(part).check(part, device)

@@ -10,6 +10,12 @@ from engine.kv_events import KVEventsConfig
 from partition.backends import UnitPartition
 
 POLICIES = ("pd", "dlocal", "ppd", "aggregated")
+PREFILL_WORKERS = ("process", "thread", "none")  # a unit's shapes: where its prefill worker runs (UnitConfig)
+
+
+def has_prefill_worker(policy: str) -> bool:
+    """Whether units serving `policy` have a prefill worker: all but aggregated, whose one worker runs every prefill."""
+    return policy != "aggregated"
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,13 @@ class UnitConfig:
         return self.kv_events is not None and self.kv_events.publishing
 
     @property
-    def aggregated(self) -> bool:
-        return self.policy == "aggregated"
+    def prefill_worker(self) -> str:
+        """The unit's shape, decided here and nowhere else: "process" (a prefill worker process beside the decode
+        worker's), "thread" (a thread of the decode worker's process: green contexts, or --prefill-worker thread) or
+        "none" (aggregated: the decode worker runs every prefill)."""
+        if not has_prefill_worker(self.policy):
+            return "none"
+        return "thread" if self.partition.prefill_thread else "process"
 
     def address(self, name: str) -> str:
         """A ZeroMQ ipc:// endpoint of this unit (or shared by all units when name has no unit suffix)."""

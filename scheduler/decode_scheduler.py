@@ -40,7 +40,7 @@ class DecodeScheduler:
     """Decides each decode-worker step; the worker runs the model and feeds back the sampled tokens."""
 
     def __init__(self, blocks: BlockManager, eos_token_ids: tuple[int, ...], max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, aggregated: bool, vocab_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, inline_all: bool, vocab_size: int,
                  prefill_batch_tokens: int | None = None) -> None:
         self.blocks = blocks
         self.vocab_size = vocab_size
@@ -52,7 +52,7 @@ class DecodeScheduler:
         # budget lasts). Smaller finishes appends one after another instead of together: a lower TTFT, paid for in
         # TPOT where the load keeps the engine busy (--prefill-batch-tokens; README, "Against vLLM's CPU build").
         self.prefill_batch_tokens = prefill_batch_tokens
-        self.aggregated = aggregated
+        self.inline_all = inline_all  # no prefill worker: every prefill runs here
         self.waiting: deque[Sequence] = deque()
         self.remote: dict[str, Sequence] = {}
         self.prefilling: list[Sequence] = []
@@ -235,7 +235,7 @@ class DecodeScheduler:
                 self.prefix_queries += seq.num_prompt
                 self.prefix_hits += cached
             seq.num_computed = cached
-            inline = self.aggregated or (cached > 0 and seq.route_hint == "decode")
+            inline = self.inline_all or (cached > 0 and seq.route_hint == "decode")
             seq.route = seq.route or ("decode" if inline else "prefill")
             if inline:
                 seq.state = SeqState.PREFILLING

@@ -29,9 +29,9 @@ from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, of
 from engine.memory_plan import StartupError
 from engine.model_runner import StepInput
 from engine.shared_memory import release_name
-from partition.backends import check_in_worker
+from partition.backends import backend_of, check_in_worker
 from partition.cpu import repin
-from partition.green import WHOLE, GreenError, StreamSplits, default_decode_sms
+from partition.green import WHOLE, StreamSplits
 from partition.manager import ShareManager, Split
 from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from scheduler.config import UnitConfig
@@ -78,8 +78,10 @@ class DecodeWorker:
         self.partition_problem: str | None = None
         self.streams: StreamSplits | None = None  # a one-process unit on a GPU: each worker's stream per split
         self.key = WHOLE  # the split the workers run on now
-        if cfg.partition.prefill_thread and cfg.engine.device.startswith("cuda"):
-            self.streams = self._make_streams()  # before the engine: its decode graphs are captured on them
+        if cfg.prefill_worker == "thread" and cfg.engine.device.startswith("cuda"):
+            torch.zeros(1, device="cuda")  # torch's primary context is current before any driver call
+            # Before the engine: its decode graphs are captured on them.
+            self.streams, self.partition_problem = backend_of(cfg.partition).streams(cfg.partition)
         graph_streams = {k: self.streams.stream("decode", k) for k in self.streams.keys} if self.streams else None
         graph_sms = {k: self.streams.sms("decode", k) for k in self.streams.keys} if self.streams else None
         self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams, graph_sms)
@@ -89,29 +91,30 @@ class DecodeWorker:
         self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size, hasher),
                                          self.engine.mcfg.eos_token_ids,
                                          plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
-                                         cfg.aggregated, self.engine.mcfg.vocab_size, cfg.prefill_batch_tokens)
+                                         cfg.prefill_worker == "none", self.engine.mcfg.vocab_size,
+                                         cfg.prefill_batch_tokens)
         self.requests = requests_socket(ctx, cfg)
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
         self.encode = msgspec.msgpack.Encoder().encode
         self.decode_request = msgspec.msgpack.Decoder(ToDecode).decode
         self.decode_notify = msgspec.msgpack.Decoder(FromPrefill).decode
-        if cfg.aggregated:
+        if cfg.prefill_worker == "none":
             self._release_names()
         else:
             self.jobs = zmq_socket(ctx, zmq.PUSH, cfg.jobs_address, bind=True)
             self.notify = zmq_socket(ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
         self.pending: list[RequestOutput] = []
-        self.shares = None if cfg.aggregated else share_manager(cfg, self.streams, self.engine)
+        self.shares = None if cfg.prefill_worker == "none" else share_manager(cfg, self.streams, self.engine)
         if self.streams is not None and self.shares is not None:
             self.use_split(self.shares.current)
         elif self.streams is not None and self.streams.decode_counts():  # a static split: the middle one
             self.use_split(Split(tuple(range(self.streams.middle_decode_sms())), ()))
-        if cfg.partition.prefill_thread:
+        if cfg.prefill_worker == "thread":
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
             start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key)  # before UnitSetup: PUSH waits for it
-        if not cfg.aggregated:
+        if cfg.prefill_worker != "none":
             self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
                                                  plan.num_blocks, plan.max_model_len)))
         self.partition_problem = self.partition_problem or check_in_worker(cfg.partition, str(self.engine.device))
@@ -164,7 +167,7 @@ class DecodeWorker:
         if self.requests in events:
             while (raw := recv_nowait(self.requests)) is not None:
                 self.handle_request(self.decode_request(raw))
-        if not self.cfg.aggregated and self.notify in events:
+        if self.cfg.prefill_worker != "none" and self.notify in events:
             while (raw := recv_nowait(self.notify)) is not None:
                 msg = self.decode_notify(raw)
                 if isinstance(msg, PrefillDone):
@@ -209,20 +212,6 @@ class DecodeWorker:
     def on_stream(self) -> Any:
         """The context a step runs in: this worker's stream of the current split, in a one-process unit on a GPU."""
         return torch.cuda.stream(self.streams.stream("decode", self.key)) if self.streams else contextlib.nullcontext()
-
-    def _make_streams(self) -> StreamSplits:
-        """The green-context splits (--partition green), or two ordinary streams (none, or green contexts failed)."""
-        torch.zeros(1, device="cuda")  # torch's primary context is current before any driver call
-        if self.cfg.partition.backend != "green":
-            return StreamSplits.plain()
-        total = torch.cuda.get_device_properties(0).multi_processor_count
-        counts = self.cfg.partition.green_sms or default_decode_sms(total)
-        try:
-            return StreamSplits.green(counts)  # which logs the SM counts the driver granted
-        except (GreenError, ValueError) as exc:
-            self.partition_problem = (f"green contexts could not be made ({exc}): prefill and decode run on two "
-                                      "ordinary streams, overlapping with no SM split")
-            return StreamSplits.plain()
 
     def send(self, ready: WorkerReady | None = None) -> None:
         """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
@@ -277,15 +266,12 @@ def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | 
 
 
 def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: Engine | None = None) -> ShareManager | None:
-    """The adaptive share manager, where shares can change at run time: the cpu backend on two cores or more, and
-    green-context splits (streams), whose SMs it counts as units 0..total-1 with the splits' decode counts as the
-    sizes it may give decode."""
-    part = cfg.partition
-    if not part.runtime_shares or not cfg.share_manager:
+    """The adaptive share manager, where shares can change at run time: what the partition's backend says a manager
+    may split (partition/backends.py: the cpu backend's cores, green-context splits' SMs)."""
+    space = backend_of(cfg.partition).shares(cfg.partition, streams) if cfg.share_manager else None
+    if space is None:
         return None
-    if part.backend == "green" and (streams is None or not streams.decode_counts()):
-        return None  # no green contexts (the log and /health say why): there is nothing to choose between
-    what = "SMs" if streams is not None else "cores"
+    what = space.what
     profile_file = cfg.partition_profile
     if profile_file is None and streams is not None and engine is not None:
         profile_file = shipped_profile(device_info(engine.device).name, cfg.engine.model)
@@ -295,12 +281,8 @@ def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: 
             profile = PartitionProfile.load(profile_file)
         except ProfileError as exc:
             log.warning("share manager: %s; an even split stands in when both workers are busy", exc)
-    if streams is not None:
-        units, n = tuple(range(streams.total_sms)), streams.middle_decode_sms()
-        manager = ShareManager(units, Split(units[:n], units[n:]), profile, cfg.itl_slo_ms,
-                               sizes=streams.decode_counts(), free_switches=True)
-    else:
-        manager = ShareManager(part.cores, Split(part.decode.cores, part.prefill.cores), profile, cfg.itl_slo_ms)
+    manager = ShareManager(space.units, Split(*space.start), profile, cfg.itl_slo_ms, sizes=space.sizes,
+                           free_switches=space.free_switches)
     if profile is None:
         log.info("share manager: no partition profile (make one with `ppd profile partition`), so the workers keep "
                  "the %s they started on%s", what,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.config import has_prefill_worker
 from scheduler.messages import Route
 from scheduler.policy_table import ROUTES, PolicyTable
 
@@ -88,11 +89,12 @@ class Policy:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.uses_prefill_worker = has_prefill_worker(name)
 
     def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
         """Where the prefill of a request with `cached` tokens cached, `new` to compute and `output` to generate
         runs, with `load` requests in flight on its unit (this one included)."""
-        if self.name == "aggregated":
+        if not self.uses_prefill_worker:
             return Decision("decode", "static")
         if cached == 0:
             return Decision("prefill", "miss")

@@ -76,7 +76,7 @@ class Router:
         new, load, live = len(token_ids) - cached, self.load[unit] + 1, self.live[unit]
         earlier = self.answers.earlier(hashes, session)
         output_tokens = self.answers.estimate(earlier, max_tokens, min_tokens, ignore_eos)
-        if route_hint is not None and cached > 0 and self.policy.name != "aggregated":
+        if route_hint is not None and cached > 0 and self.policy.uses_prefill_worker:
             decision = Decision(route_hint, "client")
         else:
             decision = self.policy.route(cached, new, output_tokens, load, live)

@@ -44,7 +44,7 @@ class StubWorker:
         self.last_stats = 0.0
         blocks = cfg.engine.num_kv_blocks or 0
         max_len = cfg.engine.max_model_len or 0
-        if not cfg.aggregated:  # it stands in for both workers
+        if cfg.prefill_worker != "none":  # it stands in for both workers
             self.out.send(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), "stub")))
         self.out.send(WorkerOutput(cfg.unit, stats=self.stats(), ready=WorkerReady(
             "decode", os.getpid(), "stub", 0, blocks, max_len)))

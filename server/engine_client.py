@@ -236,7 +236,7 @@ class EngineClient:
     # ---- units ---------------------------------------------------------------------------------------
 
     def unit_ready(self, unit: int) -> bool:
-        needed = {"decode"} if self.units[unit].aggregated else {"decode", "prefill"}
+        needed = {"decode"} if self.units[unit].prefill_worker == "none" else {"decode", "prefill"}
         return needed <= self.state[unit].ready_roles
 
     def max_model_len(self) -> int | None:

@@ -73,7 +73,7 @@ class Launcher:
     def _spawn(self, unit: int) -> None:
         cfg = self.units[unit]
         # A one-process unit's prefill worker is a thread the decode worker starts.
-        one = cfg.aggregated or cfg.partition.prefill_thread
+        one = cfg.prefill_worker != "process"
         roles = {"decode": run_decode_worker} if one else {"decode": run_decode_worker, "prefill": run_prefill_worker}
         if cfg.stub_step_ms is not None:
             roles = {"decode": run_stub_worker}

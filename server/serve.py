@@ -27,10 +27,11 @@ from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describ
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import MpsDaemonPlan, PartitionError, UnitPartition, plan_green, plan_partitions
+from partition.backends import PartitionError, plan_partitions
+from partition.mps import MpsDaemonPlan
 from partition.cpu import available_cores
 from partition.processes import process_alive
-from scheduler.config import UnitConfig
+from scheduler.config import UnitConfig, has_prefill_worker
 
 log = logging.getLogger("ppd")
 
@@ -130,7 +131,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     if args.policy == "auto":
         args.policy, why = auto_policy(device, len(available_cores()) // (args.units or 1) if device == "cpu" else 0)
         log.info("policy: %s", why)
-    with_prefill = args.policy != "aggregated"
+    with_prefill = has_prefill_worker(args.policy)
     # On the CPU the pool is sized here, as the engine will size it, so a bad size is refused before any process
     # starts; on a GPU only the worker can measure what is left, and reports the size when ready.
     max_model_len = args.max_model_len or mcfg.max_position_embeddings
@@ -472,7 +473,7 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
     not work, auto goes on with green contexts or the time-sliced baseline, saying why; mps is a UsageError."""
     if plan.mps is None:
         return None
-    from partition.backends import MpsDaemon, check_mps_client
+    from partition.mps import MpsDaemon, check_mps_client
 
     daemon = MpsDaemon(plan.mps) if plan.mps.start else None
     try:
@@ -487,19 +488,21 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
             raise UsageError(str(exc)) from exc
         problem = exc
     # auto promised the best that works here: green contexts in one process where the other settings allow them
-    # (plan_green decides, as for --partition green: not with --prefill-worker process, nor without cuda-python),
-    # else the time-sliced baseline, said plainly.
+    # (planned as --partition green would be: not with --prefill-worker process, nor without cuda-python), else the
+    # time-sliced baseline, said plainly.
     why = f"auto: MPS does not work here ({problem})"
+    request = (plan.device, len(plan.units), plan.units[0].prefill_worker != "none", available_cores(),
+               Path(plan.ipc_dir))
     try:
-        part = plan_green(plan.device, not plan.units[0].aggregated, args.prefill_worker, args.green_decode_sms or (),
-                          why)
+        kind, parts, _ = plan_partitions("green", *request, prefill_worker=args.prefill_worker,
+                                         green_sms=args.green_decode_sms or ())
     except PartitionError as no_green:
         why = f"{why}; green contexts are out too ({no_green})"
-        part = UnitPartition("none", why=why, prefill_thread=args.prefill_worker == "thread")
-    kind = part.backend
+        kind, parts, _ = plan_partitions("none", *request, prefill_worker=args.prefill_worker)
+    parts = [dataclasses.replace(part, why=why) for part in parts]
     log.warning("partition: %s; going on with --partition %s", why, kind)
     plan.units[:] = [dataclasses.replace(u, partition=part, share_manager=share_manager_on(args.share_manager, kind))
-                     for u in plan.units]
+                     for u, part in zip(plan.units, parts)]
     plan.partition, plan.mps = kind, None
     return None
 
@@ -658,7 +661,7 @@ def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | 
 def workers_of(pids: dict[str, tuple[int | None, bool]], cfg: UnitConfig) -> list[dict]:
     """A unit's workers for /health: each process, and a one-process unit's prefill thread in its decode process."""
     workers = [{"role": role, "pid": pid, "alive": alive} for role, (pid, alive) in pids.items()]
-    if cfg.partition.prefill_thread and "decode" in pids:
+    if cfg.prefill_worker == "thread" and "decode" in pids:
         pid, alive = pids["decode"]
         workers.append({"role": "prefill", "pid": pid, "alive": alive, "thread": True})
     return workers

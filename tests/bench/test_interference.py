@@ -47,13 +47,13 @@ def plan_of(config: str, monkeypatch: pytest.MonkeyPatch):
     import shutil
 
     import server.serve
-    from partition import backends
-    from partition.backends import MpsDaemonPlan
+    from partition import backends, mps
+    from partition.mps import MpsDaemonPlan
     from server.cli import add_serve_args
 
     monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0"])
     monkeypatch.setattr(backends, "green_available", lambda: True)
-    monkeypatch.setattr(backends, "mps_daemon_plan", lambda workdir: MpsDaemonPlan(
+    monkeypatch.setattr(mps, "mps_daemon_plan", lambda workdir: MpsDaemonPlan(
         "nvidia-cuda-mps-control", workdir / "pipe", workdir / "log", start=True, why="a test's daemon"))
     parser = argparse.ArgumentParser()
     add_serve_args(parser)

@@ -13,7 +13,7 @@ import torch
 from partition import backends
 from partition.backends import PartitionError, Share, apply_at_start, plan_partitions
 from partition.cpu import repin
-from partition.probe_mps import PID_FILE
+from partition.mps import PID_FILE
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_an_mps_daemon_whose_client_does_not_run_under_it_is_refused_with_the_re
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The control daemon starts its server only for the first client, so a daemon may start and MPS still fail
     (in a VM, say): the check runs one client, in a child with a timeout, and says what it saw."""
-    import partition.probe_mps as probe_mps
+    import partition.mps as mps
 
     asked = []
 
@@ -88,14 +88,14 @@ def test_an_mps_daemon_whose_client_does_not_run_under_it_is_refused_with_the_re
         asked.append((daemon.pipe_dir, device, timeout))
         return {"ok": False, "error": "mps-client: no result within 60 s; the child was killed", "is_mps_client": False}
 
-    plan = backends.MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "mps-pipe", tmp_path / "mps-log",
+    plan = mps.MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "mps-pipe", tmp_path / "mps-log",
                                   start=True, why="starting an MPS daemon")
-    monkeypatch.setattr(probe_mps, "check_client", client_died)
+    monkeypatch.setattr(mps, "check_client", client_died)
     with pytest.raises(PartitionError, match=r"does not run as an MPS client \(mps-client: no result within 60 s"):
-        backends.check_mps_client(plan, timeout=60.0)
+        mps.check_mps_client(plan, timeout=60.0)
     assert asked == [(tmp_path / "mps-pipe", 0, 60.0)]
-    monkeypatch.setattr(probe_mps, "check_client", lambda *args: {"ok": True, "is_mps_client": True})
-    backends.check_mps_client(plan)
+    monkeypatch.setattr(mps, "check_client", lambda *args: {"ok": True, "is_mps_client": True})
+    mps.check_mps_client(plan)
 
 
 def test_a_worker_applies_its_share_before_cuda(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -182,3 +182,34 @@ def test_on_a_gpu_auto_picks_mps_where_it_is_installed_else_says_why(tmp_path: P
     assert kind in ("mps", "green", "none") and parts[0].why
     if kind == "mps":
         assert daemon is not None and dict(parts[0].env)["CUDA_MPS_PIPE_DIRECTORY"]
+
+
+def test_a_units_shape_is_decided_by_its_policy_and_partition_alone(tmp_path: Path) -> None:
+    """Where a unit's prefill worker runs: nowhere under aggregated (whatever the partition), a thread of the decode
+    worker's process where the partition made it one (green, or --prefill-worker thread), else its own process."""
+    from engine.engine import EngineConfig
+    from scheduler.config import UnitConfig
+
+    _, (cpu,), _ = plan_partitions("cpu", "cpu", 1, True, [0, 1], tmp_path)
+    _, (thread,), _ = plan_partitions("none", "cuda", 1, True, [0], tmp_path, prefill_worker="thread")
+    engine = EngineConfig(model=str(tmp_path))
+    shapes = {(policy, part.backend, part.prefill_thread): UnitConfig(engine, policy=policy, partition=part).prefill_worker
+              for policy in ("ppd", "pd", "dlocal", "aggregated") for part in (cpu, thread)}
+    assert {key: shape for key, shape in shapes.items() if key[0] != "aggregated"} == {
+        (policy, backend, threaded): "thread" if threaded else "process"
+        for policy in ("ppd", "pd", "dlocal") for backend, threaded in (("cpu", False), ("none", True))}
+    assert {shape for key, shape in shapes.items() if key[0] == "aggregated"} == {"none"}
+
+
+def test_what_a_share_manager_may_split_comes_from_the_backend(tmp_path: Path) -> None:
+    """The cpu backend offers its unit's cores (any count for decode, switches not free); one core, or a backend
+    whose shares are fixed at start, offers nothing."""
+    from partition.backends import backend_of
+
+    _, (two,), _ = plan_partitions("cpu", "cpu", 1, True, [0, 1], tmp_path)
+    space = backend_of(two).shares(two, None)
+    assert (space.units, space.start, space.sizes, space.free_switches, space.what) == (
+        (0, 1), ((0,), (1,)), None, False, "cores")
+    _, (one,), _ = plan_partitions("cpu", "cpu", 1, True, [0], tmp_path)
+    _, (none,), _ = plan_partitions("none", "cuda", 1, True, [0], tmp_path)
+    assert backend_of(one).shares(one, None) is None and backend_of(none).shares(none, None) is None

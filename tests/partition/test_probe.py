@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from partition import probe, probe_mps, probe_overlap
+from partition import mps, probe, probe_mps, probe_overlap
 from partition.probe import NO_CUDA, SCHEMA_KEYS, SCHEMA_VERSION, add_probe_args, run_probe
 from partition.probe_child import apply_env, guarded, run_in_child
 from partition.probe_report import MODES, overlap_verdict, partition_verdict, render_table
@@ -338,7 +338,7 @@ def fake_control(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(probe_mps, "check_client",
                         lambda daemon, device, nvml_index, env: {"ok": True, "error": None, "is_mps_client": True,
                                                                  "sm_count": 66 if env else 132})
-    monkeypatch.setattr(probe_mps, "STOP_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(mps, "STOP_TIMEOUT_S", 2.0)
     return tmp_path / "work"
 
 
@@ -361,7 +361,7 @@ def test_mps_probe_starts_our_daemon_runs_clients_under_it_and_always_stops_it(
     assert found["under_mps"]["ipc"] == {"ok": True} and found["thread_percentage_50"]["sm_count"] == 66
     assert found["stop"]["stopped"] and found["ok"], found["stop"]
     assert bool(found["stop"]["signalled"]) == ignore_quit
-    assert not probe_mps._living(set(found["stop"]["pids"]))
+    assert not mps.still_running(set(found["stop"]["pids"]))
 
 
 def test_mps_probe_without_the_control_binary(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

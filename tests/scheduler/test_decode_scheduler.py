@@ -15,7 +15,7 @@ VOCAB = 1000
 
 def make(num_blocks: int = 64, budget: int = 16, aggregated: bool = False, max_num_seqs: int = 8) -> DecodeScheduler:
     return DecodeScheduler(BlockManager(num_blocks, BS), (EOS,), max_model_len=256, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=budget, aggregated=aggregated, vocab_size=VOCAB)
+                           max_num_batched_tokens=budget, inline_all=aggregated, vocab_size=VOCAB)
 
 
 def req(rid: str, prompt: list[int], route: str = "decode", **sampling) -> GenerateRequest:

@@ -42,7 +42,7 @@ def check(s: DecodeScheduler) -> None:
        aggregated=st.booleans())
 def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(ops, num_blocks, budget, aggregated) -> None:
     s = DecodeScheduler(BlockManager(num_blocks, BS), (EOS,), max_model_len=64, max_num_seqs=4,
-                        max_num_batched_tokens=max(budget, 4), aggregated=aggregated, vocab_size=VOCAB)
+                        max_num_batched_tokens=max(budget, 4), inline_all=aggregated, vocab_size=VOCAB)
     jobs: list[str] = []  # prefill jobs handed off and not answered yet
     ids: list[str] = []
     for kind, *args in ops:

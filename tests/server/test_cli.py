@@ -149,8 +149,9 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     import shutil
 
     import server.serve
-    from partition import backends
-    from partition.backends import MpsDaemonPlan, PartitionError
+    from partition import backends, mps
+    from partition.backends import PartitionError
+    from partition.mps import MpsDaemonPlan
     from server.cli import add_serve_args
 
     parser = argparse.ArgumentParser()
@@ -175,8 +176,8 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
         raise PartitionError("--partition mps: a CUDA client of the MPS daemon does not run as an MPS client "
                              "(mps-client: the child exited with code 1 without a result)")
 
-    monkeypatch.setattr(backends, "MpsDaemon", Daemon)
-    monkeypatch.setattr(backends, "check_mps_client", no_mps_client)
+    monkeypatch.setattr(mps, "MpsDaemon", Daemon)
+    monkeypatch.setattr(mps, "check_mps_client", no_mps_client)
     monkeypatch.setattr(backends, "green_available", lambda: False)
     daemon_plan = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=True,
                                 why="starting an MPS daemon")
@@ -205,8 +206,9 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
     import shutil
 
     import server.serve
-    from partition import backends
-    from partition.backends import MpsDaemonPlan, PartitionError
+    from partition import backends, mps
+    from partition.backends import PartitionError
+    from partition.mps import MpsDaemonPlan
     from server.cli import add_serve_args
 
     parser = argparse.ArgumentParser()
@@ -218,7 +220,7 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
     def no_mps_client(plan: MpsDaemonPlan) -> None:
         raise PartitionError("--partition mps: a CUDA client does not run as an MPS client")
 
-    monkeypatch.setattr(backends, "check_mps_client", no_mps_client)
+    monkeypatch.setattr(mps, "check_mps_client", no_mps_client)
     monkeypatch.setattr(backends, "green_available", lambda: True)
     plan.device, args.partition = "NVIDIA H100 80GB HBM3", "auto"  # a GPU host, as far as the fallback can tell
     plan.mps = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=False,

@@ -14,7 +14,8 @@ import httpx
 import pytest
 import torch
 
-from partition.backends import existing_mps_pipe_dir, green_available
+from partition.backends import green_available
+from partition.mps import existing_mps_pipe_dir
 from tests.server_process import ServerProcess
 from tests.tiny_models import hf_greedy
 
