@@ -27,7 +27,7 @@ from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describ
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import PartitionError, plan_partitions
+from partition.backends import PartitionError, backend_of, plan_partitions
 from partition.mps import MpsDaemonPlan
 from partition.cpu import available_cores
 from partition.processes import process_alive
@@ -645,7 +645,7 @@ def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | 
             device.update(index=cfg.gpu, name=state.device_name, memory_total_bytes=state.device_memory_total,
                           memory_used_bytes=state.stats.device_memory_used if state.stats else None)
         overloaded = client.overloaded(u)
-        partition: dict = {"backend": cfg.partition.backend}
+        partition = backend_of(cfg.partition).stats(cfg.partition)
         if state.stats is not None and state.stats.decode_share:
             partition.update(decode_share=state.stats.decode_share, prefill_share=state.stats.prefill_share,
                              switches=state.stats.share_switches)

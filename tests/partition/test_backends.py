@@ -61,6 +61,8 @@ def test_mps_starts_a_private_daemon_when_none_runs(no_mps, monkeypatch: pytest.
     assert env == {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps-pipe"),
                    "CUDA_MPS_LOG_DIRECTORY": str(tmp_path / "mps-log")}
     assert (parts[0].decode.mps_percent, parts[0].prefill.mps_percent) == (100, 60)
+    assert backends.backend_of(parts[0]).stats(parts[0]) == {"backend": "mps", "decode_percent": 100,
+                                                             "prefill_percent": 60}, "what /health shows"
     aggregated = plan_partitions("mps", "cuda", 1, False, [0, 1], tmp_path)[1][0]
     assert aggregated.prefill == Share() and aggregated.decode.mps_percent == 100
     with pytest.raises(PartitionError, match="--mps-prefill-percent 0"):
