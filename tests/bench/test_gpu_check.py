@@ -207,12 +207,12 @@ def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
     import argparse
     import shlex
 
-    from partition import backends
+    from partition import backends, mps
     from server.cli import add_serve_args
 
     monkeypatch.setattr(backends, "green_available", lambda: True)
     monkeypatch.setattr(backends.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(backends, "existing_mps_pipe_dir", lambda: None)
+    monkeypatch.setattr(mps, "existing_mps_pipe_dir", lambda: None)
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     started = 0
