@@ -2,27 +2,25 @@
 
 The body's messages go through the model's chat template (completions: the prompt, as text or token ids), then
 through the shared request path; the choices come back as OpenAI's chat.completion or text_completion, or streamed
-as their chunks.
+as their chunks (server/chat_bodies.py).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 
-import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from server.chat_bodies import ChatAnswer, TokenText
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.request_path import RequestPath
-from server.responses import Prompt, choice_body, prompt_logprobs_body, stream_events, usage
-
-_json = msgspec.json.Encoder()
+from server.request_types import Prompt
 
 
 def add_chat_routes(app: FastAPI, path: RequestPath) -> None:
     model = path.model
+    token_text = TokenText(model.tokenizer)  # logprobs' token texts, cached across requests
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -39,23 +37,6 @@ def add_chat_routes(app: FastAPI, path: RequestPath) -> None:
         return await respond(body, Prompt(prompt_ids, echo), request, chat=False)
 
     async def respond(body: SamplingRequest, prompt: Prompt, request: Request, chat: bool) -> Response:
-        gen = await path.start(body, prompt, request)
-        body = gen.body  # without a tokenizer: return_token_ids set
+        gen = await path.start(body, prompt, request)  # without a tokenizer, gen.body has return_token_ids set
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if body.stream:
-            here, first = await path.first_event(gen, request)
-            if not here:
-                return Response(status_code=499)
-            sse = stream_events(response_id, body, chat, gen.choices, prompt, gen.events, first, model.token_text)
-            return StreamingResponse(sse, media_type="text/event-stream", headers=gen.headers)
-        if not await path.finish(gen, request):
-            return Response(status_code=499)
-        choices = gen.choices
-        result = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                  "model": model.name, "choices": [choice_body(c, chat, body, model.token_text, prompt) for c in choices],
-                  "usage": usage(prompt.token_ids, choices)}
-        if chat and body.prompt_logprobs is not None:
-            result["prompt_logprobs"] = prompt_logprobs_body(body, prompt, choices[0], model.token_text)
-        if body.return_token_ids:
-            result["prompt_token_ids"] = prompt.token_ids
-        return Response(_json.encode(result), media_type="application/json", headers=gen.headers)
+        return await path.respond(gen, request, ChatAnswer(response_id, gen, chat, model.name, token_text))

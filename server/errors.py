@@ -24,12 +24,17 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
 
 
+def escaped(text: str) -> str:
+    """text as valid UTF-8: a client's input may hold lone surrogates (valid JSON, not valid UTF-8), escaped here."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, type: str, param: str | None = None, code: int | None = None) -> dict[str, Any]:
     """The JSON body of an error response, shaped as OpenAI and vLLM shape it. A message may quote the client's
     input, which may hold lone surrogates (valid JSON, not valid UTF-8): they are escaped, not sent."""
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    message = escaped(message)
     if param is not None:
-        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = escaped(param)
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -41,7 +46,7 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
     """An error as Anthropic's API shapes it: {"type": "error", "error": {"type", "message"}}."""
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    message = escaped(message)
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 

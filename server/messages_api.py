@@ -10,24 +10,21 @@ cache_read_input_tokens (input_tokens counts the rest, as Anthropic counts it); 
 from __future__ import annotations
 
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any, Literal
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.engine_client import EngineError
 from server.errors import RequestError, anthropic_error_body
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
-from server.protocol import INT64_MAX, ChatCompletionRequest, _unsupported, chat_request_as
+from server.protocol import INT64_MAX, ChatCompletionRequest, chat_request_as, unsupported
 from server.request_path import Generation, RequestPath
-from server.responses import Event, Prompt
+from server.request_types import Event, Prompt
 
-log = logging.getLogger("ppd.api")
 _json = msgspec.json.Encoder()
 
 
@@ -48,10 +45,10 @@ class MessagesRequest(BaseModel):
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
-    thinking: Annotated[Any, _unsupported()] = None  # extended thinking: the models served here do not reason
-    container: Annotated[Any, _unsupported()] = None
-    mcp_servers: Annotated[Any, _unsupported([])] = None
-    output_config: Annotated[Any, _unsupported({})] = None  # structured outputs: use a forced tool instead
+    thinking: Annotated[Any, unsupported()] = None  # extended thinking: the models served here do not reason
+    container: Annotated[Any, unsupported()] = None
+    mcp_servers: Annotated[Any, unsupported([])] = None
+    output_config: Annotated[Any, unsupported({})] = None  # structured outputs: use a forced tool instead
 
     def chat_messages(self) -> list[dict[str, Any]]:
         """system and messages as chat messages: a tool_use block becomes a tool call of its assistant message, a
@@ -163,16 +160,7 @@ def add_messages_routes(app: FastAPI, path: RequestPath) -> None:
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         chat = body.chat_request()
         gen = await path.start(chat, Prompt(await path.chat_prompt(chat)), request)
-        run = MessageRun(new_message_id(), model.name, gen)
-        if body.stream:
-            here, first = await path.first_event(gen, request)
-            if not here:
-                return Response(status_code=499)
-            return StreamingResponse(run.stream(first), media_type="text/event-stream", headers=gen.headers)
-        if not await path.finish(gen, request):
-            return Response(status_code=499)
-        return Response(_json.encode(run.message(blocks_of(run.choice))), media_type="application/json",
-                        headers=gen.headers)
+        return await path.respond(gen, request, MessageRun(new_message_id(), model.name, gen))
 
 
 def new_message_id() -> str:
@@ -185,11 +173,16 @@ def tool_use_id(call_id: str | None) -> str:
 
 
 class MessageRun:
-    """One message as it is generated: its blocks, its body, its stream of events."""
+    """One message as it is generated (server/answer.py's Answer): its blocks, its body, its stream of events
+    (message_start, each content block's events, message_delta, message_stop)."""
 
     def __init__(self, message_id: str, model_name: str, gen: Generation) -> None:
         self.id, self.model_name, self.gen = message_id, model_name, gen
         self.choice = gen.choices[0]
+        self.streamed = OutputBlocks(self.choice)  # a stream's blocks as they come
+
+    async def whole(self) -> dict[str, Any]:
+        return self.message(blocks_of(self.choice))
 
     def block(self, b: Block, done: bool = True) -> dict[str, Any]:
         if b.kind == "text":
@@ -229,28 +222,21 @@ class MessageRun:
             {"type": "input_json_delta", "partial_json": e.delta}
         return sse("content_block_delta", index=b.index, delta=delta)
 
-    async def stream(self, first: Event | None) -> AsyncIterator[bytes]:
-        blocks = OutputBlocks(self.choice)
-        events = self.gen.events
-        try:
-            yield sse("message_start", message=self.message([], final=False))
-            event = first
-            while event is not None:
-                for e in blocks.feed(event.text, final=event.finish_reason is not None):
-                    yield self.block_event(e)
-                event = await anext(events, None)
-            reason, sequence = self.stop(blocks.blocks)
-            yield sse("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                      usage={"output_tokens": len(self.choice.token_ids)})
-            yield sse("message_stop")
-        except (EngineError, RequestError) as exc:
-            yield sse("error", error=anthropic_error_body(exc.message, exc.status)["error"])
-        except Exception as exc:  # a bug of ours: the client still gets an error event, the log the rest
-            log.error("a message stream failed", exc_info=exc)
-            yield sse("error", error={"type": "api_error",
-                                      "message": f"internal error ({type(exc).__name__}); the server logged it"})
-        finally:
-            await events.aclose()
+    def opening(self) -> list[bytes]:
+        return [sse("message_start", message=self.message([], final=False))]
+
+    def chunks(self, event: Event) -> Iterator[bytes]:
+        for e in self.streamed.feed(event.text, final=event.finish_reason is not None):
+            yield self.block_event(e)
+
+    async def closing(self) -> AsyncIterator[bytes]:
+        reason, sequence = self.stop(self.streamed.blocks)
+        yield sse("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                  usage={"output_tokens": len(self.choice.token_ids)})
+        yield sse("message_stop")
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [sse("error", error=anthropic_error_body(message, status)["error"])]
 
 
 def sse(kind: Literal["message_start", "content_block_start", "content_block_delta", "content_block_stop",

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.responses import Choice
+from server.request_types import Choice
 
 
 @dataclass

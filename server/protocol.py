@@ -32,7 +32,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _unsupported(*no_op_values: Any) -> AfterValidator:
+def unsupported(*no_op_values: Any) -> AfterValidator:
     """Reject a field unless it is null or one of `no_op_values` (values that ask for nothing)."""
     allowed = (None, *no_op_values)
     settings = " or ".join(json.dumps(v) for v in no_op_values)
@@ -48,7 +48,7 @@ def _unsupported(*no_op_values: Any) -> AfterValidator:
 
 
 def _float_no_op(value: float) -> AfterValidator:
-    """Like _unsupported for a number: any value equal to `value` (1 or 1.0) is accepted."""
+    """Like unsupported for a number: any value equal to `value` (1 or 1.0) is accepted."""
 
     def check(given: Any) -> Any:
         if given is not None and given != value:
@@ -195,10 +195,10 @@ class SamplingRequest(BaseModel):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's; its -1 (the whole vocabulary) is not
 
     # Not implemented: accepted only when absent, null or set to a value that asks for nothing.
-    use_beam_search: Annotated[Any, _unsupported(False)] = None
-    include_stop_str_in_output: Annotated[Any, _unsupported(False)] = None
-    skip_special_tokens: Annotated[Any, _unsupported(True)] = None
-    truncate_prompt_tokens: Annotated[Any, _unsupported()] = None
+    use_beam_search: Annotated[Any, unsupported(False)] = None
+    include_stop_str_in_output: Annotated[Any, unsupported(False)] = None
+    skip_special_tokens: Annotated[Any, unsupported(True)] = None
+    truncate_prompt_tokens: Annotated[Any, unsupported()] = None
 
     @field_validator("n")
     @classmethod
@@ -384,13 +384,13 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     parallel_tool_calls: bool = True
 
     # Not implemented, as in SamplingRequest.
-    functions: Annotated[Any, _unsupported([])] = None  # OpenAI's deprecated form of tools: send tools
-    function_call: Annotated[Any, _unsupported("none", "auto")] = None
-    echo: Annotated[Any, _unsupported(False)] = None
-    add_generation_prompt: Annotated[Any, _unsupported(True)] = None
-    continue_final_message: Annotated[Any, _unsupported(False)] = None
-    chat_template: Annotated[Any, _unsupported()] = None
-    chat_template_kwargs: Annotated[Any, _unsupported({})] = None
+    functions: Annotated[Any, unsupported([])] = None  # OpenAI's deprecated form of tools: send tools
+    function_call: Annotated[Any, unsupported("none", "auto")] = None
+    echo: Annotated[Any, unsupported(False)] = None
+    add_generation_prompt: Annotated[Any, unsupported(True)] = None
+    continue_final_message: Annotated[Any, unsupported(False)] = None
+    chat_template: Annotated[Any, unsupported()] = None
+    chat_template_kwargs: Annotated[Any, unsupported({})] = None
 
     @field_validator("messages")
     @classmethod
@@ -455,7 +455,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = Field(False, validate_default=True)  # the prompt comes back before the completion, with its logprobs when logprobs is set
 
     # Not implemented, as in SamplingRequest.
-    suffix: Annotated[Any, _unsupported("")] = None
+    suffix: Annotated[Any, unsupported("")] = None
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")

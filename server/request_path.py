@@ -1,17 +1,17 @@
 """The request path every API family shares: from a request's prompt ids and sampling fields to its choices' events.
 
 Each API family (chat and completions, tokens, responses, messages) turns its own body into prompt token ids and a
-SamplingRequest, runs them through a RequestPath, and shapes the events into its own responses; none of them
-imports another, and this module imports none of them. A RequestPath checks the request against the model, builds
-the engine's sampling parameters and the output's constraint (structured outputs, forced tool calls), splits the
-request into its n choices, streams each from the engine client through an incremental detokenizer, and aborts
-them all when the client disconnects, which frees their KV blocks in the worker.
+SamplingRequest, runs them through a RequestPath, and shapes the events into its own responses with an Answer
+(server/answer.py); none of them imports another, and this module imports none of them. A RequestPath checks the
+request against the model, builds the engine's sampling parameters and the output's constraint (structured outputs,
+forced tool calls), splits the request into its n choices, streams each from the engine client through an
+incremental detokenizer, answers whole or streamed, and aborts them all when the client disconnects, which frees
+their KV blocks in the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,18 +21,19 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.guided import spec_problem
 from engine.sampling_params import GuidedSpec, SamplingParams
+from server.answer import Answer, sse
 from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient
 from server.errors import RequestError, error_body_for
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from server.responses import Choice, Event, Prompt, TokenText
+from server.request_types import Choice, Event, Prompt
 from server.tool_output import ToolOutput, tool_output_for
 
-log = logging.getLogger("ppd.api")
+_json = msgspec.json.Encoder()
 
 ROUTE_HEADER = "x-ppd-route"  # on a response: where the prefill ran; on a request: where to run an append-prefill
 API_SERVER_HEADER = "x-ppd-api-server"  # on a response: which API-server process served it (--api-server-count)
@@ -52,9 +53,6 @@ class ServedModel:
     eos_token_ids: tuple[int, ...]
     tool_parser: str = "auto"  # --tool-call-parser: how tool_choice auto reads calls out of the model's text
     created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.token_text = TokenText(self.tokenizer)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in (self.name, self.path):
@@ -206,6 +204,21 @@ class RequestPath:
         events = merge([self.run_choice(c, prompt_ids, msgspec.structs.replace(sampling, seed=s), session, hint,
                                         score_only, unit) for c, s in zip(choices, seeds)])
         return Generation(body, prompt, choices, events, self.client.api_server)
+
+    async def respond(self, gen: Generation, request: Request, answer: Answer,
+                      headers: dict[str, str] | None = None) -> Response:
+        """Answer a started generation as its body asks: streamed (SSE, from its first event on) or whole (JSON, once
+        it finished), with gen's headers and these; 499 when the client left first, which aborts its requests."""
+        if gen.body.stream:
+            here, first = await self.first_event(gen, request)
+            if not here:
+                return Response(status_code=499)
+            return StreamingResponse(sse(answer, gen.events, first), media_type="text/event-stream",
+                                     headers={**gen.headers, **(headers or {})})
+        if not await self.finish(gen, request):
+            return Response(status_code=499)
+        return Response(_json.encode(await answer.whole()), media_type="application/json",
+                        headers={**gen.headers, **(headers or {})})
 
     async def first_event(self, gen: Generation, request: Request) -> tuple[bool, Event | None]:
         """Wait for a streamed generation's first event: (False, None) when the client left first, which aborts

@@ -11,28 +11,25 @@ places a request on the unit holding the most of its blocks, so a conversation s
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from server.conversation import continued_prompt, first_prompt, system_messages
-from server.engine_client import EngineError
-from server.errors import RequestError
+from server.errors import RequestError, escaped
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
 from server.protocol import chat_request_as
 from server.request_path import Generation, RequestPath
+from server.request_types import Choice, Event, Prompt
 from server.response_store import ResponseStore, StoredResponse
-from server.responses import Choice, Event, Prompt
 from server.responses_protocol import ResponsesRequest, input_messages
 
-log = logging.getLogger("ppd.api")
 _json = msgspec.json.Encoder()
 
 # With previous_response_id: token-ids (the stored ids kept) or rendered (the conversation re-tokenized).
@@ -91,36 +88,32 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
             raise RequestError(f"the chat template rejected the conversation: {exc}", param="input") from exc
         gen = await path.start(chat, Prompt(prompt_ids), request)
         run = ResponseRun(new_id("resp"), body, model.name, gen)
-        save = (lambda final: in_store(store.put, run.stored(history, tools, final))) if body.store else None
-        if body.stream:
-            here, first = await path.first_event(gen, request)
-            if not here:
-                return Response(status_code=499)
-            return StreamingResponse(run.stream(first, save), media_type="text/event-stream",
-                                     headers={**gen.headers, **headers})
-        if not await path.finish(gen, request):
-            return Response(status_code=499)
-        run.finish_blocks()
-        final = run.response()
-        if save is not None:
-            await save(final)
-        return Response(_json.encode(final), media_type="application/json",
-                        headers={**gen.headers, **headers})
+        if body.store:
+            run.save = lambda final: in_store(store.put, run.stored(history, tools, final))
+        return await path.respond(gen, request, run, headers)
 
 
 class ResponseRun:
-    """One response as it is generated: its output items, its object, its stream of events."""
+    """One response as it is generated (server/answer.py's Answer): its output items, its object, its stream of
+    events (created, in_progress, each output item's events, then completed or incomplete). With save set (store), it
+    is stored before its last event goes out, so a client may continue from it as soon as it has it."""
 
     def __init__(self, response_id: str, body: ResponsesRequest, model_name: str, gen: Generation) -> None:
         self.id, self.body, self.model_name, self.gen = response_id, body, model_name, gen
         self.choice: Choice = gen.choices[0]
         self.created = int(time.time())
         self.blocks: list[Block] = []
+        self.streamed = OutputBlocks(self.choice)  # a stream's blocks as they come
         self.item_ids: dict[int, str] = {}  # block index -> output item id
         self.seq = 0
+        self.save: Callable[[dict[str, Any]], Awaitable[Any]] | None = None
 
-    def finish_blocks(self) -> None:
+    async def whole(self) -> dict[str, Any]:
         self.blocks = blocks_of(self.choice)
+        final = self.response()
+        if self.save is not None:
+            await self.save(final)
+        return final
 
     def item_id(self, block: Block) -> str:
         if block.index not in self.item_ids:
@@ -212,39 +205,29 @@ class ResponseRun:
         return [self.event("response.function_call_arguments.done", **where, name=b.name, arguments=b.text),
                 self.event("response.output_item.done", output_index=b.index, item=self.item(b))]
 
-    async def stream(self, first: Event | None, save) -> AsyncIterator[bytes]:
-        """The SSE body: created, in_progress, each output item's events, then completed (or incomplete); stored
-        before the last event, so a client may continue from it as soon as it has it."""
-        blocks = OutputBlocks(self.choice)
-        events = self.gen.events
-        try:
-            yield self.event("response.created", response=self.response("in_progress"))
-            yield self.event("response.in_progress", response=self.response("in_progress"))
-            event = first
-            while event is not None:
-                for e in blocks.feed(event.text, final=event.finish_reason is not None):
-                    for chunk in self.block_events(e):
-                        yield chunk
-                event = await anext(events, None)
-            if not blocks.blocks:  # an empty answer is still a message
-                empty = Block("text", 0)
-                blocks.blocks.append(empty)
-                for what in ("start", "stop"):
-                    for chunk in self.block_events(BlockEvent(what, empty)):
-                        yield chunk
-            self.blocks = blocks.blocks
-            final = self.response()
-            if save is not None:
-                await save(final)
-            yield self.event("response.incomplete" if self.incomplete else "response.completed", response=final)
-        except (EngineError, RequestError) as exc:
-            yield self.event("error", code=str(exc.status), message=exc.message, param=None)
-        except Exception as exc:  # a bug of ours: the client still gets an error event, the log the rest
-            log.error("a response stream failed", exc_info=exc)
-            message = f"internal error ({type(exc).__name__}); the server logged it"
-            yield self.event("error", code="500", message=message, param=None)
-        finally:
-            await events.aclose()
+    def opening(self) -> list[bytes]:
+        return [self.event("response.created", response=self.response("in_progress")),
+                self.event("response.in_progress", response=self.response("in_progress"))]
+
+    def chunks(self, event: Event) -> Iterator[bytes]:
+        for e in self.streamed.feed(event.text, final=event.finish_reason is not None):
+            yield from self.block_events(e)
+
+    async def closing(self) -> AsyncIterator[bytes]:
+        if not self.streamed.blocks:  # an empty answer is still a message
+            empty = Block("text", 0)
+            self.streamed.blocks.append(empty)
+            for what in ("start", "stop"):
+                for chunk in self.block_events(BlockEvent(what, empty)):
+                    yield chunk
+        self.blocks = self.streamed.blocks
+        final = self.response()
+        if self.save is not None:
+            await self.save(final)
+        yield self.event("response.incomplete" if self.incomplete else "response.completed", response=final)
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [self.event("error", code=str(status), message=escaped(message), param=None)]
 
 
 def output_text(text: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import RequestError
-from server.protocol import INT64_MAX, INT64_MIN, _unsupported
+from server.protocol import INT64_MAX, INT64_MIN, unsupported
 from server.tools import FunctionDefinition
 
 MAX_METADATA_KEYS = 16
@@ -65,15 +65,15 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool | None = None
 
     # Not served: accepted only when absent, null or asking for nothing.
-    background: Annotated[Any, _unsupported(False)] = None
-    reasoning: Annotated[Any, _unsupported({})] = None
-    include: Annotated[Any, _unsupported([])] = None
-    top_logprobs: Annotated[Any, _unsupported(0)] = None
-    truncation: Annotated[Any, _unsupported("disabled")] = None
-    conversation: Annotated[Any, _unsupported()] = None
-    prompt: Annotated[Any, _unsupported()] = None
-    max_tool_calls: Annotated[Any, _unsupported()] = None
-    context_management: Annotated[Any, _unsupported()] = None
+    background: Annotated[Any, unsupported(False)] = None
+    reasoning: Annotated[Any, unsupported({})] = None
+    include: Annotated[Any, unsupported([])] = None
+    top_logprobs: Annotated[Any, unsupported(0)] = None
+    truncation: Annotated[Any, unsupported("disabled")] = None
+    conversation: Annotated[Any, unsupported()] = None
+    prompt: Annotated[Any, unsupported()] = None
+    max_tool_calls: Annotated[Any, unsupported()] = None
+    context_management: Annotated[Any, unsupported()] = None
 
     @field_validator("input")
     @classmethod

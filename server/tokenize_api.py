@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from server.protocol import (INT64_MAX, ChatCompletionRequest, ChatMessage, ChatTemplateInput, CompletionRequest, Tool,
-                             _unsupported)
+                             unsupported)
 from server.request_path import RequestPath
 
 
@@ -47,8 +47,8 @@ class TokenizeChatRequest(ChatTemplateInput, BaseModel):
     return_token_strs: bool = False
     tools: list[Tool] | None = None
     # As on /v1/chat/completions: a template other than the model's would tokenize what the node never runs.
-    chat_template: Annotated[Any, _unsupported()] = None
-    chat_template_kwargs: Annotated[Any, _unsupported({})] = None
+    chat_template: Annotated[Any, unsupported()] = None
+    chat_template_kwargs: Annotated[Any, unsupported({})] = None
 
     @model_validator(mode="after")
     def _one_ending(self) -> TokenizeChatRequest:

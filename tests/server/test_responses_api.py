@@ -241,3 +241,16 @@ def test_a_store_file_survives_a_restart(start_server, tmp_path) -> None:
                                                    **GREEDY)
     assert raw.headers["x-ppd-history"] == "token-ids"
     assert raw.parse().usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_a_streamed_error_quoting_a_lone_surrogate_is_still_sent() -> None:
+    """An error event may quote the client's input, which JSON lets hold a lone surrogate that UTF-8 cannot: it is
+    escaped, and the event goes out (it had been lost, and the stream cut after the last delta)."""
+    from server.responses_api import ResponseRun
+
+    run = ResponseRun.__new__(ResponseRun)  # only the event numbering matters to an error event
+    run.seq = 3
+    (event,) = run.error(400, "no tool named 'f\ud800'")
+    data = json.loads(event.decode("utf-8").split("data: ", 1)[1])
+    assert (data["type"], data["code"], data["sequence_number"]) == ("error", "400", 3)
+    assert data["message"] == "no tool named 'f\\ud800'"

@@ -1,66 +1,26 @@
-"""Response bodies and SSE chunks of the OpenAI-compatible API: choices, logprobs, tool calls, usage.
+"""Response bodies and SSE chunks of OpenAI's chat and text completions: choices, logprobs, tool calls, usage.
 
-A choice accumulates its tokens, text and logprobs as the engine streams them; the shapes follow OpenAI's (chat:
-message or delta, with logprobs.content; completions: text, with the legacy logprobs object) and vLLM's extensions
-(token_ids, prompt_token_ids).
+The shapes follow OpenAI's (chat: message or delta, with logprobs.content; completions: text, with the legacy
+logprobs object) and vLLM's extensions (token_ids, prompt_token_ids, prompt_logprobs).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import msgspec
 
 from engine.sampling_params import TokenLogprobs
-from server.detokenizer import Detokenizer
-from server.engine_client import EngineError
-from server.errors import RequestError, error_body, error_type
+from server.errors import error_body, error_type
 from server.protocol import SamplingRequest
-from server.tool_output import ToolOutput
+from server.request_path import Generation
+from server.request_types import Choice, Event, Prompt
 
-log = logging.getLogger("ppd.api")
 _json = msgspec.json.Encoder()
-
-
-@dataclass
-class Choice:
-    """One of a request's n answers, as it accumulates."""
-
-    index: int
-    detok: Detokenizer
-    tools: ToolOutput | None = None  # how tool calls come out of the text (None: the text is the content)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first, when asked
-    finish_reason: str | None = None
-    route: str | None = None
-    num_cached: int = 0
-
-
-@dataclass
-class Prompt:
-    """A request's prompt as its responses show it: the ids, and the text echo puts before each completion (None:
-    not echoed)."""
-
-    token_ids: list[int]
-    echo: str | None = None
-
-
-@dataclass
-class Event:
-    """New text, ids and logprobs of one choice; finish_reason set on its last event."""
-
-    choice: Choice
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None
+DONE = b"data: [DONE]\n\n"
 
 
 class TokenText:
@@ -194,74 +154,87 @@ def choice_body(c: Choice, chat: bool, body: SamplingRequest, text: TokenText, p
     return out
 
 
-async def stream_events(response_id: str, body: SamplingRequest, chat: bool, choices: list[Choice], prompt: Prompt,
-                        events: AsyncIterator[Event], first: Event | None, text: TokenText) -> AsyncIterator[bytes]:
-    """The SSE body: a chunk per event, then a usage-only chunk if asked, then [DONE]; an error ends it early. A
-    choice's first chunk carries its echoed prompt and prompt logprobs (chat: the response's first chunk)."""
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    asked = body.logprobs_asked is not None
-    offsets = [0] * len(choices)  # completions: each choice's text so far, for text_offset
-    started: set[int] = set()  # choices that had a chunk
+class ChatAnswer:
+    """A chat.completion or text_completion (server/answer.py's Answer). Streamed: a chunk per event, then a
+    usage-only chunk if asked, then [DONE], which follows an error too; a choice's first chunk carries its echoed
+    prompt and prompt logprobs (chat: the response's first chunk)."""
 
-    def chunk(choice_bodies: list[dict], **extra: Any) -> bytes:
-        obj = {"id": response_id, "object": kind, "created": created, "model": body.model, "choices": choice_bodies, **extra}
+    def __init__(self, response_id: str, gen: Generation, chat: bool, model_name: str, text: TokenText) -> None:
+        self.id, self.body, self.chat, self.model_name, self.text = response_id, gen.body, chat, model_name, text
+        self.choices, self.prompt = gen.choices, gen.prompt
+        self.created = 0  # a stream's: set as it opens
+        self.offsets = [0] * len(self.choices)  # completions: each choice's text so far, for text_offset
+        self.started: set[int] = set()  # choices that had a chunk
+
+    async def whole(self) -> dict[str, Any]:
+        body, prompt, choices, text = self.body, self.prompt, self.choices, self.text
+        result = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                  "created": int(time.time()), "model": self.model_name,
+                  "choices": [choice_body(c, self.chat, body, text, prompt) for c in choices],
+                  "usage": usage(prompt.token_ids, choices)}
+        if self.chat and body.prompt_logprobs is not None:
+            result["prompt_logprobs"] = prompt_logprobs_body(body, prompt, choices[0], text)
+        if body.return_token_ids:
+            result["prompt_token_ids"] = prompt.token_ids
+        return result
+
+    def chunk(self, choice_bodies: list[dict], **extra: Any) -> bytes:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.body.model, "choices": choice_bodies, **extra}
         return b"data: " + _json.encode(obj) + b"\n\n"
 
-    async with aclosing(events):
-        try:
-            if chat:
-                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for c in choices])
-            event = first
-            while event is not None:
-                c = event.choice
-                opening = c.index not in started
-                started.add(c.index)
-                delta: dict[str, Any] = {}
-                finish = event.finish_reason
-                if chat and c.tools is not None:
-                    delta = c.tools.delta(event.text, final=finish is not None)
-                    finish = c.tools.finish_reason(finish)
-                elif chat and event.text:
-                    delta = {"content": event.text}
-                has_logprobs = asked and bool(event.token_ids)
-                shows_prompt = opening and (prompt.echo is not None or body.prompt_logprobs is not None)
-                if not (delta or (not chat and event.text) or finish or body.return_token_ids or has_logprobs
-                        or shows_prompt):
-                    event = await anext(events, None)  # e.g. half a UTF-8 character, held back
-                    continue
-                part: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": finish}
-                extra: dict[str, Any] = {}
-                if chat:
-                    part["delta"] = delta
-                    if has_logprobs:
-                        part["logprobs"] = chat_logprobs(event.token_ids, event.logprobs or [], text)
-                    if shows_prompt and len(started) == 1:
-                        extra["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
-                else:
-                    echo = prompt.echo if opening and prompt.echo is not None else ""
-                    part["text"] = echo + event.text
-                    if asked and opening and prompt.echo is not None:
-                        part["logprobs"] = echoed_logprobs(prompt, c, event.token_ids, event.logprobs or [], text,
-                                                           body.logprobs_asked)
-                    elif has_logprobs:
-                        part["logprobs"] = completion_logprobs(event.token_ids, event.logprobs or [], text,
-                                                               offsets[c.index])
-                    if opening and body.prompt_logprobs is not None:
-                        part["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
-                    offsets[c.index] += len(part["text"])
-                if body.return_token_ids:
-                    part["token_ids"] = event.token_ids
-                yield chunk([part], **extra)
-                event = await anext(events, None)
-            if body.include_usage:
-                yield chunk([], usage=usage(prompt.token_ids, choices))
-        except (EngineError, RequestError) as exc:
-            status = exc.status
-            yield b"data: " + _json.encode(error_body(exc.message, error_type(status), None, status)) + b"\n\n"
-        except Exception as exc:  # a bug of ours: the client still gets an error event and [DONE], the log the rest
-            log.error("a stream failed", exc_info=exc)
-            message = f"internal error ({type(exc).__name__}); the server logged it"
-            yield b"data: " + _json.encode(error_body(message, error_type(500), None, 500)) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+    def opening(self) -> list[bytes]:
+        self.created = int(time.time())
+        if not self.chat:
+            return []
+        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None} for c in self.choices])]
+
+    def chunks(self, event: Event) -> list[bytes]:
+        body, prompt, chat, text = self.body, self.prompt, self.chat, self.text
+        asked = body.logprobs_asked is not None
+        c = event.choice
+        first = c.index not in self.started
+        self.started.add(c.index)
+        delta: dict[str, Any] = {}
+        finish = event.finish_reason
+        if chat and c.tools is not None:
+            delta = c.tools.delta(event.text, final=finish is not None)
+            finish = c.tools.finish_reason(finish)
+        elif chat and event.text:
+            delta = {"content": event.text}
+        has_logprobs = asked and bool(event.token_ids)
+        shows_prompt = first and (prompt.echo is not None or body.prompt_logprobs is not None)
+        if not (delta or (not chat and event.text) or finish or body.return_token_ids or has_logprobs or shows_prompt):
+            return []
+        part: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": finish}
+        extra: dict[str, Any] = {}
+        if chat:
+            part["delta"] = delta
+            if has_logprobs:
+                part["logprobs"] = chat_logprobs(event.token_ids, event.logprobs or [], text)
+            if shows_prompt and len(self.started) == 1:
+                extra["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
+        else:
+            echo = prompt.echo if first and prompt.echo is not None else ""
+            part["text"] = echo + event.text
+            if asked and first and prompt.echo is not None:
+                part["logprobs"] = echoed_logprobs(prompt, c, event.token_ids, event.logprobs or [], text,
+                                                   body.logprobs_asked)
+            elif has_logprobs:
+                part["logprobs"] = completion_logprobs(event.token_ids, event.logprobs or [], text,
+                                                       self.offsets[c.index])
+            if first and body.prompt_logprobs is not None:
+                part["prompt_logprobs"] = prompt_logprobs_body(body, prompt, c, text)
+            self.offsets[c.index] += len(part["text"])
+        if body.return_token_ids:
+            part["token_ids"] = event.token_ids
+        return [self.chunk([part], **extra)]
+
+    async def closing(self) -> AsyncIterator[bytes]:
+        if self.body.include_usage:
+            yield self.chunk([], usage=usage(self.prompt.token_ids, self.choices))
+        yield DONE
+
+    def error(self, status: int, message: str) -> list[bytes]:
+        return [b"data: " + _json.encode(error_body(message, error_type(status), None, status)) + b"\n\n", DONE]
