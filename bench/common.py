@@ -49,26 +49,6 @@ def has_tokenizer(folder: str) -> bool:
     return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def names_folder(arg: str) -> bool:
-    """Whether --out names a folder: an existing one, or a path ending in a separator."""
-    return Path(arg).is_dir() or arg.endswith((os.sep, "/"))
-
-
-def file_out(arg: str | None, default: Path) -> Path:
-    """Where a command writes the file whose default path is `default`: there without --out; into the folder --out
-    names (an existing folder, or a path ending in a separator, made if missing) under the default's file name; else
-    --out itself. A path that exists and is neither a file nor a folder is refused."""
-    if arg is None:
-        return default
-    path = Path(arg)
-    if names_folder(arg):
-        path.mkdir(parents=True, exist_ok=True)
-        return path / default.name
-    if path.exists() and not path.is_file():
-        raise BenchError(f"--out {arg}: neither a file nor a folder")
-    return path
-
-
 def default_out(kind: str) -> str:
     """The results folder of a `kind` run begun now: bench/results/<kind>-<UTC time>."""
     return os.path.join("bench", "results", f"{kind}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")

@@ -26,7 +26,6 @@ import os
 import platform
 import re
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,13 +37,10 @@ from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
 from engine.model import kv_block_nbytes
 from engine.model_runner import StepInput
-from engine.sampler import Row
-from engine.sampling_params import SamplingParams
+from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, median_ms,
+                                release_engine, time_step)
 
 log = logging.getLogger("ppd.bench")
-
-LLAMA_8B = Path(__file__).parent / "models" / "llama-3.1-8b"
-GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
@@ -132,28 +128,10 @@ def merge_rounds(reports: list[Report]) -> Report:
 # ---- the device's ceilings ---------------------------------------------------------------------------
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn, device: torch.device, repeat: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
-
-
 def _copy_ms(nbytes: int, device: torch.device, repeat: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    return _median_ms(lambda: dst.copy_(src), device, repeat=repeat)
+    return median_ms(lambda: dst.copy_(src), device, repeat=repeat)
 
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> Ceilings:
@@ -167,7 +145,7 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> C
     n = (256 if quick else 1024) if device.type == "cpu" else 8192
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    ms = _median_ms(lambda: a @ b, device, repeat=3 if quick else 10)
+    ms = median_ms(lambda: a @ b, device, repeat=3 if quick else 10)
     return Ceilings(copy_gbps=copy_gbps, matmul_tflops=2 * n**3 / (ms / 1000) / 1e12)
 
 
@@ -203,55 +181,6 @@ class ModelCost:
 # ---- the timed steps ---------------------------------------------------------------------------------
 
 
-class Blocks:
-    """Hands out consecutive blocks of the pool to the benchmark's sequences."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks, self.block_size, self.next = num_blocks, block_size, 0
-
-    def fits(self, tokens_per_seq: int, num_seqs: int) -> bool:
-        return num_seqs * -(-tokens_per_seq // self.block_size) <= self.num_blocks
-
-    def table(self, num_tokens: int) -> list[int]:
-        n = -(-num_tokens // self.block_size)
-        if self.next + n > self.num_blocks:
-            self.next = 0
-        table = list(range(self.next, self.next + n))
-        self.next += n
-        return table
-
-
-def _step(engine: Engine, inputs: list[StepInput]) -> float:
-    """Run one step with greedy sampling; returns the host time until the step was queued (ms)."""
-    start = time.perf_counter()
-    logits = engine.runner.forward(inputs)
-    queued = time.perf_counter()
-    engine.sampler(logits, [Row(GREEDY)] * len(logits))  # its copy to the host waits for the step
-    return (queued - start) * 1000
-
-
-def _time_step(engine: Engine, inputs: list[StepInput], repeat: int, warmup: int = 3) -> tuple[float, float]:
-    """(median wall ms, median host ms) of the step over repeat runs, after warmup runs."""
-    for _ in range(warmup):
-        _step(engine, inputs)
-    host, wall = [], []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        host.append(_step(engine, inputs))
-        wall.append((time.perf_counter() - start) * 1000)
-    return statistics.median(wall), statistics.median(host)
-
-
-def _timed(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool) -> tuple[float, float]:
-    """_time_step with the runner's graphs as they are (graphs) or turned off for the while (eager)."""
-    runner = engine.runner
-    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
-    try:
-        return _time_step(engine, inputs, repeat)
-    finally:
-        runner.graphs = saved
-
-
 def _no_graphs(engine: Engine, kind: str, label: dict) -> Point | None:
     if label["graphs"] and engine.runner.graphs is None:
         return Point(kind, label, skipped="no CUDA graphs on this device/backend")
@@ -269,7 +198,7 @@ def time_decode(engine: Engine, cost: ModelCost, ceil: Ceilings, batch: int, con
     if skipped := _no_graphs(engine, "decode", label):
         return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
-    ms, host = _timed(engine, inputs, repeat, graphs)
+    ms, host = time_step(engine, inputs, repeat, graphs=graphs)
     floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch)
     return Point("decode", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
                  tokens_per_s=batch / (ms / 1000))
@@ -282,7 +211,7 @@ def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, t
     if prompt > engine.max_model_len or not blocks.fits(prompt, num):
         return Point("prefill", label, skipped=f"{num} x {prompt} tokens do not fit the pool or max_model_len")
     inputs = [StepInput([1] * prompt, 0, blocks.table(prompt)) for _ in range(num)]
-    ms, host = _time_step(engine, inputs, repeat, warmup=2)
+    ms, host = time_step(engine, inputs, repeat, warmup=2)
     floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num)
     return Point("prefill", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
                  tokens_per_s=num * prompt / (ms / 1000))
@@ -297,7 +226,7 @@ def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cache
     if skipped := _no_graphs(engine, "append", label):
         return skipped
     inputs = [StepInput([1] * new, cached, blocks.table(new + cached))]
-    ms, host = _timed(engine, inputs, repeat, graphs)
+    ms, host = time_step(engine, inputs, repeat, graphs=graphs)
     pairs = new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, new, cached, pairs, 1)
     return Point("append", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
@@ -319,7 +248,7 @@ def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, co
         return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(decodes)]
     inputs.append(StepInput([1] * new, cached, blocks.table(new + cached)))
-    ms, host = _timed(engine, inputs, repeat, graphs)
+    ms, host = time_step(engine, inputs, repeat, graphs=graphs)
     pairs = decodes * (context + 1) + new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, decodes + new, decodes * context + cached, pairs, decodes + 1)
     return Point("mixed", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
@@ -363,10 +292,10 @@ def engine_config(folder: str, device: torch.device, grid: Grid, dtype: str = "a
 
 
 def start_engine(cfg: EngineConfig) -> Engine:
-    """Engine.create under names of this process, its KV random on a GPU; release it with _release."""
+    """Engine.create under names of this process, its KV random on a GPU; release it with release_engine."""
     engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"))
     if engine.device.type == "cuda":
-        _fill_random(engine)
+        fill_random_kv(engine)
     return engine
 
 
@@ -386,7 +315,7 @@ def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick
     try:
         cost = ModelCost.of(mcfg, torch_dtype, cfg.block_size)
         report = Report(device_info(device).name, os.path.basename(folder.rstrip("/")), str(torch_dtype).split(".")[-1],
-                        ceil, meta=_meta(engine, cfg))
+                        ceil, meta=run_meta(engine, cfg))
         ways = [True, False] if engine.runner.graphs is not None else [False]
         for graphs in ways:
             for context in grid.contexts:
@@ -403,23 +332,11 @@ def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick
                                                 max(3, grid.repeat // 2)))
         return report
     finally:
-        _release(engine)
+        release_engine(engine)
 
 
-def _fill_random(engine: Engine) -> None:
-    """Random KV (never time on zeros: they can hide unwritten outputs and run faster than data)."""
-    for chunk in engine.runner.kv_pool.view(-1).split(2**28):
-        chunk.normal_(0.0, 1.0)
-
-
-def _release(engine: Engine) -> None:
-    from engine.shared_memory import release_name
-
-    release_name(engine.weights_handle)
-    release_name(engine.kv_handle)
-
-
-def _meta(engine: Engine, cfg: EngineConfig) -> dict:
+def run_meta(engine: Engine, cfg: EngineConfig) -> dict:
+    """What a report keeps of the run's software and engine: versions, attention backend, KV pool, threads."""
     meta = {"torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count(),
             "attention_backend": engine.runner.backend.name, "kv_blocks": engine.num_kv_blocks,
             "block_size": cfg.block_size, "kv_plan": engine.plan.summary, "threads": torch.get_num_threads()}
@@ -486,27 +403,6 @@ def write_results(out: Path, stem: str, data: dict, md: str) -> tuple[Path, Path
     json_path.write_text(json.dumps(data, indent=2) + "\n")
     md_path.write_text(md)
     return json_path, md_path
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device and --dtype of the benchmarks that time the engine alone (bench engine, profile partition)."""
-    p.add_argument("--model", default=None,
-                   help=f"model folder (default: {LLAMA_8B} with random weights on a GPU, the demo model on the CPU)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: CUDA when there is a GPU")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (auto: bfloat16 on a GPU for a float32 checkpoint)")
-
-
-def chosen_device(args: argparse.Namespace) -> torch.device:
-    """--device: auto is CUDA when there is a GPU."""
-    if args.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(args.device)
-
-
-def chosen_model(args: argparse.Namespace, device: torch.device) -> str:
-    """--model: by default Llama-3.1-8B's configuration (random weights) on a GPU, the demo model on the CPU."""
-    return args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -28,11 +28,12 @@ import torch
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from bench.engine import (Blocks, Grid, _meta, _release, _sync, _timed, add_model_args, chosen_device, chosen_model,
-                          device_slug, engine_config, model_folder, start_engine, write_results)
+from bench.engine import Grid, device_slug, engine_config, model_folder, run_meta, start_engine, write_results
 from engine.config import ModelConfig
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
+from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, release_engine, sync_device,
+                                time_step)
 
 STEP = "ppd::step"  # the profiler range around the step's forward
 TRITON = "triton::"  # prefix of the range around each Triton launch
@@ -173,7 +174,7 @@ def profile_step(engine: Engine, name: str, shape: dict, inputs: list[StepInput]
                  repeat: int = 10) -> StepHost:
     """Time the step eagerly without the profiler (it warms up), then profile it twice and keep the second (the
     first pays the profiler's own start-up)."""
-    plain_ms, plain_host = _timed(engine, inputs, repeat, graphs=False)
+    plain_ms, plain_host = time_step(engine, inputs, repeat, graphs=False)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     runner = engine.runner
     saved, runner.graphs = runner.graphs, None
@@ -183,7 +184,7 @@ def profile_step(engine: Engine, name: str, shape: dict, inputs: list[StepInput]
                 with profile(activities=activities) as prof:
                     with record_function(STEP):
                         runner.forward(inputs)
-                    _sync(engine.device)
+                    sync_device(engine.device)
     finally:
         runner.graphs = saved
     events = prof.events()
@@ -218,9 +219,9 @@ def run(model: str, device: torch.device, shapes: Shapes = FULL, dtype: str = "a
                 "model": os.path.basename(folder.rstrip("/")), "layers": ModelConfig.from_folder(folder).num_layers,
                 "attention_backend": engine.runner.backend.name, "profiled": [a.name for a in (
                     [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))],
-                "meta": _meta(engine, cfg), "steps": [asdict(s) for s in steps]}
+                "meta": run_meta(engine, cfg), "steps": [asdict(s) for s in steps]}
     finally:
-        _release(engine)
+        release_engine(engine)
 
 
 def markdown(report: dict) -> str:

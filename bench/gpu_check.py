@@ -63,14 +63,15 @@ STEP_NAMES = ("host probe tests tests-gpu[:FILES] tests-kernels engine engine-ho
               "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)")
 # Each gpu test file's pytest time on the H200 (bench/results/nvidia-h200: call4's JUnit XML; test_gpu_serve.py
 # from call5), and what a process of its own adds (start, imports, CUDA's start).
-GPU_TEST_S = {"tests/bench/test_partition_profile.py": 11, "tests/engine/kernels/test_activation.py": 7,
+GPU_TEST_S = {"tests/engine/kernels/test_activation.py": 7,
               "tests/engine/kernels/test_attention.py": 33, "tests/engine/kernels/test_norm.py": 5,
               "tests/engine/kernels/test_rope.py": 5, "tests/engine/kernels/test_store_kv.py": 2,
               "tests/engine/test_engine.py": 81, "tests/engine/test_guided.py": 8,
               "tests/engine/test_memory_plan.py": 4, "tests/engine/test_model_vs_hf.py": 9,
               "tests/engine/test_shared_memory.py": 9,
               "tests/partition/test_backends.py": 1, "tests/partition/test_green.py": 10,
-              "tests/partition/test_probe.py": 41, "tests/server/test_gpu_serve.py": 156}
+              "tests/partition/test_probe.py": 41, "tests/partition/test_profiler.py": 11,
+              "tests/server/test_gpu_serve.py": 156}
 GPU_TEST_PROCESS_S = 5
 INTERFERENCE = ROOT / "bench" / "interference.py"
 INTERFERENCE_S = 40  # one configuration of `ppd bench interference` on the H200 (call4: 95 s for three; call5)

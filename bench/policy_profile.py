@@ -9,7 +9,9 @@ After every run the table is written (atomically), so an interrupted profile res
 already in the file are not repeated, except those that measured nothing (no turn-2 request succeeded), which
 make the command exit 1, each named with why. Output: profiles/<device>__<model>__policy.json (see
 scheduler/policy_table.py for the schema), a heatmap of x* beside it (.png), a markdown summary (.md) and the log
-of the server it starts (.serve.log).
+of the server it starts (.serve.log). The table is built from the runs beside its reader (PolicyTable.from_runs);
+what stays here drives a server over HTTP with the benchmarks' load generator (bench/client.py, workloads.py,
+servers.py), which is why this producer lives in bench/ while the partition profile's lives in partition/.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import BenchError, fail_unless_measured, file_out, names_folder
+from bench.common import BenchError, fail_unless_measured
 from bench.servers import add_served_model_args, start_server, stop_server, with_model_args
-from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from partition.profiler import file_out, names_folder
 from profiles import PROFILES_DIR, cpu_device_name
-from scheduler.policy_table import ROUTES, Cell, PolicyTable, RouteStats, TableError, table_path
+from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from scheduler.policy_table import ROUTES, PolicyTable, TableError, run_key, table_path
 
 
 @dataclass(frozen=True)
@@ -54,10 +57,6 @@ CPU_GRID = Grid((160, 544), ((8, 64), (32, 32), (128, 8)), (1, 3, 8), 32, 8.0)
 QUICK_GRID = Grid((160, 544), ((8, 64), (32, 32), (128, 8)), (1, 4), 32, 3.0)
 GPU_GRID = Grid((1280, 4352), ((64, 512), (256, 256), (1024, 64)), (4, 16, 64), 256, 30.0)
 METRICS_INTERVAL_S = 0.2
-
-
-def run_key(context: int, shape: tuple[int, int], load: int, route: str) -> str:
-    return f"{context}x{shape[0]}x{shape[1]}@{load}:{route}"
 
 
 def measure(url: str, model: str, context: int, shape: tuple[int, int], load: int, route: str, grid: Grid,
@@ -114,24 +113,6 @@ class QueueSampler:
                     self.samples.append(1000 * values.get("ppd:prefill_queue_tokens", 0.0) / speed)
 
 
-def build_table(grid: Grid, raw: dict, device: str, model: str, meta: dict, w_ttft: float, w_tpot: float) -> PolicyTable:
-    cells = {}
-    for i, context in enumerate(grid.contexts):
-        for j, shape in enumerate(grid.shapes):
-            for k, load in enumerate(grid.loads):
-                routes = {}
-                for route in ROUTES:
-                    run = raw.get(run_key(context, shape, load, route))
-                    if run and run["n"] > 0:
-                        routes[route] = RouteStats(run["ttft_p50_ms"], run["ttft_p90_ms"], run["tpot_p50_ms"] or 0.0,
-                                                   run["tpot_p90_ms"] or 0.0, run["queue_delay_ms"], run["n"])
-                if routes:
-                    cells[(i, j, k)] = Cell(routes)
-    table = PolicyTable(list(grid.contexts), list(grid.shapes), list(grid.loads), cells, device=device, model=model,
-                        meta=meta, raw=raw)
-    return table.with_weights(w_ttft, w_tpot)
-
-
 def measure_repeated(url: str, model: str, context: int, shape: tuple[int, int], load: int, route: str, grid: Grid,
                      seed: int, repeat: int) -> dict:
     """`repeat` runs of one cell and route (distinct conversations): each statistic's median, the runs kept."""
@@ -166,13 +147,17 @@ def profile(url: str, grid: Grid, out: Path, device: str, model: str, meta: dict
     if len(todo) < len(runs):
         print(f"resuming {out}: {len(runs) - len(todo)} of {len(runs)} runs already measured", file=sys.stderr)
     served = _served_model(url)
-    table = build_table(grid, raw, device, model, meta, w_ttft, w_tpot)
+
+    def built() -> PolicyTable:
+        return PolicyTable.from_runs(grid.contexts, grid.shapes, grid.loads, raw, w_ttft, w_tpot, device, model, meta)
+
+    table = built()
     bar = tqdm(todo, desc="profile runs", unit=" run", file=sys.stderr, disable=not progress)
     for n, (context, shape, load, route) in enumerate(bar):
         bar.set_postfix_str(run_key(context, shape, load, route), refresh=True)
         raw[run_key(context, shape, load, route)] = measure_repeated(url, served, context, shape, load, route, grid,
                                                                      seed + 1000 * n, repeat)
-        table = build_table(grid, raw, device, model, meta, w_ttft, w_tpot)
+        table = built()
         table.save(out)
     bar.close()
     table.save(out)

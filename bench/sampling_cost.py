@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 
 from bench.common import has_tokenizer
-from bench.engine import (Blocks, _fill_random, _meta, _release, add_model_args, chosen_device, chosen_model,
-                          device_slug, write_results)
+from bench.engine import device_slug, run_meta, write_results
 from engine.config import ModelConfig, resolve_dtype
 from engine.demo import DEMO_MODEL, demo_model_path, write_byte_tokenizer
 from engine.engine import Engine, EngineConfig, device_info
 from engine.model_runner import StepInput
 from engine.sampler import Row
 from engine.sampling_params import GuidedSpec, SamplingParams
+from engine.step_timing import Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, release_engine
 
 TARGET_RATIO = 1.10  # structured outputs' step time over plain decoding's
 TARGET_BATCH = 64
@@ -211,15 +211,15 @@ def run(model: str, device: torch.device, sweep: Sweep, dtype: str = "auto", tok
         engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"))
         try:
             if device.type == "cuda":
-                _fill_random(engine)
+                fill_random_kv(engine)
             report = Report(device_info(device).name, os.path.basename(folder.rstrip("/")),
                             str(resolve_dtype(dtype, mcfg, device.type)).split(".")[-1],
                             "byte-level stand-in" if stand_in else tokenizer_folder, sweep,
-                            meta={**_meta(engine, cfg), "host": _host(), "vocab_size": mcfg.vocab_size})
+                            meta={**run_meta(engine, cfg), "host": _host(), "vocab_size": mcfg.vocab_size})
             report.points = _sweep(engine, configurations(mcfg.vocab_size), sweep, progress)
             return report
         finally:
-            _release(engine)
+            release_engine(engine)
             if engine.sampler.guided is not None:
                 engine.sampler.guided.close()
 

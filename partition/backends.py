@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from partition import PartitionError
 from partition.cpu import pin_to_cores, split_cores
 
 if TYPE_CHECKING:
@@ -40,10 +41,6 @@ if TYPE_CHECKING:
 PREFILL_WORKERS = ("auto", "process", "thread")
 DEFAULT_MPS_DECODE_PERCENT = 100  # a cap, not a reservation: decode may use every SM when prefill leaves them
 DEFAULT_MPS_PREFILL_PERCENT = 80  # Semi-PD's defaults: prefill never takes the whole GPU from decode
-
-
-class PartitionError(ValueError):
-    """A partition that cannot be set up; the message says why and what to do."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from partition.backends import PartitionError
+from partition import PartitionError
 from partition.probe_child import SPAWN, Env, Finding, error_text, failed, finish_child, start_child
 from partition.probe_gpus import mps_enabled, nvml_processes
 from partition.processes import process_alive

@@ -109,6 +109,32 @@ class PolicyTable:
         self.w_ttft, self.w_tpot = w_ttft, w_tpot
         return self
 
+    # ---- building one from measured runs ----------------------------------------------------------------
+
+    @classmethod
+    def from_runs(cls, contexts: list[int], shapes: list[tuple[int, int]], loads: list[int], raw: dict[str, Any],
+                  w_ttft: float, w_tpot: float, device: str = "", model: str = "",
+                  meta: dict[str, Any] | None = None) -> PolicyTable:
+        """The table of the grid contexts x shapes x loads from raw run summaries (keyed by run_key, as in the
+        file's "raw"), x* decided for (w_ttft, w_tpot). A run that measured nothing (n == 0) counts as unmeasured,
+        and a cell with no measured route is left out."""
+        cells = {}
+        for i, context in enumerate(contexts):
+            for j, shape in enumerate(shapes):
+                for k, load in enumerate(loads):
+                    routes = {}
+                    for route in ROUTES:
+                        run = raw.get(run_key(context, shape, load, route))
+                        if run and run["n"] > 0:
+                            routes[route] = RouteStats(run["ttft_p50_ms"], run["ttft_p90_ms"],
+                                                       run["tpot_p50_ms"] or 0.0, run["tpot_p90_ms"] or 0.0,
+                                                       run["queue_delay_ms"], run["n"])
+                    if routes:
+                        cells[(i, j, k)] = Cell(routes)
+        table = cls(list(contexts), list(shapes), list(loads), cells, device=device, model=model, meta=meta or {},
+                    raw=raw)
+        return table.with_weights(w_ttft, w_tpot)
+
     # ---- file --------------------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
@@ -166,6 +192,11 @@ class PolicyTable:
         except (OSError, json.JSONDecodeError) as exc:
             raise TableError(f"cannot read the policy table {path}: {exc}") from exc
         return cls.from_json(data, str(path))
+
+
+def run_key(context: int, shape: tuple[int, int], load: int, route: str) -> str:
+    """The key of one measured run (a cell of the grid on one route) in the table's "raw" summaries."""
+    return f"{context}x{shape[0]}x{shape[1]}@{load}:{route}"
 
 
 def table_path(device: str, model: str, folder: Path = PROFILES_DIR) -> Path:

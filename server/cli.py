@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--quick", dest="profile_quick", action="store_true",
                          help="with no subcommand: every profile on its small grid")
     profiles = profile.add_subparsers(dest="profile_command")
-    from bench.partition_profile import add_partition_args
-    from bench.policy_profile import add_policy_args
+    from bench.policy_profile import add_policy_args  # in bench/: it loads a server with the load generator
+    from partition.profiler import ProfilerError
+    from partition.profiler_cli import add_partition_args
     partition_parser = profiles.add_parser("partition", help="SM/core shares: decode step time, prefill speed and "
                                            "their interference, per share (profiles/<device>__<model>.json)")
     add_partition_args(partition_parser)
@@ -241,8 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             from partition.probe import run_probe
             return run_probe(args)
         elif args.command == "profile":
-            from bench import partition_profile, policy_profile
-            mains = {"partition": partition_profile.main, "policy": policy_profile.main}
+            from bench import policy_profile
+            from partition import profiler_cli
+            mains = {"partition": profiler_cli.main, "policy": policy_profile.main}
             if args.profile_command:
                 mains[args.profile_command](args)
             else:
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     except Unmeasured as exc:  # the run went, and what it measured is written: it fails for what it could not
         print(f"ppd {args.command}: {exc}", file=sys.stderr)
         return 1
-    except (UsageError, BenchError) as exc:
+    except (UsageError, BenchError, ProfilerError) as exc:
         print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: everything was stopped on the way out; no traceback

@@ -54,7 +54,8 @@ class CountingGraphs:
 
 
 def test_append_and_mixed_steps_are_timed_with_the_runners_graphs_and_without(cache_dir: Path) -> None:
-    from bench.engine import Ceilings, _release, engine_config, start_engine, time_append, time_mixed
+    from bench.engine import Ceilings, engine_config, start_engine, time_append, time_mixed
+    from engine.step_timing import release_engine
 
     folder = str(demo_model_path(cache_dir))
     device = torch.device("cpu")
@@ -76,7 +77,7 @@ def test_append_and_mixed_steps_are_timed_with_the_runners_graphs_and_without(ca
             assert p.skipped is None and p.host_ms is not None and 0 < p.host_ms <= p.ms
     finally:
         engine.runner.graphs = None
-        _release(engine)
+        release_engine(engine)
 
 
 def test_floor_is_the_larger_of_bytes_and_flops(cache_dir: Path) -> None:

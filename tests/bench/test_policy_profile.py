@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from bench import policy_profile
-from bench.policy_profile import Grid, build_table, heatmap, markdown, profile, run_key
-from scheduler.policy_table import PolicyTable
+from bench.policy_profile import Grid, heatmap, markdown, profile
+from scheduler.policy_table import PolicyTable, run_key
 from server import cli
 
 GRID = Grid(contexts=(160, 544), shapes=((8, 64), (128, 8)), loads=(1, 4), turn1_output=32, duration=1.0)
@@ -77,7 +77,7 @@ def test_interrupted_profile_resumes_without_repeating_runs(fake_measure: FakeMe
 
 def test_a_profile_of_another_model_is_not_resumed(fake_measure: FakeMeasure, tmp_path: Path) -> None:
     out = tmp_path / "t.json"
-    build_table(GRID, {}, "cpu-2core", "other", {}, 1.0, 10.0).save(out)
+    PolicyTable.from_runs(GRID.contexts, GRID.shapes, GRID.loads, {}, 1.0, 10.0, "cpu-2core", "other").save(out)
     with pytest.raises(policy_profile.BenchError, match="other on cpu-2core"):
         profile("http://unused", GRID, out, "cpu-2core", "demo", {}, 1.0, 10.0, progress=False)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import _release
 from bench.sampling_cost import QUICK_SWEEP, Batch, Point, Report, Sweep, configurations, markdown, run, verdicts
 from engine.demo import demo_model_path
 from engine.engine import Engine, EngineConfig
+from engine.step_timing import release_engine
 from server.cli import main as ppd
 from tests.tiny_models import write_tiny_model
 
@@ -56,7 +56,7 @@ def test_rows_grow_with_their_tokens_and_restart_when_they_end(cache_dir: Path) 
         assert short.restarts == 9 and all(len(row.token_ids) == 32 for row in short.rows)
         short.close()
     finally:
-        _release(engine)
+        release_engine(engine)
         engine.sampler.guided.close()
 
 

@@ -4,7 +4,7 @@ abk.py and abp.py, the kernels built from a git revision's sources beside the wo
 import os, shutil, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 ROOT = Path(__file__).resolve().parents[4]; sys.path.insert(0, str(ROOT))
-from bench.engine import Blocks, _step
+from engine.step_timing import Blocks, greedy_step
 from engine.engine import Engine, EngineConfig
 from engine.attention import cpu_kernel
 from engine.model_runner import StepInput
@@ -49,9 +49,9 @@ def ab_decode(engine: Engine, shapes: list[tuple[int, int]], variants: dict, rou
             for batch, context in shapes:
                 blocks = Blocks(engine.num_kv_blocks, 16)
                 inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
-                _step(engine, inputs)
+                greedy_step(engine, inputs)
                 ts = []
                 for _ in range(steps):
-                    t = time.perf_counter(); _step(engine, inputs); ts.append((time.perf_counter() - t) * 1e3)
+                    t = time.perf_counter(); greedy_step(engine, inputs); ts.append((time.perf_counter() - t) * 1e3)
                 res.setdefault((batch, context, name), []).append(statistics.median(ts))
     return {key: statistics.median(v) for key, v in res.items()}

@@ -1,7 +1,7 @@
 """A/B in one process: fused norm/silu (CpuOps) vs torch's composition."""
 import os, sys, time, statistics, torch
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[4]; sys.path.insert(0, str(ROOT))
-from bench.engine import Blocks, _step
+from engine.step_timing import Blocks, greedy_step
 from engine.engine import Engine, EngineConfig
 from engine.model_runner import StepInput
 from engine.attention import cpu_linear
@@ -21,10 +21,10 @@ for rnd in range(3):
         for kind, new, cached, n in shapes:
             blocks = Blocks(engine.num_kv_blocks, 16)
             inputs = [StepInput([1] * new, cached, blocks.table(new + cached)) for _ in range(n)]
-            _step(engine, inputs)
+            greedy_step(engine, inputs)
             ts = []
             for _ in range(3 if kind != "decode" else 10):
-                t = time.perf_counter(); _step(engine, inputs); ts.append((time.perf_counter() - t) * 1e3)
+                t = time.perf_counter(); greedy_step(engine, inputs); ts.append((time.perf_counter() - t) * 1e3)
             res.setdefault((kind, new, cached, n, variant), []).append(statistics.median(ts))
 for kind, new, cached, n in shapes:
     a = statistics.median(res[(kind, new, cached, n, "fused")]); b = statistics.median(res[(kind, new, cached, n, "plain")])

@@ -6,7 +6,7 @@ import os, statistics, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu-kernels"))
 from ab_decode import ROOT, kernels_at
-from bench.engine import Blocks, _step
+from engine.step_timing import Blocks, greedy_step
 from engine.engine import Engine, EngineConfig
 from engine.model_runner import StepInput
 from engine.shared_memory import release_name
@@ -29,10 +29,10 @@ try:
             for batch, context in shapes:
                 blocks = Blocks(engine.num_kv_blocks, 16)
                 inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
-                _step(engine, inputs)
+                greedy_step(engine, inputs)
                 ts = []
                 for _ in range(7):
-                    t = time.perf_counter(); _step(engine, inputs); ts.append((time.perf_counter() - t) * 1e3)
+                    t = time.perf_counter(); greedy_step(engine, inputs); ts.append((time.perf_counter() - t) * 1e3)
                 res.setdefault((batch, context, name), []).append(statistics.median(ts))
     for batch, context in shapes:
         a, b = res[(batch, context, "A")], res[(batch, context, "B")]

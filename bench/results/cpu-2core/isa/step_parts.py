@@ -6,7 +6,8 @@ import collections, os, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 import torch
-from bench.engine import CPU_GRID, Blocks, _release, _step, engine_config, start_engine
+from bench.engine import CPU_GRID, engine_config, start_engine
+from engine.step_timing import Blocks, greedy_step, release_engine
 from engine.attention import cpu_kernel, cpu_linear
 from engine.model_runner import StepInput
 
@@ -35,15 +36,15 @@ try:
     blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
     inputs = [StepInput([1] * new, context, blocks.table(context + new)) for _ in range(batch)]
     for _ in range(3):
-        _step(engine, inputs)
+        greedy_step(engine, inputs)
     spent.clear(), calls.clear()
     t = time.perf_counter()
     for _ in range(10):
-        _step(engine, inputs)
+        greedy_step(engine, inputs)
     total = (time.perf_counter() - t) / 10 * 1e3
     print(f"{dtype}, batch {batch}, context {context}, {new} new: step {total:.1f} ms")
     for name, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name}: {s / 10 * 1e3:.1f} ms ({calls[name] // 10} calls)")
     print(f"  rest: {total - sum(spent.values()) / 10 * 1e3:.1f} ms")
 finally:
-    _release(engine)
+    release_engine(engine)

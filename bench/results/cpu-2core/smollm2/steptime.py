@@ -8,7 +8,8 @@ Usage: TREE=CHECKOUT MODEL=FOLDER python steptime.py DTYPE BATCH CONTEXT"""
 import os, sys, time
 sys.path.insert(0, os.environ["TREE"])
 import torch
-from bench.engine import CPU_GRID, Blocks, _release, _step, engine_config, start_engine
+from bench.engine import CPU_GRID, engine_config, start_engine
+from engine.step_timing import Blocks, greedy_step, release_engine
 from engine.model_runner import StepInput
 
 dtype, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -17,12 +18,12 @@ try:
     blocks = Blocks(engine.num_kv_blocks, engine.plan.block_size)
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
     for _ in range(5):
-        _step(engine, inputs)
+        greedy_step(engine, inputs)
     times = []
     for _ in range(20):
         t = time.perf_counter()
-        _step(engine, inputs)
+        greedy_step(engine, inputs)
         times.append(time.perf_counter() - t)
     print(f"{os.environ['TREE']} {dtype} {batch}x{context}: {sorted(times)[10] * 1e3:.2f} ms")
 finally:
-    _release(engine)
+    release_engine(engine)

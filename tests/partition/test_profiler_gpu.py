@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import partition_gpu, partition_timer
-from bench.partition_gpu import GpuBench
+from partition import profiler_gpu, share_timer
+from partition.profiler_gpu import GpuBench
 
 TOTAL = 132
 
@@ -66,11 +66,11 @@ def bench(monkeypatch: pytest.MonkeyPatch):
     entered: list = []
     steps: list[tuple] = []
     monkeypatch.setattr("partition.probe_gpus.cuda_driver", lambda: object())
-    monkeypatch.setattr(partition_gpu.Engine, "create", classmethod(lambda cls, cfg, names: owner))
-    monkeypatch.setattr(partition_gpu.Engine, "sibling", classmethod(lambda cls, engine: sibling))
-    monkeypatch.setattr(partition_gpu, "_fill_random", lambda engine: None)
-    monkeypatch.setattr(partition_gpu, "_release", lambda engine: None)
-    monkeypatch.setattr(partition_gpu, "GreenStreams", FakeGreens)
+    monkeypatch.setattr(profiler_gpu.Engine, "create", classmethod(lambda cls, cfg, names: owner))
+    monkeypatch.setattr(profiler_gpu.Engine, "sibling", classmethod(lambda cls, engine: sibling))
+    monkeypatch.setattr(profiler_gpu, "fill_random_kv", lambda engine: None)
+    monkeypatch.setattr(profiler_gpu, "release_engine", lambda engine: None)
+    monkeypatch.setattr(profiler_gpu, "GreenStreams", FakeGreens)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: "ordinary stream")
 
     @contextlib.contextmanager
@@ -84,7 +84,7 @@ def bench(monkeypatch: pytest.MonkeyPatch):
         return 0.0
 
     monkeypatch.setattr(torch.cuda, "stream", stream)
-    monkeypatch.setattr(partition_timer, "_step", step)
+    monkeypatch.setattr(share_timer, "greedy_step", step)
     made = GpuBench(None, decode_blocks=32)
     made.steps = steps
     yield made

@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.common import BenchError
-from bench.engine import _fill_random, _median_ms, _release, _sync
-from bench.partition_timer import Timer
 from engine.engine import Engine, EngineConfig
+from engine.step_timing import fill_random_kv, median_ms, release_engine, sync_device
 from partition.green import SM_GRANULARITY, GreenStreams
+from partition.profiler import ProfilerError
+from partition.share_timer import Timer
 
 
 def sm_carveout_available() -> bool:
@@ -47,10 +47,10 @@ class GpuBench:
         try:
             driver = cuda_driver()
         except ImportError as exc:
-            raise BenchError(f"SM shares are green contexts made with cuda-python's driver API ({exc}); "
-                             "pip install cuda-python") from exc
+            raise ProfilerError(f"SM shares are green contexts made with cuda-python's driver API ({exc}); "
+                                "pip install cuda-python") from exc
         self.engine = Engine.create(cfg, (f"ppd-partition-{os.getpid()}-weights", f"ppd-partition-{os.getpid()}-kv"))
-        _fill_random(self.engine)
+        fill_random_kv(self.engine)
         self.sibling = Engine.sibling(self.engine)
         self.decode_graphs = self.engine.runner.backend.supports_cuda_graphs
         self.decode_blocks = decode_blocks
@@ -81,15 +81,15 @@ class GpuBench:
         dtype = self.engine.runner.kv_pool.dtype
         x = torch.randn(tokens, mcfg.hidden_size, dtype=dtype, device=device)
         w = torch.randn(mcfg.intermediate_size, mcfg.hidden_size, dtype=dtype, device=device)
-        _sync(device)  # filled on this stream, read on the share's
+        sync_device(device)  # filled on this stream, read on the share's
         carveout = self.total - share
         with self._point(), self._timer(share).on_stream():
-            ms = _median_ms(lambda: F.linear(x, w), device, repeat)
+            ms = median_ms(lambda: F.linear(x, w), device, repeat)
             carved = ms
             if carveout > 0:
                 torch._C._set_sm_carveout_experimental(carveout)
                 try:
-                    carved = _median_ms(lambda: F.linear(x, w), device, repeat)
+                    carved = median_ms(lambda: F.linear(x, w), device, repeat)
                 finally:
                     torch._C._set_sm_carveout_experimental(None)
         return {"ms": ms, "carveout": carveout, "carveout_ms": carved}
@@ -111,7 +111,7 @@ class GpuBench:
             thread.join()  # decode set stop, or broke the barrier, however it ended
 
     def close(self) -> None:
-        _release(self.engine)
+        release_engine(self.engine)
         # The graphs captured on green streams must be gone before their contexts are (destroy collects them).
         self.timers, self.pairs, self.engine, self.sibling = {}, {}, None, None
         errors = self.greens.destroy()
@@ -163,6 +163,6 @@ class GpuBench:
     def _create(self, resource: Any, sms: int) -> Any:
         stream, granted = self.greens.create(resource)
         if granted != sms:
-            raise BenchError(f"asked for {sms} SMs, the driver granted {granted}: give --shares in multiples of "
-                             f"{SM_GRANULARITY}")
+            raise ProfilerError(f"asked for {sms} SMs, the driver granted {granted}: give --shares in multiples "
+                                f"of {SM_GRANULARITY}")
         return stream

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from bench.engine import Blocks, _median_ms, _step
 from engine.engine import Engine
 from engine.model_runner import StepInput
+from engine.step_timing import Blocks, greedy_step, median_ms
 
 WARMUP_STEPS = 3
 # A decode point stops timing after this long (once it has MIN_STEPS): time-sliced on 2 cores, a step sometimes
@@ -46,13 +46,13 @@ class Timer:
         try:
             with self.on_stream():
                 for _ in range(WARMUP_STEPS):
-                    _step(self.engine, inputs)
+                    greedy_step(self.engine, inputs)
                 if start is not None:
                     start.wait(SYNC_TIMEOUT_S)
                 first = time.perf_counter()
                 while len(times) < steps and (len(times) < MIN_STEPS or time.perf_counter() - first < POINT_LIMIT_S):
                     began = time.perf_counter()
-                    _step(self.engine, inputs)
+                    greedy_step(self.engine, inputs)
                     times.append((time.perf_counter() - began) * 1000)
         except BaseException:
             if start is not None:
@@ -68,7 +68,7 @@ class Timer:
         num = max(1, total // prompt)
         inputs = [StepInput([1] * prompt, 0, self._prefill_table(prompt)) for _ in range(num)]
         with self.on_stream():
-            ms = _median_ms(lambda: _step(self.engine, inputs), self.engine.device, repeat, warmup=1)
+            ms = median_ms(lambda: greedy_step(self.engine, inputs), self.engine.device, repeat, warmup=1)
         return num * prompt / (ms / 1000)
 
     def prefill_until(self, kind: str, concurrent: int, new_tokens: int, context: int, start: Any, stop: Any) -> int:
@@ -79,11 +79,11 @@ class Timer:
                   for _ in range(concurrent)]
         try:
             with self.on_stream():
-                _step(self.engine, inputs)  # warm-up, before the decode beside it starts timing
+                greedy_step(self.engine, inputs)  # warm-up, before the decode beside it starts timing
                 start.wait(SYNC_TIMEOUT_S)
                 steps = 0
                 while True:
-                    _step(self.engine, inputs)
+                    greedy_step(self.engine, inputs)
                     steps += 1
                     if stop.is_set():
                         return steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -9,11 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import partition_profile
-from bench.common import BenchError
-from bench.partition_profile import CpuBench, Grid, engine_setup, job_key, jobs, markdown, partial_path, plot, profile
 from engine.demo import demo_model_path
-from partition.profile import DecodePoint, InterferencePoint, PartitionProfile, PrefillPoint, ProfileError
+from partition import profiler_cli
+from partition.profile import (DecodePoint, InterferencePoint, PartitionProfile, PrefillPoint, ProfileError,
+                               profile_path)
+from partition.profile_report import markdown, plot
+from partition.profiler import Grid, ProfilerError, engine_setup, job_key, jobs, partial_path, profile
+from partition.profiler_cpu import CpuBench
+from profiles import cpu_device_name
 
 # Decode step times (ms) of share 1 at batches 1, 4 and contexts 100, 300; share 2 takes half as long.
 STEPS_1 = {(1, 100): 2.0, (1, 300): 4.0, (4, 100): 8.0, (4, 300): 12.0}
@@ -204,30 +208,30 @@ def test_the_gemm_with_and_without_the_carveout_lands_in_the_profiles_meta(tmp_p
 
 
 def test_a_gpu_grid_times_the_gemm_only_where_torch_can_set_the_carveout(monkeypatch: pytest.MonkeyPatch) -> None:
-    parser = partition_profile.argparse.ArgumentParser()
-    partition_profile.add_partition_args(parser)
-    choose = partition_profile.choose_grid
+    parser = argparse.ArgumentParser()
+    profiler_cli.add_partition_args(parser)
+    choose = profiler_cli.choose_grid
     assert choose(parser.parse_args([]), gpu=False, total=2).gemm_tokens == 0
-    with pytest.raises(BenchError, match="on the CPU leave it out"):
+    with pytest.raises(ProfilerError, match="on the CPU leave it out"):
         choose(parser.parse_args(["--gemm-tokens", "64"]), gpu=False, total=2)
-    monkeypatch.setattr(partition_profile, "sm_carveout_available", lambda: True)
+    monkeypatch.setattr(profiler_cli, "sm_carveout_available", lambda: True)
     assert choose(parser.parse_args(["--quick"]), gpu=True, total=132).gemm_tokens == 8192
     assert choose(parser.parse_args(["--gemm-tokens", "0"]), gpu=True, total=132).gemm_tokens == 0
-    monkeypatch.setattr(partition_profile, "sm_carveout_available", lambda: False)
+    monkeypatch.setattr(profiler_cli, "sm_carveout_available", lambda: False)
     assert choose(parser.parse_args([]), gpu=True, total=132).gemm_tokens == 0
-    with pytest.raises(BenchError, match="cannot set cuBLAS's SM carveout"):
+    with pytest.raises(ProfilerError, match="cannot set cuBLAS's SM carveout"):
         choose(parser.parse_args(["--gemm-tokens", "64"]), gpu=True, total=132)
 
 
 def test_bad_grid_arguments_name_the_fix() -> None:
-    parser = partition_profile.argparse.ArgumentParser()
-    partition_profile.add_partition_args(parser)
-    with pytest.raises(BenchError, match="distinct, increasing"):
-        partition_profile.choose_grid(parser.parse_args(["--batches", "8,1"]), gpu=False, total=2)
-    with pytest.raises(BenchError, match="up to 2 cores"):
-        partition_profile.choose_grid(parser.parse_args(["--shares", "1,4"]), gpu=False, total=2)
-    with pytest.raises(BenchError, match="multiples of 8"):
-        partition_profile.choose_grid(parser.parse_args(["--shares", "12,64"]), gpu=True, total=132)
+    parser = argparse.ArgumentParser()
+    profiler_cli.add_partition_args(parser)
+    with pytest.raises(ProfilerError, match="distinct, increasing"):
+        profiler_cli.choose_grid(parser.parse_args(["--batches", "8,1"]), gpu=False, total=2)
+    with pytest.raises(ProfilerError, match="up to 2 cores"):
+        profiler_cli.choose_grid(parser.parse_args(["--shares", "1,4"]), gpu=False, total=2)
+    with pytest.raises(ProfilerError, match="multiples of 8"):
+        profiler_cli.choose_grid(parser.parse_args(["--shares", "12,64"]), gpu=True, total=132)
 
 
 def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,7 +239,7 @@ def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.Monkey
     from server import cli
 
     ran = []
-    monkeypatch.setattr(partition_profile, "main", lambda args: ran.append(("partition", args.quick)))
+    monkeypatch.setattr(profiler_cli, "main", lambda args: ran.append(("partition", args.quick)))
     monkeypatch.setattr(policy_profile, "main", lambda args: ran.append(("policy", args.quick)))
     assert cli.main(["profile", "--quick"]) == 0 and ran == [("partition", True), ("policy", True)]
     ran.clear()
@@ -263,17 +267,17 @@ def test_model_demo_and_an_out_folder(monkeypatch: pytest.MonkeyPatch, tmp_path:
         def close(self) -> None:
             pass
 
-    monkeypatch.setattr(partition_profile, "engine_setup", fake_setup)
-    monkeypatch.setattr(partition_profile, "CpuBench", NoBench)
-    monkeypatch.setattr(partition_profile, "profile", lambda bench, grid, out, *rest: seen.setdefault("outs", []).append(out))
-    monkeypatch.setattr(partition_profile, "markdown", lambda result: "")
-    monkeypatch.setattr(partition_profile, "plot", lambda result, path: None)
-    monkeypatch.setattr(partition_profile, "_busy_cores", lambda: 0.0)
+    monkeypatch.setattr(profiler_cli, "engine_setup", fake_setup)
+    monkeypatch.setattr(profiler_cli, "CpuBench", NoBench)
+    monkeypatch.setattr(profiler_cli, "profile", lambda bench, grid, out, *rest: seen.setdefault("outs", []).append(out))
+    monkeypatch.setattr(profiler_cli, "markdown", lambda result: "")
+    monkeypatch.setattr(profiler_cli, "plot", lambda result, path: None)
+    monkeypatch.setattr(profiler_cli, "_busy_cores", lambda: 0.0)
     new_folder = tmp_path / "new"
     for out in (str(tmp_path), f"{new_folder}/", str(tmp_path / "named.json")):
         assert cli.main(["profile", "partition", "--model", "demo", "--device", "cpu", "--quick", "--out", out]) == 0
     assert seen["folder"] == str(demo_model_path())
-    default = partition_profile.profile_path(partition_profile.cpu_device_name(), demo_model_path().name).name
+    default = profile_path(cpu_device_name(), demo_model_path().name).name
     assert seen["outs"] == [tmp_path / default, new_folder / default, tmp_path / "named.json"]
 
 
@@ -305,9 +309,7 @@ def test_a_real_run_on_the_demo_writes_a_loadable_profile(tmp_path: Path) -> Non
 def test_a_real_run_on_green_context_streams(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from bench.partition_gpu import GpuBench
-
-    from bench.partition_gpu import sm_carveout_available
+    from partition.profiler_gpu import GpuBench, sm_carveout_available
 
     grid = Grid(shares=(16, 32), batches=(2,), contexts=(64,), prompts=(64,), prefill_tokens=64, pairs=(),
                 concurrent=(1,), new_tokens=32, steps=3, prefill_repeat=1,
