@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.cli import _tokenizer_folder
@@ -62,13 +63,18 @@ def test_bench_refuses_bad_input_clearly(stub) -> None:
 
 def test_ctrl_c_reports_what_was_measured(stub, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
+    httpx.post(f"{stub.url}/stub/reset", timeout=10)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", stub.url, "--concurrency", "2",
                              "--duration", "60", "--api", "completions", "--scale", "0.05", "--out", str(out),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # A suite started in the background (`pytest &`) ignores SIGINT, and so would the child,
                             # whose Python then never raises KeyboardInterrupt: give it a terminal's default.
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    time.sleep(6)
+    # Ctrl-C once a third request reached the stub: one of the two slots has finished a request and recorded it.
+    deadline = time.monotonic() + 120
+    while len(httpx.get(f"{stub.url}/stub/log", timeout=10).json()) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, "the bench sent no second request"
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr

@@ -73,6 +73,20 @@ def test_unknown_hash_algo_is_refused() -> None:
         BlockHasher("md5")
 
 
+def subscribed(publisher: KVEventPublisher, sub: zmq.Socket, timeout: float = 10.0) -> int:
+    """Publish empty batches until sub receives the latest one sent: its subscription has reached the PUB socket
+    (which drops what it sends before) and nothing sent so far is still on its way. Returns the batches sent."""
+    sent = 0
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        publisher.publish([])
+        sent += 1
+        while sub.poll(100):
+            if int.from_bytes(sub.recv_multipart()[1], "big") == sent - 1:
+                return sent
+    raise AssertionError(f"the subscriber received none of {sent} batches in {timeout} s")
+
+
 def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
     cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub",
                          replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=2, topic="kv")
@@ -82,9 +96,9 @@ def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.connect(publisher.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-    time.sleep(0.3)  # a PUB socket drops what it sends before the subscription reaches it
     decode = msgspec.msgpack.Decoder(KVEventBatch).decode
     try:
+        n = subscribed(publisher, sub)
         for i in range(3):
             publisher.publish([removed([i])])
         got = []
@@ -94,7 +108,7 @@ def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
             batch = decode(payload)
             assert topic == b"kv" and batch.data_parallel_rank == 1
             got.append((int.from_bytes(seq, "big"), batch.events[0].block_hashes))
-        assert got == [(0, [0]), (1, [1]), (2, [2])]
+        assert got == [(n, [0]), (n + 1, [1]), (n + 2, [2])]
         replay = ctx.socket(zmq.DEALER)
         replay.connect(publisher.replay_endpoint)
         replay.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -105,7 +119,7 @@ def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
             if seq == END_SEQ:
                 break
             frames.append((int.from_bytes(seq, "big"), decode(payload).events[0].block_hashes))
-        assert frames == [(1, [1]), (2, [2])]  # only the last buffer_steps batches are kept
+        assert frames == [(n + 1, [1]), (n + 2, [2])]  # only the last buffer_steps batches are kept
         replay.close(0)
     finally:
         sub.close(0)
@@ -121,18 +135,23 @@ def test_a_dropped_batch_leaves_a_gap_in_the_numbers(tmp_path: Path) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.connect(publisher.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    time.sleep(0.3)
+
+    def received() -> int:
+        assert sub.poll(5000), "a batch the publisher queued did not arrive"
+        return int.from_bytes(sub.recv_multipart()[1], "big")
+
     try:
+        n, before = subscribed(publisher, sub), publisher.dropped
         publisher._wake.wait = lambda timeout=None: time.sleep(0.2)  # the thread lags: the queue fills
         for i in range(4):
             publisher.publish([removed([i])])
-        assert publisher.dropped >= 1
-        time.sleep(0.6)
+        dropped = publisher.dropped - before
+        assert dropped >= 1
+        sent = [received() for _ in range(4 - dropped)]  # the queue is empty once the last of them arrived
         publisher.publish([removed([9])])  # the next batch after the drop
-        seqs = []
-        while sub.poll(1000):
-            seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
-        assert seqs[-1] == 4 and len(seqs) == 5 - publisher.dropped  # the dropped batches' numbers are missing
+        assert received() == n + 4 and not sub.poll(0)
+        # The dropped batches' numbers are missing: the gaps say how many.
+        assert sent == sorted(sent) and len(set(range(n, n + 4)) - set(sent)) == dropped
     finally:
         sub.close(0)
         publisher.close()

@@ -23,6 +23,7 @@ import pytest
 
 from bench.servers import stop_server
 from bench.router import Node, Router, router_args, run_conversations, session_header, start_nodes
+from tests.server.test_overload import wait_until
 
 pytestmark = pytest.mark.router
 
@@ -197,13 +198,16 @@ def test_a_killed_node_costs_only_its_in_flight_requests(router, env: dict[str, 
                         status = -1
                     results.append((start, time.monotonic(), status))
 
+        def answered_since(t: float) -> int:
+            return sum(st == 200 for s, _, st in list(results) if s > t)
+
         threads = [threading.Thread(target=load) for _ in range(4)]
         for t in threads:
             t.start()
-        time.sleep(3)
+        wait_until(lambda: answered_since(0) >= 8, 60, "the load to run through the router")
         killed_at = time.monotonic()
         os.kill(pair[1].proc.pid, signal.SIGKILL)  # the workers follow it (they die with their parent)
-        time.sleep(6)
+        wait_until(lambda: answered_since(killed_at) >= 8, 60, "8 answers after the kill")
         stop.set()
         for t in threads:
             t.join()

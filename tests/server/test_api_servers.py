@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -87,11 +89,23 @@ def test_stored_responses_are_shared_by_the_api_servers(server) -> None:
         assert others, f"no other API server continued {response_id}"
 
 
+def wait_for_both_to_publish(server) -> None:
+    """Until each API server has written its counts (metrics-<i>.msgpack in the run's folder, rewritten every
+    SNAPSHOT_INTERVAL_S) after now: a scrape then counts every request that ended before this call."""
+    since = time.time_ns()
+
+    def published() -> bool:
+        files = list(Path(tempfile.gettempdir()).glob(f"ppd-{server.proc.pid}-*/metrics-*.msgpack"))
+        return len(files) == 2 and all(f.stat().st_mtime_ns > since for f in files)
+
+    wait_until(published, 30, "both API servers to publish their counts")
+
+
 def test_every_scrape_counts_the_requests_of_both(server) -> None:
-    time.sleep(1.5)  # each API server publishes its counts every second: the counts are at most that stale
+    wait_for_both_to_publish(server)
     before = server.metrics().get("vllm:request_success_total", 0)
     responses = served_by_both(server.url, 16)
-    time.sleep(1.5)
+    wait_for_both_to_publish(server)
     for _ in range(8):  # new connections: both API servers answer some of the scrapes
         with httpx.Client() as client:
             text = client.get(f"{server.url}/metrics", timeout=10).text

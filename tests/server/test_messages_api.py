@@ -66,7 +66,9 @@ def test_tool_use_round_trip_streams_the_input_and_reuses_the_prefix(client: ant
     history = ASK + [{"role": "assistant", "content": first.content},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "Sunny"}]}]
     after = client.messages.create(model="demo", max_tokens=8, tools=[WEATHER], messages=history, extra_body=GREEDY)
-    assert after.content and after.stop_reason in ("max_tokens", "end_turn", "tool_use")
+    # A random model writes no tool call of its own: the answer is text, cut at max_tokens or ended by the model.
+    assert [block.type for block in after.content] == ["text"]
+    assert after.stop_reason == ("max_tokens" if after.usage.output_tokens == 8 else "end_turn")
     assert after.usage.cache_read_input_tokens >= first.usage.input_tokens // 16 * 16 > 0
 
 

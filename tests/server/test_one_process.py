@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -82,9 +81,13 @@ def test_aborts_leak_no_blocks(server: ServerProcess) -> None:
 def test_killing_the_process_restarts_the_unit_with_a_new_prefill_thread(server: ServerProcess, tiny_llama: Path) -> None:
     victim = server.worker_pids()["decode"]
     os.kill(victim, signal.SIGKILL)
-    time.sleep(0.5)
-    wait_until(lambda: server.health()["status"] == "ok" and server.worker_pids()["decode"] != victim, 120,
-               "the unit to restart")
+
+    def restarted() -> bool:  # one /health answer: the new pid shows before the new process is ready
+        health = server.health()
+        workers = {w["role"]: w["pid"] for w in health["units"][0]["workers"]}
+        return health["status"] == "ok" and workers.get("decode") not in (None, victim)
+
+    wait_until(restarted, 120, "the unit to restart")
     assert server.worker_pids()["prefill"] == server.worker_pids()["decode"]
     prompt = list(range(10, 60))
     assert complete(server, prompt, "prefill")[0] == hf_greedy(tiny_llama, prompt, NEW_TOKENS)

@@ -86,9 +86,13 @@ def test_queue_time_bounds_waiting_to_start_not_the_prefill(start_server, policy
     assert alone.status_code == 200, alone.text
     assert took > 2 * limit, f"the prefill took {took:.2f}s: too short to show anything against a {limit}s limit"
 
+    def running() -> float:
+        return server.metrics().get("vllm:num_requests_running", 0)
+
+    wait_until(lambda: running() == 0, 30, "the first long request to leave the counts")
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(httpx.post, f"{server.url}{CHAT}", json=long_prompt("more"), timeout=120)
-        time.sleep(0.1)  # the long prefill runs first
+        wait_until(lambda: running() >= 1, 30, "the long prefill to start")  # before the short requests arrive
         queued = [pool.submit(httpx.post, f"{server.url}{CHAT}", json=body(f"{i} short", 4), timeout=120)
                   for i in range(3)]
         assert first.result().status_code == 200

@@ -83,20 +83,39 @@ def test_full_chat_request_parses() -> None:
     assert params.min_tokens == 2
 
 
-def test_no_op_values_of_unsupported_fields_are_accepted() -> None:
-    chat(
-        logprobs=False,
-        top_logprobs=0,
-        presence_penalty=0,
-        frequency_penalty=0.0,
-        repetition_penalty=1,
-        logit_bias={},
-        tools=[],
-        tool_choice="none",
-        response_format={"type": "text"},
-        echo=False,
-    )
-    completion(echo=False, suffix="", best_of=1, logprobs=None)
+def runs_as(request: ChatCompletionRequest | CompletionRequest) -> tuple:
+    """Everything the server takes from a parsed request to run it: two requests that agree here are served alike."""
+    shared = (request.sampling_params(8, EOS, VOCAB), request.guided_spec(), request.stop_strings,
+              request.requested_max_tokens, request.n, request.include_usage, request.return_token_ids)
+    if isinstance(request, CompletionRequest):
+        return (*shared, request.prompt, request.echo, request.score_only)
+    return (*shared, request.template_messages(), request.template_tools(), request.effective_tool_choice,
+            request.parallel_tool_calls)
+
+
+# Each field at the value that asks for nothing: the unsupported ones (refused at any other value, see
+# test_unsupported_*_features_are_refused_by_name) and the supported ones at their "off" value.
+NO_OP_CHAT_FIELDS = [
+    {"logprobs": False, "top_logprobs": 0}, {"presence_penalty": 0}, {"frequency_penalty": 0.0},
+    {"repetition_penalty": 1}, {"logit_bias": {}}, {"tools": []}, {"tool_choice": "none"},
+    {"response_format": {"type": "text"}}, {"echo": False}, {"use_beam_search": False},
+    {"include_stop_str_in_output": False}, {"skip_special_tokens": True}, {"functions": []},
+    {"function_call": "none"}, {"add_generation_prompt": True}, {"continue_final_message": False},
+    {"chat_template_kwargs": {}},
+]
+NO_OP_COMPLETION_FIELDS = [{"echo": False}, {"suffix": ""}, {"best_of": 1}, {"logprobs": None}]
+
+
+@pytest.mark.parametrize("fields", NO_OP_CHAT_FIELDS, ids=lambda f: ",".join(f))
+def test_no_op_values_of_unsupported_fields_are_accepted(fields: dict[str, Any]) -> None:
+    """A client that sends a field at its "ask for nothing" value gets the request it would get without the field:
+    not a 400, and not a different run."""
+    assert runs_as(chat(**fields)) == runs_as(chat())
+
+
+@pytest.mark.parametrize("fields", NO_OP_COMPLETION_FIELDS, ids=lambda f: ",".join(f))
+def test_no_op_values_of_unsupported_completion_fields_are_accepted(fields: dict[str, Any]) -> None:
+    assert runs_as(completion(**fields)) == runs_as(completion())
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:

@@ -6,6 +6,7 @@ import copy
 import json
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from pydantic import TypeAdapter, ValidationError
 from transformers import AutoTokenizer
 
 from engine.demo import CHAT_TEMPLATE, write_byte_tokenizer
+from engine.guided import GuidedDecoding, GuidedError
+from engine.sampling_params import GuidedSpec
 from server.tools import (
     ForcedCallStream,
     NO_ARGUMENTS,
@@ -238,11 +241,59 @@ def test_required_choice_forces_a_list_of_calls() -> None:
     assert TOOLS[2].function.parameters == BOOK, "the tools' schemas are not changed"
 
 
-def test_forced_schemas_compile_to_grammars() -> None:
-    xgrammar = pytest.importorskip("xgrammar")
-    for choice in (None, "get_weather", "get_time", "book"):
-        for parallel in (False, True):
-            xgrammar.Grammar.from_json_schema(json.dumps(forced_tool_schema(TOOLS, choice, parallel)))
+END_ID = 261  # the byte tokenizer's <|end|>
+
+
+@pytest.fixture(scope="module")
+def guided(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GuidedDecoding]:
+    """The engine's structured outputs over the demo's byte tokenizer (token id b is byte b)."""
+    folder = tmp_path_factory.mktemp("byte-tokenizer")
+    write_byte_tokenizer(folder)
+    decoding = GuidedDecoding(str(folder), 320, [END_ID])
+    yield decoding
+    decoding.close()
+
+
+def grammar_takes(guided: GuidedDecoding, schema: dict, value: Any) -> bool:
+    """Whether the grammar the engine builds for a forced call (the server sends the schema as a json_schema
+    constraint) lets a model write json.dumps(value) whole and then stop."""
+    request_id = f"forced-{json.dumps(schema)}-{json.dumps(value)}"
+    try:
+        spec = GuidedSpec("json_schema", json.dumps(schema))
+        mask = guided.fill([(request_id, spec, list(json.dumps(value).encode()))])
+    except GuidedError:  # a token left the grammar
+        return False
+    finally:
+        guided.release(request_id)
+    return bool(int(mask[0, END_ID // 32]) >> (END_ID % 32) & 1)
+
+
+WEATHER_CALL = {"name": "get_weather", "parameters": {"city": "Paris"}}
+BOOK_CALL = {"name": "book", "parameters": {"when": "2025-01-02"}}
+# (choice, parallel, values the schema allows and the grammar must let through, values it refuses)
+FORCED = [
+    ("get_weather", False, [{"city": "Paris"}, {"city": "Paris", "unit": "c"}], [{"unit": "c"}, {"city": 3}, "Paris"]),
+    ("get_time", True, [{}], [[], "now"]),
+    ("book", False, [{"when": "2025-01-02"}], [{"when": "tomorrow"}, {}]),
+    (None, False, [[WEATHER_CALL], [BOOK_CALL]],
+     [[], [WEATHER_CALL, WEATHER_CALL], [{"name": "nope", "parameters": {}}],
+      [{"name": "book", "parameters": {"when": "soon"}}], WEATHER_CALL]),
+    (None, True, [[WEATHER_CALL], [WEATHER_CALL, {"name": "get_time", "parameters": {}}, BOOK_CALL]],
+     [[], [{"name": "get_weather"}], [{**WEATHER_CALL, "extra": 1}]]),
+]
+
+
+@pytest.mark.parametrize(("choice", "parallel", "good", "bad"), FORCED,
+                         ids=["get_weather", "get_time-parallel", "book", "required", "required-parallel"])
+def test_forced_schemas_compile_to_grammars(guided: GuidedDecoding, choice: str | None, parallel: bool, good: list,
+                                            bad: list) -> None:
+    """A forced call's schema, $defs and patterns included, becomes a grammar that lets the model write a call the
+    schema allows, whole and then the end, and no call it refuses."""
+    schema = forced_tool_schema(TOOLS, choice, parallel)
+    for value in good:
+        assert valid(schema, value) and grammar_takes(guided, schema, value), value
+    for value in bad:
+        assert not valid(schema, value) and not grammar_takes(guided, schema, value), value
 
 
 def test_forced_schema_errors_name_the_fix() -> None:
