@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import time
+from bisect import bisect_left
 from typing import Any
 
 import msgspec
@@ -36,8 +37,9 @@ from partition.manager import ShareManager, Split
 from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
-from scheduler.messages import (AbortPrefill, AbortRequest, FromPrefill, GenerateRequest, PrefillDone, PrefillReady,
-                                RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput, WorkerReady)
+from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
+                                PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput,
+                                WorkerReady)
 from scheduler.prefill_worker import start_prefill_thread
 from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
                                     zmq_socket)
@@ -56,6 +58,8 @@ class StepTimes:
         self.steps = 0
         self.step_seconds = 0.0  # in the engine's steps
         self.loop_seconds = 0.0  # in the worker's loop around them
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # steps by their token count (WorkerStats)
+        self.iteration_tokens_sum = 0
 
     def loop(self, step_s: float, iteration_s: float) -> None:
         """One turn of the worker's loop that ran a step of step_s seconds took iteration_s in all."""
@@ -64,6 +68,9 @@ class StepTimes:
         self.loop_seconds += max(0.0, iteration_s - step_s)
 
     def record(self, inputs: list[StepInput], seconds: float) -> None:
+        tokens = sum(len(i.token_ids) for i in inputs)
+        self.iteration_tokens[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+        self.iteration_tokens_sum += tokens
         prefill_tokens = sum(len(i.token_ids) for i in inputs if len(i.token_ids) > 1 or not i.sample)
         ms = 1000.0 * seconds
         if prefill_tokens == 0:
@@ -223,6 +230,8 @@ class DecodeWorker:
         stats.decode_step_ms, stats.inline_tokens_per_s = self.times.decode_step_ms, self.times.inline_tokens_per_s
         stats.steps, stats.step_seconds, stats.loop_seconds = (self.times.steps, self.times.step_seconds,
                                                                self.times.loop_seconds)
+        stats.iteration_tokens = list(self.times.iteration_tokens)
+        stats.iteration_tokens_sum = self.times.iteration_tokens_sum
         stats.partition_problem = self.partition_problem
         if self.streams is not None:
             stats.decode_share, stats.prefill_share = self.streams.sms("decode", self.key), self.streams.sms("prefill", self.key)

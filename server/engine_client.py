@@ -140,6 +140,7 @@ class _Request:
     first_token: float = 0.0
     last_token: float = 0.0
     started: bool = False  # a worker put its first chunk in a step: it waits no more
+    started_at: float = 0.0  # when (the end of its queue time)
     route: Route | None = None  # where the unit ran the prefill (with the cached length it found)
     cached: int | None = None
     done: bool = False
@@ -398,6 +399,9 @@ class EngineClient:
         state.device_name, state.device_memory_total = ready.device, ready.device_memory_total
         if ready.num_kv_blocks is not None:
             state.num_kv_blocks, state.max_model_len = ready.num_kv_blocks, ready.max_model_len
+            engine = self.units[unit].engine
+            self.metrics.cache_config(unit, engine.block_size, engine.dtype, ready.num_kv_blocks,
+                                      engine.gpu_memory_utilization if engine.device != "cpu" else None)
             # The router's guess of what a unit caches cannot exceed the smallest pool.
             self.router.capacity = min(s.num_kv_blocks for s in self.state if s.num_kv_blocks is not None)
         if self.unit_ready(unit):
@@ -423,7 +427,11 @@ class EngineClient:
         req.put(Delta(out.token_ids, out.finish_reason, out.route, out.num_cached_tokens, out.logprobs,
                       out.prompt_logprobs))
         if out.finish_reason:
-            self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason)
+            # vLLM's phases, on this process's clock: waiting to start, its prefill (to the first token), its decode.
+            phases = ((req.started_at - req.arrival, req.first_token - req.started_at, req.last_token - req.first_token)
+                      if req.output_ids else None)
+            self.metrics.request_finished(now - req.arrival, len(req.prompt_ids), len(req.output_ids), out.finish_reason,
+                                          phases)
             outcome = None
             if req.output_ids:
                 n = len(req.output_ids)
@@ -434,7 +442,7 @@ class EngineClient:
             self._end(req, None, finished=True, outcome=outcome)
 
     def _started(self, req: _Request, now: float) -> None:
-        req.started = True
+        req.started, req.started_at = True, now
         state = self.state[req.unit]
         state.waiting -= 1
         state.starts.started(now, req.arrival)

@@ -18,7 +18,7 @@ _json = msgspec.json.Encoder()
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-OPEN_PATHS = ("/health", "/metrics")  # no API key needed, as in vLLM
+OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")  # no API key needed, as in vLLM (its key guards /v1)
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 

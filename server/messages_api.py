@@ -17,21 +17,19 @@ from typing import Annotated, Any, Literal
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from server.errors import RequestError, anthropic_error_body
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
-from server.protocol import INT64_MAX, ChatCompletionRequest, chat_request_as, unsupported
+from server.protocol import INT64_MAX, ChatCompletionRequest, RequestBody, chat_request_as, unsupported
 from server.request_path import Generation, RequestPath
 from server.request_types import Event, Prompt
 
 _json = msgspec.json.Encoder()
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(RequestBody):
     """Body of POST /v1/messages (and, without max_tokens, of /v1/messages/count_tokens)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     messages: list[dict[str, Any]]
@@ -159,8 +157,27 @@ def add_messages_routes(app: FastAPI, path: RequestPath) -> None:
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         chat = body.chat_request()
-        gen = await path.start(chat, Prompt(await path.chat_prompt(chat)), request)
+        try:
+            gen = await path.start(chat, Prompt(await path.chat_prompt(chat)), request)
+        except RequestError as exc:
+            raise in_anthropic_terms(exc) from None
         return await path.respond(gen, request, MessageRun(new_message_id(), model.name, gen))
+
+
+# The request path names tool choices as chat completions does; Anthropic's clients know them by these.
+ANTHROPIC_TOOL_CHOICES = (('tool_choice "auto"', 'tool_choice {"type": "auto"}'),
+                          ('tool_choice "required"', 'tool_choice {"type": "any"}'),
+                          ("a named function", '{"type": "tool", "name": ...}'))
+
+
+def in_anthropic_terms(exc: RequestError) -> RequestError:
+    """A request path error about the tool choice, in the Messages API's terms."""
+    if exc.param != "tool_choice":
+        return exc
+    message = exc.message
+    for openai_words, anthropic_words in ANTHROPIC_TOOL_CHOICES:
+        message = message.replace(openai_words, anthropic_words)
+    return RequestError(message, status=exc.status, param=exc.param)
 
 
 def new_message_id() -> str:

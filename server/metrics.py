@@ -11,14 +11,25 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-from scheduler.messages import WorkerStats
+from scheduler.messages import ITERATION_TOKEN_BUCKETS, WorkerStats
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0)
+               960.0, 1920.0, 7680.0)  # also vLLM's queue, prefill, decode and inference time buckets
+
+
+def buckets_1_2_5(largest: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to largest (the context length)."""
+    found, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > largest:
+                return tuple(found)
+            found.append(step * scale)
+        scale *= 10
 
 
 SNAPSHOT_INTERVAL_S = 1.0
@@ -96,6 +107,42 @@ class FastHistogram:
         yield HistogramMetricFamily(self.name, self.documentation, labels=[self.label[0]])
 
 
+class UnitHistogram:
+    """A histogram per unit (labels model_name, engine) of what the units' workers count themselves, cumulatively since
+    each started (their steps by token count): a worker's counts are added as they grow, and a restarted worker's
+    start again from zero without the histogram going down."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], model_name: str,
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.model = name, documentation, model_name
+        self.bounds = tuple(buckets)
+        self.units: dict[int, list] = {}  # unit -> [counts per bucket (the last: +Inf), sum]
+        registry.register(self)
+
+    def grew(self, unit: int, old: tuple[list[int], float] | None, new: tuple[list[int], float]) -> None:
+        """A worker's cumulative (counts, sum) went from old (None: its first, or it restarted) to new."""
+        counts, total = self.units.setdefault(unit, [[0] * (len(self.bounds) + 1), 0.0])
+        if not new[0]:
+            return
+        before = old if old is not None and old[0] and all(b <= a for a, b in zip(new[0], old[0])) else None
+        for i, n in enumerate(new[0]):
+            counts[i] += n - (before[0][i] if before else 0)
+        self.units[unit][1] = total + new[1] - (before[1] if before else 0)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name", "engine"])
+        for unit, (counts, total) in sorted(self.units.items()):
+            cumulative, buckets = 0, []
+            for bound, n in zip((*self.bounds, float("inf")), counts):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+            family.add_metric([self.model, str(unit)], buckets, total)
+        yield family
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=["model_name", "engine"])
+
+
 class FastCounter:
     """A Prometheus counter (name_total) counted per API server and rendered as the sum over them, like FastHistogram."""
 
@@ -153,7 +200,7 @@ class Metrics:
     its own requests (latencies, tokens, finishes, routes, rejections) is summed over all of them (PeerStates).
     """
 
-    def __init__(self, model_name: str, peers: PeerStates | None = None) -> None:
+    def __init__(self, model_name: str, peers: PeerStates | None = None, max_model_len: int = 8192) -> None:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self.peers = p = peers or PeerStates()
@@ -172,6 +219,25 @@ class Metrics:
                                  model, r, p)
         self.e2e = FastHistogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS,
                                  model, r, p)
+        self.queue_time = FastHistogram("vllm:request_queue_time_seconds", "Time a request waited before its first "
+                                        "prompt chunk ran.", E2E_BUCKETS, model, r, p)
+        self.prefill_time = FastHistogram("vllm:request_prefill_time_seconds", "Time from a request's first prompt chunk "
+                                          "to its first token.", E2E_BUCKETS, model, r, p)
+        self.decode_time = FastHistogram("vllm:request_decode_time_seconds", "Time from a request's first token to its "
+                                         "last.", E2E_BUCKETS, model, r, p)
+        self.inference_time = FastHistogram("vllm:request_inference_time_seconds", "Time from a request's first prompt "
+                                            "chunk to its last token (prefill and decode).", E2E_BUCKETS, model, r, p)
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = FastHistogram("vllm:request_prompt_tokens", "Prompt tokens of finished requests.",
+                                                   tokens, model, r, p)
+        self.request_generation_tokens = FastHistogram("vllm:request_generation_tokens", "Generated tokens of finished "
+                                                       "requests.", tokens, model, r, p)
+        self.iteration_tokens = UnitHistogram("vllm:iteration_tokens_total", "Tokens per engine step of the decode "
+                                              "worker (prompt chunks and decodes).", ITERATION_TOKEN_BUCKETS,
+                                              model_name, r)
+        self.cache_info = Gauge("vllm:cache_config_info", "The KV cache's configuration (the value is 1).",
+                                ["model_name", "engine", "block_size", "cache_dtype", "enable_prefix_caching",
+                                 "num_gpu_blocks", "gpu_memory_utilization"], registry=r)
         self.prompt_tokens = FastCounter("vllm:prompt_tokens", "Prompt tokens of finished requests.", ["model_name"], r, p)
         self.generation_tokens = FastCounter("vllm:generation_tokens", "Generated tokens of finished requests.",
                                              ["model_name"], r, p)
@@ -193,8 +259,10 @@ class Metrics:
                                   model_name, r, p)
         for counter in (self.prompt_tokens, self.generation_tokens):  # shown from the start, as vLLM's are
             counter.inc((model_name,), 0)
-        self.request_side = (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.success,
-                             self.prefills, self.decisions, self.rejections, self.api_cpu)
+        self.request_side = (self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time, self.decode_time,
+                             self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
+                             self.prompt_tokens, self.generation_tokens, self.success, self.prefills, self.decisions,
+                             self.rejections, self.api_cpu)
         self.decode_step = Gauge("ppd:decode_step_seconds", "The decode worker's recent decode-only step time.", labels,
                                  registry=r)
         self.share = Gauge("ppd:partition_share", "Each worker's share of its unit's device now (cores on the CPU).",
@@ -226,6 +294,8 @@ class Metrics:
         self.prefill_queue.labels(*labels).set(new.prefill_queue_tokens)
         self.decode_step.labels(*labels).set(new.decode_step_ms / 1000)
         self._units[unit] = new
+        self.iteration_tokens.grew(unit, old and (old.iteration_tokens, old.iteration_tokens_sum),
+                                   (new.iteration_tokens, new.iteration_tokens_sum))
         # Worker counters restart from zero with the worker; Prometheus counters must not go down.
         if new.decode_share:
             self.share.labels(*labels, "decode").set(new.decode_share)
@@ -238,8 +308,9 @@ class Metrics:
                                      (self.step_seconds, new.step_seconds, old and old.step_seconds),
                                      (self.loop_seconds, new.loop_seconds, old and old.loop_seconds)):
             delta = now - (before or 0)
+            child = counter.labels(*labels)  # a unit's series shows from its first stats, at 0, as vLLM's do
             if delta > 0:
-                counter.labels(*labels).inc(delta)
+                child.inc(delta)
 
     def prefill_speed_measured(self, unit: int, tokens_per_s: float) -> None:
         self.prefill_speed.labels(self.model, str(unit)).set(tokens_per_s)
@@ -260,8 +331,24 @@ class Metrics:
         """num_tokens arrived together after `seconds`: each is counted at an equal share of the gap."""
         self.itl.observe(seconds / num_tokens, num_tokens)
 
-    def request_finished(self, e2e_seconds: float, prompt_tokens: int, generated_tokens: int, reason: str) -> None:
+    def cache_config(self, unit: int, block_size: int, cache_dtype: str, num_blocks: int,
+                     gpu_memory_utilization: float | None) -> None:
+        """A unit's KV cache, once it is ready (vLLM's info gauge: the labels say it)."""
+        self.cache_info.labels(self.model, str(unit), str(block_size), cache_dtype, "True", str(num_blocks),
+                               "" if gpu_memory_utilization is None else str(gpu_memory_utilization)).set(1)
+
+    def request_finished(self, e2e_seconds: float, prompt_tokens: int, generated_tokens: int, reason: str,
+                         phases: tuple[float, float, float] | None = None) -> None:
+        """A request ended; phases: its (queue, prefill, decode) seconds, where it generated a token."""
         self.e2e.observe(e2e_seconds)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated_tokens)
+        if phases is not None:
+            queue, prefill, decode = (max(0.0, s) for s in phases)
+            self.queue_time.observe(queue)
+            self.prefill_time.observe(prefill)
+            self.decode_time.observe(decode)
+            self.inference_time.observe(prefill + decode)
         self.prompt_tokens.inc((self.model,), prompt_tokens)
         self.generation_tokens.inc((self.model,), generated_tokens)
         self.success.inc((self.model, reason))

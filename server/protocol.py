@@ -5,7 +5,7 @@ repetition_penalty, min_tokens, ignore_eos, stop_token_ids, return_token_ids,
 guided_json/regex/choice/grammar and structured_outputs). A field that would
 change the output in a way we do not implement (beam search, suffix, ...) is
 rejected by name with a 400, never silently ignored; unknown fields are
-ignored, as vLLM does. Checks that need the model (token ids against the
+ignored, as vLLM does, and named in the log once per field name. Checks that need the model (token ids against the
 vocabulary, prompt + max_tokens against the context length) belong to the API
 server.
 """
@@ -13,15 +13,19 @@ server.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS,
                                     GuidedSpec, SamplingParams)
 from server.errors import RequestError, validation_error_message
 from server.tools import NamedToolChoice, Tool, ToolCall, template_messages
+
+log = logging.getLogger("ppd.api")
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; every one is matched against every new piece of text
@@ -158,10 +162,28 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class SamplingRequest(BaseModel):
-    """The fields /v1/chat/completions and /v1/completions share, and their mapping to SamplingParams."""
+class RequestBody(BaseModel):
+    """A request's body. A top-level field the server does not know is ignored, as vLLM ignores it, and named in the
+    log once per field name (vLLM names them on every request): a typo (`max_token`) shows there, and a client's
+    newer fields do not fail its requests."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _name_ignored_fields(self) -> RequestBody:
+        for name in self.model_extra or ():
+            if name not in IGNORED_FIELDS:
+                IGNORED_FIELDS.add(name)
+                log.warning("a request's field %r is not one this server knows: ignored (said once per field name)",
+                            name)
+        return self
+
+
+IGNORED_FIELDS: set[str] = set()  # unknown field names already logged
+
+
+class SamplingRequest(RequestBody):
+    """The fields /v1/chat/completions and /v1/completions share, and their mapping to SamplingParams."""
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)

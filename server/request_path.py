@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.guided import spec_problem
-from engine.sampling_params import GuidedSpec, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
 from server.answer import Answer, sse
 from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient
@@ -32,6 +32,7 @@ from server.errors import RequestError, error_body_for
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from server.request_types import Choice, Event, Prompt
 from server.tool_output import ToolOutput, tool_output_for
+from server.tools import renders_tools, with_tool_prompt
 
 _json = msgspec.json.Encoder()
 
@@ -53,11 +54,30 @@ class ServedModel:
     eos_token_ids: tuple[int, ...]
     tool_parser: str = "auto"  # --tool-call-parser: how tool_choice auto reads calls out of the model's text
     created: int = field(default_factory=lambda: int(time.time()))
+    aliases: tuple[str, ...] = ()  # every --served-model-name a request may use (name: the first)
+    sampling_defaults: dict = field(default_factory=dict)  # for requests that leave them unset (--generation-config)
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.aliases or (self.name,)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (self.name, self.path):
-            raise RequestError(f"The model `{name}` does not exist; this server serves `{self.name}`", status=404,
-                               param="model")
+        if name is not None and name not in (*self.names, self.path):
+            raise RequestError(f"The model `{name}` does not exist; this server serves `{'`, `'.join(self.names)}`",
+                               status=404, param="model")
+
+    def with_defaults(self, body: SamplingRequest) -> SamplingRequest:
+        """body with the server's sampling defaults (--generation-config) where it leaves a field unset (max_tokens:
+        resolve_max_tokens)."""
+        unset = {k: v for k, v in self.sampling_defaults.items() if k != "max_tokens" and getattr(body, k, 0) is None}
+        return body.model_copy(update=unset) if unset else body
+
+    def check_logprobs(self, body: SamplingRequest) -> None:
+        asked = max(body.logprobs_asked or 0, body.prompt_logprobs_asked or 0)
+        if asked > self.max_logprobs:
+            raise RequestError(f"{asked} logprobs per token asked; this server returns at most {self.max_logprobs} "
+                               "(--max-logprobs)", param="logprobs")
 
     def need_tokenizer(self, param: str) -> None:
         if self.tokenizer is None:
@@ -74,7 +94,10 @@ class ServedModel:
     def chat_prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         add_special_tokens: bool = False) -> list[int]:
-        """The token ids the chat template makes of messages (what /v1/chat/completions runs)."""
+        """The token ids the chat template makes of messages (what /v1/chat/completions runs); tools a template does
+        not write are described in the system message (server/tools.py with_tool_prompt)."""
+        if tools and not renders_tools(getattr(self.tokenizer, "chat_template", None)):
+            messages = with_tool_prompt(messages, tools)
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, tokenize=False)
@@ -102,6 +125,8 @@ class ServedModel:
                 if requested is not None else f"{num_prompt} tokens in the prompt, leaving no room for the completion"
             raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                                f"requested {asked}. Shorten the prompt or lower max_tokens.", param="max_tokens")
+        if requested is None and (default := self.sampling_defaults.get("max_tokens")) is not None:
+            return max(1, min(int(default), room))  # the server's default fits what room is left, as vLLM's does
         return requested if requested is not None else room
 
 
@@ -178,6 +203,8 @@ class RequestPath:
     async def start(self, body: SamplingRequest, prompt: Prompt, request: Request) -> Generation:
         """Check the request and start its choices; their events come from the Generation's `events`."""
         model, prompt_ids = self.model, prompt.token_ids
+        body = model.with_defaults(body)
+        model.check_logprobs(body)
         model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         guided, tools = await self.off_loop(self.output_rules, body)  # the grammar library's first use imports it
         score_only = isinstance(body, CompletionRequest) and body.score_only

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import RequestError
-from server.protocol import INT64_MAX, INT64_MIN, unsupported
+from server.protocol import INT64_MAX, INT64_MIN, RequestBody, unsupported
 from server.tools import FunctionDefinition
 
 MAX_METADATA_KEYS = 16
@@ -37,10 +37,8 @@ class TextConfig(BaseModel):
     verbosity: Any = None  # a hint for reasoning models; accepted and ignored
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     """Body of POST /v1/responses."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     input: str | list[dict[str, Any]]

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import os
 import re
@@ -14,7 +15,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
@@ -25,6 +26,7 @@ from engine.gguf import model_folder as gguf_folder
 from engine.engine import EngineConfig
 from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describe
 from engine.memory_plan import StartupError, plan_from_request
+from engine.sampling_params import MAX_LOGPROBS
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
 from partition.backends import PartitionError, backend_of, plan_partitions
@@ -52,6 +54,9 @@ class ServePlan:
     device: str
     partition: str  # the backend chosen (partition/backends.py)
     mps: MpsDaemonPlan | None = None  # the MPS daemon the workers use (start=True: the server starts and stops it)
+    model_names: tuple[str, ...] = ()  # every --served-model-name (model_name: the first)
+    chat_template: str | None = None  # --chat-template's text
+    sampling_defaults: dict = field(default_factory=dict)  # for requests that leave them unset (generation_defaults)
 
 
 def visible_gpus() -> list[str]:
@@ -87,6 +92,7 @@ def choose_gpus(args: argparse.Namespace, gpus: list[str]) -> list[str]:
 
 def plan_serve(args: argparse.Namespace) -> ServePlan:
     """Resolve and check everything that can be checked before any process starts."""
+    vllm_flags(args)
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "prefill_batch_tokens"):
         if (value := getattr(args, name)) is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -118,6 +124,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         raise UsageError(f"--max-model-len {args.max_model_len} exceeds the model's {mcfg.max_position_embeddings} positions")
     if not args.skip_tokenizer_init and args.tokenizer is None and (problem := tokenizer_missing(path)):
         raise UsageError(problem)
+    chat_template, sampling_defaults = chat_template_text(args.chat_template), generation_defaults(args, path)
 
     gpus = visible_gpus()
     device = args.device if args.device != "auto" else ("cuda" if gpus else "cpu")
@@ -183,9 +190,91 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
     if kv_events is not None and kv_events.publishing:
         log.info("%s", describe(kv_events, len(units)))
-    name = args.served_model_name or (args.model if args.model in (DEMO_MODEL, SMOLLM2)
-                                      else os.path.basename(args.model.rstrip("/")).removesuffix(".gguf"))
-    return ServePlan(units, name, path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps)
+    names = args.served_model_name or [args.model if args.model in (DEMO_MODEL, SMOLLM2)
+                                       else os.path.basename(args.model.rstrip("/")).removesuffix(".gguf")]
+    return ServePlan(units, names[0], path, tokenizer, mcfg, max_model_len, ipc_dir, device, partition, mps,
+                     tuple(names), chat_template, sampling_defaults)
+
+
+def chat_template_text(arg: str | None) -> str | None:
+    """--chat-template, as vLLM takes it: a file, or the template itself."""
+    if arg is None or "{{" in arg or "{%" in arg:
+        return arg
+    try:
+        return Path(arg).read_text()
+    except OSError as exc:
+        raise UsageError(f"--chat-template {arg}: neither a readable file ({exc.strerror}) nor a Jinja template") from exc
+
+
+def vllm_flags(args: argparse.Namespace) -> None:
+    """`vllm serve`'s command line as ppd takes it (server/cli.py add_vllm_args): MODEL as an argument, and each of
+    vLLM's flags accepted with its meaning or refused saying what ppd does instead."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise UsageError(f"two models: {args.model_tag} and --model {args.model}; give one")
+    args.model = args.model_tag or args.model or DEMO_MODEL
+    if args.enable_prefix_caching is False:
+        raise UsageError("--no-enable-prefix-caching: ppd always caches prefixes (the PPD policy routes each append "
+                         "by the prefix its unit holds); leave it out")
+    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size} --pipeline-parallel-size "
+                         f"{args.pipeline_parallel_size}: ppd runs a model on one GPU per unit (1 and 1); several GPUs "
+                         "serve as several units (--gpus, --data-parallel-size)")
+    if args.data_parallel_size is not None:
+        if args.units is not None and args.units != args.data_parallel_size:
+            raise UsageError(f"--data-parallel-size {args.data_parallel_size} and --units {args.units}: the same "
+                             "setting (ppd's units are vLLM's data-parallel ranks); give one")
+        args.units = args.data_parallel_size
+    if args.quantization is not None:
+        raise UsageError(f"--quantization {args.quantization}: ppd serves bfloat16, float16 or float32 weights "
+                         "(--dtype); a GGUF's quantized weights are dequantized when it is loaded")
+    if args.seed is not None:
+        raise UsageError(f"--seed {args.seed}: ppd has no server-wide seed; a request's `seed` field makes its "
+                         "sampling repeatable")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise UsageError(f"--max-logprobs {args.max_logprobs}: ppd returns 0 to {MAX_LOGPROBS} logprobs per token")
+    if args.trust_remote_code:
+        log.info("--trust-remote-code: ppd runs its own code for the architectures it serves, never a folder's")
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+def generation_defaults(args: argparse.Namespace, model_folder: str) -> dict[str, float | int]:
+    """The sampling defaults of requests that leave them unset (--generation-config, as vLLM's: the model folder's
+    generation_config.json, a folder's, or none), under --override-generation-config."""
+    source = {"auto": model_folder, "vllm": None}.get(args.generation_config, args.generation_config)
+    found: dict = {}
+    if source is not None:
+        path = Path(source) / "generation_config.json"
+        if args.generation_config not in ("auto", "vllm") and not path.is_file():
+            raise UsageError(f"--generation-config {source}: no generation_config.json there; give a folder that "
+                             "holds one, auto (the model's) or vllm (none)")
+        try:
+            found = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path}: not readable JSON ({exc})") from exc
+        if "max_new_tokens" in found:
+            found["max_tokens"] = found["max_new_tokens"]
+        if found.get("do_sample") is False:  # transformers' greedy: vLLM reads it as temperature 0 too
+            found.setdefault("temperature", 0.0)
+    if args.override_generation_config is not None:
+        try:
+            override = json.loads(args.override_generation_config)
+        except ValueError as exc:
+            raise UsageError(f"--override-generation-config: not JSON ({exc}); e.g. '{{\"temperature\": 0.2}}'") from exc
+        if not isinstance(override, dict) or (unknown := set(override) - {*GENERATION_DEFAULTS, "max_new_tokens"}):
+            raise UsageError(f"--override-generation-config: give an object of {', '.join(GENERATION_DEFAULTS)}"
+                             + (f" (not {', '.join(sorted(unknown))})" if isinstance(override, dict) else ""))
+        found.update(override)
+        if "max_new_tokens" in override:
+            found["max_tokens"] = override["max_new_tokens"]
+    defaults = {k: found[k] for k in GENERATION_DEFAULTS if isinstance(found.get(k), (int, float))
+                and not isinstance(found.get(k), bool)}
+    if defaults:
+        log.info("sampling defaults for requests that leave them unset: %s (--generation-config %s%s)",
+                 ", ".join(f"{k} {v}" for k, v in defaults.items()), args.generation_config,
+                 ", overridden" if args.override_generation_config else "")
+    return defaults
 
 
 def model_path(model: str) -> str:
@@ -193,6 +282,10 @@ def model_path(model: str) -> str:
     .gguf file, a folder holding one), converted on first use; UsageError for a GGUF this server does not serve."""
     if model == DEMO_MODEL:
         return str(demo_model_path())
+    if not os.path.exists(model) and re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.endswith(".gguf"):
+        raise UsageError(f"{model} is not a folder here; as a Hugging Face hub id it is not fetched: ppd downloads "
+                         f"nothing. Fetch it first (`hf download {model} --local-dir DIR`, or huggingface-cli) and serve "
+                         f"the folder: ppd serve DIR; or serve the packaged SmolLM2-135M-Instruct: ppd serve smollm2")
     try:
         gguf = gguf_in(model)
         return str(gguf_folder(gguf)) if gguf is not None else os.path.abspath(model)
@@ -293,8 +386,9 @@ def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir(
     return removed
 
 
-def load_tokenizer(path: str | None):
-    """The tokenizer the API uses (None with --skip-tokenizer-init: prompts and answers are token ids)."""
+def load_tokenizer(path: str | None, chat_template: str | None = None):
+    """The tokenizer the API uses (None with --skip-tokenizer-init: prompts and answers are token ids), with
+    chat_template (--chat-template's text) in place of its own."""
     if path is None:
         return None
     from transformers import AutoTokenizer
@@ -311,6 +405,8 @@ def load_tokenizer(path: str | None):
         tokenizer.encode("ppd")
     except Exception as exc:
         raise UsageError(f"the tokenizer of {path} cannot encode text: {exc} ({fix})") from exc
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer of %s has no chat template: /v1/chat/completions will answer 400 (use "
                     "/v1/completions, or --tokenizer FOLDER with one that has a template)", path)
@@ -446,7 +542,7 @@ def api_client(args: argparse.Namespace, plan: ServePlan, policy, api_server: in
     router = Router(len(plan.units), args.block_size, policy, plan.units[0].engine.num_kv_blocks or 0,
                     session_ttl_s=args.session_ttl_s)
     router.answers.from_max_tokens = args.answer_length == "max-tokens"
-    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, api_server, args.api_server_count))
+    metrics = Metrics(plan.model_name, PeerStates(plan.ipc_dir, api_server, args.api_server_count), plan.max_model_len)
     return EngineClient(plan.units, router, metrics, admission_for(args), api_server)
 
 
@@ -456,7 +552,8 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
     from server.request_path import ServedModel
 
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
-                        plan.mcfg.eos_token_ids, args.tool_call_parser)
+                        plan.mcfg.eos_token_ids, args.tool_call_parser, aliases=plan.model_names,
+                        sampling_defaults=plan.sampling_defaults, max_logprobs=args.max_logprobs)
 
     def on_ready() -> None:
         model.max_model_len = client.max_model_len() or model.max_model_len
@@ -519,7 +616,7 @@ def serve(args: argparse.Namespace) -> None:
     sock = None
     try:
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
-        tokenizer = load_tokenizer(plan.tokenizer_path)
+        tokenizer = load_tokenizer(plan.tokenizer_path, plan.chat_template)
         store = response_store(args, plan)
     except UsageError:
         if sock is not None:
@@ -585,7 +682,8 @@ def serve(args: argparse.Namespace) -> None:
         helpers.signal(sig)
 
     app = build_app(model, client, lambda: health(plan, client, launcher.pids), lifespan, guard, store)
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.uvicorn_log_level or args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout + 5),
                             client, args.shutdown_timeout, on_signal)
     try:
@@ -610,7 +708,7 @@ def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
 
     policy = policy_for(args, plan)
     client = api_client(args, plan, policy, index)
-    model = served_model(args, plan, load_tokenizer(plan.tokenizer_path), client, policy)
+    model = served_model(args, plan, load_tokenizer(plan.tokenizer_path, plan.chat_template), client, policy)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -628,7 +726,8 @@ def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
 
     app = build_app(model, client, lambda: health(plan, client, lambda u: worker_pids(client, u)), lifespan,
                     request_guard(args), response_store(args, plan))
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level or args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
     server = HelperServer(config, client, args.shutdown_timeout)
     # Bound now and listening once uvicorn starts serving, after the lifespan saw the units ready.
     family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]

@@ -474,18 +474,43 @@ _SIGNS = ((HERMES, ("<tool_call>",)), (MISTRAL, ("[TOOL_CALLS]",)),
 
 
 def parser_for(name: str, chat_template: str | None) -> ToolParser | None:
-    """The parser named (auto, hermes, llama3_json, mistral or none). auto reads the format off the chat template:
-    None when it shows none (then "auto" cannot be served). Raises ValueError on an unknown name."""
+    """The parser named (auto, hermes, llama3_json, mistral or none; None for none). auto reads the format off the
+    chat template, and where it shows none takes Hermes's, the one most open chat models were tuned on (Qwen2.5 and
+    3, Hermes, SmolLM2's tool data): an agent's later turns send tool_choice auto with every tool result, and a 400
+    on each would stop it on its second turn. Raises ValueError on an unknown name."""
     if name == "none":
         return None
     if name != "auto":
         if name not in PARSERS:
             raise ValueError(f"unknown tool parser {name!r}; use one of auto, none, {', '.join(PARSERS)}")
         return PARSERS[name]
+    return template_format(chat_template) or HERMES
+
+
+def template_format(chat_template: str | None) -> ToolParser | None:
+    """The tool-call format a chat template shows (None: none)."""
     for parser, signs in _SIGNS:
         if chat_template and any(sign in chat_template for sign in signs):
             return parser
     return None
+
+
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template writes the request's tools into the prompt (it reads its `tools` variable)."""
+    return bool(chat_template) and "tools" in chat_template
+
+
+def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """messages with the tools described in their system message, in Hermes's format, for a chat template that
+    writes no tools itself: the model learns what it may call and how to call it (what the Hermes parser reads)."""
+    listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    prompt = ("# Tools\n\nYou may call one or more of the functions below to help answer the user. Their signatures "
+              f"are within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nTo call one, answer with a JSON "
+              "object of its name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    if messages and messages[0].get("role") == "system":
+        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{prompt}".lstrip()}, *messages[1:]]
+    return [{"role": "system", "content": prompt}, *messages]
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

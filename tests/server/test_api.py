@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -170,6 +171,29 @@ def test_metrics_use_vllm_names(server: ServerProcess, client: openai.OpenAI) ->
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1 and m["vllm:prefix_cache_queries_total"] > 0
     text = httpx.get(f"{server.url}/metrics", timeout=5).text
     assert 'ppd:route_decisions_total{model_name="demo",reason="miss",route="prefill"}' in text
+
+
+def test_metrics_have_vllms_request_histograms_and_cache_info(server: ServerProcess) -> None:
+    """What vLLM's dashboards plot per request (its phases and token counts), per step and of the cache, scraped from
+    a server: a request of 5 prompt tokens and 6 generated ones lands in each phase histogram once."""
+    names = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+             "vllm:request_inference_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens")
+    before = server.metrics()
+    resp = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={"model": "demo", "prompt": [1, 2, 3, 4, 5], "max_tokens": 6, "ignore_eos": True})
+    assert resp.status_code == 200
+    after = server.metrics()
+    for name in names:
+        assert after[f"{name}_count"] == before.get(f"{name}_count", 0) + 1, name
+    assert after["vllm:request_prompt_tokens_sum"] - before.get("vllm:request_prompt_tokens_sum", 0) == 5
+    assert after["vllm:request_generation_tokens_sum"] - before.get("vllm:request_generation_tokens_sum", 0) == 6
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    assert 'vllm:request_prompt_tokens_bucket{le="5.0",model_name="demo"}' in text, "vLLM's 1-2-5 buckets"
+    assert re.search(r'vllm:cache_config_info\{[^}]*block_size="16"[^}]*enable_prefix_caching="True"[^}]*} 1\.0', text)
+    deadline = time.monotonic() + 5  # the worker's steps come with its next stats
+    while server.metrics().get("vllm:iteration_tokens_total_count", 0) < after.get("ppd:worker_steps_total", 1):
+        assert time.monotonic() < deadline, "the decode worker's steps were not counted by token count"
+        time.sleep(0.1)
 
 
 def test_metrics_count_the_decode_workers_steps_and_the_loop_around_them(server: ServerProcess) -> None:

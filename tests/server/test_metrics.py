@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from server.metrics import E2E_BUCKETS, ITL_BUCKETS, Metrics
+from server.metrics import E2E_BUCKETS, ITL_BUCKETS, Metrics, buckets_1_2_5
 
 
 def _lines(text: bytes, name: str) -> list[str]:
@@ -48,3 +48,44 @@ def test_node_series_sum_the_units_queues_and_average_their_kv_usage() -> None:
     assert 'ppd:node_num_requests_running{model_name="demo"} 4.0' in text
     assert 'ppd:node_num_requests_waiting{model_name="demo"} 5.0' in text
     assert 'ppd:node_kv_cache_usage_perc{model_name="demo"} 0.375' in text
+
+
+def test_a_requests_phases_and_token_counts_render_as_vllms_histograms() -> None:
+    metrics = Metrics("demo", max_model_len=1000)
+    metrics.request_finished(2.0, 120, 7, "stop", (0.25, 0.5, 1.25))
+    metrics.request_finished(0.1, 3, 0, "abort")  # no token: no phases
+    reference = CollectorRegistry()
+    expected = {"vllm:request_queue_time_seconds": (E2E_BUCKETS, [0.25]),
+                "vllm:request_prefill_time_seconds": (E2E_BUCKETS, [0.5]),
+                "vllm:request_decode_time_seconds": (E2E_BUCKETS, [1.25]),
+                "vllm:request_inference_time_seconds": (E2E_BUCKETS, [1.75]),
+                "vllm:request_prompt_tokens": (buckets_1_2_5(1000), [120, 3]),
+                "vllm:request_generation_tokens": (buckets_1_2_5(1000), [7, 0])}
+    docs = {m.name: m.documentation for m in metrics.request_side if hasattr(m, "documentation")}
+    for name, (buckets, values) in expected.items():
+        hist = Histogram(name, docs[name], ["model_name"], buckets=buckets, registry=reference).labels("demo")
+        for value in values:
+            hist.observe(value)
+    for name in expected:
+        assert _lines(metrics.render(), name) == _lines(generate_latest(reference), name), name
+    assert buckets_1_2_5(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+def test_steps_by_token_count_add_up_across_a_worker_restart() -> None:
+    from scheduler.messages import ITERATION_TOKEN_BUCKETS, WorkerStats
+
+    def stats(counts: list[int], total: int) -> WorkerStats:
+        return WorkerStats(num_running=0, num_waiting=0, kv_usage=0.0, prefix_queries=0, prefix_hits=0,
+                           num_preemptions=0, iteration_tokens=counts + [0] * (len(ITERATION_TOKEN_BUCKETS) + 1 - len(counts)),
+                           iteration_tokens_sum=total)
+
+    metrics = Metrics("demo")
+    first, later, restarted = stats([3, 1], 10), stats([5, 2], 20), stats([1], 1)
+    metrics.worker_stats(0, None, first)
+    metrics.worker_stats(0, first, later)
+    metrics.worker_stats(0, later, restarted)  # counts went down: a new worker, counted from zero
+    text = metrics.render().decode()
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="demo"} 6.0' in text
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="8.0",model_name="demo"} 8.0' in text
+    assert 'vllm:iteration_tokens_total_count{engine="0",model_name="demo"} 8.0' in text
+    assert 'vllm:iteration_tokens_total_sum{engine="0",model_name="demo"} 21.0' in text

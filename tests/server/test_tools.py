@@ -33,6 +33,7 @@ from server.tools import (
     forced_tool_schema,
     merge_deltas,
     parser_for,
+    template_format,
     template_messages,
 )
 from tests.chat_templates import PARSER_OF, TEMPLATES, write_template
@@ -344,8 +345,10 @@ def test_parser_for_reads_the_format_off_the_template(family: str) -> None:
 
 
 def test_parser_for_names_and_templates_without_tools() -> None:
+    """auto on a template that shows no tool format reads Hermes's (an agent's later turns send auto)."""
     assert parser_for("auto", CHAT_TEMPLATE) is PARSERS["hermes"]
-    assert parser_for("auto", OLD_DEMO_TEMPLATE) is None and parser_for("auto", None) is None
+    assert template_format(OLD_DEMO_TEMPLATE) is None and template_format(None) is None
+    assert parser_for("auto", OLD_DEMO_TEMPLATE) is parser_for("auto", None) is PARSERS["hermes"]
     assert parser_for("mistral", None) is PARSERS["mistral"] and parser_for("none", CHAT_TEMPLATE) is None
     with pytest.raises(ValueError, match="use one of auto, none, hermes, llama3_json, mistral"):
         parser_for("pythonic", None)
