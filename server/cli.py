@@ -59,8 +59,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token ids, no text")
     p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json", "mistral", "none"),
-                   help="how tool_choice auto reads tool calls from the model's text (default auto: from the chat "
-                        "template's format; none: auto answers with text only, required and named choices still work)")
+                   help="how tool_choice auto reads tool calls from the model's text (default auto: the chat "
+                        "template's format, else Hermes's, with the tools described in the system message when the "
+                        "template writes none; none: auto is refused, required and named choices still work)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on; 0.0.0.0 for every interface")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--api-key", default=None,
@@ -205,8 +206,8 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="on, always: the PPD policy routes each append by the prefix its unit holds cached")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted: tool_choice auto works whenever the chat template has a tool format or "
-                        "--tool-call-parser names one")
+                   help="accepted: tool_choice auto is always on (the chat template's tool format, else Hermes's; "
+                        "--tool-call-parser to name one)")
     g.add_argument("--disable-log-requests", action="store_true", help="accepted: ppd does not log each request")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted: ppd runs its own model code (Llama, Mistral, Qwen2, Qwen3), never a folder's")

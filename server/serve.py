@@ -550,7 +550,13 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
     """What the API serves; once the units are ready it takes their context length, and on a GPU the ppd policy
     its device's table."""
     from server.request_path import ServedModel
+    from server.tools import renders_tools, template_format
 
+    template = getattr(tokenizer, "chat_template", None)
+    if tokenizer is not None and args.tool_call_parser == "auto" and template and template_format(template) is None:
+        log.info("tools: the chat template shows no tool-call format, so tool_choice auto reads calls in Hermes's "
+                 "(<tool_call>{...}</tool_call>)%s; --tool-call-parser names another, none refuses auto",
+                 "" if renders_tools(template) else ", with the tools described in the system message")
     model = ServedModel(plan.model_name, plan.model_path, tokenizer, plan.max_model_len, plan.mcfg.vocab_size,
                         plan.mcfg.eos_token_ids, args.tool_call_parser, aliases=plan.model_names,
                         sampling_defaults=plan.sampling_defaults, max_logprobs=args.max_logprobs)

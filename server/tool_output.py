@@ -118,9 +118,9 @@ def tool_output_for(body: ChatCompletionRequest, tokenizer: Any, parser_name: st
     if choice == "auto":
         parser = parser_for(parser_name, getattr(tokenizer, "chat_template", None))
         if parser is None:
-            raise RequestError('tool_choice "auto" needs the model\'s tool-call format, and its chat template shows '
-                               "none: start the server with --tool-call-parser hermes, llama3_json or mistral, or "
-                               'send tool_choice "required" or a named function', param="tool_choice")
+            raise RequestError('tool_choice "auto": this server reads no tool calls out of the model\'s text '
+                               "(--tool-call-parser none); send tool_choice \"required\" or a named function, or "
+                               "start it with another --tool-call-parser", param="tool_choice")
         return ToolOutput("auto", body.tools, parser=parser)
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     try:
