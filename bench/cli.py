@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 
-from bench.common import TOKENIZER_FILES, BenchError, default_out, fail_unless_measured, has_tokenizer, one_line
+from bench.common import TOKENIZER_FILES, BenchError, fail_unless_measured, has_tokenizer, one_line, results_out
 from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
 from scheduler.config import POLICIES
 
@@ -60,7 +60,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "the answer length it recorded: the true lengths, told to the server")
     g.add_argument("--num-conversations", type=int, default=200, help="distinct conversations (cycled if the run is longer)")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer folder for exact text lengths (default: the served model's folder when it is local)")
+                   help="tokenizer folder for exact text lengths (default: the served model's folder when it is local, "
+                        "else a running server's own, through its /tokenize)")
     g.add_argument("--api", default="chat", choices=["chat", "completions", "responses"],
                    help="completions sends token ids (exact lengths, needs return_token_ids for later turns); responses "
                         "sends each later turn's new message only, after the previous response's id (stored by the "
@@ -78,7 +79,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     load.add_argument("--objective", default="1,10", metavar="W_TTFT,W_TPOT",
                       help="weights of the turn-2+ objective w_ttft*TTFT p50 + w_tpot*TPOT p50 in the report "
                            "(default 1,10: the ppd policy's)")
-    load.add_argument("--out", default=None, help="folder for summary.json, report.md, records and plots")
+    load.add_argument("--out", default=None, help="folder for summary.json, report.md, records and plots (default: "
+                                                      "bench-<UTC time> or compare-<UTC time> in $PPD_RESULTS_DIR, "
+                                                      "else in ./ppd-results)")
     load.add_argument("--api-key", default=None,
                       help="sent as 'Authorization: Bearer KEY' (default: $PPD_API_KEY, else $OPENAI_API_KEY, else none)")
     load.add_argument("--ignore-retry-after", action="store_true",
@@ -167,8 +170,8 @@ def run_one(args: argparse.Namespace, goodput: dict[str, float]) -> None:
     from bench.report import markdown_table, write_report
 
     model, served = _server_model(args.url, args.model, _auth(args))
-    conversations = _workload(args, served, args.seed, _tokenizer(args, served, args.url))
-    out = Path(args.out or default_out("bench"))
+    conversations = _workload(args, served, args.seed, _tokenizer(args, served, args.url, args.url))
+    out = results_out(args.out, "bench")
     summary, records = _measure(args, args.url, model, conversations, args.qps, args.concurrency, goodput,
                                 {"server": args.url, "qps": args.qps, "concurrency": args.concurrency})
     if summary.get("interrupted"):
@@ -230,7 +233,6 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         variants.append((name, *_variant_args(name, shlex.split(extra))))
     if not policies and not variants and not peers and not args.peer:
         raise BenchError("nothing to compare: give --policies, --variant, --peer vllm and/or --server NAME=URL")
-    out = Path(args.out or default_out("compare"))
     serve_args = with_model_args(shlex.split(args.serve_args), local_model(args.model))
     targets = [Target(f"ppd:{p}", start=functools.partial(_start_ppd, p, serve_args)) for p in policies]
     targets += [Target(f"ppd:{n}", start=functools.partial(start_server, [*serve_args, *extra]), max_tokens_from=load)
@@ -247,7 +249,8 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         raise BenchError("a server started with --skip-tokenizer-init takes token ids only: pass --api completions "
                          "(with --workload synthetic)")
     tokenizers = {t.name: _tokenizer(args, None if t.start else _server_model(t.url, args.model, _auth(args))[1],
-                                     t.name) for t in targets}
+                                     t.name, t.url) for t in targets}
+    out = results_out(args.out, "compare")
     if args.peer:
         peer_vllm.ensure_vllm(venv)
     # A peer that compare starts is always interleaved: ours and theirs take turns, a fresh server each round.
@@ -299,6 +302,8 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
         if ratios := ratio_table(summaries):
             print("\n" + ratios)
         print(f"\nwritten to {out}", file=sys.stderr)
+    elif out.is_dir():
+        print(f"\nnothing measured; the servers' logs are in {out}", file=sys.stderr)
     missing = {}
     for name, *_ in targets:
         for i, (qps, concurrency) in enumerate(points):
@@ -437,12 +442,28 @@ def _text_or_ids(api: str) -> str:
     return "completions" if api == "completions" else "chat"
 
 
-def _tokenizer(args: argparse.Namespace, served: dict | None, name: str) -> Any:
-    """The tokenizer of the server `name` (served as in `_tokenizer_folder`), loaded, or None where there is none;
+def _tokenizer(args: argparse.Namespace, served: dict | None, name: str, url: str | None = None) -> Any:
+    """The tokenizer of the server `name` (served as in `_tokenizer_folder`): loaded from a local folder where one is
+    known, else, for a server running at url, its own through its /tokenize (bench/server_tokenizer.py), else None;
     a BenchError naming the fix where the workload needs one (synthetic chat prompts of exact length)."""
     folder = _tokenizer_folder(args, served)
+    exact = args.workload == "synthetic" and args.api != "completions"
+    if folder is None and served is not None and url is not None:
+        from bench.server_tokenizer import server_tokenizer
+
+        try:
+            tokenizer = server_tokenizer(url, served["id"], _auth(args))
+        except BenchError as exc:
+            if exact:
+                raise BenchError(f"{name}: exact prompt lengths of --api chat need the model's tokenizer; no local "
+                                 f"folder of it is known, and the server's cannot be asked ({exc}): pass --api "
+                                 "completions (token ids) or --tokenizer PATH") from exc
+            return None
+        print(f"{name}: prompt tokens counted by the server's /tokenize (no local tokenizer folder; --tokenizer PATH "
+              "gives one)", file=sys.stderr)
+        return tokenizer
     if folder is None:
-        if args.workload == "synthetic" and args.api != "completions":
+        if exact:
             raise BenchError(f"{name}: exact prompt lengths of --api chat need the model's tokenizer, and no local "
                              "folder of it with tokenizer files is known: pass --api completions (token ids) or "
                              "--tokenizer PATH")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
+
+from profiles import results_path
 
 # A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy weights has none).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -50,5 +50,14 @@ def has_tokenizer(folder: str) -> bool:
 
 
 def default_out(kind: str) -> str:
-    """The results folder of a `kind` run begun now: bench/results/<kind>-<UTC time>."""
-    return os.path.join("bench", "results", f"{kind}-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}")
+    """The results folder of a `kind` run begun now: <results>/<kind>-<UTC time>, <results> being $PPD_RESULTS_DIR,
+    else ./ppd-results (profiles.results_dir)."""
+    return str(results_path(kind))
+
+
+def results_out(out: str | Path | None, kind: str) -> Path:
+    """Where a `kind` run writes: --out, else default_out(kind); said on stderr as the run starts (the run says it
+    again at its end)."""
+    folder = Path(out or default_out(kind))
+    print(f"results go to {folder}", file=sys.stderr, flush=True)
+    return folder

@@ -11,7 +11,7 @@ Decode, append and mixed steps run with CUDA graphs (where the runner has them; 
 inside the runner) and with them turned off. Every step records its host time: until it is queued on the device.
 Each time sits beside its floor, max(bytes / bandwidth, FLOPs / matmul rate),
 and their ratio. Every figure is the median over repeated runs. Results go to
-bench/results/<device>/engine-<model>.{json,md}.
+<results>/<device>/engine-<model>.{json,md} ($PPD_RESULTS_DIR, else ./ppd-results).
 
 On a GPU the default model is Llama-3.1-8B's configuration with random weights
 (bench/models/llama-3.1-8b); on the CPU the demo model, at small sizes.
@@ -39,6 +39,7 @@ from engine.model import kv_block_nbytes
 from engine.model_runner import StepInput
 from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, median_ms,
                                 release_engine, time_step)
+from profiles import results_dir
 
 log = logging.getLogger("ppd.bench")
 
@@ -409,7 +410,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="auto: triton on CUDA, cpu on the CPU")
-    p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
+    p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: $PPD_RESULTS_DIR, else ./ppd-results, /<device>)")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; what the tests run)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the grid this many times, ceilings included, and report medians (a shared machine)")
@@ -423,7 +424,7 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
     report = merge_rounds([run(model, device, grid, args.dtype, args.quick, args.attention_backend)
                            for _ in range(args.rounds)])
-    out = Path(args.out or Path("bench") / "results" / device_slug(device))
+    out = Path(args.out or results_dir() / device_slug(device))
     json_path, md_path = write(report, out)
     print(markdown(report))
     print(f"written to {json_path} and {md_path}")

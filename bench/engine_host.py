@@ -34,6 +34,7 @@ from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
 from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, release_engine, sync_device,
                                 time_step)
+from profiles import results_dir
 
 STEP = "ppd::step"  # the profiler range around the step's forward
 TRITON = "triton::"  # prefix of the range around each Triton launch
@@ -272,12 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     add_model_args(p)
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="auto: triton on CUDA, cpu on the CPU")
-    p.add_argument("--out", default=None, help="folder for engine-host.{json,md} (default: bench/results/<device>)")
+    p.add_argument("--out", default=None, help="folder for engine-host.{json,md} (default: $PPD_RESULTS_DIR, else ./ppd-results, /<device>)")
     p.add_argument("--quick", action="store_true", help="small shapes (what the tests run)")
     args = p.parse_args(argv)
     device = chosen_device(args)
     report = run(chosen_model(args, device), device, QUICK if args.quick else FULL, args.dtype, args.attention_backend)
-    out = Path(args.out or Path("bench") / "results" / device_slug(device))
+    out = Path(args.out or results_dir() / device_slug(device))
     md = markdown(report)
     json_path, md_path = write_results(out, "engine-host", report, md)
     print(md)

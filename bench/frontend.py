@@ -27,6 +27,7 @@ import httpx
 import msgspec
 
 from bench.servers import start_server, stop_server
+from profiles import results_dir
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -140,7 +141,7 @@ def run_load(url: str, streams: int, tokens: int, procs: int = 1) -> dict:
 def main(args: argparse.Namespace) -> dict:
     counts = [int(s) for s in args.streams.split(",")]
     most = max(counts)
-    out = Path(args.out or os.path.join("bench", "results", "frontend"))
+    out = Path(args.out or results_dir() / "frontend")
     serve = ["--model", "demo", "--served-model-name", "demo", "--stub-engine", str(args.step_ms),
              "--max-num-seqs", str(most), "--max-num-batched-tokens", str(max(most, 2048)),
              "--max-waiting-requests", "0", "--max-queue-time-s", "0", *args.serve_args.split()]  # no 429: all stream

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import BenchError, default_out, fail_unless_measured, one_line, write_json
+from bench.common import BenchError, fail_unless_measured, one_line, results_out, write_json
 from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
 
 
@@ -86,14 +86,15 @@ def add_interference_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=5, help="long prompts, one after another")
     p.add_argument("--alone-s", type=float, default=3.0, help="seconds of decoding alone measured")
     p.add_argument("--settle-s", type=float, default=1.0, help="seconds between two long prompts")
-    p.add_argument("--out", default=None, help="results folder (default bench/results/interference-<time>)")
+    p.add_argument("--out", default=None, help="results folder (default: interference-<UTC time> in "
+                                               "$PPD_RESULTS_DIR, else in ./ppd-results)")
 
 
 def main(args: argparse.Namespace) -> None:
     serve_args = shlex.split(args.serve_args)
     gpu = option_value(serve_args, "--device") != "cpu" and _cuda_available()
     configs = configurations(gpu, args.config, args.only)
-    out = Path(args.out or default_out("interference"))
+    out = results_out(args.out, "interference")
     out.mkdir(parents=True, exist_ok=True)
     settings = {k: getattr(args, k) for k in ("batch", "context", "prefill_tokens", "rounds", "alone_s", "settle_s")}
     results = _earlier(out, settings)

@@ -7,11 +7,12 @@ x-ppd-route request header. It records the turn-2 TTFT and TPOT (medians and 90t
 worker's mean queue delay (sampled from /metrics), then x* = 1[w_ttft * dTTFT - w_tpot * dTPOT > 0] per cell.
 After every run the table is written (atomically), so an interrupted profile resumes where it stopped: runs
 already in the file are not repeated, except those that measured nothing (no turn-2 request succeeded), which
-make the command exit 1, each named with why. Output: profiles/<device>__<model>__policy.json (see
-scheduler/policy_table.py for the schema), a heatmap of x* beside it (.png), a markdown summary (.md) and the log
-of the server it starts (.serve.log). The table is built from the runs beside its reader (PolicyTable.from_runs);
-what stays here drives a server over HTTP with the benchmarks' load generator (bench/client.py, workloads.py,
-servers.py), which is why this producer lives in bench/ while the partition profile's lives in partition/.
+make the command exit 1, each named with why. Output: $PPD_CACHE_DIR/profiles/<device>__<model>__policy.json, which
+`ppd serve` reads before the shipped tables (see scheduler/policy_table.py for the schema), a heatmap of x* beside it
+(.png), a markdown summary (.md) and the log of the server it starts (.serve.log). The table is built from the runs
+beside its reader (PolicyTable.from_runs); what stays here drives a server over HTTP with the benchmarks' load
+generator (bench/client.py, workloads.py, servers.py), which is why this producer lives in bench/ while the partition
+profile's lives in partition/.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.common import BenchError, fail_unless_measured
-from bench.servers import add_served_model_args, start_server, stop_server, with_model_args
+from bench.servers import add_served_model_args, option_value, start_server, stop_server, with_model_args
 from partition.profiler import file_out, names_folder
-from profiles import PROFILES_DIR, cpu_device_name
+from profiles import cpu_device_name, model_name, user_profiles_dir
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from scheduler.policy_table import ROUTES, PolicyTable, TableError, run_key, table_path
 
@@ -235,8 +236,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="",
                    help="more arguments for the `ppd serve` this starts (e.g. \"--max-num-seqs 64\")")
     p.add_argument("--url", default=None, help="profile a server already running here instead of starting one")
-    p.add_argument("--out", default=None, help="the table (default: profiles/<device>__<model>__policy.json); a "
-                                               "folder: that file name in it")
+    p.add_argument("--out", default=None, help="the table (default: $PPD_CACHE_DIR/profiles/<device>__<model>__policy"
+                                               ".json, which ppd serve reads before the shipped tables); a folder: "
+                                               "that file name in it")
     p.add_argument("--quick", action="store_true", help="a small grid with short runs (the CPU demo: under 3 minutes)")
     p.add_argument("--contexts", default=None, help="comma list of cached-context lengths (tokens)")
     p.add_argument("--shapes", default=None, help="comma list of turn-2 shapes NEWxOUT, e.g. 64x512,1024x64")
@@ -277,12 +279,13 @@ def main(args: argparse.Namespace) -> None:
             # a folder), the log starts under a placeholder name and is renamed then.
             named = args.out is not None and not names_folder(args.out)
             log = (Path(args.out).with_suffix(".serve.log") if named
-                   else file_out(args.out, PROFILES_DIR / "policy-profile.serve.log"))
+                   else file_out(args.out, user_profiles_dir() / "policy-profile.serve.log"))
             serve_args = with_model_args(shlex.split(args.serve_args), args.model, args.dtype, args.load_format)
             proc, url = start_server(["--policy", "pd", *serve_args], log)
-        device, model, gpu = _describe(url)
+        device, model, gpu = _describe(url, serve_args if proc is not None else [])
         grid = choose_grid(args, gpu)
-        out = file_out(args.out, table_path(device, model))
+        out = file_out(args.out, table_path(device, model, user_profiles_dir()))
+        print(f"profiling {model} on {device} into {out}", file=sys.stderr)
         if proc is not None:
             if not named:  # the server keeps writing to the file it opened
                 log = log.rename(out.with_suffix(".serve.log"))
@@ -305,18 +308,30 @@ def main(args: argparse.Namespace) -> None:
     fail_unless_measured(unmeasured(grid, table.raw), runs, "runs (cell and route)")
 
 
-def _describe(url: str) -> tuple[str, str, bool]:
-    """(device name, model name, whether it is a GPU) of the server at url."""
+def _describe(url: str, serve_args: list[str]) -> tuple[str, str, bool]:
+    """(device name, model name as the server looks its table up, whether it is a GPU) of the server at url, started
+    with serve_args (empty: one already running)."""
     try:
         health = httpx.get(f"{url}/health", timeout=10).json()
         device = health["units"][0]["device"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise BenchError(f"cannot read {url}/health ({exc}); is it a ppd server?") from exc
-    root = _served(url).get("root") or _served(url)["id"]
-    model = os.path.basename(str(root).rstrip("/"))
+    model = _model_name(_served(url), serve_args)
     if device.get("kind") == "cuda":
         return device.get("name") or "cuda", model, True
     return cpu_device_name(), model, False
+
+
+def _model_name(served: dict, serve_args: list[str]) -> str:
+    """profiles.model_name of the folder the server loads: the --model this command gave the server it started, else
+    the root the running server names (vLLM's is its model folder; ours its served name, which is the folder's
+    name unless --served-model-name renamed it). `demo` stands for the demo's folder."""
+    from engine.demo import DEMO_FOLDER, DEMO_MODEL
+
+    name = option_value(serve_args, "--model") or served.get("root") or served["id"]
+    if name == DEMO_MODEL:
+        return model_name(DEMO_FOLDER)
+    return model_name(os.path.abspath(name) if os.path.isdir(name) else name)
 
 
 def _served(url: str) -> dict:

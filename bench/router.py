@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import BenchError, default_out
+from bench.common import BenchError, results_out
 from bench.servers import free_port, start_server, stop_server
 
 ROUTER_START_TIMEOUT_S = 60
@@ -216,13 +216,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--serve-args", default="--policy aggregated",
                    help="`ppd serve` arguments of every node (default: one worker per node, to fit many on the CPU)")
     p.add_argument("--router-args", default="", help="more vllm-router arguments for kv_aware, e.g. '--router-temperature 0.1'")
-    p.add_argument("--out", default=None, help="folder for results.json and the logs")
+    p.add_argument("--out", default=None, help="folder for results.json and the logs (default: router-<UTC time> in "
+                                                "$PPD_RESULTS_DIR, else in ./ppd-results)")
 
 
 def main(args: argparse.Namespace) -> None:
     import shlex
 
-    out = Path(args.out or default_out("router"))
+    out = results_out(args.out, "router")
     out.mkdir(parents=True, exist_ok=True)
     nodes = start_nodes(args.nodes, shlex.split(args.serve_args), out, units=args.units)
     results = {"nodes": args.nodes, "conversations": args.conversations, "turns": args.turns,

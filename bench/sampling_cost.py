@@ -9,7 +9,7 @@ the batch holds requests of every age) and a new request takes its row (a restar
 The machine may be shared, so timing drifts: within a round every configuration keeps its own batch and they take
 steps in turn, one each, in a rotating order; a point is the median (and p90) of its timed steps after warm-up,
 and the sweep runs --rounds times. Reported: the median across rounds of the round medians, and of the ratio to
-greedy's at the same batch in the same round. Results go to bench/results/<device>/sampling-<model>.{json,md}.
+greedy's at the same batch in the same round. Results go to <results>/<device>/sampling-<model>.{json,md} ($PPD_RESULTS_DIR, else ./ppd-results).
 
 The issue's target: structured outputs within 10% of plain decoding's step time at batch 64.
 """
@@ -40,6 +40,7 @@ from engine.model_runner import StepInput
 from engine.sampler import Row
 from engine.sampling_params import GuidedSpec, SamplingParams
 from engine.step_timing import Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, release_engine
+from profiles import results_dir
 
 TARGET_RATIO = 1.10  # structured outputs' step time over plain decoding's
 TARGET_BATCH = 64
@@ -324,7 +325,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch's intra-op threads (default on the CPU: all cores but one, which the grammar-mask "
                         "thread fills masks on while the pass runs; on a GPU torch's default)")
-    p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: bench/results/<device>)")
+    p.add_argument("--out", default=None, help="folder for the JSON and markdown (default: $PPD_RESULTS_DIR, else ./ppd-results, /<device>)")
     p.add_argument("--quick", action="store_true", help="batches 1 and 4, a few steps, one round (what the tests run)")
 
 
@@ -336,6 +337,6 @@ def main(args: argparse.Namespace) -> None:
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or max(1, len(os.sched_getaffinity(0)) - 1))
     report = run(model, device, sweep, args.dtype, args.tokenizer, progress=not args.quick)
-    json_path, md_path = write(report, Path(args.out or Path("bench") / "results" / device_slug(device)))
+    json_path, md_path = write(report, Path(args.out or results_dir() / device_slug(device)))
     print(markdown(report))
     print(f"written to {json_path} and {md_path}")

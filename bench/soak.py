@@ -15,8 +15,8 @@ is abandoned by its client at a random moment: before the answer, after the firs
 - KV usage and running requests back to 0 within a second or two of the last client leaving.
 - the workers' memory (resident set size, sampled as it runs) flat after warm-up.
 
-Writes soak.json (every figure) and soak.md into --out (by default bench/results/soak-<time>), and there the log
-of the server it starts (serve.log).
+Writes soak.json (every figure) and soak.md into --out (by default $PPD_RESULTS_DIR/soak-<time>, else
+./ppd-results/soak-<time>), and there the log of the server it starts (serve.log).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import BenchError, default_out
+from bench.common import BenchError, results_out
 from bench.servers import add_served_model_args, start_server, stop_server, with_model_args
 
 WORDS = ("sea wind ship harbour light stone river bridge garden market window paper music winter summer "
@@ -302,7 +302,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
     parser.add_argument("--out", type=Path, default=None,
                         help="folder for soak.json, soak.md and the log of the server it starts (default: "
-                             "bench/results/soak-<time>)")
+                             "soak-<UTC time> in $PPD_RESULTS_DIR, else in ./ppd-results)")
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
     parser.add_argument("--report", type=Path, default=None, metavar="SOAK_JSON",
                         help="only write soak.md again from a soak.json (its command is taken from the old soak.md)")
@@ -318,7 +318,7 @@ def main() -> int:
         print(old_md.read_text())
         return 0
     command = "python -m bench.soak " + " ".join(sys.argv[1:])
-    out = args.out or Path(default_out("soak"))
+    out = results_out(args.out, "soak")
     proc = None
     if args.url is None:
         import shlex
@@ -341,6 +341,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "soak.md").write_text(text)
+    print(f"written to {out}", file=sys.stderr)
     o = result["outcomes"]
     return 1 if o.get("lost") or o.get("unexpected") or result["seconds_to_idle_after_last_client"] is None else 0
 

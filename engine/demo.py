@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from profiles import cache_dir as ppd_cache_dir
+
 DEMO_MODEL = "demo"
 DEMO_FOLDER = "demo-v2"  # bump the suffix whenever the contents change: old caches are then ignored
 
@@ -232,7 +234,7 @@ def demo_model_path(cache_dir: Path | None = None) -> Path:
     build is atomic (temp folder + rename), so concurrent first starts are safe.
     """
     if cache_dir is None:
-        cache_dir = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve")
+        cache_dir = ppd_cache_dir()
     folder = Path(cache_dir) / DEMO_FOLDER
     if folder.is_dir():
         return folder

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import logging
 import math
-import os
 import re
 import shutil
 import struct
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from engine.model import llama3_scaled
+from profiles import cache_dir
 
 log = logging.getLogger("ppd.engine")
 
@@ -101,7 +101,7 @@ def gguf_in(model: str | Path) -> Path | None:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PPD_CACHE_DIR", Path.home() / ".cache" / "ppd-serve")) / "gguf"
+    return cache_dir() / "gguf"
 
 
 def model_folder(gguf_path: str | Path) -> Path:

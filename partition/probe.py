@@ -2,13 +2,15 @@
 
 Issue 9 chooses the partition design (two MPS processes, green contexts, both, or plain time-slicing) from this
 report. `ppd probe [--out FILE.json] [--skip-mps] [--quick] [--device N]` prints a table, writes the JSON
-(default ./probe.json) and exits 0 whenever the probe ran to its end: a failed check is a finding, not an error
-(1 only if the JSON cannot be written). Without a CUDA device it says "no CUDA device: nothing to probe", reports
-the host, and writes the JSON with "gpus": [] and the verdict "cpu". --quick: shorter kernels and a 64 MiB
-IPC tensor instead of 1 GiB (for tests).
+(default: probe-<UTC time>.json in $PPD_RESULTS_DIR, else in ./ppd-results; named as it starts and again at its end)
+and exits 0 whenever the probe ran to its end: a failed check is a finding, not an error (1 only if the JSON cannot
+be written). Without a CUDA device it says "no CUDA device: nothing to probe", reports the host and its CPU, and
+writes the JSON with "gpus": [] and the verdict "cpu"; on a host without an NVIDIA driver NVML and CUDA are skipped,
+not failed. --quick: shorter kernels and a 64 MiB IPC tensor instead of 1 GiB (for tests).
 
-Every check runs in spawned processes with timeouts (probe_child), so none can crash or hang the probe, and
+Every GPU check runs in spawned processes with timeouts (probe_child), so none can crash or hang the probe, and
 the probe's own process never initialises CUDA. The checks, in order:
+  cpu             the CPU's extensions, the dtype and kernels ppd serve picks (in-process, no CUDA)  probe_cpu.py
   gpus            NVML facts + torch's device properties                     probe_gpus.py
   ipc             CUDA IPC round trip of one tensor via engine/shared_memory  probe_ipc.py
   overlap         do two processes' kernels run at once (no MPS)             probe_overlap.py, probe_kernels.py
@@ -21,6 +23,10 @@ JSON schema 1. Times in seconds, sizes in bytes. Every finding is a dict with "o
   {"schema": 1,
    "host": {time_utc, hostname, platform, python, cpu_count, affinity_cpus, is_root, torch, torch_cuda, triton,
             cuda_bindings, nvidia_ml_py, cuda_visible_devices, nvml: finding, torch_devices: finding},
+   "cpu": {model, cpu_count, affinity_cpus, flags: {avx2, avx512f, avx512_bf16, amx_bf16: bool}, ppd_cpu_isa,
+           native_bf16, dtype_auto: {demo, bfloat16_checkpoint}, kernels: {build, compile_flags, library, error,
+           attention, amx_linear_rows, few_rows: {float32, bfloat16}, bfloat16_weights_packed_as,
+           bfloat16_prefill_attention}},
    "gpus": [{index (torch's), nvml_index, name, uuid, sm_count, compute_capability, memory_total_bytes,
              memory_used_bytes, l2_cache_bytes, driver_version, cuda_driver_version, mig_mode, compute_mode,
              cuda_visible_devices}],
@@ -63,22 +69,25 @@ from pathlib import Path
 from typing import Any
 
 from partition.probe_child import Env, Finding, failed, guarded, run_in_child, skipped
-from partition.probe_gpus import list_gpus, nvml_inventory
+from partition.probe_cpu import cpu_facts
+from partition.probe_gpus import NO_DRIVER, list_gpus, nvidia_driver_present, nvml_inventory
 from partition.probe_green import green_context_check
 from partition.probe_ipc import ipc_round_trip
 from partition.probe_mps import probe_mps
 from partition.probe_overlap import measure_overlap
 from partition.probe_report import partition_verdict, render_table
+from profiles import results_path
 
 SCHEMA_VERSION = 1
-SCHEMA_KEYS = ("schema", "host", "gpus", "ipc", "overlap", "green_contexts", "mps", "verdict")
+SCHEMA_KEYS = ("schema", "host", "cpu", "gpus", "ipc", "overlap", "green_contexts", "mps", "verdict")
 NO_CUDA = "no CUDA device: nothing to probe"
 CHECKS = ("ipc", "overlap", "green_contexts", "mps")
 STEP_TIMEOUT_S = 180.0
 
 
 def add_probe_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="probe.json", help="where to write the JSON report (default: ./probe.json)")
+    parser.add_argument("--out", default=None, help="where to write the JSON report (default: probe-<UTC time>.json "
+                                                    "in $PPD_RESULTS_DIR, else in ./ppd-results)")
     parser.add_argument("--skip-mps", action="store_true", help="do not start an MPS daemon or probe anything under it")
     parser.add_argument("--quick", action="store_true", help="shorter kernels and a 64 MiB IPC tensor (for tests)")
     parser.add_argument("--device", type=int, default=0, help="the CUDA device (torch's index) to probe (default: 0)")
@@ -86,11 +95,12 @@ def add_probe_args(parser: argparse.ArgumentParser) -> None:
 
 def run_probe(args: argparse.Namespace) -> int:
     """Probe, write the JSON, print the table; 0 once the probe ran (findings may be failures), 1 if unwritable."""
+    out = Path(args.out or results_path("probe", ".json"))
+    print(f"ppd probe: the report goes to {out}", file=sys.stderr, flush=True)
     report = collect(device=args.device, quick=args.quick, skip_mps=args.skip_mps)
     if report["verdict"]["preferred"] == "cpu":
         print(NO_CUDA)
     print(render_table(report))
-    out = Path(args.out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -103,7 +113,7 @@ def run_probe(args: argparse.Namespace) -> int:
 
 def collect(device: int = 0, quick: bool = False, skip_mps: bool = False) -> dict[str, Any]:
     """The whole report (see the module docstring); never raises for a failed check."""
-    report: dict[str, Any] = {"schema": SCHEMA_VERSION, "host": host_facts(), "gpus": [],
+    report: dict[str, Any] = {"schema": SCHEMA_VERSION, "host": host_facts(), "cpu": guarded(cpu_facts), "gpus": [],
                               **{check: skipped(NO_CUDA) for check in CHECKS}}
     workdir = Path(tempfile.mkdtemp(prefix="ppd-probe-"))
     try:
@@ -119,6 +129,9 @@ def collect(device: int = 0, quick: bool = False, skip_mps: bool = False) -> dic
 def _probe(report: dict[str, Any], workdir: Path, device: int, quick: bool, skip_mps: bool) -> None:
     import torch
 
+    if not nvidia_driver_present():
+        report["host"].update(nvml=skipped(NO_DRIVER), torch_devices=skipped(NO_DRIVER))
+        return
     if torch.version.cuda is None:
         report["host"]["nvml"] = guarded(nvml_inventory)  # NVML may see a GPU this torch cannot use
         report["host"]["torch_devices"] = skipped("this torch has no CUDA")

@@ -11,11 +11,21 @@ Also the small driver-API helpers the other steps share (cuda-bindings, imported
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from partition.probe_child import Env, Finding, error_text, guarded, run_in_child
 
 COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
+# What an NVIDIA driver leaves on a host: its kernel module's file, its control device, or (under WSL) the GPU device
+# the Windows driver exposes. None of them: NVML and CUDA have nothing to find.
+NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")
+NO_DRIVER = "no NVIDIA driver on this host"
+
+
+def nvidia_driver_present() -> bool:
+    """Whether this host has an NVIDIA driver for NVML and CUDA to ask (NVIDIA_DRIVER_FILES)."""
+    return any(Path(path).exists() for path in NVIDIA_DRIVER_FILES)
 
 
 def list_gpus(env: Env, timeout: float) -> tuple[list[dict[str, Any]], Finding, Finding]:

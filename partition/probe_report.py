@@ -76,7 +76,7 @@ def partition_verdict(report: dict[str, Any]) -> dict[str, Any]:
         if listing.get("ok") is False and not listing.get("skipped"):  # a GPU host whose devices could not be read
             preferred, reason = "none", f"could not list the CUDA devices: {_why(listing)}"
         else:
-            preferred, reason = "cpu", "no CUDA device"
+            preferred, reason = "cpu", "no CUDA device" + (f" ({listing['skipped']})" if listing.get("skipped") else "")
         return {"preferred": preferred, "modes": {m: _mode(False, reason) for m in MODES}}
     modes = {
         "mps_processes": _mps_processes(report.get("mps", {})),
@@ -134,8 +134,9 @@ def _why(finding: dict[str, Any]) -> str:
 def render_table(report: dict[str, Any]) -> str:
     """The report as aligned "section  facts" lines; a section that cannot be rendered says so instead."""
     lines = [f"ppd probe (schema {report.get('schema')})"]
-    for title, render in (("host", _host_rows), ("gpus", _gpu_rows), ("ipc", _ipc_rows), ("overlap", _overlap_rows),
-                          ("green_contexts", _green_rows), ("mps", _mps_rows), ("verdict", _verdict_rows)):
+    for title, render in (("host", _host_rows), ("cpu", _cpu_rows), ("gpus", _gpu_rows), ("ipc", _ipc_rows),
+                          ("overlap", _overlap_rows), ("green_contexts", _green_rows), ("mps", _mps_rows),
+                          ("verdict", _verdict_rows)):
         try:
             rows = render(report.get(title))
         except Exception as exc:  # a malformed section must not hide the others
@@ -152,12 +153,33 @@ def _host_rows(host: dict[str, Any]) -> Rows:
                      f"torch {host.get('torch')} (CUDA {host.get('torch_cuda')}) · triton {host.get('triton')} · "
                      f"cuda-bindings {host.get('cuda_bindings')} · nvidia-ml-py {host.get('nvidia_ml_py')} · "
                      f"CUDA_VISIBLE_DEVICES={host.get('cuda_visible_devices')}")]
-    # Why no GPU was listed, when reading them failed rather than finding none.
+    # Why no GPU was listed: reading them failed, or there was nothing to ask.
     for source in ("nvml", "torch_devices"):
         found = host.get(source, {})
-        if found and not found.get("ok") and not found.get("skipped"):
+        if found and not found.get("ok"):
             rows.append((source, _status(found)))
     return rows
+
+
+def _cpu_rows(cpu: dict[str, Any]) -> Rows:
+    if not cpu.get("ok"):
+        return [("cpu", _status(cpu))]
+    flags = " · ".join(f"{name} {'yes' if cpu.get('flags', {}).get(flag) else 'no'}" for flag, name in
+                       (("avx2", "AVX2"), ("avx512f", "AVX-512F"), ("avx512_bf16", "AVX512-BF16"),
+                        ("amx_bf16", "AMX-BF16")))
+    dtypes, kernels = cpu.get("dtype_auto", {}), cpu.get("kernels", {})
+    built = (f"{kernels.get('build')} build ({' '.join(kernels.get('compile_flags', []))})" if kernels.get("library")
+             else f"our kernels did not build ({kernels.get('error')}): PyTorch's")
+    amx = kernels.get("amx_linear_rows")
+    linears = f"bfloat16 linears of up to {amx} rows on AMX (cpu_amx.c)" if amx else "no AMX linears"
+    return [("cpu", f"{cpu.get('model')} · {cpu.get('cpu_count')} CPUs ({cpu.get('affinity_cpus')} usable)"),
+            ("cpu (extensions)", f"{flags} · native bfloat16: {'yes' if cpu.get('native_bf16') else 'no'} · "
+                                 f"PPD_CPU_ISA={cpu.get('ppd_cpu_isa')}"),
+            ("cpu (serve dtype)", f"--dtype auto: the demo in {dtypes.get('demo')}, a bfloat16 checkpoint in "
+                                  f"{dtypes.get('bfloat16_checkpoint')}"),
+            ("cpu (serve kernels)", f"{built} · attention: {kernels.get('attention')} · {linears}"),
+            ("cpu (serve bfloat16)", f"weights packed as {kernels.get('bfloat16_weights_packed_as')} for oneDNN · "
+                                     f"prefill attention: {kernels.get('bfloat16_prefill_attention')}")]
 
 
 def _gpu_rows(gpus: list[dict[str, Any]]) -> Rows:

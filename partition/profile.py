@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from profiles import PROFILES_DIR, slug
+from profiles import model_name, profile_file, slug
 
 SCHEMA = "ppd-partition-profile"
 VERSION = 1
@@ -177,15 +176,17 @@ class PartitionProfile:
         return cls.from_json(data, str(path))
 
 
-def profile_path(device: str, model: str, folder: Path = PROFILES_DIR) -> Path:
-    """profiles/<device>__<model>.json: where `ppd profile partition` writes and the server looks."""
-    return folder / f"{slug(device)}__{slug(model)}.json"
+def profile_path(device: str, model: str, folder: Path | None = None) -> Path:
+    """<device>__<model>.json (model: profiles.model_name's) in `folder`; without one, the profile the server reads:
+    the user's ($PPD_CACHE_DIR/profiles) before the shipped one (profiles.profile_file)."""
+    return profile_file(f"{slug(device)}__{slug(model)}.json", folder)
 
 
 def shipped_profile(device: str, model_folder: str) -> str | None:
-    """The shipped partition profile of this device and the model in model_folder, if there is one."""
-    path = profile_path(device, os.path.basename(model_folder.rstrip("/")))
-    return str(path) if path.exists() else None
+    """The partition profile of this device and the model in model_folder, the user's before the shipped one, if
+    there is one."""
+    path = profile_path(device, model_name(model_folder))
+    return str(path) if path.is_file() else None
 
 
 def _bracket(values: list[int], x: float) -> tuple[int, int, float]:

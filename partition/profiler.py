@@ -14,8 +14,8 @@ each share a green-context stream whose decode steps replay CUDA graphs captured
 and where torch can set cuBLAS's SM target, a prefill GEMM is timed on each share with and without it (the
 profile's meta keeps what it found). This module is the sweep: the grid, its points, measuring them with resume,
 and the profile built from them. After every point the raw results are saved to <out>.partial.json, so an
-interrupted run resumes where it stopped. Output: profiles/<device>__<model>.json (partition/profile.py), .md and
-.png beside it (partition/profile_report.py); the command line is partition/profiler_cli.py.
+interrupted run resumes where it stopped. Output: $PPD_CACHE_DIR/profiles/<device>__<model>.json (partition/profile.py),
+.md and .png beside it (partition/profile_report.py); the command line is partition/profiler_cli.py.
 """
 
 from __future__ import annotations

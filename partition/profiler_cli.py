@@ -26,14 +26,15 @@ from partition.profiler import (BLOCK_SIZE, Bench, Grid, ProfilerError, cpu_grid
                                 profile)
 from partition.profiler_cpu import CpuBench
 from partition.profiler_gpu import GpuBench, sm_carveout_available
-from profiles import cpu_device_name
+from profiles import cpu_device_name, model_name, user_profiles_dir
 
 
 def add_partition_args(p: argparse.ArgumentParser) -> None:
     """The flags of `ppd profile partition`."""
     add_model_args(p)
-    p.add_argument("--out", default=None, help="the profile (default: profiles/<device>__<model>.json); a folder: "
-                                               "that file name in it")
+    p.add_argument("--out", default=None, help="the profile (default: $PPD_CACHE_DIR/profiles/<device>__<model>.json, "
+                                               "which ppd serve reads before the shipped profiles); a folder: that "
+                                               "file name in it")
     p.add_argument("--quick", action="store_true", help="a small grid (the CPU demo: under 2 minutes)")
     p.add_argument("--shares", default=None, help="comma list of shares: cores on the CPU, SMs on a GPU (multiples "
                                                    "of 8)" + _defaults("shares"))
@@ -114,14 +115,15 @@ def main(args: argparse.Namespace) -> None:
     # --model demo (and no --model on the CPU): the built-in demo model, as everywhere else --model is taken
     folder = str(demo_model_path() if args.model == DEMO_MODEL or (args.model is None and not gpu)
                  else args.model or LLAMA_8B)
-    model = os.path.basename(folder.rstrip("/"))  # as the policy table names it: the demo is "demo-v2"
+    model = model_name(folder)  # as ppd serve looks it up: the demo is "demo-v2"
     if gpu:
         cuda = torch.device("cuda")
         device, total = device_info(cuda).name, torch.cuda.get_device_properties(cuda).multi_processor_count
     else:
         device, total = cpu_device_name(), len(available_cores())
     grid = choose_grid(args, gpu, total)
-    out = file_out(args.out, profile_path(device, model))
+    out = file_out(args.out, profile_path(device, model, user_profiles_dir()))
+    print(f"profiling {model} on {device} into {out}", file=sys.stderr)
     cfg, decode_blocks = engine_setup(folder, grid, "cuda" if gpu else "cpu", args.dtype)
     meta = {"created": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": shlex.join(["ppd", *sys.argv[1:]]),

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from profiles import PROFILES_DIR, slug
+from profiles import profile_file, slug
 
 SCHEMA = "ppd-policy-table"
 VERSION = 1
@@ -199,9 +199,10 @@ def run_key(context: int, shape: tuple[int, int], load: int, route: str) -> str:
     return f"{context}x{shape[0]}x{shape[1]}@{load}:{route}"
 
 
-def table_path(device: str, model: str, folder: Path = PROFILES_DIR) -> Path:
-    """Where the profile for this device and model lives: profiles/<device>__<model>__policy.json."""
-    return folder / f"{slug(device)}__{slug(model)}__policy.json"
+def table_path(device: str, model: str, folder: Path | None = None) -> Path:
+    """<device>__<model>__policy.json (model: profiles.model_name's) in `folder`; without one, the table the server
+    reads: the user's ($PPD_CACHE_DIR/profiles) before the shipped one (profiles.profile_file)."""
+    return profile_file(f"{slug(device)}__{slug(model)}__policy.json", folder)
 
 
 def _midpoints(values: list[int] | list[float]) -> list[float]:

@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "(`ppd bench compare`: policies and peers side by side; "
                                                 "`ppd bench engine`: the engine against the hardware's floors)"))
     from partition.probe import add_probe_args
-    add_probe_args(sub.add_parser("probe", help="what this machine supports: GPUs, CUDA IPC, MPS, green contexts"))
+    add_probe_args(sub.add_parser("probe", help="what this machine supports: GPUs, CUDA IPC, MPS, green contexts; on a CPU its "
+                                                "vector extensions and the dtype and kernels ppd serve will use"))
     profile = sub.add_parser("profile", help="measure this machine and build the tables the server uses (no "
                                              "subcommand: every one, partition then policy, with their defaults)")
     profile.add_argument("--quick", dest="profile_quick", action="store_true",
@@ -262,10 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     from partition.profiler import ProfilerError
     from partition.profiler_cli import add_partition_args
     partition_parser = profiles.add_parser("partition", help="SM/core shares: decode step time, prefill speed and "
-                                           "their interference, per share (profiles/<device>__<model>.json)")
+                                           "their interference, per share ($PPD_CACHE_DIR/profiles/<device>__<model>.json)")
     add_partition_args(partition_parser)
     policy_parser = profiles.add_parser("policy", help="the ppd policy's table: turn-2 latency by route, per workload "
-                                                       "cell (profiles/<device>__<model>__policy.json)")
+                                                       "cell ($PPD_CACHE_DIR/profiles/<device>__<model>__policy.json)")
     add_policy_args(policy_parser)
     profile_parsers = {"partition": partition_parser, "policy": policy_parser}  # `ppd profile` runs each, in order
     _show_defaults(parser)

@@ -348,8 +348,8 @@ def share_manager_on(asked: bool | None, partition: str) -> bool:
 
 
 def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
-    """The partition profile the share manager reads: --partition-profile, else the shipped one of this device and
-    model (None: there is none, and the manager splits evenly)."""
+    """The partition profile the share manager reads: --partition-profile, else this device's and model's, the
+    user's ($PPD_CACHE_DIR/profiles) before the shipped one (None: there is none, and the manager splits evenly)."""
     from partition.profile import PartitionProfile, ProfileError, shipped_profile
     from profiles import cpu_device_name
 
@@ -500,16 +500,19 @@ def make_policy_for(args: argparse.Namespace):
 
 
 def find_shipped_table(policy, device: str, model: str) -> None:
-    """Give the ppd policy the shipped profile of this device and model, or say that the cost model stands in."""
+    """Give the ppd policy this device's and model's table, the user's ($PPD_CACHE_DIR/profiles) before the shipped
+    one, or say that the cost model stands in."""
+    from profiles import profile_dirs
     from scheduler.policy import PPDPolicy
     from scheduler.policy_table import PolicyTable, TableError, table_path
 
     if not isinstance(policy, PPDPolicy) or policy.table is not None:
         return
     path = table_path(device, model)
-    if not path.exists():
-        log.warning("ppd policy: no profile for %s / %s (%s); a cost model from live measurements stands in "
-                    "(make a table with `ppd profile policy`)", device, model, path.name)
+    if not path.is_file():
+        log.warning("ppd policy: no profile for %s / %s (%s in %s); a cost model from live measurements stands in "
+                    "(make a table with `ppd profile policy`)", device, model, path.name,
+                    " or ".join(map(str, profile_dirs())))
         return
     try:
         policy.use_table(PolicyTable.load(path))
@@ -529,7 +532,10 @@ def policy_for(args: argparse.Namespace, plan: ServePlan):
 
 
 def model_slug(plan: ServePlan) -> str:
-    return os.path.basename(plan.model_path.rstrip("/"))
+    """The model's name in the profiles this server looks up (profiles.model_name, as `ppd profile` names them)."""
+    from profiles import model_name
+
+    return model_name(plan.model_path)
 
 
 def api_client(args: argparse.Namespace, plan: ServePlan, policy, api_server: int):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from engine.cpu_isa import isa, proc_flags
+from profiles import cache_dir
 
 log = logging.getLogger("ppd.engine")
 
@@ -60,7 +61,7 @@ def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Pa
     cpu = " ".join(sorted(proc_flags())) or platform.processor()
     key = hashlib.sha256("\n".join([*(s.read_text() for s in (*SOURCES, *HEADERS)), *version, *flags, *LINK_FLAGS,
                                     platform.machine(), cpu]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PPD_CACHE_DIR") or Path.home() / ".cache" / "ppd-serve") / "cpu-kernels"
+    cache = cache_dir() / "cpu-kernels"
     target = cache / f"cpu_attention-{'' if build_isa == 'native' else build_isa + '-'}{key}.so"
     if target.exists():
         return target

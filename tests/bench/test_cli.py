@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -50,6 +51,29 @@ def test_bench_writes_table_json_and_plots(stub, tokenizer: str, tmp_path: Path)
     for png in ("latency_vs_qps.png", "ttft_pareto.png"):
         assert (out / png).read_bytes().startswith(PNG)
     assert (out / "report.md").read_text().count("\n| ") >= 2
+
+
+def test_results_go_under_ppd_results_dir_else_ppd_results(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from bench.common import default_out
+
+    monkeypatch.delenv("PPD_RESULTS_DIR", raising=False)
+    assert Path(default_out("bench")).parent == Path("ppd-results")  # in the working folder, not in the package
+    monkeypatch.setenv("PPD_RESULTS_DIR", str(tmp_path))
+    out = Path(default_out("compare"))
+    assert out.parent == tmp_path and out.name.startswith("compare-20")
+
+
+def test_bench_without_out_says_its_results_folder_at_the_start_and_the_end(stub, tmp_path: Path) -> None:
+    # Token ids, no tokenizer: the stub has no /tokenize, and a completions run needs none.
+    env = {**os.environ, "PPD_RESULTS_DIR": str(tmp_path / "results")}
+    result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", stub.url, "--qps", "5", "--duration",
+                             "1", "--scale", "0.05", "--api", "completions", "--no-progress"],
+                            capture_output=True, text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr
+    (out,) = (tmp_path / "results").glob("bench-*")
+    assert (out / "summary.json").is_file()
+    lines = result.stderr.splitlines()
+    assert f"results go to {out}" in lines[:3] and lines[-1] == f"written to {out}"
 
 
 def test_bench_refuses_bad_input_clearly(stub) -> None:

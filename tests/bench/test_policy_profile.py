@@ -85,7 +85,7 @@ def test_a_profile_of_another_model_is_not_resumed(fake_measure: FakeMeasure, tm
 def test_runs_that_measured_nothing_fail_the_profile_and_are_measured_again(
         fake_measure: FakeMeasure, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
         capsys: pytest.CaptureFixture) -> None:
-    monkeypatch.setattr(policy_profile, "_describe", lambda url: ("cpu-2core", "demo", False))
+    monkeypatch.setattr(policy_profile, "_describe", lambda url, serve_args: ("cpu-2core", "demo", False))
     argv = ["profile", "policy", "--url", "http://unused", "--out", str(tmp_path / "t.json"), "--contexts", "160",
             "--shapes", "8x64", "--loads", "1,4", "--no-progress"]
     fake_measure.failing = {run_key(160, (8, 64), 1, "decode")}
@@ -122,13 +122,49 @@ def test_the_model_flags_go_to_the_server_it_starts(tmp_path: Path, capsys: pyte
 
 def test_out_a_folder_gets_the_table_under_its_default_name(fake_measure: FakeMeasure,
                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(policy_profile, "_describe", lambda url: ("cpu-2core", "demo", False))
+    monkeypatch.setattr(policy_profile, "_describe", lambda url, serve_args: ("cpu-2core", "demo", False))
     argv = ["profile", "policy", "--url", "http://unused", "--contexts", "160", "--shapes", "8x64", "--loads", "1",
             "--no-progress", "--out"]
     assert cli.main([*argv, str(tmp_path)]) == 0
     default = policy_profile.table_path("cpu-2core", "demo").name
     assert PolicyTable.load(tmp_path / default).model == "demo"
     assert cli.main([*argv, f"{tmp_path / 'new'}/"]) == 0 and (tmp_path / "new" / default).is_file()
+
+
+def test_without_out_the_table_goes_to_the_user_folder_under_the_name_the_server_reads(
+        fake_measure: FakeMeasure, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No --out: $PPD_CACHE_DIR/profiles/<device>__demo-v2__policy.json for a server that serves the demo (its
+    /v1/models says "demo"), the file `ppd serve --model demo` looks up; the shipped tables are left alone."""
+    from profiles import PROFILES_DIR, cpu_device_name
+    from scheduler.policy_table import table_path
+    from server.serve import model_slug
+
+    monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
+    shipped = {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()}
+    health = {"status": "ok", "units": [{"device": {"kind": "cpu"}}]}
+    monkeypatch.setattr(policy_profile.httpx, "get", lambda url, **kw: type("R", (), {"json": lambda self: health})())
+    monkeypatch.setattr(policy_profile, "_served", lambda url: {"id": "demo", "root": "demo"})
+    assert cli.main(["profile", "policy", "--url", "http://unused", "--contexts", "160", "--shapes", "8x64", "--loads",
+                     "1", "--no-progress"]) == 0
+    written = tmp_path / "cache" / "profiles" / f"{cpu_device_name()}__demo-v2__policy.json"
+    assert PolicyTable.load(written).model == "demo-v2" and written.with_suffix(".md").is_file()
+    served_demo = type("Plan", (), {"model_path": str(tmp_path / "cache" / "demo-v2")})()
+    assert table_path(cpu_device_name(), model_slug(served_demo)) == written  # what the server reads
+    assert {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()} == shipped
+
+
+def test_the_table_names_the_model_as_the_server_looks_it_up(tmp_path: Path) -> None:
+    from server.serve import model_slug
+
+    folder = tmp_path / "Llama-3.1-8B"
+    folder.mkdir()
+    served = {"id": "llama", "root": "llama"}  # --served-model-name llama: the folder is known only to who started it
+    assert policy_profile._model_name(served, ["--model", str(folder)]) == "Llama-3.1-8B"
+    assert policy_profile._model_name(served, ["--model", "demo"]) == "demo-v2"
+    assert policy_profile._model_name({"id": "demo", "root": "demo"}, []) == "demo-v2"
+    assert policy_profile._model_name({"id": "m", "root": str(folder)}, []) == "Llama-3.1-8B"  # vLLM's root
+    for path in (folder, tmp_path / "demo-v2"):
+        assert model_slug(type("Plan", (), {"model_path": f"{path}/"})()) == path.name
 
 
 @pytest.mark.slow  # a whole run against a live server: the second suite

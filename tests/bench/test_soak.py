@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +29,11 @@ def test_a_short_soak_loses_nothing(start_server) -> None:
 
 
 def test_the_server_it_starts_logs_in_its_output_folder(tmp_path: Path) -> None:
-    # No --out: the default folder, bench/results/soak-<time> under the working directory.
+    # No --out and no $PPD_RESULTS_DIR: the default folder, ppd-results/soak-<time> under the working directory.
+    env = {k: v for k, v in os.environ.items() if k != "PPD_RESULTS_DIR"}
     result = subprocess.run([sys.executable, "-m", "bench.soak", "--serve-args=--no-such-flag", "--requests", "1"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    (log,) = tmp_path.glob("bench/results/soak-*/serve.log")
+    (log,) = tmp_path.glob("ppd-results/soak-*/serve.log")
+    assert f"results go to {log.parent.relative_to(tmp_path)}" in result.stderr
     assert "unrecognized arguments: --no-such-flag" in log.read_text()

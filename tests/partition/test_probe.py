@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from partition import mps, probe, probe_mps, probe_overlap
-from partition.probe import NO_CUDA, SCHEMA_KEYS, SCHEMA_VERSION, add_probe_args, run_probe
+from partition import mps, probe, probe_cpu, probe_mps, probe_overlap
+from partition.probe import NO_CUDA, NO_DRIVER, SCHEMA_KEYS, SCHEMA_VERSION, add_probe_args, run_probe
 from partition.probe_child import apply_env, guarded, run_in_child
 from partition.probe_report import MODES, overlap_verdict, partition_verdict, render_table
 
@@ -53,10 +53,70 @@ def test_run_probe_without_cuda_reports_the_host_and_writes_the_schema(tmp_path:
 
 
 @without_cuda
+def test_without_out_the_report_goes_to_the_results_folder_and_a_host_without_a_driver_fails_nothing(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """No --out: probe-<UTC time>.json in $PPD_RESULTS_DIR, named as the probe starts and as it ends; on a host
+    without an NVIDIA driver NVML and CUDA are skipped (no FAILED line, no pynvml asked) and the CPU is reported."""
+    monkeypatch.setenv("PPD_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setattr(probe, "nvidia_driver_present", lambda: False)
+    monkeypatch.setattr(probe, "nvml_inventory", lambda: pytest.fail("NVML asked on a host without a driver"))
+    assert run_probe(_args("--quick")) == 0
+    (out,) = (tmp_path / "results").glob("probe-*.json")
+    printed = capsys.readouterr()
+    assert f"the report goes to {out}" in printed.err and printed.out.rstrip().endswith(f"wrote {out}")
+    assert "FAILED" not in printed.out and "nvml                   skipped: no NVIDIA driver" in printed.out
+    report = json.loads(out.read_text())
+    assert report["host"]["nvml"]["skipped"] == report["host"]["torch_devices"]["skipped"] == NO_DRIVER
+    assert report["verdict"]["preferred"] == "cpu" and report["cpu"]["ok"]
+    assert "AMX-BF16" in printed.out and "--dtype auto: the demo in float32" in printed.out
+
+
+def test_the_cpu_section_says_what_ppd_serve_chooses_on_this_cpu() -> None:
+    """In-process, no GPU: the extensions as /proc/cpuinfo lists them, and the dtype and kernels the server's own
+    functions choose here."""
+    from engine.attention.cpu_linear import amx_rows
+    from engine.cpu_isa import has_native_bf16, isa, proc_flags
+
+    cpu = probe_cpu.cpu_facts()
+    assert cpu["cpu_count"] == os.cpu_count() and cpu["model"]
+    assert cpu["flags"] == {flag: flag in proc_flags() for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16")}
+    assert cpu["ppd_cpu_isa"] == isa() and cpu["native_bf16"] == has_native_bf16()
+    bf16 = "bfloat16" if has_native_bf16() else "float32"
+    assert cpu["dtype_auto"] == {"demo": "float32", "bfloat16_checkpoint": bf16}
+    kernels = cpu["kernels"]
+    assert kernels["build"] == isa() and (kernels["library"] is None) == (kernels["error"] is not None)
+    assert kernels["amx_linear_rows"] == (amx_rows() if kernels["library"] else 0)
+    assert kernels["amx_linear_rows"] == 0 or cpu["flags"]["amx_bf16"]
+
+
+def test_a_cpu_without_native_bfloat16_serves_a_bfloat16_checkpoint_in_float32(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PPD_CPU_ISA", "avx2")  # AVX-512's and AMX's flags hidden, as on an AVX2-only CPU
+    assert probe_cpu.auto_dtypes() == {"demo": "float32", "bfloat16_checkpoint": "float32"}
+
+
+def test_the_cpu_rows_of_the_table() -> None:
+    cpu = {"ok": True, "error": None, "model": "AMD EPYC 9B14", "cpu_count": 4, "affinity_cpus": 2,
+           "flags": {"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_bf16": False}, "ppd_cpu_isa": "native",
+           "native_bf16": True, "dtype_auto": {"demo": "float32", "bfloat16_checkpoint": "bfloat16"},
+           "kernels": {"build": "native", "compile_flags": ["-march=native"], "library": "/c/k.so", "error": None,
+                       "attention": "ours (cpu_decode.c, cpu_prefill.c)", "amx_linear_rows": 0,
+                       "bfloat16_weights_packed_as": "bfloat16", "bfloat16_prefill_attention": "ours"}}
+    table = render_table({"schema": 1, "host": {}, "cpu": cpu, "gpus": []})
+    assert "AMD EPYC 9B14 · 4 CPUs (2 usable)" in table
+    assert "AVX2 yes · AVX-512F yes · AVX512-BF16 yes · AMX-BF16 no · native bfloat16: yes" in table
+    assert "the demo in float32, a bfloat16 checkpoint in bfloat16" in table
+    assert "native build (-march=native) · attention: ours (cpu_decode.c, cpu_prefill.c) · no AMX linears" in table
+    broken = render_table({"schema": 1, "host": {}, "cpu": {"ok": False, "error": "ValueError: $PPD_CPU_ISA='x'"}})
+    assert "cpu                    FAILED: ValueError: $PPD_CPU_ISA='x'" in broken
+
+
+@without_cuda
 def test_a_probe_that_raises_becomes_a_finding(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken() -> dict:
         raise RuntimeError("NVML exploded")
 
+    monkeypatch.setattr(probe, "nvidia_driver_present", lambda: True)  # a driver, whose NVML then fails
     monkeypatch.setattr(probe, "nvml_inventory", broken)
     report = probe.collect(quick=True)
     assert report["host"]["nvml"]["ok"] is False
@@ -89,6 +149,7 @@ def test_collect_on_a_gpu_host_wires_every_check(monkeypatch: pytest.MonkeyPatch
                 "stop": {"stopped": True}}
 
     monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(probe, "nvidia_driver_present", lambda: True)
     monkeypatch.setattr(probe, "list_gpus", lambda env, timeout: ([gpu], {"ok": True}, {"ok": True}))
     monkeypatch.setattr(probe, "run_in_child", child)
     monkeypatch.setattr(probe, "measure_overlap", overlap)

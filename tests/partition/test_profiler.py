@@ -246,17 +246,20 @@ def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.Monkey
     assert cli.main(["profile", "partition"]) == 0 and ran == [("partition", False)]
 
 
-def test_model_demo_and_an_out_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`--model demo` is the built-in demo model, as wherever --model is taken; `--out` a folder gets the profile
-    under its default name (an existing folder, or a new one named with a trailing separator)."""
-    from server import cli
-
-    seen = {}
+@pytest.fixture
+def fake_run(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """`ppd profile partition` with nothing measured: the synthetic profile saved where the command writes; returns
+    what it saw (the model folder, the outputs)."""
+    seen: dict = {}
     fake_cfg = type("Cfg", (), {"num_kv_blocks": 1})()
 
     def fake_setup(folder, grid, device, dtype):
         seen["folder"] = folder
         return fake_cfg, 0
+
+    def fake_profile(bench, grid, out, *rest):
+        seen.setdefault("outs", []).append(out)
+        return synthetic().save(out)
 
     class NoBench:
         decode_graphs = False
@@ -269,16 +272,43 @@ def test_model_demo_and_an_out_folder(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
     monkeypatch.setattr(profiler_cli, "engine_setup", fake_setup)
     monkeypatch.setattr(profiler_cli, "CpuBench", NoBench)
-    monkeypatch.setattr(profiler_cli, "profile", lambda bench, grid, out, *rest: seen.setdefault("outs", []).append(out))
+    monkeypatch.setattr(profiler_cli, "profile", fake_profile)
     monkeypatch.setattr(profiler_cli, "markdown", lambda result: "")
     monkeypatch.setattr(profiler_cli, "plot", lambda result, path: None)
     monkeypatch.setattr(profiler_cli, "_busy_cores", lambda: 0.0)
+    return seen
+
+
+def test_model_demo_and_an_out_folder(fake_run: dict, tmp_path: Path) -> None:
+    """`--model demo` is the built-in demo model, as wherever --model is taken; `--out` a folder gets the profile
+    under its default name (an existing folder, or a new one named with a trailing separator)."""
+    from server import cli
+
     new_folder = tmp_path / "new"
     for out in (str(tmp_path), f"{new_folder}/", str(tmp_path / "named.json")):
         assert cli.main(["profile", "partition", "--model", "demo", "--device", "cpu", "--quick", "--out", out]) == 0
-    assert seen["folder"] == str(demo_model_path())
+    assert fake_run["folder"] == str(demo_model_path())
     default = profile_path(cpu_device_name(), demo_model_path().name).name
-    assert seen["outs"] == [tmp_path / default, new_folder / default, tmp_path / "named.json"]
+    assert fake_run["outs"] == [tmp_path / default, new_folder / default, tmp_path / "named.json"]
+
+
+def test_without_out_the_profile_goes_to_the_user_folder_and_the_server_reads_it_first(
+        fake_run: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """No --out: $PPD_CACHE_DIR/profiles/<device>__demo-v2.json, said as the run starts, never the shipped profiles/
+    (in an install, site-packages); the server's lookup of the demo then takes it before the shipped one."""
+    from profiles import PROFILES_DIR
+    from server import cli
+    from server.serve import partition_profile_for
+
+    monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
+    shipped = {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()}
+    assert cli.main(["profile", "partition", "--model", "demo", "--device", "cpu", "--quick"]) == 0
+    written = tmp_path / "cache" / "profiles" / f"{cpu_device_name()}__demo-v2.json"
+    assert fake_run["outs"] == [written] and written.is_file() and written.with_suffix(".md").is_file()
+    assert f"into {written}" in capsys.readouterr().err
+    assert {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()} == shipped
+    args = argparse.Namespace(partition_profile=None)
+    assert partition_profile_for(args, "cpu", fake_run["folder"]) == str(written)
 
 
 # ---- real runs ---------------------------------------------------------------------------------------
