@@ -1,6 +1,6 @@
 """The decode worker process: owns the weights, the KV pool and its blocks; decodes in continuous batches.
 
-Its loop is the request lifecycle of DESIGN.md: take requests and prefill
+Its loop is the request lifecycle of docs/design.md: take requests and prefill
 notifications, schedule (admit, hand prefills off, preempt), run one step of
 decodes plus inline prefill chunks, sample, stream the tokens out.
 
