@@ -117,6 +117,8 @@ class Backend:
     asks it what a share manager may split; /health reports it."""
 
     name = ""
+    shares_per_process = False  # each worker's share is its own process's (so no prefill thread can have one)
+    manages_by_default = False  # a share manager runs unless --no-share-manager (else only with --share-manager)
 
     def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
         """Each unit's partition, and the MPS daemon to use or start (None: none); PartitionError if it cannot be."""
@@ -158,6 +160,7 @@ class CpuBackend(Backend):
     """Each worker pinned to its own cores; a share manager moves cores between them at run time."""
 
     name = "cpu"
+    shares_per_process = True
 
     def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
         if req.device != "cpu":
@@ -181,6 +184,7 @@ class MpsBackend(Backend):
     """Both workers clients of an MPS daemon, each capped at a share of the SMs fixed when it starts."""
 
     name = "mps"
+    shares_per_process = True
 
     def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
         from partition.mps import mps_daemon_plan
@@ -229,6 +233,7 @@ class GreenBackend(Backend):
     picked per step by the share manager."""
 
     name = "green"
+    manages_by_default = True  # a switch is a choice of stream
 
     def plan(self, req: PlanRequest, why: str) -> tuple[list[UnitPartition], MpsDaemonPlan | None]:
         if req.device == "cpu":
@@ -314,7 +319,7 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
         raise PartitionError(f"--partition {kind}: not one of auto, {', '.join(BACKENDS)}")
     if prefill_worker == "thread" and not with_prefill:
         raise PartitionError("--prefill-worker thread: --policy aggregated runs no prefill worker")
-    if prefill_worker == "thread" and kind in ("cpu", "mps"):
+    if prefill_worker == "thread" and BACKENDS[kind].shares_per_process:
         raise PartitionError(f"--prefill-worker thread with --partition {kind}: {kind} shares are per process; "
                              "use --partition green (GPU) or none with a prefill thread")
     if green_sms and kind != "green":

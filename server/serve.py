@@ -29,7 +29,7 @@ from engine.memory_plan import StartupError, plan_from_request
 from engine.sampling_params import MAX_LOGPROBS
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import PartitionError, backend_of, plan_partitions
+from partition.backends import BACKENDS, PartitionError, backend_of, plan_partitions
 from partition.mps import MpsDaemonPlan
 from partition.cpu import available_cores
 from partition.processes import process_alive
@@ -168,7 +168,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         partition, parts, mps = plan_partitions(args.partition, device, num_units, with_prefill, cores, Path(ipc_dir),
                                                 (args.mps_decode_percent, args.mps_prefill_percent),
                                                 args.prefill_worker, args.green_decode_sms or ())
-        profile = partition_profile_for(args, device, path) if partition in ("cpu", "green") else None
+        profile = partition_profile_for(args, device, path) if parts[0].runtime_shares else None
     except (PartitionError, UsageError) as exc:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise UsageError(str(exc)) from exc
@@ -344,7 +344,7 @@ def kv_events_config(args: argparse.Namespace) -> KVEventsConfig | None:
 def share_manager_on(asked: bool | None, partition: str) -> bool:
     """--share-manager / --no-share-manager, else on for green (a switch picks another stream) and off for cpu
     (moving threads between cores cost more than it gained on the 2-core demo)."""
-    return partition == "green" if asked is None else asked
+    return BACKENDS[partition].manages_by_default if asked is None else asked
 
 
 def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
