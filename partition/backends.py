@@ -149,6 +149,8 @@ class Backend:
         return StreamSplits.plain(), None
 
     def describe(self, part: UnitPartition) -> str:
+        if part.prefill == Share() and part.decode != Share():  # aggregated: the decode worker is the unit's one
+            return f"{self.name} (one worker: {part.decode.describe()})"
         return f"{self.name} (decode: {part.decode.describe()}; prefill: {part.prefill.describe()})"
 
     def stats(self, part: UnitPartition) -> dict:

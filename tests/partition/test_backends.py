@@ -215,3 +215,11 @@ def test_what_a_share_manager_may_split_comes_from_the_backend(tmp_path: Path) -
     _, (one,), _ = plan_partitions("cpu", "cpu", 1, True, [0], tmp_path)
     _, (none,), _ = plan_partitions("none", "cuda", 1, True, [0], tmp_path)
     assert backend_of(one).shares(one, None) is None and backend_of(none).shares(none, None) is None
+
+
+def test_a_unit_without_a_prefill_worker_is_described_with_its_one_worker(tmp_path: Path) -> None:
+    """The start log of an aggregated unit names no prefill share (there is no prefill worker to have one)."""
+    _, (alone,), _ = plan_partitions("cpu", "cpu", 1, False, [0, 1], tmp_path)
+    assert alone.describe() == "cpu (one worker: cores 0,1)"
+    _, (split,), _ = plan_partitions("cpu", "cpu", 1, True, [0, 1], tmp_path)
+    assert split.describe() == "cpu (decode: cores 0; prefill: cores 1)"
