@@ -172,14 +172,15 @@ class RequestBody(BaseModel):
     @model_validator(mode="after")
     def _name_ignored_fields(self) -> RequestBody:
         for name in self.model_extra or ():
-            if name not in IGNORED_FIELDS:
+            if name not in IGNORED_FIELDS and len(IGNORED_FIELDS) < MAX_IGNORED_NAMED:
                 IGNORED_FIELDS.add(name)
-                log.warning("a request's field %r is not one this server knows: ignored (said once per field name)",
-                            name)
+                log.warning("a request's field %r is not one this server knows: ignored (said once per field name%s)",
+                            name[:80], "; no more are named" if len(IGNORED_FIELDS) == MAX_IGNORED_NAMED else "")
         return self
 
 
 IGNORED_FIELDS: set[str] = set()  # unknown field names already logged
+MAX_IGNORED_NAMED = 100  # a client inventing names cannot grow the set, or the log, without bound
 
 
 class SamplingRequest(RequestBody):

@@ -249,3 +249,16 @@ def test_a_refused_tool_choice_under_messages_is_named_in_anthropics_terms() -> 
     message = asyncio.run(run())["error"]["message"]
     assert 'tool_choice {"type": "any"}' in message and '{"type": "tool", "name": ...}' in message
     assert '"required"' not in message and "named function" not in message
+
+
+def test_unknown_field_names_a_client_invents_are_named_only_up_to_a_bound(monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    import server.protocol
+
+    monkeypatch.setattr(server.protocol, "IGNORED_FIELDS", set())
+    with caplog.at_level("WARNING", logger="ppd.api"):
+        for i in range(server.protocol.MAX_IGNORED_NAMED + 50):
+            server.protocol.ChatCompletionRequest.model_validate(chat(**{f"x{i}": 1}))
+    named = [r.getMessage() for r in caplog.records if "is not one this server knows" in r.getMessage()]
+    assert len(named) == len(server.protocol.IGNORED_FIELDS) == server.protocol.MAX_IGNORED_NAMED
+    assert named[-1].endswith("no more are named)")
