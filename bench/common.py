@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -34,14 +33,6 @@ def one_line(exc: BaseException) -> str:
     first line and its last, which says why."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
     return lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
-
-
-def write_json(path: Path, data: dict) -> None:
-    """data as indented JSON at path, atomically: a run stopped mid-write leaves the previous file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def has_tokenizer(folder: str) -> bool:

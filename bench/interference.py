@@ -36,8 +36,9 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import BenchError, fail_unless_measured, one_line, results_out, write_json
+from bench.common import BenchError, fail_unless_measured, one_line, results_out
 from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
+from profiles import write_json
 
 
 @dataclass(frozen=True)

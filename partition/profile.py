@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from profiles import model_name, profile_file, slug
+from profiles import model_name, profile_file, slug, write_json
 
 SCHEMA = "ppd-partition-profile"
 VERSION = 1
@@ -129,11 +129,7 @@ class PartitionProfile:
                 "interference": [asdict(p) for p in self.interference], "meta": self.meta}
 
     def save(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        tmp.replace(path)
-        return path
+        return write_json(path, self.to_json())
 
     @classmethod
     def from_json(cls, data: Any, source: str = "profile") -> PartitionProfile:

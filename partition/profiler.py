@@ -36,6 +36,7 @@ from engine.config import ModelConfig
 from engine.engine import EngineConfig
 from partition.green import SM_GRANULARITY
 from partition.profile import DecodePoint, InterferencePoint, PartitionProfile, PrefillPoint
+from profiles import write_json
 
 KINDS = ("full", "append")
 BLOCK_SIZE = 16
@@ -199,7 +200,7 @@ def profile(bench: Bench, grid: Grid, out: Path, device: str, model: str, meta: 
             key = job_key(round_, point)
             bar.set_postfix_str(key, refresh=True)
             raw[key] = measure(bench, grid, point)
-            _write_json(partial, {"settings": settings, "raw": raw})
+            write_json(partial, {"settings": settings, "raw": raw})
     except KeyboardInterrupt:
         print(f"\ninterrupted: {len(raw)} points kept in {partial}; the same command resumes", file=sys.stderr)
         raise
@@ -226,14 +227,6 @@ def _resume(partial: Path, settings: dict) -> dict:
     raw = dict(saved.get("raw", {}))
     print(f"resuming {partial}: {len(raw)} points already measured", file=sys.stderr)
     return raw
-
-
-def _write_json(path: Path, data: dict) -> None:
-    """Atomically: a run stopped mid-write leaves the previous partial file whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def _as_json(data: dict) -> dict:

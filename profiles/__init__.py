@@ -8,6 +8,7 @@ $PPD_RESULTS_DIR (default ./ppd-results), each run under <kind>-<UTC time>.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from datetime import datetime, timezone
@@ -65,3 +66,13 @@ def model_name(folder: str | os.PathLike) -> str:
 def cpu_device_name() -> str:
     """The CPU 'device' of a profile: its core count decides the speeds the profile measured."""
     return f"cpu-{len(os.sched_getaffinity(0))}core"
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """data as indented JSON at path, atomically (a temporary file, then a rename): a run stopped mid-write leaves
+    the previous file whole. The one writer of profiles, partial runs and result files."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    return path

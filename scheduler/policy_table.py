@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from profiles import profile_file, slug
+from profiles import profile_file, slug, write_json
 
 SCHEMA = "ppd-policy-table"
 VERSION = 1
@@ -147,11 +146,7 @@ class PolicyTable:
 
     def save(self, path: str | Path) -> None:
         """Write atomically (a temporary file, then a rename): an interrupted write never leaves half a table."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1) + "\n")
-        os.replace(tmp, path)
+        write_json(Path(path), self.to_json())
 
     @classmethod
     def from_json(cls, data: Any, source: str = "table") -> PolicyTable:

@@ -64,6 +64,15 @@ class PeerStates:
                 continue
 
 
+def cumulative_buckets(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, int]]:
+    """Counts per bucket (the last above every bound) as Prometheus renders them: (le, observations up to it)."""
+    cumulative, buckets = 0, []
+    for bound, n in zip((*bounds, float("inf")), counts):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    return buckets
+
+
 class FastHistogram:
     """A Prometheus histogram with one label set, observed without a lock: a bisect and two additions per call.
 
@@ -96,11 +105,7 @@ class FastHistogram:
                 counts = [a + b for a, b in zip(counts, state[0])]
                 total += state[1]
         family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label[0]])
-        cumulative, buckets = 0, []
-        for bound, n in zip((*self.bounds, float("inf")), counts):
-            cumulative += n
-            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-        family.add_metric([self.label[1]], buckets, total)
+        family.add_metric([self.label[1]], cumulative_buckets(self.bounds, counts), total)
         yield family
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
@@ -132,11 +137,7 @@ class UnitHistogram:
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name", "engine"])
         for unit, (counts, total) in sorted(self.units.items()):
-            cumulative, buckets = 0, []
-            for bound, n in zip((*self.bounds, float("inf")), counts):
-                cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-            family.add_metric([self.model, str(unit)], buckets, total)
+            family.add_metric([self.model, str(unit)], cumulative_buckets(self.bounds, counts), total)
         yield family
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
