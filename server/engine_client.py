@@ -139,11 +139,15 @@ class _Request:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float = 0.0
     last_token: float = 0.0
-    started: bool = False  # a worker put its first chunk in a step: it waits no more
-    started_at: float = 0.0  # when (the end of its queue time)
+    started_at: float | None = None  # when a worker put its first chunk in a step (None: it waits still)
     route: Route | None = None  # where the unit ran the prefill (with the cached length it found)
     cached: int | None = None
     done: bool = False
+
+    @property
+    def started(self) -> bool:
+        """A worker put its first chunk in a step: it waits no more."""
+        return self.started_at is not None
 
     def put(self, item: Delta | EngineError) -> None:
         self.pending.append(item)
@@ -442,7 +446,7 @@ class EngineClient:
             self._end(req, None, finished=True, outcome=outcome)
 
     def _started(self, req: _Request, now: float) -> None:
-        req.started, req.started_at = True, now
+        req.started_at = now
         state = self.state[req.unit]
         state.waiting -= 1
         state.starts.started(now, req.arrival)
