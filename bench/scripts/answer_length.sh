@@ -9,16 +9,17 @@
 #   truth:    --answer-length max-tokens, and each request sends max_tokens = its true answer length, recorded by
 #             a first run of the same conversations: the policy is told the truth (greedy answers repeat run to run
 #             but for bfloat16 near-ties under another batch: answer_length_routes.py says how many had the recorded length)
-# Usage: [CONTEXT=1024] [PASTE=0] [TURNS=4] [DTYPE=auto] bench/scripts/answer_length.sh OUT [ROUNDS]   (from the
+# Usage: [CONTEXT=1024] [PASTE=0] [TURNS=4] [DTYPE=auto] [SEED=0] bench/scripts/answer_length.sh OUT [ROUNDS]   (from the
 # repository root; PASTE=N: every later turn carries a passage of about N tokens of real text and asks for one
-# sentence, --paste-tokens; DTYPE=float32: answers that repeat from run to run, where bfloat16's near-ties flip)
+# sentence, --paste-tokens; DTYPE=float32: answers that repeat from run to run, where bfloat16's near-ties flip;
+# SEED=N: round r's conversations are seed N + r, so SEED=3 after 3 rounds at SEED=0 adds 3 new rounds)
 set -euo pipefail
-out=$1 rounds=${2:-2} context=${CONTEXT:-1024} paste=${PASTE:-0} turns=${TURNS:-4} dtype=${DTYPE:-auto}
+out=$1 rounds=${2:-2} context=${CONTEXT:-1024} paste=${PASTE:-0} turns=${TURNS:-4} dtype=${DTYPE:-auto} seed=${SEED:-0}
 folder=$(python -c "from engine.gguf import model_folder, smollm2_gguf; print(model_folder(smollm2_gguf()))")
 common=(--serve-args "--model smollm2 --dtype $dtype --policy ppd --max-model-len $context --kv-cache-memory 2"
         --workload sharegpt --turns "$turns" --paste-tokens "$paste" --max-output-tokens 256 --num-conversations 24
         --tokenizer "$folder"
-        --concurrency 8 --duration 90 --token-timing --no-progress --max-tokens-from none)
+        --concurrency 8 --duration 90 --token-timing --no-progress --max-tokens-from none --seed "$seed")
 # 1. The true lengths: the same conversations (each round's seed), answered once.
 python -m server.cli bench compare --policies ppd "${common[@]}" --repeat "$rounds" --out "$out/lengths"
 cat "$out"/lengths/ppd_ppd-8-run*/records.jsonl.gz > "$out/true-lengths.jsonl.gz"  # gzip members concatenate
