@@ -6,7 +6,7 @@ import functools
 import json
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,31 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype
     sliding_window: int | None
+    # Tensor parallelism (sharded()): the heads, KV heads and MLP width above are one rank's of tp_size; each KV head
+    # is held by kv_head_replicas ranks (tp_size above the KV heads); vocab_size stays the whole vocabulary.
+    tp_size: int = 1
+    kv_head_replicas: int = 1
+
+    def sharded(self, n: int) -> ModelConfig:
+        """The model as each of n tensor-parallel ranks holds it (Megatron's split: heads, KV heads, MLP width);
+        ModelError naming the valid sizes when n does not split it."""
+        assert self.tp_size == 1, "already sharded"
+        if n == 1:
+            return self
+        valid = tensor_parallel_sizes(self)
+        if n not in valid:
+            raise ModelError(f"--tensor-parallel-size {n} does not split this model ({self.num_heads} attention heads, "
+                             f"{self.num_kv_heads} KV heads, MLP width {self.intermediate_size}): use one of "
+                             f"{', '.join(map(str, valid))}")
+        return replace(self, num_heads=self.num_heads // n, num_kv_heads=max(1, self.num_kv_heads // n),
+                       intermediate_size=self.intermediate_size // n, tp_size=n,
+                       kv_head_replicas=max(1, n // self.num_kv_heads))
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and lm_head one rank holds: the vocabulary split in tp_size equal parts (the last
+        rank's padded with zero rows)."""
+        return -(-self.vocab_size // self.tp_size)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
@@ -140,6 +165,13 @@ def _name(dtype: torch.dtype) -> str:
 def _say(message: str) -> None:
     """Log a start-up decision once a process (resolve_dtype is asked by the server and by each worker)."""
     log.info("%s", message)
+
+
+def tensor_parallel_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
+    """The tensor-parallel sizes up to limit that shard this model: they divide the attention heads and the MLP's
+    width, and divide the KV heads or are a multiple of them (each KV head is then held by several ranks)."""
+    h, kv, width = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    return [n for n in range(1, limit + 1) if h % n == 0 and width % n == 0 and (kv % n == 0 or n % kv == 0)]
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -6,6 +6,11 @@ up, capture the CUDA graphs. The prefill worker attaches to it: it maps the
 same arena and pool (nothing is copied or loaded), warms up on a scratch
 pool of its own, so that compiling its kernels never writes into shared blocks,
 then captures its own graphs of steps up to max_graph_tokens tokens.
+
+Under tensor parallelism each rank of a role makes its own engine over its
+device's shard (create or attach with its TensorParallel); rank 0's engine sends
+each step's inputs to its followers (Engine.lead) before running the step, and a
+follower runs them in Engine.follow, so that every rank's collectives meet.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, StartupError, ch
                                 plan_from_measurement, plan_from_request)
 from engine.model import Model, kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
+from engine.parallel import SINGLE, FollowerLink, TensorParallel, receive
 from engine.prompt_logprobs import prompt_logprobs
 from engine.guided import GuidedDecoding
 from engine.sampler import Row, SampleRow, Sampled, Sampler
@@ -55,6 +61,7 @@ class EngineConfig:
     max_graph_tokens: int = DEFAULT_GRAPH_TOKENS  # steps of up to this many tokens replay CUDA graphs (0: decode only)
     shares_device: bool = True  # a prefill worker runs on the same device (reserve its activations)
     tokenizer: str | None = None  # the tokenizer's folder, for structured outputs (None: they are refused)
+    tensor_parallel_size: int = 1  # devices a unit spans (each holds a shard; engine/parallel.py)
 
 
 @dataclass(frozen=True)
@@ -75,22 +82,24 @@ class Engine:
         guided = GuidedDecoding(cfg.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids, pin=self.device.type == "cuda")
         self.sampler = Sampler(mcfg.eos_token_ids, guided)
         self._failed_steps = 0
+        self.followers: FollowerLink | None = None  # tensor-parallel rank 0: where each step's inputs go first (lead)
 
     # ---- start-up ----------------------------------------------------------------------------------
 
     @classmethod
     def create(cls, cfg: EngineConfig, names: tuple[str, str] = ("ppd-weights", "ppd-kv"),
                graph_streams: dict[Any, torch.cuda.Stream] | None = None,
-               graph_sms: dict[Any, int] | None = None) -> Engine:
+               graph_sms: dict[Any, int] | None = None, tp: TensorParallel = SINGLE) -> Engine:
         """Owner start-up (the decode worker): names are the host names of the weights and KV memory on the CPU;
         graph_streams: capture one graph set on each of these streams (green-context splits), its decode KV splits
-        sized for graph_sms[key] SMs (missing: the whole device)."""
+        sized for graph_sms[key] SMs (missing: the whole device); tp: this rank's communicator (its shard is
+        loaded, and the KV pool is sized to what fits on every rank's device)."""
         if not 0 <= cfg.max_graph_tokens <= MAX_GRAPH_TOKENS:
             raise StartupError(f"max_graph_tokens {cfg.max_graph_tokens} is out of range: give 0 (graphs for decode "
                                f"steps only) up to {MAX_GRAPH_TOKENS}")
         started = time.monotonic()
         device = torch.device(cfg.device)
-        mcfg = ModelConfig.from_folder(cfg.model)
+        mcfg = ModelConfig.from_folder(cfg.model).sharded(tp.size)
         dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
         others = 0
         if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
@@ -99,6 +108,7 @@ class Engine:
             check_free_at_start(free, total, cfg.gpu_memory_utilization, device_info(device).name)
             others = total - free
         model = build_model(mcfg, dtype)
+        model.tp = tp
         arena, weights_handle = create_shared(names[0], (arena_nbytes(model),), torch.uint8, device)
         bind_arena(model, arena)
         load_weights(model, cfg.model, cfg.load_format)
@@ -127,6 +137,10 @@ class Engine:
         else:
             plan = plan_from_request(cfg.num_kv_blocks, cfg.kv_cache_memory, block_bytes, cfg.block_size,
                                      mcfg.max_position_embeddings, cfg.max_model_len)
+        if tp.enabled and (fewest := tp.min_over_ranks(plan.num_blocks)) < plan.num_blocks:
+            # Rank 0's block manager hands out block ids that every rank's pool must hold.
+            plan = plan_from_request(fewest, None, block_bytes, cfg.block_size, mcfg.max_position_embeddings,
+                                     cfg.max_model_len)
         log.info("%s; max_model_len %d", plan.summary, plan.max_model_len)
 
         kv_pool, kv_handle = create_shared(names[1], kv_pool_shape(mcfg, plan.num_blocks, cfg.block_size), dtype, device)
@@ -143,16 +157,18 @@ class Engine:
 
     @classmethod
     def attach(cls, cfg: EngineConfig, weights: SharedHandle, kv: SharedHandle, num_kv_blocks: int,
-               max_model_len: int) -> Engine:
+               max_model_len: int, tp: TensorParallel = SINGLE) -> Engine:
         """Peer start-up (the prefill worker): map the owner's weights and pool (of num_kv_blocks blocks, sized for
-        max_model_len); warm up on a private scratch pool."""
+        max_model_len); warm up on a private scratch pool. tp: this rank's communicator (the owner is the decode
+        rank of the same device)."""
         device = torch.device(cfg.device)
-        mcfg = ModelConfig.from_folder(cfg.model)
+        mcfg = ModelConfig.from_folder(cfg.model).sharded(tp.size)
         dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
         block_bytes = kv_block_nbytes(mcfg, cfg.block_size, dtype)
         plan = KVPlan(num_kv_blocks, block_bytes, cfg.block_size, max_model_len,
                       f"KV cache: {num_kv_blocks} blocks mapped from the decode worker")
         model = build_model(mcfg, dtype)
+        model.tp = tp
         bind_arena(model, open_shared(weights))
         if device.type == "cuda":
             runner = ModelRunner(model, _scratch_pool(mcfg, cfg, dtype, device), cfg.block_size, cfg.attention_backend,
@@ -167,6 +183,7 @@ class Engine:
         else:
             runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
             runner.bind_kv_cache(open_shared(kv))
+        tp.barrier()  # every rank has mapped its pool before rank 0 says the worker is ready (its names may then go)
         return cls(cfg, mcfg, runner, plan, (weights, kv))
 
     @classmethod
@@ -234,19 +251,51 @@ class Engine:
     def step(self, inputs: list[StepInput], rows: list[SampleRow]) -> Sampled:
         """Run one forward pass and sample a token for each input with sample=True (rows: their requests, in that
         order). The grammar masks are filled on the host while the pass runs. The sampled ids are the step's one
-        copy to the host (two when an input asks for prompt logprobs), so when this returns the step's KV is written."""
+        copy to the host (two when an input asks for prompt logprobs), so when this returns the step's KV is written.
+        Tensor-parallel rank 0 sends the inputs to its followers first; only it samples, from the logits every rank
+        holds alike."""
+        if self.followers is not None:
+            self.followers.send("step", inputs)
         masks = self.sampler.start_masks(rows)
-        logits, hidden = self.runner.run(inputs)
-        prompt = {}
-        if hidden is not None:  # its copy to the host waits for the step
-            asks = [(pos, inp.prompt_logprobs) for pos, inp in enumerate(inputs) if inp.prompt_logprobs is not None]
-            prompt = prompt_logprobs(self.runner.model, self.runner.backend.ops, hidden, asks, self.cfg.max_num_seqs)
+        logits, prompt = self.forward(inputs)
         if not rows:
             self._wait_for_device()
             return Sampled([], [], prompt)
         sampled = self.sampler(logits, rows, masks)
         sampled.prompt_logprobs = prompt
         return sampled
+
+    def forward(self, inputs: list[StepInput]) -> tuple[Any, dict[int, list[TokenLogprobs]]]:
+        """The step's forward pass: logits, and the prompt logprobs its inputs ask for (whose logits are the model's
+        too: every tensor-parallel rank computes them)."""
+        logits, hidden = self.runner.run(inputs)
+        prompt = {}
+        if hidden is not None:  # its copy to the host waits for the step
+            asks = [(pos, inp.prompt_logprobs) for pos, inp in enumerate(inputs) if inp.prompt_logprobs is not None]
+            prompt = prompt_logprobs(self.runner.model, self.runner.backend.ops, hidden, asks, self.cfg.max_num_seqs)
+        return logits, prompt
+
+    def lead(self, followers: FollowerLink) -> None:
+        """Tensor-parallel rank 0: every step from now on runs on the followers too."""
+        self.followers = followers
+
+    def follow(self, sock: Any, on_command: Any = None) -> None:
+        """A tensor-parallel follower's life: run each step rank 0 sends (its sampling and scheduling are rank 0's),
+        hand any other message to on_command(kind, payload), until "stop". A step that fails here fails on rank 0
+        too (the same inputs), which runs its inputs again one by one, as do we."""
+        while True:
+            kind, payload = receive(sock)
+            if kind == "step":
+                try:
+                    self.forward(payload)
+                    self._wait_for_device()
+                except Exception as exc:  # noqa: BLE001 - rank 0 sees the same failure and says what it was
+                    log.debug("a step failed on this rank too: %s: %s", type(exc).__name__, exc)
+                    self._wait_for_device()
+            elif kind == "stop":
+                return
+            elif on_command is not None:
+                on_command(kind, payload)
 
     def _wait_for_device(self) -> None:
         """Wait until the work this thread enqueued (on its current stream) has run; nothing to wait for on the CPU."""

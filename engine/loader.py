@@ -2,6 +2,9 @@
 
 The layout is a pure function of the parameter order (fixed by the config), so binding the same arena in two
 processes yields the same weights without any message describing the layout.
+
+A tensor-parallel rank's arena holds its shard only, and it reads only that from the checkpoint (safetensors'
+slices: the rest of a tensor is never in its memory); rank_slice says which part of each tensor is whose.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from engine.config import (
     safetensors_index,
 )
 from engine.model import Model
+from engine.parallel import SINGLE, TensorParallel
 
 ALIGN = 64  # bytes; covers every dtype's alignment and a cache line
 
@@ -103,13 +107,41 @@ def bind_arena(model: Model, arena: Tensor) -> None:
     model.init_rope(arena.device)
 
 
+def rank_slice(cfg: ModelConfig, rank: int, name: str) -> tuple[int, int, int, int] | None:
+    """(dimension, start, end, the whole tensor's size there) of the checkpoint tensor `name` that tensor-parallel
+    rank `rank` of a sharded config (ModelConfig.sharded) holds; None where every rank holds all of it."""
+    if cfg.tp_size == 1:
+        return None
+    n, d = cfg.tp_size, cfg.head_dim
+    leaf = name.rsplit(".", 2)
+    kind = leaf[-2] if len(leaf) >= 2 else ""
+    if kind == "q_proj":
+        return 0, rank * cfg.num_heads * d, (rank + 1) * cfg.num_heads * d, n * cfg.num_heads * d
+    if kind in ("k_proj", "v_proj"):
+        first = rank // cfg.kv_head_replicas * cfg.num_kv_heads
+        whole = n * cfg.num_kv_heads // cfg.kv_head_replicas
+        return 0, first * d, (first + cfg.num_kv_heads) * d, whole * d
+    if kind == "o_proj":
+        return 1, rank * cfg.num_heads * d, (rank + 1) * cfg.num_heads * d, n * cfg.num_heads * d
+    if kind in ("gate_proj", "up_proj", "down_proj"):
+        w = cfg.intermediate_size
+        return (1 if kind == "down_proj" else 0), rank * w, (rank + 1) * w, n * w
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = cfg.vocab_rows
+        return 0, min(rank * rows, cfg.vocab_size), min((rank + 1) * rows, cfg.vocab_size), cfg.vocab_size
+    return None
+
+
 @torch.no_grad()
 def load_weights(model: Model, folder: str | Path, load_format: str = "auto", seed: int = 0) -> None:
     """Fill the bound parameters from the folder's *.safetensors (cast to the model dtype), or for load_format
-    'dummy' with deterministic random values (normal, std 0.02; norms all ones). Missing tensors -> ModelError."""
+    'dummy' with deterministic random values (normal, std 0.02; norms all ones; each tensor-parallel rank's its
+    own). A sharded model (model.cfg from ModelConfig.sharded) reads its rank's slices (rank_slice). Missing
+    tensors -> ModelError."""
     params = dict(model.named_parameters())
+    cfg, rank = model.cfg, model.tp.rank
     if load_format == "dummy":
-        gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(seed)
+        gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(seed + 1000 * rank)
         for name, p in params.items():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -127,13 +159,26 @@ def load_weights(model: Model, folder: str | Path, load_format: str = "auto", se
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if name not in params or index[name] != file:
                     continue
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(params[name].shape):
+                part = rank_slice(cfg, rank, name)
+                source = f.get_slice(name)
+                expected = list(params[name].shape)
+                if part is not None:
+                    expected[part[0]] = part[3]
+                if tuple(source.get_shape()) != tuple(expected):
                     raise ModelError(
-                        f"tensor {name} in {file} has shape {tuple(tensor.shape)}, expected "
-                        f"{tuple(params[name].shape)} (config.json does not match the weights)"
+                        f"tensor {name} in {file} has shape {tuple(source.get_shape())}, expected {tuple(expected)} "
+                        "(config.json does not match the weights)"
                     )
-                params[name].copy_(tensor)
+                if part is None:
+                    tensor = f.get_tensor(name)
+                else:
+                    dim, start, end, _ = part
+                    tensor = source[start:end] if dim == 0 else source[:, start:end]
+                target = params[name]
+                if tensor.shape[0] < target.shape[0]:  # the last rank's rows of a padded vocabulary
+                    target[tensor.shape[0]:].zero_()
+                    target = target[:tensor.shape[0]]
+                target.copy_(tensor)
 
 
 def load_model(
@@ -142,10 +187,13 @@ def load_model(
     load_format: str = "auto",
     device: str | torch.device = "cpu",
     arena: Tensor | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> tuple[Model, ModelConfig]:
-    """Convenience for single-process use and tests: config, build, allocate the arena (or use the given one), bind, load."""
-    cfg = check_model_folder(folder, load_format)
+    """Convenience for single-process use and tests: config (tp's shard of it), build, allocate the arena (or use the
+    given one), bind, load."""
+    cfg = check_model_folder(folder, load_format).sharded(tp.size)
     model = build_model(cfg, resolve_dtype(dtype_name, cfg))
+    model.tp = tp
     if arena is None:
         arena = torch.empty(arena_nbytes(model), dtype=torch.uint8, device=device)
     bind_arena(model, arena)

@@ -2,6 +2,11 @@
 
 One code path covers the four architectures; they differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), tied embeddings and the RoPE frequencies (Llama 3 scaling). Attention reads and writes a paged KV pool.
+
+Under tensor parallelism (a config from ModelConfig.sharded, and Model.tp) each rank holds Megatron's shard: its
+heads of q/k/v and the matching columns of o_proj, its part of gate/up and the matching columns of down_proj, its
+part of the vocabulary's rows of the embedding and lm_head; o_proj's and down_proj's partial sums and the embedding
+are all-reduced, the logits all-gathered, so every rank ends a step with the same hidden states and logits.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from torch import Tensor, nn
 
 from engine.attention.base import AttentionBackend, Ops
 from engine.config import ModelConfig
+from engine.parallel import SINGLE, TensorParallel
 
 
 def kv_pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -46,12 +52,14 @@ def llama3_scaled(inv_freq: Tensor, s: dict) -> Tensor:
 
 
 class StepContext:
-    """What every layer of one forward pass shares: the attention backend, its metadata for this step, positions."""
+    """What every layer of one forward pass shares: the attention backend, its metadata for this step, positions,
+    and the rank's communicator."""
 
-    __slots__ = ("backend", "meta", "positions", "cos", "sin")
+    __slots__ = ("backend", "meta", "positions", "cos", "sin", "tp")
 
-    def __init__(self, backend: AttentionBackend, meta: Any, positions: Tensor, cos: Tensor, sin: Tensor) -> None:
-        self.backend, self.meta, self.positions, self.cos, self.sin = backend, meta, positions, cos, sin
+    def __init__(self, backend: AttentionBackend, meta: Any, positions: Tensor, cos: Tensor, sin: Tensor,
+                 tp: TensorParallel = SINGLE) -> None:
+        self.backend, self.meta, self.positions, self.cos, self.sin, self.tp = backend, meta, positions, cos, sin, tp
 
 
 class RMSNorm(nn.Module):
@@ -111,7 +119,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
         o = step.backend.rope_and_attend(q, k, v, self.k_cache, self.v_cache, step.meta, self.scale, step.positions,
                                          step.cos, step.sin)
-        return ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
+        return step.tp.all_reduce(ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight))
 
 
 class MLP(nn.Module):
@@ -127,12 +135,12 @@ class MLP(nn.Module):
     def fused_groups(self) -> dict[str, list[str]]:
         return {"gate_up_weight": ["gate_proj.weight", "up_proj.weight"]}
 
-    def forward(self, x: Tensor, ops: Ops) -> Tensor:
+    def forward(self, x: Tensor, ops: Ops, tp: TensorParallel = SINGLE) -> Tensor:
         if self.gate_up_weight is not None:
             gate_up = ops.linear(x, self.gate_up_weight)
         else:
             gate_up = torch.cat((ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)), dim=-1)
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)
+        return tp.all_reduce(ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight))
 
 
 class DecoderLayer(nn.Module):
@@ -150,7 +158,7 @@ class DecoderLayer(nn.Module):
         ops = step.backend.ops
         x, residual = self.input_layernorm(h, ops, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, step), ops, residual)
-        return self.mlp(x, ops), residual
+        return self.mlp(x, ops, step.tp), residual
 
 
 class Decoder(nn.Module):
@@ -158,7 +166,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_rows, cfg.hidden_size, dtype=dtype)  # this rank's rows
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -174,8 +182,9 @@ class Model(nn.Module):
         # Tied checkpoints have no lm_head tensor: compute_logits reuses embed_tokens.weight.
         self.lm_head: nn.Linear | None = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=self.dtype)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_rows, bias=False, dtype=self.dtype)
         self.requires_grad_(False)
+        self.tp = SINGLE  # the rank's communicator when cfg is a tensor-parallel shard (set before the first step)
         self.rope_cos: Tensor
         self.rope_sin: Tensor
         self.init_rope(torch.get_default_device())
@@ -203,14 +212,29 @@ class Model(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
         """input_ids, positions [T] int64; meta from backend.prepare for this step -> final-norm hidden states [T, hidden]."""
-        step = StepContext(backend, meta, positions, self.rope_cos, self.rope_sin)
-        h, residual = self.model.embed_tokens(input_ids), None
+        assert self.tp.size == self.cfg.tp_size, "a sharded model needs its communicator (Model.tp)"
+        step = StepContext(backend, meta, positions, self.rope_cos, self.rope_sin, self.tp)
+        h, residual = self.embed(input_ids), None
         for layer in self.model.layers:
             h, residual = layer(h, residual, step)
         return self.model.norm(h, backend.ops, residual)[0]
 
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The input embeddings; a rank holding part of the vocabulary looks up its own ids, zeros the others' and
+        sums over the ranks."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        start = self.tp.rank * self.cfg.vocab_rows
+        local = input_ids - start
+        outside = (local < 0) | (local >= self.cfg.vocab_rows)
+        h = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(h.masked_fill(outside[:, None], 0))
+
     def compute_logits(self, hidden: Tensor, ops: Ops, out: Tensor | None = None) -> Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops); into out if given."""
+        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops); into out if given.
+        Under tensor parallelism each rank computes its part of the vocabulary and every rank gets all of it."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = ops.linear(hidden, weight)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last(logits)[:, :self.cfg.vocab_size]
         return logits.float() if out is None else out.copy_(logits)
