@@ -39,7 +39,7 @@ from tqdm import tqdm
 from bench.common import BenchError, fail_unless_measured
 from bench.servers import add_served_model_args, option_value, start_server, stop_server, with_model_args
 from partition.profiler import file_out, names_folder
-from profiles import cpu_device_name, model_name, user_profiles_dir
+from profiles import cpu_device_name, model_name, unit_device_name, user_profiles_dir
 from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from scheduler.policy_table import ROUTES, PolicyTable, TableError, run_key, table_path
 
@@ -317,9 +317,10 @@ def _describe(url: str, serve_args: list[str]) -> tuple[str, str, bool]:
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
         raise BenchError(f"cannot read {url}/health ({exc}); is it a ppd server?") from exc
     model = _model_name(_served(url), serve_args)
+    tp = device.get("tensor_parallel_size", 1)  # a multi-device unit's table is its own (profiles.unit_device_name)
     if device.get("kind") == "cuda":
-        return device.get("name") or "cuda", model, True
-    return cpu_device_name(), model, False
+        return unit_device_name(device.get("name") or "cuda", tp), model, True
+    return unit_device_name(cpu_device_name(), tp), model, False
 
 
 def _model_name(served: dict, serve_args: list[str]) -> str:

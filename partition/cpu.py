@@ -30,6 +30,15 @@ def split_cores(cores: list[int], num_units: int, with_prefill: bool) -> list[tu
     return shares
 
 
+def rank_cores(cores: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
+    """A tensor-parallel rank's part of its role's cores: an equal slice each when there are enough, else all of them
+    (the ranks then take turns on them)."""
+    if len(cores) < size:
+        return cores
+    per = len(cores) // size
+    return cores[rank * per:(rank + 1) * per]
+
+
 def pin_to_cores(cores: tuple[int, ...]) -> None:
     """Run this process (and torch's intra-op pool) on exactly these cores; no-op for an empty share."""
     if not cores:

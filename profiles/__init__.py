@@ -63,6 +63,12 @@ def model_name(folder: str | os.PathLike) -> str:
     return os.path.basename(os.fspath(folder).rstrip("/"))
 
 
+def unit_device_name(device: str, tensor_parallel_size: int = 1) -> str:
+    """The device part of a policy profile's name: a unit's device, and how many of them a tensor-parallel unit spans
+    (its steps and their costs differ from one device's: a profile is measured with the unit's own -tp)."""
+    return device if tensor_parallel_size == 1 else f"{device} x{tensor_parallel_size}"
+
+
 def cpu_device_name() -> str:
     """The CPU 'device' of a profile: its core count decides the speeds the profile measured."""
     return f"cpu-{len(os.sched_getaffinity(0))}core"

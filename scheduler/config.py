@@ -27,7 +27,7 @@ class UnitConfig:
     policy: str = "ppd"
     ipc_dir: str = "/tmp"
     shm_prefix: str = "ppd"
-    gpu: str | None = None  # this unit's GPU as a CUDA_VISIBLE_DEVICES entry; None on the CPU
+    gpu: str | None = None  # this unit's GPU(s) as CUDA_VISIBLE_DEVICES entries, one per tensor-parallel rank; None on the CPU
     partition: UnitPartition = UnitPartition()  # how the workers share the device (partition/backends.py)
     share_manager: bool = False  # shares change at run time where the backend can (partition/manager.py)
     partition_profile: str | None = None  # the partition profile the share manager reads (None: none found)
@@ -38,6 +38,22 @@ class UnitConfig:
     api_servers: int = 1  # API-server processes sending to the unit (--api-server-count)
     kv_events: KVEventsConfig | None = None  # the decode worker publishes KV-cache events (--kv-events-config)
     hash_algo: str = "sha256"  # the events' block hashes (--prefix-caching-hash-algo)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine.tensor_parallel_size
+
+    def rank_gpu(self, rank: int) -> str | None:
+        """The GPU a tensor-parallel rank runs on (each of a role's ranks on its own; a rank's two workers on the same)."""
+        return None if self.gpu is None else self.gpu.split(",")[rank]
+
+    def tp_store(self, role: str) -> str:
+        """The file where a role's tensor-parallel ranks meet (engine/parallel.py); the launcher removes it between runs."""
+        return str(Path(self.ipc_dir) / f"u{self.unit}-{role}-tp-store")
+
+    def follower_address(self, role: str, rank: int) -> str:
+        """Where tensor-parallel rank `rank` (1..N-1) of a role takes its steps from rank 0 (it binds)."""
+        return self.address(f"u{self.unit}-{role}-tp{rank}")
 
     @property
     def publishes_kv_events(self) -> bool:
@@ -56,9 +72,10 @@ class UnitConfig:
         """A ZeroMQ ipc:// endpoint of this unit (or shared by all units when name has no unit suffix)."""
         return f"ipc://{Path(self.ipc_dir) / name}"
 
-    def shm_name(self, kind: str) -> str:
-        """The host name of this unit's shared "weights" or "kv" memory (a /dev/shm file on the CPU)."""
-        return f"{self.shm_prefix}-u{self.unit}-{kind}"
+    def shm_name(self, kind: str, rank: int = 0) -> str:
+        """The host name of this unit's shared "weights" or "kv" memory (a /dev/shm file on the CPU): a tensor-parallel
+        rank's shard of it."""
+        return f"{self.shm_prefix}-u{self.unit}-{kind}" + (f"-r{rank}" if rank else "")
 
     def requests_address(self, api_server: int) -> str:
         """Where API server `api_server` sends this unit its requests (it binds, the decode worker connects)."""

@@ -29,6 +29,7 @@ from engine.engine import Engine, device_info
 from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, offset_endpoint
 from engine.memory_plan import StartupError
 from engine.model_runner import StepInput
+from engine.parallel import SINGLE, FollowerLink, TensorParallel, follower_socket, init_tensor_parallel
 from engine.shared_memory import release_name
 from partition.backends import backend_of, check_in_worker
 from partition.cpu import repin
@@ -80,7 +81,8 @@ class StepTimes:
 
 
 class DecodeWorker:
-    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context) -> None:
+    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context, tp: TensorParallel = SINGLE) -> None:
+        """tp: rank 0's communicator under tensor parallelism (its followers run DecodeFollower)."""
         self.cfg, self.out, self.ctx = cfg, out, ctx
         self.partition_problem: str | None = None
         self.streams: StreamSplits | None = None  # a one-process unit on a GPU: each worker's stream per split
@@ -91,7 +93,11 @@ class DecodeWorker:
             self.streams, self.partition_problem = backend_of(cfg.partition).streams(cfg.partition)
         graph_streams = {k: self.streams.stream("decode", k) for k in self.streams.keys} if self.streams else None
         graph_sms = {k: self.streams.sms("decode", k) for k in self.streams.keys} if self.streams else None
-        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams, graph_sms)
+        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams, graph_sms,
+                                    tp)
+        follower_handles = exchange_handles(self.engine, tp)
+        if tp.enabled:
+            self.engine.lead(FollowerLink(ctx, [cfg.follower_address("decode", r) for r in range(1, tp.size)]))
         plan = self.engine.plan
         self.kv_events = kv_event_publisher(cfg, ctx)
         hasher = BlockHasher(cfg.hash_algo) if self.kv_events is not None else None
@@ -123,7 +129,7 @@ class DecodeWorker:
             start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key)  # before UnitSetup: PUSH waits for it
         if cfg.prefill_worker != "none":
             self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
-                                                 plan.num_blocks, plan.max_model_len)))
+                                                 plan.num_blocks, plan.max_model_len, follower_handles)))
         self.partition_problem = self.partition_problem or check_in_worker(cfg.partition, str(self.engine.device))
         if self.partition_problem:
             log.error("partition %s: %s", cfg.partition.backend, self.partition_problem)
@@ -252,9 +258,41 @@ class DecodeWorker:
         self.pending = []
 
     def _release_names(self) -> None:
-        """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the workers."""
+        """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the
+        workers (every tensor-parallel rank's)."""
         release_name(self.engine.weights_handle)
         release_name(self.engine.kv_handle)
+        if self.engine.followers is not None:
+            self.engine.followers.send("release")
+
+
+def exchange_handles(engine: Engine, tp: TensorParallel) -> list[tuple[Any, Any]]:
+    """Every decode rank's shared memory, gathered on each (rank 0 sends ranks 1..N-1's to the prefill worker)."""
+    if not tp.enabled:
+        return []
+    return tp.all_gather_object((engine.weights_handle, engine.kv_handle))[1:]
+
+
+class DecodeFollower:
+    """Decode rank 1..N-1 of a tensor-parallel unit: its device's shard of the weights and KV pool, the steps rank 0
+    runs (Engine.follow); no scheduler, socket to the API server or sampling of its own."""
+
+    def __init__(self, cfg: UnitConfig, ctx: zmq.Context, tp: TensorParallel) -> None:
+        self.cfg = cfg
+        # Bound before the engine starts: rank 0 may send its first step as soon as the pools are sized.
+        self.sock = follower_socket(ctx, cfg.follower_address("decode", tp.rank))
+        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights", tp.rank), cfg.shm_name("kv", tp.rank)),
+                                    tp=tp)
+        exchange_handles(self.engine, tp)
+        if cfg.prefill_worker == "none":
+            self.release()
+
+    def release(self) -> None:
+        release_name(self.engine.weights_handle)
+        release_name(self.engine.kv_handle)
+
+    def run(self) -> None:
+        self.engine.follow(self.sock, lambda kind, _: self.release() if kind == "release" else None)
 
 
 def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | None:
@@ -307,9 +345,14 @@ def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: 
     return manager
 
 
-def run_decode_worker(cfg: UnitConfig) -> None:
-    """Process entry point."""
-    init_worker_process(cfg, "decode")
+def run_decode_worker(cfg: UnitConfig, rank: int = 0) -> None:
+    """Process entry point (rank: a tensor-parallel unit's decode rank; 1..N-1 follow rank 0)."""
+    init_worker_process(cfg, "decode", rank)
     ctx = zmq.Context()
     out = ApiServers(ctx, cfg)
-    run_or_report(cfg.unit, out, lambda: DecodeWorker(cfg, out, ctx).run())
+
+    def main() -> None:
+        tp = init_tensor_parallel(cfg.tensor_parallel_size, rank, cfg.tp_store("decode"), cfg.engine.device)
+        (DecodeWorker(cfg, out, ctx, tp) if rank == 0 else DecodeFollower(cfg, ctx, tp)).run()
+
+    run_or_report(cfg.unit, out, main)

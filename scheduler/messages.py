@@ -62,12 +62,14 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class UnitSetup(msgspec.Struct, tag=True):
-    """The decode worker's shared memory, for the prefill worker to map, and the pool it sized."""
+    """The decode worker's shared memory, for the prefill worker to map, and the pool it sized. Under tensor
+    parallelism, weights and kv_pool are rank 0's, and followers holds every rank's (weights, kv_pool) from rank 1."""
 
     weights: SharedHandle
     kv_pool: SharedHandle
     num_kv_blocks: int
     max_model_len: int
+    followers: list[tuple[SharedHandle, SharedHandle]] = []
 
 
 class PrefillJob(msgspec.Struct, tag=True):

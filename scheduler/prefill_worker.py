@@ -28,6 +28,7 @@ import zmq
 
 from engine.engine import Engine, device_info
 from engine.model_runner import StepInput
+from engine.parallel import SINGLE, FollowerLink, TensorParallel, follower_socket, init_tensor_parallel, receive
 from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits
@@ -42,9 +43,10 @@ log = logging.getLogger("ppd.prefill")
 
 class PrefillWorker:
     def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context, owner: Engine | None = None,
-                 streams: StreamSplits | None = None, key: int = WHOLE) -> None:
+                 streams: StreamSplits | None = None, key: int = WHOLE, tp: TensorParallel = SINGLE) -> None:
         """owner: the decode worker's engine, when this worker is a thread of its process; streams and key: the
-        stream splits there (a GPU) and the split to start on."""
+        stream splits there (a GPU) and the split to start on; tp: rank 0's communicator under tensor parallelism
+        (ranks 1..N-1 run PrefillFollower, each mapping its decode rank's shard)."""
         self.cfg, self.out, self.streams, self.key = cfg, out, streams, key
         self.jobs = zmq_socket(ctx, zmq.PULL, cfg.jobs_address)
         self.notify = zmq_socket(ctx, zmq.PUSH, cfg.notify_address)
@@ -58,7 +60,14 @@ class PrefillWorker:
                                          {k: streams.sms("prefill", k) for k in keys} or None)
             self.engine.runner.use_graphs(self.key)
         else:
-            self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len)
+            if tp.enabled:
+                link = FollowerLink(ctx, [cfg.follower_address("prefill", r) for r in range(1, tp.size)])
+                link.send_each("setup", [(weights, kv, setup.num_kv_blocks, setup.max_model_len)
+                                         for weights, kv in setup.followers])
+            self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len,
+                                        tp)
+            if tp.enabled:
+                self.engine.lead(link)
         self.queue: deque[Sequence] = deque()
         self.tokens_per_s = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
@@ -146,16 +155,28 @@ class PrefillWorker:
             self.notify.send(self.encode(PrefillDone(a.request_id, t)))
 
 
-def run_prefill_worker(cfg: UnitConfig) -> None:
-    """Process entry point."""
-    init_worker_process(cfg, "prefill")
+def run_prefill_worker(cfg: UnitConfig, rank: int = 0) -> None:
+    """Process entry point (rank: a tensor-parallel unit's prefill rank; 1..N-1 follow rank 0)."""
+    init_worker_process(cfg, "prefill", rank)
     if cfg.gpu is not None:
         # Make this process's CUDA context now, while the decode worker loads the weights: its memory
         # measurement then sees the context as in use.
         torch.zeros(1, device="cuda")
     ctx = zmq.Context()
     out = ApiServers(ctx, cfg)
-    run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx).run())
+
+    def main() -> None:
+        tp = init_tensor_parallel(cfg.tensor_parallel_size, rank, cfg.tp_store("prefill"), cfg.engine.device)
+        if rank == 0:
+            PrefillWorker(cfg, out, ctx, tp=tp).run()
+            return
+        # A follower: its decode rank's shard, from the handles rank 0 passes on, then rank 0's steps.
+        sock = follower_socket(ctx, cfg.follower_address("prefill", rank))
+        kind, (weights, kv, num_blocks, max_model_len) = receive(sock)
+        assert kind == "setup", f"expected the unit's setup first, got {kind}"
+        Engine.attach(cfg.engine, weights, kv, num_blocks, max_model_len, tp).follow(sock)
+
+    run_or_report(cfg.unit, out, main)
 
 
 def start_prefill_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, streams: StreamSplits | None,

@@ -17,6 +17,7 @@ import zmq
 from engine.config import ModelError
 from engine.memory_plan import StartupError
 from partition.backends import apply_at_start
+from partition.cpu import pin_to_cores, rank_cores
 from scheduler.config import UnitConfig
 from scheduler.messages import WorkerOutput, api_server_of
 
@@ -33,9 +34,10 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
-def init_worker_process(cfg: UnitConfig, role: str) -> None:
-    """Die with the launcher (no orphans even if it is killed), leave Ctrl-C and SIGTERM to it, see only the unit's GPU,
-    and take our share of it (cores, or the MPS daemon and thread percentage). Runs before anything touches CUDA."""
+def init_worker_process(cfg: UnitConfig, role: str, rank: int = 0) -> None:
+    """Die with the launcher (no orphans even if it is killed), leave Ctrl-C and SIGTERM to it, see only the rank's GPU,
+    and take our share of it (cores, or the MPS daemon and thread percentage; a tensor-parallel rank its part of its
+    role's cores). Runs before anything touches CUDA."""
     die_with_parent()
     # Ctrl-C and SIGTERM reach the whole process group (a terminal, systemd): the launcher drains the requests in
     # flight and then stops the workers itself, so they ignore both (and die with it all the same, above).
@@ -44,14 +46,16 @@ def init_worker_process(cfg: UnitConfig, role: str) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s [unit {cfg.unit} %(processName)s]: %(message)s")
     if cfg.gpu is not None:
-        # Both workers of a unit see the same single GPU as cuda:0, so IPC handles name the same device.
-        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.gpu
+        # Both workers of a rank see the same single GPU as cuda:0, so IPC handles name the same device.
+        os.environ["CUDA_VISIBLE_DEVICES"] = cfg.rank_gpu(rank)
         # The weights and KV pool are exported by CUDA IPC, whose path for expandable segments is unreliable.
         for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
             if var in os.environ:
                 kept = [o for o in os.environ[var].split(",") if not o.replace(" ", "").startswith("expandable_segments")]
                 os.environ[var] = ",".join(kept)
     apply_at_start(cfg.partition, role)
+    if cfg.tensor_parallel_size > 1 and (cores := cfg.partition.share(role).cores):
+        pin_to_cores(rank_cores(cores, rank, cfg.tensor_parallel_size))
     torch.set_grad_enabled(False)
 
 

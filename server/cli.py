@@ -212,7 +212,9 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted: ppd runs its own model code (Llama, Mistral, Qwen2, Qwen3), never a folder's")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="1 only: a unit is one GPU (several GPUs serve as several units: --gpus)")
+                   help="GPUs a unit spans, each holding 1/N of the weights and KV cache, its prefill and decode "
+                        "workers sharing that shard (default 1; the GPUs serve as GPUs / N units); on the CPU, N "
+                        "processes per worker")
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                    help="the number of units (as --units): one per GPU by default")

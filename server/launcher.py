@@ -2,7 +2,9 @@
 
 The two workers of a unit share memory (and on the GPU one fault reaches every
 process of the device), so a unit is restarted whole: its in-flight requests end
-at once with a 503, both processes go, a fresh pair comes up.
+at once with a 503, both processes go, a fresh pair comes up. A tensor-parallel
+unit has a decode and a prefill process per rank, its ranks meet in collectives
+that one dead rank stalls: any of them dying restarts all of them.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import time
 from multiprocessing.process import BaseProcess
 
@@ -75,25 +78,32 @@ class Launcher:
         # A one-process unit's prefill worker is a thread the decode worker starts.
         one = cfg.prefill_worker != "process"
         roles = {"decode": run_decode_worker} if one else {"decode": run_decode_worker, "prefill": run_prefill_worker}
+        ranks = range(cfg.tensor_parallel_size)
         if cfg.stub_step_ms is not None:
-            roles = {"decode": run_stub_worker}
+            roles, ranks = {"decode": run_stub_worker}, range(1)
         for role, target in roles.items():
-            proc = self.ctx.Process(target=target, args=(cfg,), name=f"ppd-u{unit}-{role}", daemon=True)
-            proc.start()
-            self.procs[unit][role] = proc
+            _remove(cfg.tp_store(role))  # a fresh meeting place: the last run's ranks left theirs
+            for rank in ranks:
+                name = role if rank == 0 else f"{role}-tp{rank}"
+                args = (cfg,) if rank == 0 else (cfg, rank)
+                proc = self.ctx.Process(target=target, args=args, name=f"ppd-u{unit}-{name}", daemon=True)
+                proc.start()
+                self.procs[unit][name] = proc
 
     def _stop(self, unit: int) -> None:
         # The prefill worker maps the decode worker's weights and KV pool (CUDA IPC): it is gone before the decode
         # worker, their exporter, is stopped, as freeing exported memory under an importer is undefined (under MPS,
-        # a fault there would reach every client of the GPU).
-        for role in sorted(self.procs[unit], key=lambda role: role == "decode"):
+        # a fault there would reach every client of the GPU). The same for each tensor-parallel rank's pair.
+        for role in sorted(self.procs[unit], key=lambda role: role.startswith("decode")):
             p = self.procs[unit][role]
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
         self.procs[unit] = {}
+        cfg = self.units[unit]
         for kind in ("weights", "kv"):
-            remove_leftover(self.units[unit].shm_name(kind))
+            for rank in range(cfg.tensor_parallel_size):
+                remove_leftover(cfg.shm_name(kind, rank))
 
     async def _watch(self) -> None:
         while not self.stopping:
@@ -128,3 +138,10 @@ class Launcher:
             return
         self.restarts[unit] = 0
         log.info("unit %d restarted in %.1fs", unit, time.monotonic() - started)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype
+from engine.config import ModelConfig, ModelError, check_model_folder, resolve_dtype, tensor_parallel_sizes
 from engine.cuda_graphs import MAX_GRAPH_TOKENS
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.gguf import SMOLLM2, GGUFError, gguf_in
@@ -69,8 +69,21 @@ def visible_gpus() -> list[str]:
     return names[:count]
 
 
-def choose_gpus(args: argparse.Namespace, gpus: list[str]) -> list[str]:
-    """The GPUs to serve on: --gpus (indices into the visible ones), else all; --units takes the first N."""
+def choose_gpus(args: argparse.Namespace, gpus: list[str], mcfg: ModelConfig | None = None) -> list[str]:
+    """Each unit's GPUs (CUDA_VISIBLE_DEVICES entries, comma-separated: --tensor-parallel-size of them): --gpus
+    (indices into the visible ones), else all; --units takes the first N units. A size that does not divide the
+    GPUs is refused naming the sizes that do (and split the model, mcfg)."""
+    tp = getattr(args, "tensor_parallel_size", 1)
+    chosen = _chosen_gpus(args, gpus, tp)
+    if len(chosen) % tp:
+        fits = [n for n in (tensor_parallel_sizes(mcfg, len(chosen)) if mcfg else range(1, len(chosen) + 1))
+                if len(chosen) % n == 0]
+        raise UsageError(f"--tensor-parallel-size {tp} does not divide the {len(chosen)} GPU(s) to serve on: use one "
+                         f"of {', '.join(map(str, fits))}, or pick GPUs with --gpus")
+    return [",".join(chosen[i:i + tp]) for i in range(0, len(chosen), tp)]
+
+
+def _chosen_gpus(args: argparse.Namespace, gpus: list[str], tp: int) -> list[str]:
     chosen = gpus
     if args.gpus:
         try:
@@ -84,9 +97,10 @@ def choose_gpus(args: argparse.Namespace, gpus: list[str]) -> list[str]:
             raise UsageError(f"--gpus {args.gpus}: each GPU at most once (one unit per GPU)")
         chosen = [gpus[i] for i in picks]
     if args.units is not None:
-        if args.units > len(chosen):
-            raise UsageError(f"--units {args.units}: only {len(chosen)} GPU(s) to serve on, and a unit is one GPU")
-        chosen = chosen[: args.units]
+        if args.units * tp > len(chosen):
+            raise UsageError(f"--units {args.units}: only {len(chosen)} GPU(s) to serve on, and a unit is "
+                             f"{tp} GPU(s) (--tensor-parallel-size)")
+        chosen = chosen[: args.units * tp]
     return chosen
 
 
@@ -116,8 +130,10 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         raise UsageError(f"--max-graph-tokens {args.max_graph_tokens}: give 0 (graphs for decode-only steps) up to "
                          f"{MAX_GRAPH_TOKENS}")
     path = model_path(args.model)
+    tp = args.tensor_parallel_size
     try:
         mcfg = check_model_folder(path, args.load_format)
+        mcfg.sharded(tp)  # a size that does not split the model: refused, naming the ones that do
     except ModelError as exc:
         raise UsageError(str(exc)) from exc
     if args.max_model_len is not None and args.max_model_len > mcfg.max_position_embeddings:
@@ -146,7 +162,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     if device == "cpu":
         try:
             dtype = resolve_dtype(args.dtype, mcfg, device)
-            kv = plan_from_request(args.num_kv_blocks, args.kv_cache_memory, kv_block_nbytes(mcfg, args.block_size, dtype),
+            # A rank's pool holds its KV heads: --kv-cache-memory is per rank, as --gpu-memory-utilization per GPU.
+            kv = plan_from_request(args.num_kv_blocks, args.kv_cache_memory,
+                                   kv_block_nbytes(mcfg.sharded(tp), args.block_size, dtype),
                                    args.block_size, mcfg.max_position_embeddings, args.max_model_len)
         except StartupError as exc:
             raise UsageError(str(exc)) from exc
@@ -154,10 +172,10 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         num_units = args.units or 1
         unit_gpus: list[str | None] = [None] * num_units
     else:
-        unit_gpus = list(choose_gpus(args, gpus))
+        unit_gpus = list(choose_gpus(args, gpus, mcfg))
         num_units = len(unit_gpus)
     cores = available_cores()
-    workers = num_units * (2 if with_prefill else 1)
+    workers = num_units * (2 if with_prefill else 1) * tp
     if device == "cpu" and workers > len(cores):
         log.warning("%d unit(s) are %d worker processes on %d core(s): they will share cores and each run slower; "
                     "use --units %d or fewer on this machine", num_units, workers, len(cores),
@@ -169,10 +187,19 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                                                 (args.mps_decode_percent, args.mps_prefill_percent),
                                                 args.prefill_worker, args.green_decode_sms or ())
         profile = partition_profile_for(args, device, path) if parts[0].runtime_shares else None
+        if tp > 1 and parts[0].prefill_thread:
+            raise UsageError(f"--tensor-parallel-size {tp} with a one-process unit (--partition {partition}, or "
+                             "--prefill-worker thread): not built; a tensor-parallel unit runs its prefill and decode "
+                             "ranks as processes: use --partition mps, cpu or none")
     except (PartitionError, UsageError) as exc:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise UsageError(str(exc)) from exc
     log.info("partition: %s", parts[0].why)
+    share_manager = share_manager_on(args.share_manager, partition)
+    if tp > 1 and share_manager:
+        log.info("share manager: off with --tensor-parallel-size %d (it moves one process's share; a unit's ranks "
+                 "keep the shares they start with)", tp)
+        share_manager = False
     tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
     engine = EngineConfig(
         model=path, dtype=args.dtype, load_format=args.load_format, device=device,
@@ -180,9 +207,10 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-        max_graph_tokens=args.max_graph_tokens, shares_device=with_prefill, tokenizer=tokenizer)
+        max_graph_tokens=args.max_graph_tokens, shares_device=with_prefill, tokenizer=tokenizer,
+        tensor_parallel_size=tp)
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
-                        gpu=gpu, partition=part, share_manager=share_manager_on(args.share_manager, partition),
+                        gpu=gpu, partition=part, share_manager=share_manager,
                         partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms, prefill_batch_tokens=args.prefill_batch_tokens,
                         log_level=args.log_level, stub_step_ms=args.stub_engine, api_servers=args.api_server_count,
@@ -215,10 +243,11 @@ def vllm_flags(args: argparse.Namespace) -> None:
     if args.enable_prefix_caching is False:
         raise UsageError("--no-enable-prefix-caching: ppd always caches prefixes (the PPD policy routes each append "
                          "by the prefix its unit holds); leave it out")
-    if args.tensor_parallel_size != 1 or args.pipeline_parallel_size != 1:
-        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size} --pipeline-parallel-size "
-                         f"{args.pipeline_parallel_size}: ppd runs a model on one GPU per unit (1 and 1); several GPUs "
-                         "serve as several units (--gpus, --data-parallel-size)")
+    if args.pipeline_parallel_size != 1:
+        raise UsageError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: ppd splits a model over GPUs by "
+                         "tensor parallelism only (--tensor-parallel-size); leave it at 1")
+    if args.tensor_parallel_size < 1:
+        raise UsageError(f"--tensor-parallel-size {args.tensor_parallel_size}: at least 1")
     if args.data_parallel_size is not None:
         if args.units is not None and args.units != args.data_parallel_size:
             raise UsageError(f"--data-parallel-size {args.data_parallel_size} and --units {args.units}: the same "
@@ -523,11 +552,12 @@ def find_shipped_table(policy, device: str, model: str) -> None:
 
 def policy_for(args: argparse.Namespace, plan: ServePlan):
     """The routing policy of an API server, with its table where the device is known before the units start."""
-    from profiles import cpu_device_name
+    from profiles import cpu_device_name, unit_device_name
 
     policy = make_policy_for(args)
     if plan.device == "cpu":
-        find_shipped_table(policy, cpu_device_name(), model_slug(plan))
+        find_shipped_table(policy, unit_device_name(cpu_device_name(), plan.units[0].tensor_parallel_size),
+                           model_slug(plan))
     return policy
 
 
@@ -570,7 +600,10 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
     def on_ready() -> None:
         model.max_model_len = client.max_model_len() or model.max_model_len
         if plan.device == "cuda":
-            find_shipped_table(policy, client.state[0].device_name or "cuda", model_slug(plan))
+            from profiles import unit_device_name
+
+            find_shipped_table(policy, unit_device_name(client.state[0].device_name or "cuda",
+                                                        plan.units[0].tensor_parallel_size), model_slug(plan))
 
     client.on_ready = on_ready
     return model
@@ -602,15 +635,18 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
     why = f"auto: MPS does not work here ({problem})"
     request = (plan.device, len(plan.units), plan.units[0].prefill_worker != "none", available_cores(),
                Path(plan.ipc_dir))
+    tp = plan.units[0].tensor_parallel_size
     try:
-        kind, parts, _ = plan_partitions("green", *request, prefill_worker=args.prefill_worker,
+        # A tensor-parallel unit's workers stay processes (green contexts would make them one): none, then.
+        kind, parts, _ = plan_partitions("green", *request, prefill_worker=args.prefill_worker if tp == 1 else "process",
                                          green_sms=args.green_decode_sms or ())
     except PartitionError as no_green:
         why = f"{why}; green contexts are out too ({no_green})"
         kind, parts, _ = plan_partitions("none", *request, prefill_worker=args.prefill_worker)
     parts = [dataclasses.replace(part, why=why) for part in parts]
     log.warning("partition: %s; going on with --partition %s", why, kind)
-    plan.units[:] = [dataclasses.replace(u, partition=part, share_manager=share_manager_on(args.share_manager, kind))
+    plan.units[:] = [dataclasses.replace(u, partition=part,
+                                         share_manager=tp == 1 and share_manager_on(args.share_manager, kind))
                      for u, part in zip(plan.units, parts)]
     plan.partition, plan.mps = kind, None
     return None
@@ -751,7 +787,7 @@ def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | 
     units = []
     for u, cfg in enumerate(plan.units):
         state = client.state[u]
-        device: dict = {"kind": plan.device}
+        device: dict = {"kind": plan.device, "tensor_parallel_size": cfg.tensor_parallel_size}
         if cfg.gpu is not None:
             device.update(index=cfg.gpu, name=state.device_name, memory_total_bytes=state.device_memory_total,
                           memory_used_bytes=state.stats.device_memory_used if state.stats else None)
@@ -770,8 +806,13 @@ def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | 
 
 
 def workers_of(pids: dict[str, tuple[int | None, bool]], cfg: UnitConfig) -> list[dict]:
-    """A unit's workers for /health: each process, and a one-process unit's prefill thread in its decode process."""
-    workers = [{"role": role, "pid": pid, "alive": alive} for role, (pid, alive) in pids.items()]
+    """A unit's workers for /health: each process (a tensor-parallel unit's with its rank: the launcher names rank r's
+    process ROLE-tpR), and a one-process unit's prefill thread in its decode process."""
+    workers = []
+    for name, (pid, alive) in pids.items():
+        role, _, rank = name.partition("-tp")
+        workers.append({"role": role, "pid": pid, "alive": alive,
+                        **({"rank": int(rank or 0)} if cfg.tensor_parallel_size > 1 else {})})
     if cfg.prefill_worker == "thread" and "decode" in pids:
         pid, alive = pids["decode"]
         workers.append({"role": "prefill", "pid": pid, "alive": alive, "thread": True})

@@ -44,7 +44,7 @@ def test_models_and_health(client: openai.OpenAI, server: ServerProcess) -> None
     roles = {w["role"]: w for w in health["units"][0]["workers"]}
     assert set(roles) == {"decode", "prefill"}
     assert all(w["alive"] and w["pid"] > 0 for w in roles.values())
-    assert health["units"][0]["device"] == {"kind": "cpu"}
+    assert health["units"][0]["device"] == {"kind": "cpu", "tensor_parallel_size": 1}
 
 
 def test_chat_answers_with_route_and_usage(client: openai.OpenAI) -> None:

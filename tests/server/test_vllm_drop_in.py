@@ -59,9 +59,8 @@ def test_a_hub_id_is_refused_with_how_to_get_the_folder(tmp_path: Path, monkeypa
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--no-enable-prefix-caching"], "always caches prefixes"),
-    (["-tp", "2"], "one GPU per unit"),
-    (["--tensor-parallel-size", "4"], "one GPU per unit"),
-    (["-pp", "2"], "one GPU per unit"),
+    (["-tp", "3"], "does not split this model .* use one of 1, 2, 4, 8"),
+    (["-pp", "2"], "tensor parallelism only"),
     (["--quantization", "awq"], "dequantized"),
     (["-q", "fp8"], "dequantized"),
     (["--seed", "7"], "request's `seed`"),
@@ -78,6 +77,7 @@ def test_vllm_flags_ppd_takes_start_the_same_server() -> None:
                     "--trust-remote-code", "--uvicorn-log-level", "warning", "-tp", "1", "-dp", "1",
                     "--served-model-name", "a", "b")
     assert len(accepted.units) == 1 and accepted.model_names == ("a", "b") and accepted.model_name == "a"
+    assert plan("-tp", "2").units[0].tensor_parallel_size == 2
 
 
 def test_generation_config_gives_the_defaults_of_requests_that_leave_them_unset(tmp_path: Path) -> None:
