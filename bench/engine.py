@@ -13,6 +13,14 @@ Each time sits beside its floor, max(bytes / bandwidth, FLOPs / matmul rate),
 and their ratio. Every figure is the median over repeated runs. Results go to
 <results>/<device>/engine-<model>.{json,md} ($PPD_RESULTS_DIR, else ./ppd-results).
 
+With --tensor-parallel-size N it runs N ranks (a process each: a GPU each, or an
+equal part of the CPU's cores) that step together over their shards; the floors
+are one rank's (its shard's bytes and FLOPs against its device's ceilings), and
+each step's collectives are timed in a pass of their own (the step once more,
+eager, each collective waited for) against their floor: the bytes each rank
+sends (a ring all-reduce sends 2 (N - 1) / N of the tensor) over the link's
+bandwidth, measured in the same run by an all-reduce of 16 MiB (CPU) or 256 MiB.
+
 On a GPU the default model is Llama-3.1-8B's configuration with random weights
 (bench/models/llama-3.1-8b); on the CPU the demo model, at small sizes.
 """
@@ -31,14 +39,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig, resolve_dtype
+from engine.config import ModelConfig, ModelError, resolve_dtype
 from engine.cpu_isa import has_native_bf16, isa
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
 from engine.model import kv_block_nbytes
 from engine.model_runner import StepInput
-from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, median_ms,
-                                release_engine, time_step)
+from engine.parallel import SINGLE, TensorParallel, init_tensor_parallel
+from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, greedy_step,
+                                median_ms, release_engine, sync_device, time_step)
 from profiles import results_dir
 
 log = logging.getLogger("ppd.bench")
@@ -67,6 +76,7 @@ QUICK_GRID = Grid((1, 4), (64,), (64,), ((16, 128),), ((4, 64, 16, 128),), 128, 
 class Ceilings:
     copy_gbps: float  # bytes read + written per second / 1e9
     matmul_tflops: float
+    link_gbps: float | None = None  # tensor parallelism: the bytes each rank sends per second / 1e9 (bus bandwidth)
 
 
 @dataclass
@@ -78,6 +88,8 @@ class Point:
     floor_ms: float | None = None
     floor_bound: str | None = None  # "memory" or "compute": which term sets the floor
     tokens_per_s: float | None = None
+    comm_ms: float | None = None  # tensor parallelism: the step's collectives, timed alone (median per step)
+    comm_floor_ms: float | None = None  # their bytes sent per rank / the link's bandwidth
     skipped: str | None = None
     round_ratios: list[float] = field(default_factory=list)  # several rounds: each round's time / floor
 
@@ -112,7 +124,8 @@ def merge_rounds(reports: list[Report]) -> Report:
         return statistics.median(values) if values else None
 
     ceilings = Ceilings(copy_gbps=median([r.ceilings.copy_gbps for r in reports]),
-                        matmul_tflops=median([r.ceilings.matmul_tflops for r in reports]))
+                        matmul_tflops=median([r.ceilings.matmul_tflops for r in reports]),
+                        link_gbps=median([r.ceilings.link_gbps for r in reports]))
     points = []
     for same in zip(*(r.points for r in reports)):
         p = same[0]
@@ -122,6 +135,8 @@ def merge_rounds(reports: list[Report]) -> Report:
         points.append(Point(p.kind, p.label, ms=median([q.ms for q in same]), host_ms=median([q.host_ms for q in same]),
                             floor_ms=median([q.floor_ms for q in same]), floor_bound=p.floor_bound,
                             tokens_per_s=median([q.tokens_per_s for q in same]),
+                            comm_ms=median([q.comm_ms for q in same]),
+                            comm_floor_ms=median([q.comm_floor_ms for q in same]),
                             round_ratios=[q.ratio for q in same]))
     return Report(first.device, first.model, first.dtype, ceilings, points, first.meta, rounds=len(reports))
 
@@ -165,7 +180,7 @@ class ModelCost:
     def of(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> ModelCost:
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * inter
-        lm_head = cfg.vocab_size * h
+        lm_head = cfg.vocab_rows * h  # a tensor-parallel rank's part of the vocabulary
         weight_bytes = (cfg.num_layers * per_layer + lm_head) * dtype.itemsize  # the embedding is gathered, not read
         return cls(weight_bytes=weight_bytes, kv_bytes_per_token=kv_block_nbytes(cfg, block_size, dtype) // block_size,
                    matmul_params=cfg.num_layers * per_layer, lm_head_params=lm_head,
@@ -180,6 +195,49 @@ class ModelCost:
 
 
 # ---- the timed steps ---------------------------------------------------------------------------------
+
+
+def timed_step(engine: Engine, ceil: Ceilings, inputs: list[StepInput], repeat: int, warmup: int = 3,
+               graphs: bool = True) -> tuple[float, float, dict]:
+    """time_step's (wall ms, host ms), and under tensor parallelism the step's collectives: the step run `repeat`
+    times more, eagerly, each collective waited for and timed (median per step), beside their floor."""
+    ms, host = time_step(engine, inputs, repeat, warmup=warmup, graphs=graphs)
+    tp = engine.runner.model.tp
+    if not tp.enabled:
+        return ms, host, {}
+    saved, engine.runner.graphs = engine.runner.graphs, None  # a graph's collectives are not Python calls
+    per_step, wire = [], 0.0
+    try:
+        tp.timed = True
+        for _ in range(repeat):
+            tp.reset_timing()
+            greedy_step(engine, inputs)
+            per_step.append(tp.seconds * 1000)
+            wire = tp.wire_bytes
+    finally:
+        tp.timed = False
+        engine.runner.graphs = saved
+    floor = wire / (ceil.link_gbps * 1e9) * 1000 if ceil.link_gbps else None
+    return ms, host, {"comm_ms": statistics.median(per_step), "comm_floor_ms": floor}
+
+
+def measure_link(tp: TensorParallel, device: torch.device, quick: bool) -> float:
+    """The bytes each rank sends per second (GB/s) in an all-reduce of 16 MiB on the CPU, 256 MiB on a GPU (float32
+    elements): the link's bus bandwidth, as nccl-tests reports it."""
+    nbytes = (4 if quick else 16) * 2**20 if device.type == "cpu" else 256 * 2**20
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    tp.all_reduce(x)  # warm-up: connections made, buffers registered
+    sync_device(device)
+    rates = []
+    tp.timed = True
+    try:
+        for _ in range(3 if quick else 10):
+            tp.reset_timing()
+            tp.all_reduce(x)
+            rates.append(tp.wire_bytes / tp.seconds / 1e9)
+    finally:
+        tp.timed = False
+    return statistics.median(rates)
 
 
 def _no_graphs(engine: Engine, kind: str, label: dict) -> Point | None:
@@ -199,10 +257,10 @@ def time_decode(engine: Engine, cost: ModelCost, ceil: Ceilings, batch: int, con
     if skipped := _no_graphs(engine, "decode", label):
         return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
-    ms, host = time_step(engine, inputs, repeat, graphs=graphs)
+    ms, host, comm = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch)
     return Point("decode", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=batch / (ms / 1000))
+                 tokens_per_s=batch / (ms / 1000), **comm)
 
 
 def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, total: int, repeat: int) -> Point:
@@ -212,10 +270,10 @@ def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, t
     if prompt > engine.max_model_len or not blocks.fits(prompt, num):
         return Point("prefill", label, skipped=f"{num} x {prompt} tokens do not fit the pool or max_model_len")
     inputs = [StepInput([1] * prompt, 0, blocks.table(prompt)) for _ in range(num)]
-    ms, host = time_step(engine, inputs, repeat, warmup=2)
+    ms, host, comm = timed_step(engine, ceil, inputs, repeat, warmup=2)
     floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num)
     return Point("prefill", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=num * prompt / (ms / 1000))
+                 tokens_per_s=num * prompt / (ms / 1000), **comm)
 
 
 def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cached: int, graphs: bool,
@@ -227,11 +285,11 @@ def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cache
     if skipped := _no_graphs(engine, "append", label):
         return skipped
     inputs = [StepInput([1] * new, cached, blocks.table(new + cached))]
-    ms, host = time_step(engine, inputs, repeat, graphs=graphs)
+    ms, host, comm = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     pairs = new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, new, cached, pairs, 1)
     return Point("append", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=new / (ms / 1000))
+                 tokens_per_s=new / (ms / 1000), **comm)
 
 
 def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, context: int, new: int, cached: int,
@@ -249,11 +307,11 @@ def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, co
         return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(decodes)]
     inputs.append(StepInput([1] * new, cached, blocks.table(new + cached)))
-    ms, host = time_step(engine, inputs, repeat, graphs=graphs)
+    ms, host, comm = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     pairs = decodes * (context + 1) + new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, decodes + new, decodes * context + cached, pairs, decodes + 1)
     return Point("mixed", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=(decodes + new) / (ms / 1000))
+                 tokens_per_s=(decodes + new) / (ms / 1000), **comm)
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -266,7 +324,7 @@ def device_slug(device: torch.device) -> str:
 
 
 def engine_config(folder: str, device: torch.device, grid: Grid, dtype: str = "auto", attention_backend: str = "auto",
-                  *, eager: bool = False, exact_pool: bool | None = None) -> EngineConfig:
+                  *, eager: bool = False, exact_pool: bool | None = None, tensor_parallel_size: int = 1) -> EngineConfig:
     """The engine that can run every step of grid, with dummy weights. exact_pool: a KV pool of just the blocks the
     grid needs (by default on the CPU; a GPU's is planned from its free memory)."""
     mcfg = ModelConfig.from_folder(folder)
@@ -289,12 +347,12 @@ def engine_config(folder: str, device: torch.device, grid: Grid, dtype: str = "a
         model=folder, dtype=dtype, load_format="dummy", device=device.type, attention_backend=attention_backend,
         block_size=block_size, max_model_len=min(longest, mcfg.max_position_embeddings), max_num_seqs=max_batch,
         max_num_batched_tokens=step_tokens, num_kv_blocks=needed_blocks if exact else None, enforce_eager=eager,
-        shares_device=False)
+        shares_device=False, tensor_parallel_size=tensor_parallel_size)
 
 
-def start_engine(cfg: EngineConfig) -> Engine:
+def start_engine(cfg: EngineConfig, tp: TensorParallel = SINGLE) -> Engine:
     """Engine.create under names of this process, its KV random on a GPU; release it with release_engine."""
-    engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"))
+    engine = Engine.create(cfg, (f"ppd-bench-{os.getpid()}-weights", f"ppd-bench-{os.getpid()}-kv"), tp=tp)
     if engine.device.type == "cuda":
         fill_random_kv(engine)
     return engine
@@ -305,18 +363,22 @@ def model_folder(model: str) -> str:
 
 
 def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick: bool = False,
-        attention_backend: str = "auto") -> Report:
+        attention_backend: str = "auto", tp: TensorParallel = SINGLE) -> Report:
+    """The grid on this device; under tensor parallelism every rank runs it in step with the others (its shard)."""
     folder = model_folder(model)
-    mcfg = ModelConfig.from_folder(folder)
+    mcfg = ModelConfig.from_folder(folder).sharded(tp.size)
     torch_dtype = resolve_dtype(dtype, mcfg, device.type)
-    cfg = engine_config(folder, device, grid, dtype, attention_backend)
+    cfg = engine_config(folder, device, grid, dtype, attention_backend, tensor_parallel_size=tp.size)
     ceil = measure_ceilings(device, torch_dtype, quick)
-    log.info("ceilings: copy %.0f GB/s, matmul %.1f TFLOP/s", ceil.copy_gbps, ceil.matmul_tflops)
-    engine = start_engine(cfg)
+    if tp.enabled:
+        ceil.link_gbps = measure_link(tp, device, quick)
+    log.info("ceilings: copy %.0f GB/s, matmul %.1f TFLOP/s%s", ceil.copy_gbps, ceil.matmul_tflops,
+             f", link {ceil.link_gbps:.1f} GB/s" if ceil.link_gbps else "")
+    engine = start_engine(cfg, tp)
     try:
         cost = ModelCost.of(mcfg, torch_dtype, cfg.block_size)
         report = Report(device_info(device).name, os.path.basename(folder.rstrip("/")), str(torch_dtype).split(".")[-1],
-                        ceil, meta=run_meta(engine, cfg))
+                        ceil, meta={**run_meta(engine, cfg), "tensor_parallel_size": tp.size})
         ways = [True, False] if engine.runner.graphs is not None else [False]
         for graphs in ways:
             for context in grid.contexts:
@@ -372,24 +434,36 @@ def to_json(report: Report) -> dict:
 
 def markdown(report: Report) -> str:
     c = report.ceilings
-    lines = [f"# Engine benchmark: {report.model} ({report.dtype}) on {report.device}", "",
+    n = report.meta.get("tensor_parallel_size", 1)
+    lines = [f"# Engine benchmark: {report.model} ({report.dtype}) on {report.device}"
+             + (f", tensor parallelism {n}" if n > 1 else ""), "",
              f"Ceilings measured in the same run: copy {c.copy_gbps:.0f} GB/s (read + write), "
-             f"matmul {c.matmul_tflops:.1f} TFLOP/s. Floor = max(bytes / bandwidth, FLOPs / matmul rate); "
-             "every time is the median of repeated runs."
+             f"matmul {c.matmul_tflops:.1f} TFLOP/s"
+             + (f", link {c.link_gbps:.2f} GB/s sent per rank (an all-reduce's bus bandwidth)" if c.link_gbps else "")
+             + ". Floor = max(bytes / bandwidth, FLOPs / matmul rate); every time is the median of repeated runs."
+             + (f" Each of the {n} ranks holds 1/{n} of the model: a step's floor is one rank's shard against one "
+                "rank's ceilings; its collectives (two all-reduces a layer, the embedding's, the logits' all-gather) "
+                "are timed in a pass of their own, each waited for, against their floor: the bytes a rank sends over "
+                "the link's bandwidth." if n > 1 else "")
              + (f" {report.rounds} rounds, each measuring the ceilings and then the grid: times, floors and ceilings "
                 "are the medians over the rounds, time / floor the median of each round's ratio."
                 if report.rounds > 1 else "")
              + (f" CPU: {report.meta['cpu_build']}." if report.meta.get("cpu_build") else ""), "",
-             "| step | shape | time ms | host ms | floor ms (bound) | time / floor | tokens/s |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| step | shape | time ms | host ms | floor ms (bound) | time / floor | tokens/s |"
+             + (" collectives ms | their floor ms | collectives / floor |" if n > 1 else ""),
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if n > 1 else "")]
     for p in report.points:
         shape = ", ".join(f"{k} {v}" for k, v in p.label.items())
         if p.skipped:
-            lines.append(f"| {p.kind} | {shape} | skipped: {p.skipped} | | | | |")
+            lines.append(f"| {p.kind} | {shape} | skipped: {p.skipped} | | | | |" + (" | | |" if n > 1 else ""))
             continue
         host = f"{p.host_ms:.3f}" if p.host_ms is not None else ""
+        comm = ""
+        if n > 1 and p.comm_ms is not None:
+            floor = p.comm_floor_ms or 0.0
+            comm = (f" {p.comm_ms:.3f} | {floor:.4f} | {p.comm_ms / floor:.1f} |" if floor else f" {p.comm_ms:.3f} | | |")
         lines.append(f"| {p.kind} | {shape} | {p.ms:.3f} | {host} | {p.floor_ms:.3f} ({p.floor_bound}) | "
-                     f"{p.ratio:.2f} | {p.tokens_per_s:,.0f} |")
+                     f"{p.ratio:.2f} | {p.tokens_per_s:,.0f} |{comm}")
     return "\n".join(lines) + "\n"
 
 
@@ -414,6 +488,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds; what the tests run)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the grid this many times, ceilings included, and report medians (a shared machine)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that each hold 1/N of the model (a GPU each, or an equal part of the CPU's cores), "
+                        "stepping together; reports each step's collectives against their floor")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -422,9 +499,64 @@ def main(args: argparse.Namespace) -> None:
     grid = QUICK_GRID if args.quick else (GPU_GRID if device.type == "cuda" else CPU_GRID)
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
-    report = merge_rounds([run(model, device, grid, args.dtype, args.quick, args.attention_backend)
-                           for _ in range(args.rounds)])
+    if args.tensor_parallel_size > 1:
+        report = run_ranks(args, model, device, grid)
+    else:
+        report = merge_rounds([run(model, device, grid, args.dtype, args.quick, args.attention_backend)
+                               for _ in range(args.rounds)])
     out = Path(args.out or results_dir() / device_slug(device))
     json_path, md_path = write(report, out)
     print(markdown(report))
     print(f"written to {json_path} and {md_path}")
+
+
+def run_ranks(args: argparse.Namespace, model: str, device: torch.device, grid: Grid) -> Report:
+    """The grid on --tensor-parallel-size ranks, a process each; rank 0's report (its times are the unit's: every
+    step ends with the ranks' collectives)."""
+    import multiprocessing as mp
+    import tempfile
+
+    n = args.tensor_parallel_size
+    try:
+        ModelConfig.from_folder(model_folder(model)).sharded(n)
+    except ModelError as exc:
+        raise SystemExit(str(exc)) from exc
+    if device.type == "cuda" and torch.cuda.device_count() < n:
+        raise SystemExit(f"--tensor-parallel-size {n}: only {torch.cuda.device_count()} GPU(s) visible")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ppd-bench-tp-") as folder:
+        procs = [ctx.Process(target=_rank_main, args=(rank, n, f"{folder}/store", args, model, device.type, grid,
+                                                      results))
+                 for rank in range(n)]
+        for p in procs:
+            p.start()
+        report, error = results.get()
+        for p in procs:
+            p.join()
+    if error is not None:
+        raise SystemExit(f"a rank failed: {error}")
+    return report
+
+
+def _rank_main(rank: int, size: int, store: str, args: argparse.Namespace, model: str, kind: str, grid: Grid,
+               results) -> None:
+    """One rank of run_ranks: its GPU (the rank-th visible one) or its part of the cores, then the rounds."""
+    import traceback
+
+    from partition.cpu import available_cores, pin_to_cores, rank_cores
+
+    try:
+        if kind == "cuda":
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            gpus = visible.split(",") if visible else [str(i) for i in range(size)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]
+        else:
+            pin_to_cores(rank_cores(tuple(available_cores()), rank, size))
+        tp = init_tensor_parallel(size, rank, store, kind)
+        report = merge_rounds([run(model, torch.device(kind), grid, args.dtype, args.quick, args.attention_backend, tp)
+                               for _ in range(args.rounds)])
+        if rank == 0:
+            results.put((report, None))
+    except BaseException as exc:  # noqa: BLE001 - reported by rank 0's parent
+        results.put((None, f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

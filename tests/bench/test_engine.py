@@ -122,3 +122,27 @@ def test_cli_runs_quick_and_writes_results(cache_dir: Path, tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr[-2000:]
     assert "| decode |" in result.stdout and "2 rounds" in result.stdout
     assert json.loads((tmp_path / "engine-demo-v2.json").read_text())["rounds"] == 2
+
+
+def test_two_ranks_report_each_steps_collectives_against_their_floor(cache_dir: Path, tmp_path: Path) -> None:
+    """`ppd bench engine -tp 2` on the CPU: the demo model's shards on two processes; every step has its collectives
+    timed (two all-reduces a layer, the embedding's and the logits' gather) beside the floor the link's measured
+    bandwidth gives, and each step's floor is one rank's shard's: half the bytes and FLOPs."""
+    import argparse
+
+    from bench.engine import run_ranks
+
+    folder = str(demo_model_path(cache_dir))
+    args = argparse.Namespace(tensor_parallel_size=2, dtype="auto", quick=True, attention_backend="auto", rounds=1)
+    report = run_ranks(args, folder, torch.device("cpu"), QUICK_GRID)
+    one = run(folder, torch.device("cpu"), QUICK_GRID, quick=True)
+    assert report.meta["tensor_parallel_size"] == 2 and report.ceilings.link_gbps > 0
+    for p, q in zip(report.points, one.points):
+        assert p.label == q.label and p.skipped is None
+        assert p.comm_ms > 0 and 0 < p.comm_floor_ms
+    whole = ModelCost.of(ModelConfig.from_folder(folder), torch.float32, 16)
+    shard = ModelCost.of(ModelConfig.from_folder(folder).sharded(2), torch.float32, 16)
+    assert (shard.weight_bytes, shard.kv_bytes_per_token, shard.matmul_params) == (
+        whole.weight_bytes // 2, whole.kv_bytes_per_token // 2, whole.matmul_params // 2)
+    md = markdown(report)
+    assert "tensor parallelism 2" in md and "| collectives ms | their floor ms |" in md
