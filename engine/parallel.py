@@ -7,8 +7,10 @@ style: two all-reduces a layer, one for the embedding, and an all-gather of the 
 
 Rank 0 of each role runs the worker (its scheduler, sockets and sampling); ranks 1..N-1 are followers: they run
 each forward pass rank 0 runs, with the same inputs, which rank 0 sends them over a ZeroMQ socket before the pass
-(FollowerLink). The collectives are NCCL's on GPUs and gloo's on the CPU. A follower waits for its next step on the
-socket rather than in a collective, so an idle server holds no collective open (whose timeout would end it).
+(FollowerLink). The collectives are NCCL's on GPUs; on the CPU the model's all-reduces and all-gathers go through
+shared memory (engine/shm_collectives.py: gloo's loopback TCP took about 1 ms a call), the rest through gloo. A
+follower waits for its next step on the socket rather than in a collective, so an idle server holds no collective
+open (whose timeout would end it).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from engine.shm_collectives import ShmCollectives
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # one step's collectives; an idle rank waits on its socket
 
 
@@ -31,9 +35,9 @@ class TensorParallel:
     """This process's rank among `size` ranks of one role, and the collectives the model needs. size 1: every
     collective is the identity, and nothing is initialised."""
 
-    def __init__(self, size: int = 1, rank: int = 0, group: Any = None) -> None:
+    def __init__(self, size: int = 1, rank: int = 0, group: Any = None, shm: ShmCollectives | None = None) -> None:
         assert 0 <= rank < size, f"rank {rank} of {size}"
-        self.size, self.rank, self.group = size, rank, group
+        self.size, self.rank, self.group, self.shm = size, rank, group, shm
         # Time spent in collectives and the bytes each rank sent, for `ppd bench engine` (timed only when asked,
         # each collective then waited for on the device).
         self.timed = False
@@ -55,7 +59,9 @@ class TensorParallel:
         """The sum of x over the ranks, in place (a row-parallel layer's partial products)."""
         if self.size > 1:
             # A ring all-reduce sends 2 (N - 1) / N of the tensor from each rank (NCCL's bus-bandwidth convention).
-            self._timed(lambda: dist.all_reduce(x, group=self.group), x, 2 * (self.size - 1) / self.size)
+            run = (lambda: self.shm.all_reduce(x)) if self.shm is not None and not x.is_cuda else (
+                lambda: dist.all_reduce(x, group=self.group))
+            self._timed(run, x, 2 * (self.size - 1) / self.size)
         return x
 
     def all_gather_last(self, x: Tensor) -> Tensor:
@@ -64,7 +70,9 @@ class TensorParallel:
             return x
         x = x.contiguous()
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self._timed(lambda: _GATHER(out, x, group=self.group), out, (self.size - 1) / self.size)
+        run = (lambda: self.shm.all_gather(out, x)) if self.shm is not None and not x.is_cuda else (
+            lambda: _GATHER(out, x, group=self.group))
+        self._timed(run, out, (self.size - 1) / self.size)
         return out.view(self.size, *x.shape).movedim(0, -2).flatten(-2)
 
     def all_gather_object(self, value: Any) -> list[Any]:
@@ -124,7 +132,19 @@ def init_tensor_parallel(size: int, rank: int, store_file: str, device: str) -> 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(size, rank, dist.group.WORLD)
+    shm = None
+    if backend == "gloo":
+        # Rank 0 makes the shared file (named after its pid), the others map it, then its name goes.
+        name = [f"/dev/shm/ppd-tp-{os.getpid()}-{os.path.basename(store_file)}" if rank == 0 else None]
+        if rank == 0:
+            shm = ShmCollectives(name[0], size, rank, create=True)
+        dist.broadcast_object_list(name, src=0)
+        if rank != 0:
+            shm = ShmCollectives(name[0], size, rank, create=False)
+        dist.barrier()
+        if rank == 0:
+            ShmCollectives.unlink(name[0])
+    return TensorParallel(size, rank, dist.group.WORLD, shm)
 
 
 class FollowerLink:
