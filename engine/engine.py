@@ -15,6 +15,7 @@ follower runs them in Engine.follow, so that every rank's collectives meet.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -188,13 +189,22 @@ class Engine:
 
     @classmethod
     def sibling(cls, owner: Engine, graph_streams: dict[Any, torch.cuda.Stream] | None = None,
-                graph_sms: dict[Any, int] | None = None) -> Engine:
+                graph_sms: dict[Any, int] | None = None, tp: TensorParallel = SINGLE) -> Engine:
         """A second engine over owner's weights and KV pool in the same process (the prefill thread of a one-process
         unit): its own runner (attention metadata) and sampler, nothing mapped or copied. On a GPU it captures its
         own graphs of steps up to max_graph_tokens tokens, one set on each of graph_streams (its streams of the
-        green splits; graph_sms as for create), while the owner's thread may already run steps of its own."""
+        green splits; graph_sms as for create), while the owner's thread may already run steps of its own. tp: the
+        prefill ranks' communicator of a tensor-parallel unit: the sibling's model is then its own object over the
+        owner's arena (the same weights, its own collectives)."""
         cfg = owner.cfg
-        runner = ModelRunner(owner.runner.model, owner.runner.kv_pool, cfg.block_size, cfg.attention_backend,
+        model = owner.runner.model
+        if tp.enabled:
+            arena = torch.empty(0, dtype=torch.uint8, device=owner.device)
+            arena.set_(next(model.parameters()).untyped_storage())  # every parameter is a view of the one arena
+            model = build_model(owner.mcfg, model.dtype)
+            model.tp = tp
+            bind_arena(model, arena)
+        runner = ModelRunner(model, owner.runner.kv_pool, cfg.block_size, cfg.attention_backend,
                              max_model_len=owner.plan.max_model_len)
         if (runner.device.type == "cuda" and not cfg.enforce_eager and cfg.max_graph_tokens
                 and runner.backend.supports_cuda_graphs):
@@ -255,7 +265,7 @@ class Engine:
         Tensor-parallel rank 0 sends the inputs to its followers first; only it samples, from the logits every rank
         holds alike."""
         if self.followers is not None:
-            self.followers.send("step", inputs)
+            self.followers.send("step", (inputs, self.runner.graph_key))
         masks = self.sampler.start_masks(rows)
         logits, prompt = self.forward(inputs)
         if not rows:
@@ -279,16 +289,20 @@ class Engine:
         """Tensor-parallel rank 0: every step from now on runs on the followers too."""
         self.followers = followers
 
-    def follow(self, sock: Any, on_command: Any = None) -> None:
-        """A tensor-parallel follower's life: run each step rank 0 sends (its sampling and scheduling are rank 0's),
-        hand any other message to on_command(kind, payload), until "stop". A step that fails here fails on rank 0
-        too (the same inputs), which runs its inputs again one by one, as do we."""
+    def follow(self, sock: Any, on_command: Any = None, on_stream: Any = None) -> None:
+        """A tensor-parallel follower's life: run each step rank 0 sends (its sampling and scheduling are rank 0's)
+        with the graphs of the stream rank 0 ran it on (on_stream(key): the context that runs it there, in a
+        one-process unit on a GPU), hand any other message to on_command(kind, payload), until "stop". A step that
+        fails here fails on rank 0 too (the same inputs), which runs its inputs again one by one, as do we."""
         while True:
             kind, payload = receive(sock)
             if kind == "step":
+                inputs, key = payload
                 try:
-                    self.forward(payload)
-                    self._wait_for_device()
+                    self.runner.use_graphs(key)
+                    with on_stream(key) if on_stream is not None else contextlib.nullcontext():
+                        self.forward(inputs)
+                        self._wait_for_device()
                 except Exception as exc:  # noqa: BLE001 - rank 0 sees the same failure and says what it was
                     log.debug("a step failed on this rank too: %s: %s", type(exc).__name__, exc)
                     self._wait_for_device()

@@ -69,6 +69,7 @@ class ModelRunner:
         self.backend = backend
         self.graphs: StepGraphs | None = None  # the set steps replay now
         self.graph_sets: dict[Any, StepGraphs] = {}
+        self.graph_key: Any = None  # the stream key of use_graphs (a tensor-parallel follower's steps take rank 0's)
         self._graph_pool: Any = None
         self.staging = Staging(torch.int64, self.device)
         self.bind_kv_cache(kv_pool)
@@ -98,6 +99,7 @@ class ModelRunner:
 
     def use_graphs(self, key: Any) -> None:
         """Replay the set captured on stream key from the next step (the caller runs it on that stream)."""
+        self.graph_key = key
         if self.graph_sets:
             self.graphs = self.graph_sets[key]
 

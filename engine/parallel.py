@@ -83,6 +83,14 @@ class TensorParallel:
         dist.all_gather_object(out, value, group=self.group)
         return out
 
+    def split(self) -> TensorParallel:
+        """A second communicator over the same ranks (a one-process unit's prefill threads, beside the decode ranks'
+        own): every rank calls it at the same point, from its main thread."""
+        if self.size == 1:
+            return SINGLE
+        group = dist.new_group(list(range(self.size)))
+        return TensorParallel(self.size, self.rank, group, _shm_collectives(self.size, self.rank, "split", group))
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.group)
@@ -132,19 +140,22 @@ def init_tensor_parallel(size: int, rank: int, store_file: str, device: str) -> 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT)
-    shm = None
-    if backend == "gloo":
-        # Rank 0 makes the shared file (named after its pid), the others map it, then its name goes.
-        name = [f"/dev/shm/ppd-tp-{os.getpid()}-{os.path.basename(store_file)}" if rank == 0 else None]
-        if rank == 0:
-            shm = ShmCollectives(name[0], size, rank, create=True)
-        dist.broadcast_object_list(name, src=0)
-        if rank != 0:
-            shm = ShmCollectives(name[0], size, rank, create=False)
-        dist.barrier()
-        if rank == 0:
-            ShmCollectives.unlink(name[0])
+    shm = _shm_collectives(size, rank, os.path.basename(store_file)) if backend == "gloo" else None
     return TensorParallel(size, rank, dist.group.WORLD, shm)
+
+
+def _shm_collectives(size: int, rank: int, tag: str, group: Any = None) -> ShmCollectives:
+    """The CPU ranks' shared-memory communicator: rank 0 makes the file (named after its pid and tag), the others map
+    it, then its name goes."""
+    name = [f"/dev/shm/ppd-tp-{os.getpid()}-{tag}" if rank == 0 else None]
+    shm = ShmCollectives(name[0], size, rank, create=True) if rank == 0 else None
+    dist.broadcast_object_list(name, src=0, group=group)
+    if rank != 0:
+        shm = ShmCollectives(name[0], size, rank, create=False)
+    dist.barrier(group=group)
+    if rank == 0:
+        ShmCollectives.unlink(name[0])
+    return shm
 
 
 class FollowerLink:

@@ -41,7 +41,7 @@ from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
                                 PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput,
                                 WorkerReady)
-from scheduler.prefill_worker import start_prefill_thread
+from scheduler.prefill_worker import start_prefill_follower_thread, start_prefill_thread
 from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
                                     zmq_socket)
 
@@ -81,8 +81,10 @@ class StepTimes:
 
 
 class DecodeWorker:
-    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context, tp: TensorParallel = SINGLE) -> None:
-        """tp: rank 0's communicator under tensor parallelism (its followers run DecodeFollower)."""
+    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context, tp: TensorParallel = SINGLE,
+                 prefill_tp: TensorParallel = SINGLE) -> None:
+        """tp: rank 0's communicator under tensor parallelism (its followers run DecodeFollower); prefill_tp: in a
+        one-process unit, the prefill thread's."""
         self.cfg, self.out, self.ctx = cfg, out, ctx
         self.partition_problem: str | None = None
         self.streams: StreamSplits | None = None  # a one-process unit on a GPU: each worker's stream per split
@@ -126,7 +128,8 @@ class DecodeWorker:
             self.use_split(Split(tuple(range(self.streams.middle_decode_sms())), ()))
         if cfg.prefill_worker == "thread":
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
-            start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key)  # before UnitSetup: PUSH waits for it
+            start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key,  # before UnitSetup: PUSH waits for it
+                                 prefill_tp)
         if cfg.prefill_worker != "none":
             self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
                                                  plan.num_blocks, plan.max_model_len, follower_handles)))
@@ -275,24 +278,38 @@ def exchange_handles(engine: Engine, tp: TensorParallel) -> list[tuple[Any, Any]
 
 class DecodeFollower:
     """Decode rank 1..N-1 of a tensor-parallel unit: its device's shard of the weights and KV pool, the steps rank 0
-    runs (Engine.follow); no scheduler, socket to the API server or sampling of its own."""
+    runs (Engine.follow); no scheduler, socket to the API server or sampling of its own. In a one-process unit it
+    starts the prefill rank of its device as a thread, over the same shard (prefill_tp: its communicator)."""
 
-    def __init__(self, cfg: UnitConfig, ctx: zmq.Context, tp: TensorParallel) -> None:
+    def __init__(self, cfg: UnitConfig, ctx: zmq.Context, tp: TensorParallel,
+                 prefill_tp: TensorParallel = SINGLE) -> None:
         self.cfg = cfg
         # Bound before the engine starts: rank 0 may send its first step as soon as the pools are sized.
         self.sock = follower_socket(ctx, cfg.follower_address("decode", tp.rank))
+        self.streams: StreamSplits | None = None
+        if cfg.prefill_worker == "thread" and cfg.engine.device.startswith("cuda"):
+            torch.zeros(1, device="cuda")
+            self.streams, problem = backend_of(cfg.partition).streams(cfg.partition)
+            if problem:
+                log.error("partition %s: %s", cfg.partition.backend, problem)
+        keys = self.streams.keys if self.streams else []
         self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights", tp.rank), cfg.shm_name("kv", tp.rank)),
-                                    tp=tp)
-        exchange_handles(self.engine, tp)
-        if cfg.prefill_worker == "none":
-            self.release()
+                                    {k: self.streams.stream("decode", k) for k in keys} or None,
+                                    {k: self.streams.sms("decode", k) for k in keys} or None, tp)
+        exchange_handles(self.engine, tp)  # rank 0 says when every process has mapped them: "release"
+        if cfg.prefill_worker == "thread":
+            sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
+            start_prefill_follower_thread(cfg, ctx, self.engine, self.streams, prefill_tp)
+
+    def on_stream(self, key: Any) -> Any:
+        return torch.cuda.stream(self.streams.stream("decode", key)) if self.streams else contextlib.nullcontext()
 
     def release(self) -> None:
         release_name(self.engine.weights_handle)
         release_name(self.engine.kv_handle)
 
     def run(self) -> None:
-        self.engine.follow(self.sock, lambda kind, _: self.release() if kind == "release" else None)
+        self.engine.follow(self.sock, lambda kind, _: self.release() if kind == "release" else None, self.on_stream)
 
 
 def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | None:
@@ -353,6 +370,8 @@ def run_decode_worker(cfg: UnitConfig, rank: int = 0) -> None:
 
     def main() -> None:
         tp = init_tensor_parallel(cfg.tensor_parallel_size, rank, cfg.tp_store("decode"), cfg.engine.device)
-        (DecodeWorker(cfg, out, ctx, tp) if rank == 0 else DecodeFollower(cfg, ctx, tp)).run()
+        # A one-process unit's prefill threads: a communicator of their own over the same ranks.
+        prefill_tp = tp.split() if cfg.prefill_worker == "thread" else SINGLE
+        (DecodeWorker(cfg, out, ctx, tp, prefill_tp) if rank == 0 else DecodeFollower(cfg, ctx, tp, prefill_tp)).run()
 
     run_or_report(cfg.unit, out, main)

@@ -46,7 +46,7 @@ class PrefillWorker:
                  streams: StreamSplits | None = None, key: int = WHOLE, tp: TensorParallel = SINGLE) -> None:
         """owner: the decode worker's engine, when this worker is a thread of its process; streams and key: the
         stream splits there (a GPU) and the split to start on; tp: rank 0's communicator under tensor parallelism
-        (ranks 1..N-1 run PrefillFollower, each mapping its decode rank's shard)."""
+        (ranks 1..N-1 follow it in run_prefill_worker, each over its decode rank's shard)."""
         self.cfg, self.out, self.streams, self.key = cfg, out, streams, key
         self.jobs = zmq_socket(ctx, zmq.PULL, cfg.jobs_address)
         self.notify = zmq_socket(ctx, zmq.PUSH, cfg.notify_address)
@@ -54,20 +54,20 @@ class PrefillWorker:
         self.decode_job = msgspec.msgpack.Decoder(ToPrefill).decode
         setup = self.decode_job(self.jobs.recv())
         assert isinstance(setup, UnitSetup), f"expected UnitSetup first, got {type(setup).__name__}"
+        link = FollowerLink(ctx, [cfg.follower_address("prefill", r) for r in range(1, tp.size)]) if tp.enabled else None
         if owner is not None:
             keys = streams.keys if streams is not None else []
             self.engine = Engine.sibling(owner, {k: streams.stream("prefill", k) for k in keys} or None,
-                                         {k: streams.sms("prefill", k) for k in keys} or None)
+                                         {k: streams.sms("prefill", k) for k in keys} or None, tp)
             self.engine.runner.use_graphs(self.key)
         else:
-            if tp.enabled:
-                link = FollowerLink(ctx, [cfg.follower_address("prefill", r) for r in range(1, tp.size)])
+            if link is not None:
                 link.send_each("setup", [(weights, kv, setup.num_kv_blocks, setup.max_model_len)
                                          for weights, kv in setup.followers])
             self.engine = Engine.attach(cfg.engine, setup.weights, setup.kv_pool, setup.num_kv_blocks, setup.max_model_len,
                                         tp)
-            if tp.enabled:
-                self.engine.lead(link)
+        if link is not None:
+            self.engine.lead(link)
         self.queue: deque[Sequence] = deque()
         self.tokens_per_s = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
@@ -180,21 +180,46 @@ def run_prefill_worker(cfg: UnitConfig, rank: int = 0) -> None:
 
 
 def start_prefill_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, streams: StreamSplits | None,
-                         key: int) -> threading.Thread:
-    """The prefill worker as a thread of the decode worker's process. It ends only with the process: if it fails,
-    the process exits, and the launcher restarts the unit as it does when a worker process dies."""
+                         key: int, tp: TensorParallel = SINGLE) -> threading.Thread:
+    """The prefill worker as a thread of the decode worker's process (tp: its communicator, a tensor-parallel unit's
+    prefill rank 0). It ends only with the process: if it fails, the process exits, and the launcher restarts the
+    unit as it does when a worker process dies."""
     def main() -> None:
-        torch.set_grad_enabled(False)  # per thread
         out = ApiServers(ctx, cfg)
+        run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx, owner, streams, key, tp).run())
+
+    return _thread_of_the_unit(cfg, main)
+
+
+def start_prefill_follower_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, streams: StreamSplits | None,
+                                  tp: TensorParallel) -> threading.Thread:
+    """Prefill rank 1..N-1 of a one-process tensor-parallel unit: a thread of its decode rank's process over the same
+    shard, running the steps prefill rank 0 sends."""
+    def main() -> None:
+        sock = follower_socket(ctx, cfg.follower_address("prefill", tp.rank))
+        keys = streams.keys if streams is not None else []
+        engine = Engine.sibling(owner, {k: streams.stream("prefill", k) for k in keys} or None,
+                                {k: streams.sms("prefill", k) for k in keys} or None, tp)
+        engine.follow(sock, on_stream=lambda key: torch.cuda.stream(streams.stream("prefill", key)) if streams
+                      else contextlib.nullcontext())
+
+    return _thread_of_the_unit(cfg, main)
+
+
+def _thread_of_the_unit(cfg: UnitConfig, main: Any) -> threading.Thread:
+    """A thread that ends only with its process: when main fails or returns, the process exits (code 3: a start-up
+    error run_or_report told the API server of), and the launcher restarts the unit."""
+    def run() -> None:
+        torch.set_grad_enabled(False)  # per thread
         code = 1
         try:
-            run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx, owner, streams, key).run())
-        except SystemExit as exc:  # run_or_report reported a start-up error the operator must fix
+            main()
+        except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
             log.exception("the prefill thread failed; the unit restarts")
         os._exit(code)
 
-    thread = threading.Thread(target=main, name=f"ppd-u{cfg.unit}-prefill", daemon=True)
+    thread = threading.Thread(target=run, name=f"ppd-u{cfg.unit}-prefill", daemon=True)
     thread.start()
     return thread

@@ -187,19 +187,11 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                                                 (args.mps_decode_percent, args.mps_prefill_percent),
                                                 args.prefill_worker, args.green_decode_sms or ())
         profile = partition_profile_for(args, device, path) if parts[0].runtime_shares else None
-        if tp > 1 and parts[0].prefill_thread:
-            raise UsageError(f"--tensor-parallel-size {tp} with a one-process unit (--partition {partition}, or "
-                             "--prefill-worker thread): not built; a tensor-parallel unit runs its prefill and decode "
-                             "ranks as processes: use --partition mps, cpu or none")
     except (PartitionError, UsageError) as exc:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise UsageError(str(exc)) from exc
     log.info("partition: %s", parts[0].why)
-    share_manager = share_manager_on(args.share_manager, partition)
-    if tp > 1 and share_manager:
-        log.info("share manager: off with --tensor-parallel-size %d (it moves one process's share; a unit's ranks "
-                 "keep the shares they start with)", tp)
-        share_manager = False
+    share_manager = tp_share_manager(share_manager_on(args.share_manager, partition), partition, tp)
     tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
     engine = EngineConfig(
         model=path, dtype=args.dtype, load_format=args.load_format, device=device,
@@ -374,6 +366,16 @@ def share_manager_on(asked: bool | None, partition: str) -> bool:
     """--share-manager / --no-share-manager, else on for green (a switch picks another stream) and off for cpu
     (moving threads between cores cost more than it gained on the 2-core demo)."""
     return BACKENDS[partition].manages_by_default if asked is None else asked
+
+
+def tp_share_manager(on: bool, partition: str, tp: int) -> bool:
+    """The share manager under tensor parallelism: a green split chosen by decode rank 0 reaches every rank with each
+    step (its stream's key), but the cpu backend's cores are repinned in rank 0's processes only: off there."""
+    if on and tp > 1 and partition == "cpu":
+        log.info("share manager: off with --tensor-parallel-size %d on the CPU (it repins rank 0's processes only; "
+                 "each rank keeps the cores it starts on)", tp)
+        return False
+    return on
 
 
 def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
@@ -637,8 +639,7 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
                Path(plan.ipc_dir))
     tp = plan.units[0].tensor_parallel_size
     try:
-        # A tensor-parallel unit's workers stay processes (green contexts would make them one): none, then.
-        kind, parts, _ = plan_partitions("green", *request, prefill_worker=args.prefill_worker if tp == 1 else "process",
+        kind, parts, _ = plan_partitions("green", *request, prefill_worker=args.prefill_worker,
                                          green_sms=args.green_decode_sms or ())
     except PartitionError as no_green:
         why = f"{why}; green contexts are out too ({no_green})"
@@ -646,7 +647,8 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
     parts = [dataclasses.replace(part, why=why) for part in parts]
     log.warning("partition: %s; going on with --partition %s", why, kind)
     plan.units[:] = [dataclasses.replace(u, partition=part,
-                                         share_manager=tp == 1 and share_manager_on(args.share_manager, kind))
+                                         share_manager=tp_share_manager(share_manager_on(args.share_manager, kind),
+                                                                        kind, tp))
                      for u, part in zip(plan.units, parts)]
     plan.partition, plan.mps = kind, None
     return None
@@ -808,12 +810,11 @@ def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | 
 def workers_of(pids: dict[str, tuple[int | None, bool]], cfg: UnitConfig) -> list[dict]:
     """A unit's workers for /health: each process (a tensor-parallel unit's with its rank: the launcher names rank r's
     process ROLE-tpR), and a one-process unit's prefill thread in its decode process."""
-    workers = []
+    workers, threads = [], []
     for name, (pid, alive) in pids.items():
         role, _, rank = name.partition("-tp")
-        workers.append({"role": role, "pid": pid, "alive": alive,
-                        **({"rank": int(rank or 0)} if cfg.tensor_parallel_size > 1 else {})})
-    if cfg.prefill_worker == "thread" and "decode" in pids:
-        pid, alive = pids["decode"]
-        workers.append({"role": "prefill", "pid": pid, "alive": alive, "thread": True})
-    return workers
+        where = {"rank": int(rank or 0)} if cfg.tensor_parallel_size > 1 else {}
+        workers.append({"role": role, "pid": pid, "alive": alive, **where})
+        if cfg.prefill_worker == "thread" and role == "decode":
+            threads.append({"role": "prefill", "pid": pid, "alive": alive, "thread": True, **where})
+    return workers + threads

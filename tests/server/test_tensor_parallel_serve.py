@@ -58,6 +58,27 @@ def test_both_routes_give_transformers_greedy_ids(tp_server) -> None:
         assert second == hf_greedy(folder, turn2, NEW_TOKENS)
 
 
+@pytest.mark.slow  # a server of its own (about 15 s on 2 cores)
+def test_a_one_process_unit_runs_each_ranks_prefill_as_a_thread(start_server, tmp_path_factory) -> None:
+    """--prefill-worker thread (green contexts' shape on a GPU): a process per rank holding its decode rank and its
+    prefill rank's thread, each role with its own communicator over the same processes; both routes as transformers."""
+    folder = write_tiny_model(tmp_path_factory.mktemp("thread"), "qwen3")
+    write_byte_tokenizer(folder)
+    server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "ppd",
+                          "--prefill-worker", "thread", "--partition", "none", "-tp", "2",
+                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+    workers = server.health()["units"][0]["workers"]
+    assert sorted((w["role"], w["rank"], w.get("thread", False)) for w in workers) == [
+        ("decode", 0, False), ("decode", 1, False), ("prefill", 0, True), ("prefill", 1, True)]
+    rng = random.Random(4)
+    for append, route in ((ids(rng, 10), "decode"), (ids(rng, 54), "prefill")):
+        prompt = ids(rng, 45)
+        first, _ = complete(server, prompt)
+        assert first == hf_greedy(str(folder), prompt, NEW_TOKENS)
+        second, taken = complete(server, prompt + first + append, route)
+        assert taken == route and second == hf_greedy(str(folder), prompt + first + append, NEW_TOKENS)
+
+
 def mapped(pid: int, prefix: str) -> dict[str, tuple[str, str]]:
     """Shared-memory file name after prefix (weights, kv, weights-r1, kv-r1) -> (device, inode) the process maps."""
     found = {}
@@ -97,7 +118,7 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-@pytest.mark.parametrize("victim", [("decode", 1), ("prefill", 1)])
+@pytest.mark.parametrize("victim", [("decode", 1), pytest.param(("prefill", 1), marks=pytest.mark.slow)])
 def test_killing_any_rank_restarts_the_whole_unit(tp_server, victim: tuple[str, int]) -> None:
     folder, server = tp_server
     before = {(w["role"], w["rank"]): w["pid"] for w in server.health()["units"][0]["workers"]}
@@ -131,8 +152,6 @@ def test_a_size_that_does_not_split_the_model_is_refused_at_start(tiny_llama: Pa
         plan("--model", str(tiny_llama), "-tp", "3")
     with pytest.raises(server.serve.UsageError, match="--pipeline-parallel-size 2"):
         plan("--model", str(tiny_llama), "-pp", "2")
-    with pytest.raises(server.serve.UsageError, match="one-process unit .* not built"):
-        plan("--model", str(tiny_llama), "-tp", "2", "--policy", "ppd", "--prefill-worker", "thread", "--partition", "none")
 
 
 def test_units_take_consecutive_gpus_and_a_size_that_does_not_divide_them_is_refused(tiny_llama: Path) -> None:
