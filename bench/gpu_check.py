@@ -56,9 +56,11 @@ MARKER = "PPD_GPU_CHECK_STEP"  # in the environment of everything a step starts,
 KEEP_PER_END = 256 * 1024  # bytes kept at each end of a log cut to fit the archive
 
 LLAMA = "bench/models/llama-3.1-8b"
+LLAMA_70B = "bench/models/llama-3.1-70b"  # engine-tp: tensor parallelism over the host's GPUs
 STANDIN = "bench/models/llama-3.1-8b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
-STEP_NAMES = ("host probe tests tests-gpu[:FILES] tests-kernels engine engine-host sampling compare kernels policy "
+STEP_NAMES = ("host probe tests tests-gpu[:FILES] tests-kernels engine engine-host engine-tp[:SIZES] sampling compare "
+              "kernels policy "
               "policy-eval:W policy-verdict partition partition-compare[:NAMES] interference[:NAMES] "
               "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)")
 # Each gpu test file's pytest time on the H200 (bench/results/nvidia-h200: call4's JUnit XML; test_gpu_serve.py
@@ -175,6 +177,14 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
     if name == "engine":  # 36 s on the H200 (call6), graphs captured and append and mixed steps timed both ways
         argv = (*ppd, "bench", "engine", "--out", str(out), *quick, *mode.engine_model)
         return [Step("engine", argv, 150, ("engine-*.json",), 40)]
+    if base == "engine-tp":  # Llama-3.1-70B's configuration at each size (2, 4 and 8 by default): N GPUs each
+        steps = []
+        for n in (arg.split(",") if arg else ["2", "4", "8"]):
+            model = ("--model", STANDIN, "--device", "cpu") if mode.rehearse else ("--model", LLAMA_70B)
+            argv = (*ppd, "bench", "engine", "--tensor-parallel-size", n, "--out", f"{out}/engine-tp{n}", *quick,
+                    *model)
+            steps.append(Step(f"engine-tp{n}", argv, 300, (f"engine-tp{n}/engine-*.json",), 120))
+        return steps
     if name == "engine-host":  # one eager decode step and one append under the profiler: 12 s on the H200 (call6)
         argv = (python, "-m", "bench.engine_host", "--out", str(out), *mode.engine_model)
         return [Step("engine-host", argv, 90, ("engine-host.json", "engine-host.md"), 15)]

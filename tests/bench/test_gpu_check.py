@@ -20,7 +20,7 @@ from bench import gpu_check
 from bench.gpu_check import LLAMA, STANDIN, Mode, Step, describe, main, pack, plan, resume_from, run_call
 from bench.interference import GPU_CONFIGS
 
-ALL_STEPS = ["host", "probe", "tests", "engine", "engine-host", "sampling", "compare", "kernels", "policy",
+ALL_STEPS = ["host", "probe", "tests", "engine", "engine-host", "engine-tp", "sampling", "compare", "kernels", "policy",
              "policy-eval:balanced", "policy-verdict", "partition", "partition-compare", "interference", "frontend",
              "frontend:2"]
 PY = sys.executable
@@ -314,17 +314,14 @@ def test_a_call_whose_last_step_overruns_still_ends_packed_within_its_budget(tmp
     assert archive.exists()
 
 
-def test_the_planned_first_call_fits_its_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_the_planned_first_call_fits_its_budget(tmp_path: Path, capsys) -> None:
     """The next window's first call (README, the GPU call table): its fixed steps' expected durations fit the default
-    budget, less the time to stop a step and to pack, and leave `policy` (resumable, last) at least 400 s."""
-    source = tmp_path / "interference.py"
-    source.write_text(STATIC_CONFIGS)
-    monkeypatch.setattr(gpu_check, "INTERFERENCE", source)
-    call = ["host", "engine", "interference:mps-40"]
+    budget, less the time to stop a step and to pack, and leave `policy` (resumable, last) at least 350 s."""
+    call = ["host", "tests-gpu:test_engine.py", "engine"]
     steps = [s for name in call for s in plan(name, tmp_path, Mode(False))]
     text, fits = describe(steps, gpu_check.DEFAULT_BUDGET_S)
     assert fits, text
-    assert sum(s.expected_s for s in steps) + 400 <= gpu_check.steps_room_s(gpu_check.DEFAULT_BUDGET_S)
+    assert sum(s.expected_s for s in steps) + 350 <= gpu_check.steps_room_s(gpu_check.DEFAULT_BUDGET_S)
     call.append("policy")
     out = tmp_path / "out"
     assert main(["--plan", str(out), *call]) == 0 and not out.exists()
