@@ -49,12 +49,6 @@ class TensorParallel:
     def enabled(self) -> bool:
         return self.size > 1
 
-    def shard(self, total: int) -> tuple[int, int]:
-        """The [start, end) of this rank's equal share of `total` (which the size divides)."""
-        assert total % self.size == 0, f"{total} does not split over {self.size} ranks"
-        n = total // self.size
-        return self.rank * n, (self.rank + 1) * n
-
     def all_reduce(self, x: Tensor) -> Tensor:
         """The sum of x over the ranks, in place (a row-parallel layer's partial products)."""
         if self.size > 1:
@@ -89,7 +83,8 @@ class TensorParallel:
         if self.size == 1:
             return SINGLE
         group = dist.new_group(list(range(self.size)))
-        return TensorParallel(self.size, self.rank, group, _shm_collectives(self.size, self.rank, "split", group))
+        shm = _shm_collectives(self.size, self.rank, "split", group) if self.shm is not None else None
+        return TensorParallel(self.size, self.rank, group, shm)
 
     def barrier(self) -> None:
         if self.size > 1:
@@ -147,7 +142,8 @@ def init_tensor_parallel(size: int, rank: int, store_file: str, device: str) -> 
 def _shm_collectives(size: int, rank: int, tag: str, group: Any = None) -> ShmCollectives:
     """The CPU ranks' shared-memory communicator: rank 0 makes the file (named after its pid and tag), the others map
     it, then its name goes."""
-    name = [f"/dev/shm/ppd-tp-{os.getpid()}-{tag}" if rank == 0 else None]
+    # Named ppd-<pid>-...: what a rank 0 killed before the unlink leaves, the next `ppd serve` removes.
+    name = [f"/dev/shm/ppd-{os.getpid()}-tp-{tag}" if rank == 0 else None]
     shm = ShmCollectives(name[0], size, rank, create=True) if rank == 0 else None
     dist.broadcast_object_list(name, src=0, group=group)
     if rank != 0:

@@ -36,6 +36,7 @@ from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits
 from partition.manager import ShareManager, Split
 from partition.profile import PartitionProfile, ProfileError, shipped_profile
+from profiles import unit_device_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler
 from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
@@ -338,7 +339,9 @@ def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: 
     what = space.what
     profile_file = cfg.partition_profile
     if profile_file is None and streams is not None and engine is not None:
-        profile_file = shipped_profile(device_info(engine.device).name, cfg.engine.model)
+        # A tensor-parallel rank's step is its shard's: only a profile made for the unit's shape stands for it.
+        profile_file = shipped_profile(unit_device_name(device_info(engine.device).name, cfg.tensor_parallel_size),
+                                       cfg.engine.model)
     profile = None
     if profile_file is not None:
         try:
