@@ -292,8 +292,9 @@ class Engine:
     def follow(self, sock: Any, on_command: Any = None, on_stream: Any = None) -> None:
         """A tensor-parallel follower's life: run each step rank 0 sends (its sampling and scheduling are rank 0's)
         with the graphs of the stream rank 0 ran it on (on_stream(key): the context that runs it there, in a
-        one-process unit on a GPU), hand any other message to on_command(kind, payload), until "stop". A step that
-        fails here fails on rank 0 too (the same inputs), which runs its inputs again one by one, as do we."""
+        one-process unit on a GPU), and hand any other message to on_command(kind, payload), for as long as the process
+        lives (the launcher stops a unit's ranks together). A step that fails here fails on rank 0 too (the same
+        inputs), which runs its inputs again one by one, as do we."""
         while True:
             kind, payload = receive(sock)
             if kind == "step":
@@ -306,8 +307,6 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - rank 0 sees the same failure and says what it was
                     log.debug("a step failed on this rank too: %s: %s", type(exc).__name__, exc)
                     self._wait_for_device()
-            elif kind == "stop":
-                return
             elif on_command is not None:
                 on_command(kind, payload)
 

@@ -43,7 +43,6 @@ class TensorParallel:
         self.timed = False
         self.seconds = 0.0
         self.wire_bytes = 0.0
-        self.calls = 0
 
     @property
     def enabled(self) -> bool:
@@ -112,10 +111,9 @@ class TensorParallel:
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - started
         self.wire_bytes += wire * moved.numel() * moved.element_size()
-        self.calls += 1
 
     def reset_timing(self) -> None:
-        self.seconds, self.wire_bytes, self.calls = 0.0, 0.0, 0
+        self.seconds, self.wire_bytes = 0.0, 0.0
 
 
 SINGLE = TensorParallel()

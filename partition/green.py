@@ -17,6 +17,7 @@ stream between two forward passes. Nothing is created at run time.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from collections.abc import Sequence
@@ -183,6 +184,10 @@ class StreamSplits:
         pair = self.pairs[key]
         return pair.decode_sms if role == "decode" else pair.prefill_sms
 
+    def graph_targets(self, role: str) -> tuple[dict[int, Any], dict[int, int]]:
+        """role's stream and SM count under every key: where an engine captures a graph set for each split."""
+        return {k: self.stream(role, k) for k in self.keys}, {k: self.sms(role, k) for k in self.keys}
+
     def decode_counts(self) -> tuple[int, ...]:
         """Decode's SM count of each split, ascending (the share manager's choices besides WHOLE)."""
         return tuple(self.pairs[k].decode_sms for k in self.keys if k != WHOLE)
@@ -208,3 +213,17 @@ class StreamSplits:
 
     def destroy(self) -> list[str]:
         return self.greens.destroy() if self.greens is not None else []
+
+
+def graph_targets(streams: StreamSplits | None, role: str) -> tuple[dict[int, Any] | None, dict[int, int] | None]:
+    """StreamSplits.graph_targets, or (None, None) without splits (one graph set on an ordinary stream)."""
+    return streams.graph_targets(role) if streams is not None else (None, None)
+
+
+def on_stream(streams: StreamSplits | None, role: str, key: int) -> Any:
+    """The context a worker's step runs in: role's stream of split key, in a one-process unit on a GPU (else none)."""
+    if streams is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(streams.stream(role, key))

@@ -55,6 +55,10 @@ class UnitConfig:
         """Where tensor-parallel rank `rank` (1..N-1) of a role takes its steps from rank 0 (it binds)."""
         return self.address(f"u{self.unit}-{role}-tp{rank}")
 
+    def follower_addresses(self, role: str) -> list[str]:
+        """Every follower's address of a role, rank 1 first: where rank 0 sends (FollowerLink)."""
+        return [self.follower_address(role, r) for r in range(1, self.tensor_parallel_size)]
+
     @property
     def publishes_kv_events(self) -> bool:
         return self.kv_events is not None and self.kv_events.publishing

@@ -12,7 +12,6 @@ the streams' split per step.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -33,7 +32,7 @@ from engine.parallel import SINGLE, FollowerLink, TensorParallel, follower_socke
 from engine.shared_memory import release_name
 from partition.backends import backend_of, check_in_worker
 from partition.cpu import repin
-from partition.green import WHOLE, StreamSplits
+from partition.green import WHOLE, StreamSplits, graph_targets, on_stream
 from partition.manager import ShareManager, Split
 from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from profiles import unit_device_name
@@ -87,20 +86,15 @@ class DecodeWorker:
         """tp: rank 0's communicator under tensor parallelism (its followers run DecodeFollower); prefill_tp: in a
         one-process unit, the prefill thread's."""
         self.cfg, self.out, self.ctx = cfg, out, ctx
-        self.partition_problem: str | None = None
-        self.streams: StreamSplits | None = None  # a one-process unit on a GPU: each worker's stream per split
+        # A one-process unit on a GPU: each worker's stream per split, made before the engine, whose decode graphs
+        # are captured on them.
+        self.streams, self.partition_problem = unit_streams(cfg)
         self.key = WHOLE  # the split the workers run on now
-        if cfg.prefill_worker == "thread" and cfg.engine.device.startswith("cuda"):
-            torch.zeros(1, device="cuda")  # torch's primary context is current before any driver call
-            # Before the engine: its decode graphs are captured on them.
-            self.streams, self.partition_problem = backend_of(cfg.partition).streams(cfg.partition)
-        graph_streams = {k: self.streams.stream("decode", k) for k in self.streams.keys} if self.streams else None
-        graph_sms = {k: self.streams.sms("decode", k) for k in self.streams.keys} if self.streams else None
-        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")), graph_streams, graph_sms,
-                                    tp)
+        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")),
+                                    *graph_targets(self.streams, "decode"), tp)
         follower_handles = exchange_handles(self.engine, tp)
         if tp.enabled:
-            self.engine.lead(FollowerLink(ctx, [cfg.follower_address("decode", r) for r in range(1, tp.size)]))
+            self.engine.lead(FollowerLink(ctx, cfg.follower_addresses("decode")))
         plan = self.engine.plan
         self.kv_events = kv_event_publisher(cfg, ctx)
         hasher = BlockHasher(cfg.hash_algo) if self.kv_events is not None else None
@@ -228,7 +222,7 @@ class DecodeWorker:
 
     def on_stream(self) -> Any:
         """The context a step runs in: this worker's stream of the current split, in a one-process unit on a GPU."""
-        return torch.cuda.stream(self.streams.stream("decode", self.key)) if self.streams else contextlib.nullcontext()
+        return on_stream(self.streams, "decode", self.key)
 
     def send(self, ready: WorkerReady | None = None) -> None:
         """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
@@ -270,6 +264,15 @@ class DecodeWorker:
             self.engine.followers.send("release")
 
 
+def unit_streams(cfg: UnitConfig) -> tuple[StreamSplits | None, str | None]:
+    """A one-process unit on a GPU: its workers' streams of each split (partition/green.py) and why the partition
+    does not hold, if it does not; (None, None) elsewhere."""
+    if cfg.prefill_worker != "thread" or not cfg.engine.device.startswith("cuda"):
+        return None, None
+    torch.zeros(1, device="cuda")  # torch's primary context is current before any driver call
+    return backend_of(cfg.partition).streams(cfg.partition)
+
+
 def exchange_handles(engine: Engine, tp: TensorParallel) -> list[tuple[Any, Any]]:
     """Every decode rank's shared memory, gathered on each (rank 0 sends ranks 1..N-1's to the prefill worker)."""
     if not tp.enabled:
@@ -287,30 +290,23 @@ class DecodeFollower:
         self.cfg = cfg
         # Bound before the engine starts: rank 0 may send its first step as soon as the pools are sized.
         self.sock = follower_socket(ctx, cfg.follower_address("decode", tp.rank))
-        self.streams: StreamSplits | None = None
-        if cfg.prefill_worker == "thread" and cfg.engine.device.startswith("cuda"):
-            torch.zeros(1, device="cuda")
-            self.streams, problem = backend_of(cfg.partition).streams(cfg.partition)
-            if problem:
-                log.error("partition %s: %s", cfg.partition.backend, problem)
-        keys = self.streams.keys if self.streams else []
+        self.streams, problem = unit_streams(cfg)
+        if problem:
+            log.error("partition %s: %s", cfg.partition.backend, problem)
         self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights", tp.rank), cfg.shm_name("kv", tp.rank)),
-                                    {k: self.streams.stream("decode", k) for k in keys} or None,
-                                    {k: self.streams.sms("decode", k) for k in keys} or None, tp)
+                                    *graph_targets(self.streams, "decode"), tp)
         exchange_handles(self.engine, tp)  # rank 0 says when every process has mapped them: "release"
         if cfg.prefill_worker == "thread":
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
             start_prefill_follower_thread(cfg, ctx, self.engine, self.streams, prefill_tp)
-
-    def on_stream(self, key: Any) -> Any:
-        return torch.cuda.stream(self.streams.stream("decode", key)) if self.streams else contextlib.nullcontext()
 
     def release(self) -> None:
         release_name(self.engine.weights_handle)
         release_name(self.engine.kv_handle)
 
     def run(self) -> None:
-        self.engine.follow(self.sock, lambda kind, _: self.release() if kind == "release" else None, self.on_stream)
+        self.engine.follow(self.sock, lambda kind, _: self.release() if kind == "release" else None,
+                           lambda key: on_stream(self.streams, "decode", key))
 
 
 def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | None:

@@ -14,7 +14,6 @@ chose (SetShare.split), switched between two forward passes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -31,7 +30,7 @@ from engine.model_runner import StepInput
 from engine.parallel import SINGLE, FollowerLink, TensorParallel, follower_socket, init_tensor_parallel, receive
 from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
-from partition.green import WHOLE, StreamSplits
+from partition.green import WHOLE, StreamSplits, graph_targets, on_stream
 from scheduler.config import UnitConfig
 from scheduler.sequence import Sequence, pack
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
@@ -54,11 +53,9 @@ class PrefillWorker:
         self.decode_job = msgspec.msgpack.Decoder(ToPrefill).decode
         setup = self.decode_job(self.jobs.recv())
         assert isinstance(setup, UnitSetup), f"expected UnitSetup first, got {type(setup).__name__}"
-        link = FollowerLink(ctx, [cfg.follower_address("prefill", r) for r in range(1, tp.size)]) if tp.enabled else None
+        link = FollowerLink(ctx, cfg.follower_addresses("prefill")) if tp.enabled else None
         if owner is not None:
-            keys = streams.keys if streams is not None else []
-            self.engine = Engine.sibling(owner, {k: streams.stream("prefill", k) for k in keys} or None,
-                                         {k: streams.sms("prefill", k) for k in keys} or None, tp)
+            self.engine = Engine.sibling(owner, *graph_targets(streams, "prefill"), tp)
             self.engine.runner.use_graphs(self.key)
         else:
             if link is not None:
@@ -129,7 +126,7 @@ class PrefillWorker:
                     return
 
     def on_stream(self) -> Any:
-        return torch.cuda.stream(self.streams.stream("prefill", self.key)) if self.streams else contextlib.nullcontext()
+        return on_stream(self.streams, "prefill", self.key)
 
     def pack(self) -> tuple[list[StepInput], list[Sequence], list[str]]:
         """The next forward pass: chunks of queued jobs, oldest first, up to the token budget; and the jobs whose first
@@ -197,11 +194,8 @@ def start_prefill_follower_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engi
     shard, running the steps prefill rank 0 sends."""
     def main() -> None:
         sock = follower_socket(ctx, cfg.follower_address("prefill", tp.rank))
-        keys = streams.keys if streams is not None else []
-        engine = Engine.sibling(owner, {k: streams.stream("prefill", k) for k in keys} or None,
-                                {k: streams.sms("prefill", k) for k in keys} or None, tp)
-        engine.follow(sock, on_stream=lambda key: torch.cuda.stream(streams.stream("prefill", key)) if streams
-                      else contextlib.nullcontext())
+        engine = Engine.sibling(owner, *graph_targets(streams, "prefill"), tp)
+        engine.follow(sock, on_stream=lambda key: on_stream(streams, "prefill", key))
 
     return _thread_of_the_unit(cfg, main)
 

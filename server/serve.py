@@ -69,21 +69,21 @@ def visible_gpus() -> list[str]:
     return names[:count]
 
 
-def choose_gpus(args: argparse.Namespace, gpus: list[str], mcfg: ModelConfig | None = None) -> list[str]:
+def choose_gpus(args: argparse.Namespace, gpus: list[str], mcfg: ModelConfig) -> list[str]:
     """Each unit's GPUs (CUDA_VISIBLE_DEVICES entries, comma-separated: --tensor-parallel-size of them): --gpus
     (indices into the visible ones), else all; --units takes the first N units. A size that does not divide the
     GPUs is refused naming the sizes that do (and split the model, mcfg)."""
-    tp = getattr(args, "tensor_parallel_size", 1)
+    tp = args.tensor_parallel_size
     chosen = _chosen_gpus(args, gpus, tp)
     if len(chosen) % tp:
-        fits = [n for n in (tensor_parallel_sizes(mcfg, len(chosen)) if mcfg else range(1, len(chosen) + 1))
-                if len(chosen) % n == 0]
+        fits = [n for n in tensor_parallel_sizes(mcfg, len(chosen)) if len(chosen) % n == 0]
         raise UsageError(f"--tensor-parallel-size {tp} does not divide the {len(chosen)} GPU(s) to serve on: use one "
                          f"of {', '.join(map(str, fits))}, or pick GPUs with --gpus")
     return [",".join(chosen[i:i + tp]) for i in range(0, len(chosen), tp)]
 
 
 def _chosen_gpus(args: argparse.Namespace, gpus: list[str], tp: int) -> list[str]:
+    """The GPUs to serve on, in order: --gpus (indices into the visible ones), else all; --units takes the first."""
     chosen = gpus
     if args.gpus:
         try:
@@ -94,7 +94,7 @@ def _chosen_gpus(args: argparse.Namespace, gpus: list[str], tp: int) -> list[str
             raise UsageError(f"--gpus {args.gpus}: no GPU {bad[0]} among the {len(gpus)} visible "
                              f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
         if len(set(picks)) != len(picks):
-            raise UsageError(f"--gpus {args.gpus}: each GPU at most once (one unit per GPU)")
+            raise UsageError(f"--gpus {args.gpus}: each GPU at most once (a GPU serves one unit)")
         chosen = [gpus[i] for i in picks]
     if args.units is not None:
         if args.units * tp > len(chosen):
@@ -133,7 +133,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     tp = args.tensor_parallel_size
     try:
         mcfg = check_model_folder(path, args.load_format)
-        mcfg.sharded(tp)  # a size that does not split the model: refused, naming the ones that do
+        shard = mcfg.sharded(tp)  # a size that does not split the model: refused, naming the ones that do
     except ModelError as exc:
         raise UsageError(str(exc)) from exc
     if args.max_model_len is not None and args.max_model_len > mcfg.max_position_embeddings:
@@ -164,7 +164,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
             dtype = resolve_dtype(args.dtype, mcfg, device)
             # A rank's pool holds its KV heads: --kv-cache-memory is per rank, as --gpu-memory-utilization per GPU.
             kv = plan_from_request(args.num_kv_blocks, args.kv_cache_memory,
-                                   kv_block_nbytes(mcfg.sharded(tp), args.block_size, dtype),
+                                   kv_block_nbytes(shard, args.block_size, dtype),
                                    args.block_size, mcfg.max_position_embeddings, args.max_model_len)
         except StartupError as exc:
             raise UsageError(str(exc)) from exc

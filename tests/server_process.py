@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -20,6 +21,16 @@ def greedy_completion(server: "ServerProcess", model: str, prompt: list[int], ma
                             "ignore_eos": True, "return_token_ids": True, **fields})
     assert resp.status_code == 200, resp.text
     return resp
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Return once predicate() holds (polled every 0.1 s); fail naming `what` after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class ServerProcess:

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -22,15 +22,6 @@ CHAT = "/v1/chat/completions"
 def body(content: str, max_tokens: int, **kw) -> dict:
     return {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "ignore_eos": True, **kw}
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def test_no_blocks_leak_after_aborts_disconnects_stops_and_preemption(start_server) -> None:

@@ -8,14 +8,13 @@ import argparse
 import os
 import random
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from engine.demo import write_byte_tokenizer
-from tests.server_process import ServerProcess, greedy_completion
+from tests.server_process import ServerProcess, greedy_completion, wait_until
 from tests.tiny_models import hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
@@ -107,15 +106,6 @@ def test_chat(tp_server) -> None:
                             "ignore_eos": True})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 5
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.mark.parametrize("victim", [("decode", 1), pytest.param(("prefill", 1), marks=pytest.mark.slow)])
