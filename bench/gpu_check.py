@@ -76,7 +76,10 @@ GPU_TEST_S = {"tests/engine/kernels/test_activation.py": 7,
               "tests/server/test_gpu_serve.py": 156}
 GPU_TEST_PROCESS_S = 5
 INTERFERENCE = ROOT / "bench" / "interference.py"
-INTERFERENCE_S = 40  # one configuration of `ppd bench interference` on the H200 (call4: 95 s for three; call5)
+# One configuration of `ppd bench interference` on the H200: 40 s measured (call4: 95 s for three; call5, call8: 48 s
+# for one), and 10 s estimated (not measured) for its prefill-alone window since: six 4K-token prompts (one warming
+# up), each 0.2-0.5 s there, with the 1 s settle after each.
+INTERFERENCE_S = 50
 # The CPU's stand-in for a GPU configuration, by the partition its serve arguments ask for.
 CPU_STANDIN = {"mps": "cpu", "green": "thread", "none": "none"}
 

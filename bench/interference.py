@@ -1,13 +1,19 @@
-"""`ppd bench interference`: decode TPOT while a long prefill runs beside it, per way of sharing the device.
+"""`ppd bench interference`: decode TPOT while a long prefill runs beside it, and the prefill's time beside decode
+against its time alone, per way of sharing the device.
 
-Issue 9's first target, measured through the server as a user sees it: a batch of streams decodes (all past
-their first token), and their inter-token time is measured alone, then during each of several long prefills sent
-one after another. For every configuration (a `ppd serve` command line) in one run:
+Issue 9's first target, measured through the server as a user sees it. For every configuration (a `ppd serve`
+command line) in one run, on one server:
 
-- tpot_alone_ms: the streams' time per output token with nothing else running;
-- tpot_beside_ms: the same during a prefill (from its request to its answer), median over the rounds;
+- prefill_alone_ms: the long prompts' time to their first token with nothing else running (after one unmeasured
+  prompt that warms the prefill path), median over the rounds;
+- tpot_alone_ms: then a batch of streams decodes (all past their first token), their time per output token alone;
+- tpot_beside_ms: the same during each of several long prompts sent one after another (from its request to its
+  answer), median over the rounds;
 - ratio: tpot_beside / tpot_alone (the target is 1.2 or less at batch 64 beside a 4K-token prompt);
-- prefill_ms: the long prompt's time to its first token, median over the rounds.
+- prefill_ms: the long prompts' time to their first token beside the decoding streams, median over the rounds;
+  prefill_ratio: prefill_ms / prefill_alone_ms (the target: each prefill within 2x of its time alone);
+- gpu: on a GPU, NVML's readings in each window (prefill alone, decode alone, beside: bench/gpu_sampler.py): SM
+  clock, memory busy, DRAM bandwidth (GPM), power, temperature; where there is no NVML, why.
 
 A window's TPOT is its length times the batch over the tokens all streams received in it, so a stream that is
 stalled counts as slow rather than dropping out. Configurations by default: aggregated (chunked prefill in the
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import statistics
@@ -36,7 +43,9 @@ from pathlib import Path
 
 import httpx
 
+from bench import gpu_sampler
 from bench.common import BenchError, fail_unless_measured, one_line, results_out
+from bench.gpu_sampler import GpuSampler
 from bench.servers import local_model, option_value, start_server, stop_server, with_model_args
 from profiles import write_json
 
@@ -70,6 +79,7 @@ GPU_CONFIGS = {
 }
 GPU_DEFAULT = ("aggregated", "none", "mps", "green")  # the static ones are for --only: each is a server start
 TARGET_RATIO = 1.2
+PREFILL_TARGET_RATIO = 2.0  # each prefill beside decode within 2x its time alone
 SHARE_SAMPLE_S = 0.25  # how often /health is read for decode's share while a configuration is measured
 
 
@@ -104,7 +114,7 @@ def main(args: argparse.Namespace) -> None:
                                      local_model(args.model))
         print(f"{name}: ppd serve {shlex.join(serve_args)}", flush=True)
         results[name] = {"serve_args": serve_args, "decode": config.decode,
-                         **_run(serve_args, out / f"{name}.log", args)}
+                         **_run(serve_args, out / f"{name}.log", args, served_gpu(serve_args) if gpu else None)}
         print(f"  {_line(results[name])}", flush=True)
         _write(out, settings, results)  # after each: a run stopped by a time limit keeps what it measured
     print(f"wrote {out / 'interference.md'}")
@@ -130,14 +140,22 @@ def configurations(gpu: bool, custom: list[str], only: str | None) -> dict[str, 
     return {n: known[n] for n in names}
 
 
-def _run(serve_args: list[str], log: Path, args: argparse.Namespace) -> dict:
+def served_gpu(serve_args: list[str]) -> str:
+    """The GPU a one-unit server serves on, as a CUDA_VISIBLE_DEVICES entry: --gpus's first index into the visible
+    GPUs (the first visible one without it)."""
+    visible = [n.strip() for n in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if n.strip()]
+    index = int((option_value(serve_args, "--gpus") or "0").split(",")[0])
+    return visible[index] if index < len(visible) else str(index)
+
+
+def _run(serve_args: list[str], log: Path, args: argparse.Namespace, gpu: str | None) -> dict:
     """One configuration's measurement, or {"error": why} when its server did not start or it measured nothing."""
     try:
         proc, url = start_server(serve_args, log)
     except BenchError as exc:
         return {"error": one_line(exc)}
     try:
-        return measure(url, args)
+        return measure(url, args, gpu)
     except (BenchError, httpx.HTTPError) as exc:
         return {"error": f"{one_line(exc)} (log {log})"}
     finally:
@@ -165,8 +183,9 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def measure(url: str, args: argparse.Namespace) -> dict:
-    """Start the streams, wait until each decodes, then time them alone and beside each long prompt."""
+def measure(url: str, args: argparse.Namespace, gpu: str | None = None) -> dict:
+    """Time the long prompts alone, then start the streams, wait until each decodes, and time them alone and beside
+    each long prompt; on a GPU (gpu: its CUDA_VISIBLE_DEVICES entry) read NVML all along."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
     max_len = model.get("max_model_len") or 4096
     max_tokens = max_len - args.context - 1
@@ -177,6 +196,22 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     ended: list[float | None] = [None] * args.batch
     refusals: list[str] = []  # what a stream answered other than 200, for the error
     stop = threading.Event()
+
+    def long_prompts(rounds: int) -> tuple[list[tuple[float, float]], list[float]]:
+        """rounds long prompts one after another, each fresh (no prefix cached): their windows and times (ms)."""
+        windows, times = [], []
+        for _ in range(rounds):
+            prompt = [rng.randrange(3, 250) for _ in range(args.prefill_tokens)]
+            began = time.monotonic()
+            resp = httpx.post(f"{url}/v1/completions", timeout=600, headers={"x-ppd-route": "prefill"},
+                              json={"model": model["id"], "prompt": prompt, "max_tokens": 1})
+            done = time.monotonic()
+            if resp.status_code != 200:
+                raise BenchError(f"the long prompt got {resp.status_code}: {resp.text[:200]}")
+            windows.append((began, done))
+            times.append(1000 * (done - began))
+            time.sleep(args.settle_s)
+        return windows, times
 
     def stream(i: int) -> None:
         body = {"model": model["id"], "prompt": [rng.randrange(3, 250) for _ in range(args.context)],
@@ -196,11 +231,15 @@ def measure(url: str, args: argparse.Namespace) -> dict:
         finally:
             ended[i] = time.monotonic()
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.batch)]
-    for t in threads:
-        t.start()
-    shares = Shares(url)
+    sampler = GpuSampler(gpu) if gpu is not None else None
+    shares = None
     try:
+        long_prompts(1)  # warms the prefill path: its first prompt is no measure of its time alone
+        prefill_windows, prefill_alone_ms = long_prompts(args.rounds)
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(args.batch)]
+        for t in threads:
+            t.start()
+        shares = Shares(url)
         deadline = time.monotonic() + 600
         while not all(arrivals) and time.monotonic() < deadline:
             if any(e is not None for e in ended):
@@ -211,23 +250,15 @@ def measure(url: str, args: argparse.Namespace) -> dict:
         start = time.monotonic()
         time.sleep(args.alone_s)
         alone = (start, time.monotonic())
-        beside, prefill_ms = [], []
-        for r in range(args.rounds):
-            prompt = [rng.randrange(3, 250) for _ in range(args.prefill_tokens)]
-            began = time.monotonic()
-            resp = httpx.post(f"{url}/v1/completions", timeout=600, headers={"x-ppd-route": "prefill"},
-                              json={"model": model["id"], "prompt": prompt, "max_tokens": 1})
-            done = time.monotonic()
-            if resp.status_code != 200:
-                raise BenchError(f"the long prompt got {resp.status_code}: {resp.text[:200]}")
-            beside.append((began, done))
-            prefill_ms.append(1000 * (done - began))
-            time.sleep(args.settle_s)
+        beside, prefill_ms = long_prompts(args.rounds)
         if any(e is not None and e < beside[-1][1] for e in ended):
             raise BenchError("a stream ended before the measurement did: lower --context, --rounds or the settle time")
     finally:
         stop.set()
-        shares.close()
+        if shares:
+            shares.close()
+        if sampler:
+            sampler.close()
     for t in threads:
         t.join(timeout=30)
     tpot_alone = _tpot(arrivals, *alone)
@@ -237,9 +268,13 @@ def measure(url: str, args: argparse.Namespace) -> dict:
     tpot_beside = statistics.median(tpots)
     return {"tpot_alone_ms": tpot_alone, "tpot_beside_ms": tpot_beside, "tpot_beside_each_ms": tpots,
             "ratio": tpot_beside / tpot_alone, "prefill_ms": statistics.median(prefill_ms),
-            "prefill_each_ms": prefill_ms,
+            "prefill_each_ms": prefill_ms, "prefill_alone_ms": statistics.median(prefill_alone_ms),
+            "prefill_alone_each_ms": prefill_alone_ms,
+            "prefill_ratio": statistics.median(prefill_ms) / statistics.median(prefill_alone_ms),
             "decode_share_alone": shares.during(*alone),
-            "decode_share_beside": sorted(set().union(*(shares.during(*window) for window in beside)))}
+            "decode_share_beside": sorted(set().union(*(shares.during(*window) for window in beside))),
+            "gpu": gpu_sampler.readings(sampler, {"prefill alone": prefill_windows, "decode alone": [alone],
+                                                  "beside": beside})}
 
 
 class Shares:
@@ -283,12 +318,13 @@ def _line(result: dict) -> str:
     if "error" in result:
         return f"error: {result['error']}"
     return (f"TPOT alone {result['tpot_alone_ms']:.2f} ms, beside the prefill {result['tpot_beside_ms']:.2f} ms "
-            f"({result['ratio']:.2f}x); prefill {result['prefill_ms']:.0f} ms")
+            f"({result['ratio']:.2f}x); prefill alone {result['prefill_alone_ms']:.0f} ms, beside "
+            f"{result['prefill_ms']:.0f} ms ({result['prefill_ratio']:.2f}x)")
 
 
 def report(settings: dict, results: dict) -> str:
     whole = results.get("none", {}).get("tpot_alone_ms")  # decode alone on the whole device
-    lines = [f"# Decode TPOT beside a long prefill",
+    lines = [f"# Decode TPOT beside a long prefill, and the prefill beside decode",
              "",
              f"{settings['batch']} streams of {settings['context']}-token prompts decoding; {settings['rounds']} "
              f"prompts of {settings['prefill_tokens']} tokens sent one after another (`ppd bench interference`). "
@@ -296,22 +332,28 @@ def report(settings: dict, results: dict) -> str:
              "configuration (where decode's share is the same in both, what the prefill's contention costs decode). "
              "Against none's TPOT alone (decode alone on the whole device): TPOT alone, what decode's share costs it "
              f"(SM loss); TPOT beside, the target measure, {TARGET_RATIO} or less"
-             + ("" if whole else " (none was not measured with these settings)") + ". Decode's share: what the "
-             "server reported on /health while decode ran alone / beside the prefills (SMs on a GPU, cores on the "
-             "CPU; -: not reported).",
+             + ("" if whole else " (none was not measured with these settings)") + ". Prefill: the prompts' time "
+             "to their first token, median, alone (the same server before the streams start, after one unmeasured "
+             f"prompt) and beside the streams; the target is beside / alone {PREFILL_TARGET_RATIO} or less. "
+             "Decode's share: what the server reported on /health while decode ran alone / beside the prefills "
+             "(SMs on a GPU, cores on the CPU; -: not reported).",
              "",
              "| config | decode had | decode's share alone / beside | TPOT alone (ms) | TPOT beside the prefill (ms) "
-             "| ratio | alone / none alone | beside / none alone | prefill (ms) | serve arguments |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| ratio | alone / none alone | beside / none alone | prefill alone (ms) | prefill beside (ms) "
+             "| prefill beside / alone | serve arguments |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, r in results.items():
         args = f"`{shlex.join(r['serve_args'])}`"
         head = f"| {name} | {r.get('decode', '')} |"
         if "error" in r:
-            lines.append(f"{head} | | | | | | | | {args}: {r['error']} |")
+            lines.append(f"{head} | | | | | | | | | | {args}: {r['error']} |")
             continue
         shares = " / ".join(", ".join(map(str, r.get(k) or [])) or "-" for k in ("decode_share_alone",
                                                                                   "decode_share_beside"))
         against = (f"{r['tpot_alone_ms'] / whole:.2f} | {r['tpot_beside_ms'] / whole:.2f}" if whole else " | ")
+        alone = r.get("prefill_alone_ms")  # none in a table an earlier version wrote
+        prefill = (f"{alone:.0f} | {r['prefill_ms']:.0f} | {r['prefill_ratio']:.2f}" if alone
+                   else f" | {r['prefill_ms']:.0f} | ")
         lines.append(f"{head} {shares} | {r['tpot_alone_ms']:.2f} | {r['tpot_beside_ms']:.2f} | {r['ratio']:.2f} | "
-                     f"{against} | {r['prefill_ms']:.0f} | {args} |")
-    return "\n".join(lines) + "\n"
+                     f"{against} | {prefill} | {args} |")
+    return "\n".join(lines + gpu_sampler.markdown({n: r["gpu"] for n, r in results.items() if "gpu" in r})) + "\n"

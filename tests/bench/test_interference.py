@@ -94,7 +94,7 @@ def test_the_report_says_what_decode_had_and_reads_each_against_none_alone() -> 
 
     def measured(alone: float, beside: float, shares: tuple[list, list] | None = None) -> dict:
         found = {"serve_args": ["--policy", "pd"], "tpot_alone_ms": alone, "tpot_beside_ms": beside,
-                 "ratio": beside / alone, "prefill_ms": 300.0}
+                 "ratio": beside / alone, "prefill_ms": 300.0, "prefill_alone_ms": 200.0, "prefill_ratio": 1.5}
         if shares:
             found.update(decode_share_alone=shares[0], decode_share_beside=shares[1])
         return found
@@ -106,13 +106,39 @@ def test_the_report_says_what_decode_had_and_reads_each_against_none_alone() -> 
     text = report(settings, results)
     # SM loss 10.8 / 9 = 1.20, contention 13.5 / 10.8 = 1.25, the target measure 13.5 / 9 = 1.50.
     assert ("| green-static-64 | 64 SMs (a green context), alone and beside; the prefill on the rest | 64 / 64 "
-            "| 10.80 | 13.50 | 1.25 | 1.20 | 1.50 | 300 |") in text
+            "| 10.80 | 13.50 | 1.25 | 1.20 | 1.50 | 200 | 300 | 1.50 |") in text
     assert "| green | the share manager's pick among green splits | 132 / 64, 132 |" in text
     assert "| none | every SM, time-sliced with the prefill worker's process | - / - | 9.00 | 20.00 | 2.22 | 1.00 | " \
            "2.22 |" in text
     # Without none (another folder's settings), the columns against it stay empty and the text says why.
     alone = report(settings, {"green": results["green"]})
-    assert "none was not measured" in alone and "| 1.70 |  |  | 300 |" in alone
+    assert "none was not measured" in alone and "| 1.70 |  |  | 200 | 300 | 1.50 |" in alone
+    # A table an earlier version wrote has no prefill alone: its cells stay empty.
+    earlier = {k: v for k, v in results["none"].items() if k not in ("prefill_alone_ms", "prefill_ratio")}
+    assert "| 2.22 | 1.00 | 2.22 |  | 300 |  |" in report(settings, {"none": earlier})
+    assert "NVML" not in text  # no configuration read the GPU
+
+
+def test_the_report_has_the_gpus_readings_in_each_window_or_says_why_there_are_none() -> None:
+    settings = {"batch": 64, "context": 1024, "prefill_tokens": 4096, "rounds": 5, "alone_s": 3.0, "settle_s": 1.0}
+    base = {"serve_args": ["--policy", "pd"], "tpot_alone_ms": 9.0, "tpot_beside_ms": 18.0, "ratio": 2.0,
+            "prefill_ms": 300.0, "prefill_alone_ms": 250.0, "prefill_ratio": 1.2}
+
+    def stats(median: float, low: float, high: float) -> dict:
+        return {"median": median, "min": low, "max": high}
+
+    window = {"samples": 30, "sm_clock_mhz": stats(1980, 1755, 1980), "mem_busy_pct": stats(61, 40, 70),
+              "dram_bw_pct": stats(48.25, 30.0, 71.5), "power_w": stats(512.4, 300.0, 690.2), "temp_c": stats(51, 48, 55),
+              "slowdowns": ["sw power cap"]}
+    results = {"none": {**base, "gpu": {"device": "NVIDIA H200", "sample_s": 0.1,
+                                        "windows": {"beside": window, "decode alone": {"samples": 0, "slowdowns": []}}}},
+               "mps": {**base, "gpu": {"error": "no NVML: ImportError: No module named 'pynvml'"}},
+               "cpu": {**base, "gpu": {"error": "no NVML: ImportError: No module named 'pynvml'"}}}
+    text = report(settings, results)
+    assert "## The GPU in each window (NVML)" in text
+    assert "| none | beside | 30 | 1980 (1755) | 61 | 48.2 (71.5) | - | 512 (690) | 55 | sw power cap |" in text
+    assert "| none | decode alone | 0 | - | - | - | - | - | - | - |" in text
+    assert "No readings for mps, cpu: no NVML: ImportError: No module named 'pynvml'." in text
 
 
 def test_decodes_share_is_read_from_health_while_measuring(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,6 +184,8 @@ def test_one_configuration_on_the_demo_model(tmp_path: Path) -> None:
     assert "error" not in result, result
     assert len(result["tpot_beside_each_ms"]) == 2 and len(result["prefill_each_ms"]) == 2
     assert 0 < result["tpot_alone_ms"] < float("inf") and result["ratio"] > 0
+    assert len(result["prefill_alone_each_ms"]) == 2 and result["prefill_ratio"] > 0
+    assert result["gpu"] == {"error": "no GPU: the server runs on the CPU"}
     assert "| thread |" in (tmp_path / "interference.md").read_text()
 
 
