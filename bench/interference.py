@@ -24,8 +24,10 @@ a configuration that measured nothing is reported with why, and makes the comman
 On a GPU, --only also reaches static configurations that take SM loss and contention apart: green-static-64 and
 green-static-96 fix decode on a green context of 64 or 96 SMs, alone and beside the prefill (no share manager), so
 their TPOT alone against none's (decode alone on every SM) is what the SMs cost decode, and their ratio is what the
-prefill's contention on the rest costs it; mps-40 caps the prefill worker at 40% of the SMs. The report says what
-decode had in each configuration, and the share the server reported (/health) while it decoded alone and beside.
+prefill's contention on the rest costs it; the -smtarget ones do the same with cuBLAS told to size its GEMMs for
+the SMs of the split each graph set is captured on (--cublas-sm-target); mps-40 caps the prefill worker at 40% of
+the SMs. The report says what decode had in each configuration, and the share the server reported (/health) while
+it decoded alone and beside.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ GPU_CONFIGS = {
                               "96 SMs (a green context), alone and beside; the prefill on the rest"),
     "mps-40": Config("--policy pd --partition mps --mps-prefill-percent 40",
                      "every SM (MPS cap 100%), the prefill capped at 40%"),
+    "green-static-96-smtarget": Config(
+        "--policy pd --partition green --green-decode-sms 96 --no-share-manager --cublas-sm-target",
+        "96 SMs (a green context), alone and beside, cuBLAS sized for them; the prefill on the rest"),
+    "green-static-64-smtarget": Config(
+        "--policy pd --partition green --green-decode-sms 64 --no-share-manager --cublas-sm-target",
+        "64 SMs (a green context), alone and beside, cuBLAS sized for them; the prefill on the rest"),
 }
 GPU_DEFAULT = ("aggregated", "none", "mps", "green")  # the static ones are for --only: each is a server start
 TARGET_RATIO = 1.2

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ def test_an_unknown_configuration_is_named(tmp_path: Path, capsys: pytest.Captur
                  "--out", str(tmp_path)]) == 2
     assert "no configuration 'green' (there are aggregated, none, cpu, thread)" in capsys.readouterr().err
     with pytest.raises(BenchError, match="no configuration 'green-static-32' \\(there are aggregated, none, mps, "
-                                         "green, green-static-64, green-static-96, mps-40\\)"):
+                                         "green, green-static-64, green-static-96, mps-40, green-static-96-smtarget, "
+                                         "green-static-64-smtarget\\)"):
         configurations(True, [], "none,green-static-32")
 
 
@@ -78,6 +80,22 @@ def test_green_static_fixes_decode_on_one_split_without_the_share_manager(sms: i
     splits = StreamSplits(132, StreamPair("d", "p", 132, 132), {0: StreamPair("d0", "p0", sms, 132 - sms)})
     assert splits.middle_decode_sms() == sms and share_manager(unit, splits) is None
     assert f"{sms} SMs" in GPU_CONFIGS[f"green-static-{sms}"].decode
+
+
+@pytest.mark.parametrize("sms", [64, 96])
+def test_green_static_smtarget_is_green_static_with_cublas_sized_for_the_split(sms: int,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    config = GPU_CONFIGS[f"green-static-{sms}-smtarget"]
+    assert config.args.split() == GPU_CONFIGS[f"green-static-{sms}"].args.split() + ["--cublas-sm-target"]
+    assert f"{sms} SMs" in config.decode and "cuBLAS" in config.decode
+    from server.cli import add_serve_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    if "--cublas-sm-target" not in parser._option_string_actions:
+        pytest.skip("the server has no --cublas-sm-target yet (added beside this, in another branch)")
+    unit = plan_of(f"green-static-{sms}-smtarget", monkeypatch)
+    assert unit.partition.green_sms == (sms,) and not unit.share_manager
 
 
 def test_mps_40_caps_the_prefill_worker_at_40_percent(monkeypatch: pytest.MonkeyPatch) -> None:
