@@ -176,3 +176,36 @@ def test_cpu_run_writes_both_steps_split_by_kind(tmp_path: Path) -> None:
     assert "| outside ops |" in md and "decode (batch 4, context 64)" in md and "**total, plain** (median)" in md
     assert "mixed (decodes 4, context 64, new 16, cached 128)" in md
     assert "No CUDA activity on this device: no device table, no graph replays." in md
+
+
+def test_a_gpu_reports_markdown_has_each_steps_device_table_and_says_why_a_replay_has_none() -> None:
+    """The report's CUDA half, from made-up device tables (the GPU's run is gpu_check's engine-host step)."""
+    from dataclasses import asdict
+
+    from bench.device_time import device_time
+    from bench.engine_host import NO_GRAPH_NODES, markdown
+
+    step = Event(STEP, 0, 100)
+    kernels = [Event("nvjet_tst_64x8", 10, 60, device_type=torch.autograd.DeviceType.CUDA),
+               Event("_attention_kernel", 60, 70, device_type=torch.autograd.DeviceType.CUDA)]
+    device = asdict(device_time([step, *kernels], step, weights={}, ranges=(STEP,)))
+    host = {"host_ms": 2.0, "per_layer_ms": 1.0, "by_kind_ms": {k: 2.0 / len(KINDS) for k in KINDS},
+            "triton_ms": {"_attention_kernel": 0.1}, "counts": {"triton": 2, "triton relaunched": 1},
+            "device_ms": device["sum_ms"], "plain_host_ms": 1.5, "plain_ms": 1.8,
+            "triton_launches": {"_attention_kernel": 2}, "other_ms": {}, "device": device}
+    report = {"model": "llama-3.1-8b", "device": "NVIDIA H200", "device_type": "cuda", "attention_backend": "triton",
+              "layers": 2, "dtype": "bfloat16", "profiled": ["CPU", "CUDA"], "meta": {"graph_capture_s": 0.9},
+              "steps": [{"step": name, "shape": {"batch": 1}, **host} for name in ("decode", "append", "mixed")],
+              "replays": [{"step": "decode", "shape": {}, "graph": "decode batch 32", "plain_ms": 6.7,
+                           "plain_host_ms": 0.2, "device": device},
+                          {"step": "append", "shape": {}, "graph": "256 tokens, 65 sequences", "plain_ms": 11.8,
+                           "plain_host_ms": 0.5, "device": None, "why": NO_GRAPH_NODES},
+                          {"step": "mixed", "shape": {}, "skipped": "no captured graph fits this step"}]}
+    md = markdown(report)
+    assert "| device (kernels + copies, each once) | 0.060 | 0.060 | 0.060 |" in md
+    assert "| of them relaunched (Launches) | 1 | 1 | 1 |" in md and "| `_attention_kernel` | 2, 0.100 |" in md
+    assert ("| device ms (share), count | eager decode | eager append | eager mixed | graph decode | graph append "
+            "| graph mixed |") in md
+    assert "| gemm | 0.050 (83%), 1 | 0.050 (83%), 1 | 0.050 (83%), 1 | 0.050 (83%), 1 |  |  |" in md
+    assert f"| why none / note |  |  |  |  | {NO_GRAPH_NODES} | no captured graph fits this step |" in md
+    assert "| decode | decode batch 32 | 6.700 | 0.200 |" in md and "captured after the eager steps in 0.9 s" in md
