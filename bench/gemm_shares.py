@@ -16,7 +16,9 @@ variants (columns):
 - `N Lt+target`: cuBLASLt with the target: what `ppd serve --cublas-sm-target` captures (engine/cuda_graphs.py).
 The settings are made before the GEMM's first call on that share and put back after its timing; torch reads the
 carveout at every call and builds cuBLASLt's descriptor with it, so nothing torch caches keeps an earlier choice
-(what cuBLASLt caches inside is its own: the kernel pass below shows what it chose).
+(cuBLASLt keeps a heuristics cache of its own, presumably keyed by the whole descriptor, target included; where the
+kernel pass below finds the target changed nothing, --no-heuristics-cache runs with that cache off, to tell a target
+masked by the cache from one that changes no choice).
 
 Timing: each GEMM is captured as a CUDA graph of back-to-back launches on the share's own stream (a graph keeps the
 partition of the stream it was captured on; triton.testing.do_bench_cudagraph captures on a new ordinary stream,
@@ -25,9 +27,10 @@ enough (a few ms) that launch and wake-up cost under a few percent, and the medi
 GEMM's time. The launches cycle through copies of the weight (at least ROTATE_BYTES), so no weight is read from L2.
 
 Floors, per share and measured on its stream in the same run: read bandwidth (a row-wise sum over a 1 GiB bfloat16
-tensor, a grid of many waves so no SM count matters), copy bandwidth (read + write, for comparison with other
-figures), and the bf16 matmul rate (8192^3). A GEMM's floor is the larger of its bytes (weight, input and output,
-each once) over the read bandwidth and its FLOPs over the matmul rate; each cell is ms and x its floor.
+tensor, a grid of many waves so no SM count matters), copy bandwidth (read + write of 512 MiB through an
+elementwise kernel, for comparison with other figures), and the bf16 matmul rate (8192^3). A GEMM's floor is the
+larger of its bytes (weight, input and output, each once) over the read bandwidth and its FLOPs over the matmul rate;
+each cell is ms and x its floor.
 
 Then one pass under torch.profiler names the kernel cuBLAS chose for each cell, so "did the target change the
 algorithm" is read, not inferred. Results: OUT/gemm-shares.{json,md}. Without CUDA it reads the shapes, prints them,
@@ -40,6 +43,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -174,7 +178,8 @@ def markdown(meta: dict[str, Any], shares: Sequence[Share], columns: Sequence[Va
     whether the target changed the kernel."""
     lines = [f"# cuBLAS on green-context shares: {meta['device']}", "",
              f"torch {meta['torch']}, CUDA {meta['cuda']}, default BLAS library {meta['default_blas']}; "
-             f"{meta['total_sms']} SMs. {meta['timing']}", ""]
+             f"{meta['total_sms']} SMs; cuBLASLt heuristics cache capacity: "
+             f"{meta.get('heuristics_cache_capacity', 'not recorded')}. {meta['timing']}", ""]
     if meta.get("green_error"):
         lines += [f"No green contexts ({meta['green_error']}): the whole device only.", ""]
     lines += ["| share | SMs | read GB/s | copy GB/s (read + write) | bf16 matmul TFLOP/s |",
@@ -253,7 +258,8 @@ def measure_share(name: str, sms: int, stream: Any, replays: int) -> Share:
     read_ms = captured_ms(stream, lambda i: x.sum(dim=1), 4, replays)
     src = x.view(-1)[: x.numel() // 2]
     dst = torch.empty_like(src)
-    copy_ms = captured_ms(stream, lambda i: dst.copy_(src), 8, replays)
+    # An elementwise kernel, not copy_: a contiguous copy_ is a cudaMemcpyAsync, which need not run on the share's SMs.
+    copy_ms = captured_ms(stream, lambda i: torch.neg(src, out=dst), 8, replays)
     del x, src, dst
     a, b = (torch.randn(MATMUL_N, MATMUL_N, dtype=DT, device=DEVICE) for _ in range(2))
     mm_ms = captured_ms(stream, lambda i: torch.matmul(a, b), 4, replays)
@@ -352,6 +358,7 @@ def run(folder: Path, shares: Sequence[int], rows: Sequence[int], replays: int) 
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "default_blas": str(torch.backends.cuda.preferred_blas_library()).split(".")[-1], "total_sms": total,
             "green_error": green_error,
+            "heuristics_cache_capacity": os.environ.get("CUBLASLT_HEURISTICS_CACHE_CAPACITY", "cuBLASLt's default"),
             "timing": "Times: CUDA graphs of back-to-back launches on each share's stream, median replay."}
     return {**meta, "shares": [asdict(s) for s in floors.values()], "columns": [asdict(c) for c in columns],
             "shapes": [asdict(s) for s in shapes], "rows": list(rows), "cells": [asdict(c) for c in cells],
@@ -365,7 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=str(MODEL), help="a model folder whose config.json gives the shapes")
     p.add_argument("--shares", default=",".join(map(str, SHARES)), help="green-context SM counts (default 96,64)")
     p.add_argument("--quick", action="store_true", help=f"M in {QUICK_ROWS} only, fewer replays")
+    p.add_argument("--no-heuristics-cache", action="store_true",
+                   help="turn cuBLASLt's heuristics cache off (CUBLASLT_HEURISTICS_CACHE_CAPACITY=0): every call asks "
+                        "its heuristics afresh")
     args = p.parse_args(argv)
+    if args.no_heuristics_cache:  # read when cuBLASLt starts, which is after this (CUDA starts lazily)
+        os.environ["CUBLASLT_HEURISTICS_CACHE_CAPACITY"] = "0"
     shapes = model_shapes(args.model)
     print("shapes: " + ", ".join(f"{s.label} ({s.n * s.k * 2 / 2**20:.0f} MiB)" for s in shapes), flush=True)
     if not torch.cuda.is_available():
