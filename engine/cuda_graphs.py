@@ -85,8 +85,8 @@ def cublas_sm_target(carveout: int | None) -> Iterator[None]:
         return
     with _BLAS_SETTINGS:
         library, before = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
-        # torch hands the target to cuBLASLt only: its cuBLAS path (cublasGemmEx, the default for a bias-free bf16
-        # linear) takes no SM count, so without cuBLASLt the target would do nothing.
+        # As torch's source reads, it hands the target to cuBLASLt only: its cuBLAS path (cublasGemmEx, the default
+        # for a bias-free bf16 linear) takes no SM count, so without cuBLASLt the target would do nothing.
         torch.backends.cuda.preferred_blas_library("cublaslt")
         torch._C._set_sm_carveout_experimental(carveout)
         try:
