@@ -60,7 +60,7 @@ LLAMA_70B = "bench/models/llama-3.1-70b"  # engine-tp: tensor parallelism over t
 STANDIN = "bench/models/llama-3.1-8b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
 STEP_NAMES = ("host probe tests tests-gpu[:FILES] tests-kernels engine engine-host engine-tp[:SIZES] sampling compare "
-              "kernels policy "
+              "kernels gemm-shares policy "
               "policy-eval:W policy-verdict partition partition-compare[:NAMES] interference[:NAMES] "
               "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)")
 # Each gpu test file's pytest time on the H200 (bench/results/nvidia-h200: call4's JUnit XML; test_gpu_serve.py
@@ -210,6 +210,12 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         # 224 s on the H200 (call7), most of it the sweep of attention's tiles.
         return [Step("kernels", (python, "-m", "bench.kernels", "--out", f"{out}/kernels"), 540,
                      mode.pick(("kernels/kernels-*.json",), ()), 230)]
+    if name == "gemm-shares":
+        # Without CUDA it reads the shapes from the model's config, says so and writes nothing: a rehearsal checks
+        # that it starts. Expected: the issue's estimate (about 40 s: 200 captured GEMM loops, the floors of three
+        # shares and a profiler pass), not yet measured.
+        return [Step("gemm-shares", (python, "-m", "bench.gemm_shares", "--out", f"{out}/gemm-shares"), 120,
+                     mode.pick(("gemm-shares/gemm-shares.json",), ()), 40)]
     if name == "policy":
         # On the CPU a turn 1 over the longer context can outlast a short run (its turn 2 never starts): the
         # rehearsal keeps the shorter context, every shape, load and route.

@@ -18,14 +18,19 @@ keep the pointers of the KV pool bound at capture: capture after the real pool i
 
 A graph keeps the SM partition of the stream it was captured on (a green context's), so a unit on green-context
 splits captures one set per split, each on its split's stream, with split-KV counts for its SMs, and replays it
-there; the sets share one memory pool and their inputs and outputs, as only one of them replays at a time.
+there; the sets share one memory pool and their inputs and outputs, as only one of them replays at a time. cuBLAS
+does not see a green context's SMs (until CUDA 13.3) and may pick a GEMM's tiles for the whole device; with the SM
+target on (--cublas-sm-target), each set is captured inside cublas_sm_target for its SMs.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,6 +45,9 @@ log = logging.getLogger("ppd.engine")
 MAX_GRAPH_BATCH = 512
 DEFAULT_GRAPH_TOKENS = 512  # steps of up to this many tokens replay a graph (--max-graph-tokens)
 MAX_GRAPH_TOKENS = 1024
+# The carveout and the preferred BLAS library are process-wide (torch's global context), and in a one-process unit
+# the prefill thread captures its sets while the decode thread runs: one section at a time sets them and puts them back.
+_BLAS_SETTINGS = threading.Lock()
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -64,6 +72,28 @@ def graph_buckets(max_batch: int, max_tokens: int, decode: bool = True) -> list[
     max_batch = min(max_batch, MAX_GRAPH_BATCH)
     return ([GraphBucket(b, b, True) for b in bucket_sizes(max_batch) if decode]
             + [GraphBucket(t, min(max_batch, t), False) for t in token_bucket_sizes(max_tokens)])
+
+
+@contextlib.contextmanager
+def cublas_sm_target(carveout: int | None) -> Iterator[None]:
+    """Within: GEMMs go through cuBLASLt, told to leave `carveout` of the device's SMs aside (its SM count target, set
+    by torch._C._set_sm_carveout_experimental); the carveout and library are put back after. None: nothing changes.
+    Both settings are process-wide, so such sections run one at a time, and a GEMM another thread launches meanwhile
+    (an eager step) runs under them too."""
+    if carveout is None:
+        yield
+        return
+    with _BLAS_SETTINGS:
+        library, before = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+        # As torch's source reads, it hands the target to cuBLASLt only: its cuBLAS path (cublasGemmEx, the default
+        # for a bias-free bf16 linear) takes no SM count, so without cuBLASLt the target would do nothing.
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(before)
+            torch.backends.cuda.preferred_blas_library(library)
 
 
 class GraphIO:

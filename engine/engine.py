@@ -63,6 +63,7 @@ class EngineConfig:
     shares_device: bool = True  # a prefill worker runs on the same device (reserve its activations)
     tokenizer: str | None = None  # the tokenizer's folder, for structured outputs (None: they are refused)
     tensor_parallel_size: int = 1  # devices a unit spans (each holds a shard; engine/parallel.py)
+    cublas_sm_target: bool = False  # capture each graph set with cuBLAS(Lt) told its split's SMs (--cublas-sm-target)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ class Engine:
             runner.max_model_len = plan.max_model_len
             runner.bind_kv_cache(kv_pool)
             if not cfg.enforce_eager and runner.backend.supports_cuda_graphs:
-                runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens)
+                runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens,
+                                      sm_target=cfg.cublas_sm_target)
         else:
             runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
             runner.bind_kv_cache(kv_pool)
@@ -180,7 +182,8 @@ class Engine:
             torch.cuda.empty_cache()
             runner.bind_kv_cache(open_shared(kv))
             if not cfg.enforce_eager and cfg.max_graph_tokens and runner.backend.supports_cuda_graphs:
-                runner.capture_graphs(cfg.max_num_seqs, max_tokens=cfg.max_graph_tokens, decode=False)
+                runner.capture_graphs(cfg.max_num_seqs, max_tokens=cfg.max_graph_tokens, decode=False,
+                                      sm_target=cfg.cublas_sm_target)
         else:
             runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
             runner.bind_kv_cache(open_shared(kv))
@@ -208,7 +211,8 @@ class Engine:
                              max_model_len=owner.plan.max_model_len)
         if (runner.device.type == "cuda" and not cfg.enforce_eager and cfg.max_graph_tokens
                 and runner.backend.supports_cuda_graphs):
-            runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens, decode=False)
+            runner.capture_graphs(cfg.max_num_seqs, graph_streams, graph_sms, cfg.max_graph_tokens, decode=False,
+                                  sm_target=cfg.cublas_sm_target)
         return cls(cfg, owner.mcfg, runner, owner.plan, (owner.weights_handle, owner.kv_handle))
 
     # ---- steps -------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from engine.attention import AttentionBackend, AttentionShape, StepBatch, create_backend
-from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, StepGraphs
+from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, StepGraphs, cublas_sm_target
 from engine.model import Model
 from engine.staging import Staging
 
@@ -82,17 +82,23 @@ class ModelRunner:
 
     def capture_graphs(self, max_batch: int, streams: dict[Any, torch.cuda.Stream] | None = None,
                        sms: dict[Any, int] | None = None, max_tokens: int = DEFAULT_GRAPH_TOKENS,
-                       decode: bool = True) -> None:
+                       decode: bool = True, sm_target: bool = False) -> None:
         """Capture graph sets (CUDA, and a backend that supports it) of decode steps of up to max_batch sequences
         (unless decode is False: a prefill worker's) and steps of up to max_tokens tokens: one set on an ordinary
         stream, or one per stream of streams (keyed as use_graphs takes them), its decode KV splits sized for
-        sms[key] SMs (missing: the whole device). A later call adds sets of the same buckets; all share one memory
-        pool and one set of static inputs and outputs."""
+        sms[key] SMs (missing: the whole device). sm_target: each set is captured under cublas_sm_target of the
+        device's SMs less its own (0 for the whole device). A later call adds sets of the same buckets; all share one
+        memory pool and one set of static inputs and outputs."""
         io = next(iter(self.graph_sets.values())).io if self.graph_sets else None
+        total = torch.cuda.get_device_properties(self.device).multi_processor_count if sm_target else 0
         for key, stream in (streams or {None: None}).items():
             graphs = StepGraphs(self.model, self.backend, max_batch, max_tokens, (sms or {}).get(key), io, decode)
             io = graphs.io
-            self._graph_pool = graphs.capture(stream, self._graph_pool, "" if key is None else f", stream {key}")
+            carveout = total - (sms or {}).get(key, total) if sm_target else None
+            label = ("" if key is None else f", stream {key}") + (
+                f", cuBLASLt SM target {total - carveout}" if carveout is not None else "")
+            with cublas_sm_target(carveout):
+                self._graph_pool = graphs.capture(stream, self._graph_pool, label)
             self.graph_sets[key] = graphs
         if self.graphs is None:
             self.graphs = next(iter(self.graph_sets.values()))

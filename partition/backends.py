@@ -308,9 +308,11 @@ def backend_of(part: UnitPartition) -> Backend:
 
 def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, cores: list[int],
                     workdir: Path, mps_shares: tuple[int, int] | None = None, prefill_worker: str = "auto",
-                    green_sms: tuple[int, ...] = ()) -> tuple[str, list[UnitPartition], MpsDaemonPlan | None]:
+                    green_sms: tuple[int, ...] = (), cublas_sm_target: bool = False,
+                    ) -> tuple[str, list[UnitPartition], MpsDaemonPlan | None]:
     """(the backend chosen, each unit's partition, the MPS daemon to use or start). kind is --partition,
-    prefill_worker --prefill-worker, green_sms --green-decode-sms."""
+    prefill_worker --prefill-worker, green_sms --green-decode-sms, cublas_sm_target --cublas-sm-target (checked
+    here; the engine config carries it)."""
     if prefill_worker not in PREFILL_WORKERS:
         raise PartitionError(f"--prefill-worker {prefill_worker}: not one of {', '.join(PREFILL_WORKERS)}")
     if kind == "auto":
@@ -326,6 +328,9 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
                              "use --partition green (GPU) or none with a prefill thread")
     if green_sms and kind != "green":
         raise PartitionError(f"--green-decode-sms is for --partition green, not {kind}")
+    if cublas_sm_target and kind != "green":
+        raise PartitionError(f"--cublas-sm-target is for --partition green, where graphs are captured per split, "
+                             f"not {kind}")
     req = PlanRequest(device, num_units, with_prefill, tuple(cores), workdir, mps_shares, prefill_worker, green_sms)
     parts, daemon = BACKENDS[kind].plan(req, why)
     return kind, parts, daemon

@@ -148,6 +148,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--green-decode-sms", default=None, type=sm_counts,
                    help="green: decode's SM count in each split made at start, e.g. 32,64,96 (multiples of 8 on "
                         "Hopper; default a quarter, half and three quarters of the GPU)")
+    p.add_argument("--cublas-sm-target", action="store_true",
+                   help="green: capture each split's CUDA graphs with cuBLAS told that split's SMs (torch's "
+                        "experimental SM carveout: the GPU's SMs less the split's, 0 for the whole GPU), their GEMMs "
+                        "through cuBLASLt, so a GEMM's tiles are chosen for the SMs it runs on; only with --partition "
+                        "green, where graphs are captured per split. Eager steps are not affected (off by default)")
     p.add_argument("--mps-decode-percent", type=int, default=DEFAULT_MPS_DECODE_PERCENT,
                    help="mps: the decode worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a cap on its SMs)")
     p.add_argument("--mps-prefill-percent", type=int, default=DEFAULT_MPS_PREFILL_PERCENT,

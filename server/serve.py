@@ -126,6 +126,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                          f"({args.max_num_seqs}): every running sequence decodes one token per step")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise UsageError(f"--gpu-memory-utilization {args.gpu_memory_utilization}: must be in (0, 1]")
+    if args.cublas_sm_target and args.enforce_eager:
+        raise UsageError("--cublas-sm-target sets cuBLAS's SM target as graphs are captured; with --enforce-eager "
+                         "none are: drop one of the two")
     if not 0 <= args.max_graph_tokens <= MAX_GRAPH_TOKENS:
         raise UsageError(f"--max-graph-tokens {args.max_graph_tokens}: give 0 (graphs for decode-only steps) up to "
                          f"{MAX_GRAPH_TOKENS}")
@@ -185,7 +188,8 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     try:
         partition, parts, mps = plan_partitions(args.partition, device, num_units, with_prefill, cores, Path(ipc_dir),
                                                 (args.mps_decode_percent, args.mps_prefill_percent),
-                                                args.prefill_worker, args.green_decode_sms or ())
+                                                args.prefill_worker, args.green_decode_sms or (),
+                                                args.cublas_sm_target)
         profile = partition_profile_for(args, device, path) if parts[0].runtime_shares else None
     except (PartitionError, UsageError) as exc:
         shutil.rmtree(ipc_dir, ignore_errors=True)
@@ -200,7 +204,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         max_model_len=max_model_len if device == "cpu" else args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
         max_graph_tokens=args.max_graph_tokens, shares_device=with_prefill, tokenizer=tokenizer,
-        tensor_parallel_size=tp)
+        tensor_parallel_size=tp, cublas_sm_target=args.cublas_sm_target)
     units = [UnitConfig(engine=engine, unit=u, policy=args.policy, ipc_dir=ipc_dir, shm_prefix=f"ppd-{os.getpid()}",
                         gpu=gpu, partition=part, share_manager=share_manager,
                         partition_profile=profile,

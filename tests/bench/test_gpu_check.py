@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
-from bench.gpu_check import LLAMA, STANDIN, Mode, Step, describe, main, pack, plan, resume_from, run_call
+from bench.gpu_check import (LLAMA, STANDIN, Mode, Step, describe, main, pack, plan, resume_from, run_call,
+                             run_step)
 from bench.interference import GPU_CONFIGS
 
-ALL_STEPS = ["host", "probe", "tests", "engine", "engine-host", "engine-tp", "sampling", "compare", "kernels", "policy",
+ALL_STEPS = ["host", "probe", "tests", "engine", "engine-host", "engine-tp", "sampling", "compare", "kernels",
+             "gemm-shares", "policy",
              "policy-eval:balanced", "policy-verdict", "partition", "partition-compare", "interference", "frontend",
              "frontend:2"]
 PY = sys.executable
@@ -65,6 +67,22 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
     assert [s.name for s in both] == ["tests-gpu", "tests-kernels"]
     assert plan("tests-gpu", tmp_path, Mode(False)) == both[:1]
     assert plan("tests-kernels", tmp_path, Mode(False)) == both[1:]
+
+
+def test_gemm_shares_is_a_step_of_its_own_that_rehearses_as_a_start(tmp_path: Path, capsys) -> None:
+    """On the GPU it must write its JSON; on the CPU it only reads the shapes and says there is no CUDA (as `kernels`),
+    so the rehearsal checks that it starts and exits 0, and asks for no output."""
+    (gpu,) = plan("gemm-shares", tmp_path, Mode(False), PY)
+    (cpu,) = plan("gemm-shares", tmp_path, Mode(True), PY)
+    assert gpu.argv == cpu.argv == (PY, "-m", "bench.gemm_shares", "--out", f"{tmp_path}/gemm-shares")
+    assert gpu.outputs == ("gemm-shares/gemm-shares.json",) and cpu.outputs == ()
+    assert gpu.expected_s == 40 and gpu.expected_s < gpu.limit_s < 600
+    assert "gemm-shares" in gpu_check.STEP_NAMES
+    assert main(["--plan", str(tmp_path / "out"), "gemm-shares"]) == 0
+    assert "gemm-shares" in capsys.readouterr().out
+    outcome = run_step(cpu, tmp_path, 120)
+    assert outcome.verdict == "ok", (tmp_path / "gemm-shares.log").read_text()
+    assert "needs a CUDA GPU" in (tmp_path / "gemm-shares.log").read_text()
 
 
 @pytest.mark.parametrize("name", ["bogus", "policy-eval", "partition-compare:mps,warp", "frontend:0", "frontend:x",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -230,3 +231,75 @@ def test_one_graph_set_per_split_stream_captured_on_that_stream(long_llama: Path
     assert runner.graphs is runner.graph_sets[-1]
     runner.use_graphs(1)
     assert runner.graphs is runner.graph_sets[1]
+
+
+@pytest.fixture
+def blas_settings(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """torch's carveout and preferred BLAS library, stood in (the CPU's torch cannot choose cuBLASLt), on a device
+    of 132 SMs."""
+    state = {"carveout": None, "library": "cublas"}
+
+    def library(backend=None):
+        state["library"] = state["library"] if backend is None else backend
+        return state["library"]
+
+    monkeypatch.setattr(torch._C, "_get_sm_carveout_experimental", lambda: state["carveout"])
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda n: state.update(carveout=n))
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", library)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    return state
+
+
+def test_with_the_sm_target_each_set_is_captured_under_its_splits_carveout_then_put_back(
+        long_llama: Path, monkeypatch: pytest.MonkeyPatch, blas_settings: dict) -> None:
+    """--cublas-sm-target: a split's set is captured through cuBLASLt with the carveout 132 - its SMs, the whole
+    device's with 0, and the settings before are restored after each set, also when a capture fails; without it
+    nothing is set."""
+    model, cfg = load_model(long_llama)
+    runner = ModelRunner(model, torch.zeros(kv_pool_shape(cfg, 8, 16)), 16, "triton")
+    seen = []
+
+    def capture(self: StepGraphs, stream=None, pool=None, label: str = ""):
+        seen.append((stream, blas_settings["carveout"], blas_settings["library"], label))
+        if stream == "broken":
+            raise RuntimeError("capture failed")
+        return "the pool"
+
+    monkeypatch.setattr(StepGraphs, "capture", capture)
+    streams = {-1: "whole", 0: "decode on 96 SMs", 1: "decode on 64 SMs"}
+    runner.capture_graphs(20, streams, sms={-1: 132, 0: 96, 1: 64}, max_tokens=64, sm_target=True)
+    assert [s[:3] for s in seen] == [("whole", 0, "cublaslt"), ("decode on 96 SMs", 36, "cublaslt"),
+                                     ("decode on 64 SMs", 68, "cublaslt")]
+    assert "cuBLASLt SM target 64" in seen[-1][3]
+    assert blas_settings == {"carveout": None, "library": "cublas"}
+    seen.clear()
+    runner.capture_graphs(20, {2: "decode on 32 SMs"}, sms={2: 32}, max_tokens=64)
+    assert seen == [("decode on 32 SMs", None, "cublas", ", stream 2")]
+    with pytest.raises(RuntimeError, match="capture failed"):
+        runner.capture_graphs(20, {3: "broken"}, sms={3: 32}, max_tokens=64, sm_target=True)
+    assert blas_settings == {"carveout": None, "library": "cublas"}
+
+
+def test_sm_target_sections_of_two_threads_never_overlap(blas_settings: dict) -> None:
+    """The prefill thread captures while the decode thread may: each section sets, captures and restores alone."""
+    import threading
+    import time
+
+    from engine.cuda_graphs import cublas_sm_target
+
+    events = []
+
+    def section(carveout: int) -> None:
+        with cublas_sm_target(carveout):
+            events.append(("in", carveout, blas_settings["carveout"]))
+            time.sleep(0.05)
+            events.append(("out", carveout, blas_settings["carveout"]))
+
+    threads = [threading.Thread(target=section, args=(n,)) for n in (36, 68)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [e[0] for e in events] == ["in", "out", "in", "out"]
+    assert all(carveout == seen for _, carveout, seen in events)
+    assert blas_settings == {"carveout": None, "library": "cublas"}

@@ -172,6 +172,18 @@ def test_green_without_cuda_python_names_the_package(monkeypatch: pytest.MonkeyP
         plan_partitions("none", "cuda", 1, True, [0], tmp_path, green_sms=(64,))
 
 
+@pytest.mark.parametrize("kind", ["none", "mps", "cpu", "auto"])
+def test_the_cublas_sm_target_is_refused_under_any_partition_but_green(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path, kind: str) -> None:
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    monkeypatch.setattr(backends.shutil, "which", lambda name: f"/usr/bin/{name}")  # auto picks mps where it is
+    device = "cpu" if kind == "cpu" else "cuda"
+    with pytest.raises(PartitionError, match="--cublas-sm-target is for --partition green, where graphs are captured "
+                                             "per split, not (none|mps|cpu)"):
+        plan_partitions(kind, device, 1, True, [0, 1], tmp_path, cublas_sm_target=True)
+    assert plan_partitions("green", "cuda", 1, True, [0], tmp_path, cublas_sm_target=True)[0] == "green"
+
+
 def test_none_with_a_prefill_thread_is_one_process_with_no_split(tmp_path: Path) -> None:
     part = plan_partitions("none", "cpu", 1, True, [0, 1], tmp_path, prefill_worker="thread")[1][0]
     assert part.prefill_thread and not part.runtime_shares and "two streams with no split" in part.describe()

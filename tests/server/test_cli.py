@@ -87,6 +87,41 @@ def test_bad_memory_utilization_is_refused() -> None:
     assert result.returncode == 2 and "--gpu-memory-utilization" in result.stderr
 
 
+def test_the_cublas_sm_target_is_for_green_only_and_says_so() -> None:
+    help_text = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], capture_output=True, text=True,
+                               timeout=120).stdout
+    assert "--cublas-sm-target" in " ".join(help_text.split())
+    assert "only with --partition green, where graphs are captured per split" in " ".join(help_text.split())
+    result = serve("--cublas-sm-target", "--partition", "none")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--cublas-sm-target is for --partition green, where graphs are captured per split, not none" in result.stderr
+
+
+def test_the_cublas_sm_target_reaches_the_engine_config_of_every_unit(tiny: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU host (as far as planning can tell) with green contexts: each unit's engine captures with the target;
+    without the flag, none does; with --enforce-eager (no graphs to capture) it is refused."""
+    import argparse
+    import shutil
+
+    import server.serve
+    from partition import backends
+    from server.cli import add_serve_args
+
+    monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    base = ["--model", str(tiny), "--skip-tokenizer-init", "--partition", "green", "--policy", "pd"]
+    for extra, on in ((["--cublas-sm-target"], True), ([], False)):
+        plan = server.serve.plan_serve(parser.parse_args(base + extra))
+        shutil.rmtree(plan.ipc_dir)
+        assert plan.partition == "green" and len(plan.units) == 2
+        assert [u.engine.cublas_sm_target for u in plan.units] == [on, on]
+    with pytest.raises(server.serve.UsageError, match="with --enforce-eager none are"):
+        server.serve.plan_serve(parser.parse_args(base + ["--cublas-sm-target", "--enforce-eager"]))
+
+
 def test_a_port_in_use_is_refused_before_any_worker_starts() -> None:
     import socket
 
