@@ -218,11 +218,6 @@ def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
     assert [o["verdict"] for o in json.loads((out / "steps.json").read_text())] == ["stopped"]
 
 
-# Server flags that configurations here use while the server's side of them is added in another branch (issue 45's
-# green-static-*-smtarget): once `ppd serve` has the flag, their configurations are checked like the others.
-PENDING_FLAGS = ("--cublas-sm-target",)
-
-
 def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Each (serve arguments, policy) a GPU step starts is one `ppd serve` accepts on a GPU host with MPS installed
@@ -249,12 +244,11 @@ def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
             else:  # interference: its configurations on a GPU
                 extras = [shlex.split(config.args) for config in GPU_CONFIGS.values()]
             for extra in extras:
-                if any(f in extra and f not in parser._option_string_actions for f in PENDING_FLAGS):
-                    continue
                 args = parser.parse_args([*serve, *extra])
                 with_prefill = args.policy != "aggregated"
                 backends.plan_partitions(args.partition, "cuda", 1, with_prefill, [0], tmp_path,
-                                         prefill_worker=args.prefill_worker, green_sms=args.green_decode_sms or ())
+                                         prefill_worker=args.prefill_worker, green_sms=args.green_decode_sms or (),
+                                         cublas_sm_target=args.cublas_sm_target)
                 started += 1
     assert started >= 10
 
