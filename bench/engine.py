@@ -46,8 +46,8 @@ from engine.engine import Engine, EngineConfig, device_info
 from engine.model import kv_block_nbytes
 from engine.model_runner import StepInput
 from engine.parallel import SINGLE, TensorParallel, init_tensor_parallel
-from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, fill_random_kv, greedy_step,
-                                median_ms, release_engine, sync_device, time_step)
+from engine.step_timing import (Blocks, add_model_args, chosen_device, chosen_model, device_ms, fill_random_kv,
+                                greedy_step, median_ms, pipelined_ms, release_engine, sync_device, time_step)
 from profiles import results_dir
 
 log = logging.getLogger("ppd.bench")
@@ -85,6 +85,8 @@ class Point:
     label: dict
     ms: float | None = None  # median wall time of the step
     host_ms: float | None = None  # median host time until the step was queued
+    device_ms: float | None = None  # median time it keeps the device busy, host time out (CUDA)
+    pipelined_ms: float | None = None  # median wall time a step takes when each is launched before the one before ends
     floor_ms: float | None = None
     floor_bound: str | None = None  # "memory" or "compute": which term sets the floor
     tokens_per_s: float | None = None
@@ -133,6 +135,8 @@ def merge_rounds(reports: list[Report]) -> Report:
             points.append(p)
             continue
         points.append(Point(p.kind, p.label, ms=median([q.ms for q in same]), host_ms=median([q.host_ms for q in same]),
+                            device_ms=median([q.device_ms for q in same]),
+                            pipelined_ms=median([q.pipelined_ms for q in same]),
                             floor_ms=median([q.floor_ms for q in same]), floor_bound=p.floor_bound,
                             tokens_per_s=median([q.tokens_per_s for q in same]),
                             comm_ms=median([q.comm_ms for q in same]),
@@ -199,12 +203,15 @@ class ModelCost:
 
 def timed_step(engine: Engine, ceil: Ceilings, inputs: list[StepInput], repeat: int, warmup: int = 3,
                graphs: bool = True) -> tuple[float, float, dict]:
-    """time_step's (wall ms, host ms), and under tensor parallelism the step's collectives: the step run `repeat`
-    times more, eagerly, each collective waited for and timed (median per step), beside their floor."""
+    """time_step's (wall ms, host ms), and its device time and pipelined time (engine/step_timing.py; the latter not
+    under tensor parallelism, whose followers cannot take tokens they did not sample); under tensor parallelism the
+    step's collectives: the step run `repeat` times more, eagerly, each collective waited for and timed (median per
+    step), beside their floor."""
     ms, host = time_step(engine, inputs, repeat, warmup=warmup, graphs=graphs)
+    extra = {"device_ms": device_ms(engine, inputs, repeat, graphs)}
     tp = engine.runner.model.tp
     if not tp.enabled:
-        return ms, host, {}
+        return ms, host, {**extra, "pipelined_ms": pipelined_ms(engine, inputs, repeat, graphs)}
     saved, engine.runner.graphs = engine.runner.graphs, None  # a graph's collectives are not Python calls
     per_step, wire = [], 0.0
     try:
@@ -218,7 +225,7 @@ def timed_step(engine: Engine, ceil: Ceilings, inputs: list[StepInput], repeat: 
         tp.timed = False
         engine.runner.graphs = saved
     floor = wire / (ceil.link_gbps * 1e9) * 1000 if ceil.link_gbps else None
-    return ms, host, {"comm_ms": statistics.median(per_step), "comm_floor_ms": floor}
+    return ms, host, {**extra, "comm_ms": statistics.median(per_step), "comm_floor_ms": floor}
 
 
 def measure_link(tp: TensorParallel, device: torch.device, quick: bool) -> float:
@@ -257,10 +264,10 @@ def time_decode(engine: Engine, cost: ModelCost, ceil: Ceilings, batch: int, con
     if skipped := _no_graphs(engine, "decode", label):
         return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
-    ms, host, comm = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
+    ms, host, extra = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch)
     return Point("decode", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=batch / (ms / 1000), **comm)
+                 tokens_per_s=batch / (ms / 1000), **extra)
 
 
 def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, total: int, repeat: int) -> Point:
@@ -270,10 +277,10 @@ def time_prefill(engine: Engine, cost: ModelCost, ceil: Ceilings, prompt: int, t
     if prompt > engine.max_model_len or not blocks.fits(prompt, num):
         return Point("prefill", label, skipped=f"{num} x {prompt} tokens do not fit the pool or max_model_len")
     inputs = [StepInput([1] * prompt, 0, blocks.table(prompt)) for _ in range(num)]
-    ms, host, comm = timed_step(engine, ceil, inputs, repeat, warmup=2)
+    ms, host, extra = timed_step(engine, ceil, inputs, repeat, warmup=2)
     floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num)
     return Point("prefill", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=num * prompt / (ms / 1000), **comm)
+                 tokens_per_s=num * prompt / (ms / 1000), **extra)
 
 
 def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cached: int, graphs: bool,
@@ -285,11 +292,11 @@ def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cache
     if skipped := _no_graphs(engine, "append", label):
         return skipped
     inputs = [StepInput([1] * new, cached, blocks.table(new + cached))]
-    ms, host, comm = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
+    ms, host, extra = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     pairs = new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, new, cached, pairs, 1)
     return Point("append", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=new / (ms / 1000), **comm)
+                 tokens_per_s=new / (ms / 1000), **extra)
 
 
 def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, context: int, new: int, cached: int,
@@ -307,11 +314,11 @@ def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, co
         return skipped
     inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(decodes)]
     inputs.append(StepInput([1] * new, cached, blocks.table(new + cached)))
-    ms, host, comm = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
+    ms, host, extra = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     pairs = decodes * (context + 1) + new * cached + new * (new + 1) // 2
     floor, bound = cost.floor(ceil, decodes + new, decodes * context + cached, pairs, decodes + 1)
     return Point("mixed", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
-                 tokens_per_s=(decodes + new) / (ms / 1000), **comm)
+                 tokens_per_s=(decodes + new) / (ms / 1000), **extra)
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -449,20 +456,24 @@ def markdown(report: Report) -> str:
                 "are the medians over the rounds, time / floor the median of each round's ratio."
                 if report.rounds > 1 else "")
              + (f" CPU: {report.meta['cpu_build']}." if report.meta.get("cpu_build") else ""), "",
-             "| step | shape | time ms | host ms | floor ms (bound) | time / floor | tokens/s |"
+             "Host ms: until the step is queued on the device; device ms: the time it keeps the device busy, queued "
+             "behind a sleep so that no host time is in it (CUDA only); pipelined ms: a step's time when each is "
+             "launched before the one before is taken, as `--async-scheduling` runs them (a step then costs about "
+             "the larger of its host and device time).", "",
+             "| step | shape | time ms | host ms | device ms | pipelined ms | floor ms (bound) | time / floor | tokens/s |"
              + (" collectives ms | their floor ms | collectives / floor |" if n > 1 else ""),
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if n > 1 else "")]
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | ---: |" if n > 1 else "")]
     for p in report.points:
         shape = ", ".join(f"{k} {v}" for k, v in p.label.items())
         if p.skipped:
-            lines.append(f"| {p.kind} | {shape} | skipped: {p.skipped} | | | | |" + (" | | |" if n > 1 else ""))
+            lines.append(f"| {p.kind} | {shape} | skipped: {p.skipped} | | | | | | |" + (" | | |" if n > 1 else ""))
             continue
-        host = f"{p.host_ms:.3f}" if p.host_ms is not None else ""
+        host, device, pipelined = (f"{v:.3f}" if v is not None else "" for v in (p.host_ms, p.device_ms, p.pipelined_ms))
         comm = ""
         if n > 1 and p.comm_ms is not None:
             floor = p.comm_floor_ms or 0.0
             comm = (f" {p.comm_ms:.3f} | {floor:.4f} | {p.comm_ms / floor:.1f} |" if floor else f" {p.comm_ms:.3f} | | |")
-        lines.append(f"| {p.kind} | {shape} | {p.ms:.3f} | {host} | {p.floor_ms:.3f} ({p.floor_bound}) | "
+        lines.append(f"| {p.kind} | {shape} | {p.ms:.3f} | {host} | {device} | {pipelined} | {p.floor_ms:.3f} ({p.floor_bound}) | "
                      f"{p.ratio:.2f} | {p.tokens_per_s:,.0f} |{comm}")
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,8 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from engine.kv_events import BlockHasher, KVCacheEvent, removed, stored
 from engine.prefix_hash import chain_hash
 
@@ -47,7 +49,7 @@ class Block:
 
 @dataclass(slots=True)
 class _Seq:
-    table: list[int]
+    table: np.ndarray  # int32 block ids; replaced, never changed in place, when it grows (table_array hands it out)
     num_hashed: int  # leading blocks already matched or registered in the cache
     last_hash: int | None
     last_serial: int
@@ -106,7 +108,7 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._evictable[block.block_id]
             block.ref_count += 1
-        table = [block.block_id for block in matched] + [self._take() for _ in range(num_new)]
+        table = np.array([block.block_id for block in matched] + [self._take() for _ in range(num_new)], np.int32)
         last = matched[-1] if matched else None
         self._seqs[seq_id] = _Seq(table, len(matched), last.hash if last else None, last.serial if last else _ROOT,
                                   last.ext if last else None, hashes)
@@ -114,15 +116,22 @@ class BlockManager:
 
     def block_table(self, seq_id: str) -> list[int]:
         """A copy of the sequence's block ids, in token order."""
-        return list(self._seqs[seq_id].table)
+        return self._seqs[seq_id].table.tolist()
+
+    def table_array(self, seq_id: str) -> np.ndarray:
+        """The sequence's block ids as an int32 array, without a copy: what a step's input holds. The manager never
+        writes into it; growing the table makes a new array, so a step keeps the table it was built with."""
+        return self._seqs[seq_id].table
 
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
         """Grow the sequence's table to cover num_tokens slots; False (and no change) if not enough blocks are free."""
-        table = self._seqs[seq_id].table
-        num_new = self._num_blocks_for(num_tokens) - len(table)
+        seq = self._seqs[seq_id]
+        num_new = self._num_blocks_for(num_tokens) - len(seq.table)
+        if num_new <= 0:
+            return True
         if num_new > self.num_free_blocks:
             return False
-        table.extend(self._take() for _ in range(num_new))
+        seq.table = np.concatenate([seq.table, np.array([self._take() for _ in range(num_new)], np.int32)])
         return True
 
     def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
@@ -172,7 +181,7 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         """Drop the sequence's references; unreferenced cached blocks become evictable, others free."""
         # Tail first, so the LRU evicts a prefix's tail before its head (the head is likelier to be shared).
-        for block_id in reversed(self._seqs.pop(seq_id).table):
+        for block_id in reversed(self._seqs.pop(seq_id).table.tolist()):
             block = self._blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0

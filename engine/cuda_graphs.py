@@ -38,7 +38,7 @@ from torch import Tensor
 
 from engine.attention.base import AttentionBackend, GraphBucket, StepBatch
 from engine.model import Model
-from engine.staging import Staging
+from engine.staging import Staging, take_previous
 
 log = logging.getLogger("ppd.engine")
 
@@ -108,7 +108,7 @@ class GraphIO:
         self.positions = self.ints[self.tokens : 2 * self.tokens]
         self.sample_rows = self.ints[2 * self.tokens :]
         self.logits = torch.zeros(self.samples, vocab_size, dtype=torch.float32, device=device)
-        self.staging = Staging(torch.int64, device)
+        self.staging = Staging(torch.int64, device, depth=4)  # two fills a step: the inputs, the previous tokens
 
     def fill(self, batch: StepBatch, bucket: GraphBucket) -> None:
         """Stage batch's token ids, positions and sampled rows, padded to bucket with zeros, and queue their copy."""
@@ -186,9 +186,11 @@ class StepGraphs:
             return None
         return self.tokens[bisect.bisect_left(self._token_counts, t)]
 
-    def run(self, batch: StepBatch, bucket: GraphBucket) -> Tensor:
-        """Float32 logits [sampled rows of batch, vocab], by replaying bucket's graph (from bucket_for(batch))."""
+    def run(self, batch: StepBatch, bucket: GraphBucket, previous: Tensor | None = None) -> Tensor:
+        """Float32 logits [sampled rows of batch, vocab], by replaying bucket's graph (from bucket_for(batch));
+        previous: the step before's sampled tokens, where the batch takes some (ModelRunner.run)."""
         self.io.fill(batch, bucket)
+        take_previous(self.io.input_ids, batch.previous, previous, self.io.staging)
         self.backend.fill_graph_metadata(self.static, batch, bucket)
         self.graphs[bucket].replay()
         return self.io.logits[: len(batch.sample_rows)]

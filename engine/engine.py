@@ -33,7 +33,7 @@ from engine.model_runner import ModelRunner, StepInput
 from engine.parallel import SINGLE, FollowerLink, TensorParallel, receive
 from engine.prompt_logprobs import prompt_logprobs
 from engine.guided import GuidedDecoding
-from engine.sampler import Row, SampleRow, Sampled, Sampler
+from engine.sampler import Drawn, Row, SampleRow, Sampled, Sampler
 from engine.sampling_params import MAX_LOGPROBS, RequestFailure, SamplingParams, TokenLogprobs
 from engine.shared_memory import SharedHandle, create_shared, open_shared
 
@@ -264,25 +264,28 @@ class Engine:
 
     def step(self, inputs: list[StepInput], rows: list[SampleRow]) -> Sampled:
         """Run one forward pass and sample a token for each input with sample=True (rows: their requests, in that
-        order). The grammar masks are filled on the host while the pass runs. The sampled ids are the step's one
-        copy to the host (two when an input asks for prompt logprobs), so when this returns the step's KV is written.
-        Tensor-parallel rank 0 sends the inputs to its followers first; only it samples, from the logits every rank
-        holds alike."""
+        order); returns once the step's tokens, and so its KV, are done (launch, then Launched.result)."""
+        return self.launch(inputs, rows).result()
+
+    def launch(self, inputs: list[StepInput], rows: list[SampleRow], previous: Launched | None = None) -> Launched:
+        """Queue one forward pass and the sampling of a token for each input with sample=True (rows: their requests,
+        in that order) on the device, and the copy of the tokens to the host; returns without waiting for the device.
+        previous: the step launched before, whose tokens the inputs with `previous` set take on the device (async
+        scheduling: this step was scheduled before that one's tokens reached the host). The grammar masks are filled on
+        the host while the pass runs. Tensor-parallel rank 0 sends the inputs to its followers first; only it samples,
+        from the logits every rank holds alike (a follower cannot take tokens it never sampled: no `previous` there)."""
         if self.followers is not None:
+            assert previous is None, "tensor-parallel followers do not hold the sampled tokens"
             self.followers.send("step", (inputs, self.runner.graph_key))
         masks = self.sampler.start_masks(rows)
-        logits, prompt = self.forward(inputs)
-        if not rows:
-            self._wait_for_device()
-            return Sampled([], [], prompt)
-        sampled = self.sampler(logits, rows, masks)
-        sampled.prompt_logprobs = prompt
-        return sampled
+        logits, prompt = self.forward(inputs, None if previous is None else previous.tokens)
+        drawn = self.sampler.draw(logits, rows, masks) if rows else None
+        return Launched(drawn, prompt, self.device)
 
-    def forward(self, inputs: list[StepInput]) -> tuple[Any, dict[int, list[TokenLogprobs]]]:
+    def forward(self, inputs: list[StepInput], previous: Any = None) -> tuple[Any, dict[int, list[TokenLogprobs]]]:
         """The step's forward pass: logits, and the prompt logprobs its inputs ask for (whose logits are the model's
-        too: every tensor-parallel rank computes them)."""
-        logits, hidden = self.runner.run(inputs)
+        too: every tensor-parallel rank computes them). previous: as for ModelRunner.run."""
+        logits, hidden = self.runner.run(inputs, previous)
         prompt = {}
         if hidden is not None:  # its copy to the host waits for the step
             asks = [(pos, inp.prompt_logprobs) for pos, inp in enumerate(inputs) if inp.prompt_logprobs is not None]
@@ -336,6 +339,29 @@ class Engine:
     @property
     def num_kv_blocks(self) -> int:
         return self.plan.num_blocks
+
+
+class Launched:
+    """A step queued on the device (Engine.launch): its sampled tokens there (`tokens`, for the next step to read),
+    and result() for them on the host."""
+
+    def __init__(self, drawn: Drawn | None, prompt: dict[int, list[TokenLogprobs]], device: torch.device) -> None:
+        self.drawn, self.prompt = drawn, prompt
+        self.tokens = drawn.tokens if drawn is not None else None
+        self.event: torch.cuda.Event | None = None
+        if drawn is None and device.type == "cuda":  # nothing sampled: wait for the pass itself
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> Sampled:
+        """The tokens and logprobs on the host, once the step ran (its KV is then written)."""
+        if self.drawn is None:
+            if self.event is not None:
+                self.event.synchronize()
+            return Sampled([], [], self.prompt)
+        sampled = self.drawn.host()
+        sampled.prompt_logprobs = self.prompt
+        return sampled
 
 
 def device_info(device: torch.device) -> DeviceInfo:

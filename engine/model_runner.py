@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from engine.attention import AttentionBackend, AttentionShape, StepBatch, create_backend
+from engine.attention.base import pad_tables
 from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, StepGraphs, cublas_sm_target
 from engine.model import Model
-from engine.staging import Staging
+from engine.staging import Staging, take_previous
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,12 @@ class StepInput:
 
     token_ids: list[int]  # at least 1
     start_pos: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # blocks covering at least start_pos + len(token_ids) tokens
+    block_table: Sequence[int]  # blocks covering at least start_pos + len(token_ids) tokens (a list or an int32 array)
     sample: bool = True  # return logits for the last token of this input
     prompt_logprobs: PromptLogprobsAsk | None = None  # keep the hidden states of the leading positions it names
+    # Where the one token is not known yet on the host: its index among the sampled tokens of the step before, which
+    # the runner is given (ModelRunner.run); token_ids then holds a stand-in that is never read.
+    previous: int = -1
 
 
 class ModelRunner:
@@ -71,7 +77,7 @@ class ModelRunner:
         self.graph_sets: dict[Any, StepGraphs] = {}
         self.graph_key: Any = None  # the stream key of use_graphs (a tensor-parallel follower's steps take rank 0's)
         self._graph_pool: Any = None
-        self.staging = Staging(torch.int64, self.device)
+        self.staging = Staging(torch.int64, self.device, depth=4)  # two fills a step: inputs, previous tokens
         self.bind_kv_cache(kv_pool)
 
     def bind_kv_cache(self, kv_pool: Tensor) -> None:
@@ -109,17 +115,18 @@ class ModelRunner:
         if self.graph_sets:
             self.graphs = self.graph_sets[key]
 
-    def forward(self, inputs: list[StepInput]) -> Tensor:
-        """float32 logits [number of inputs with sample=True, vocab], in input order."""
-        return self.run(inputs)[0]
+    def forward(self, inputs: list[StepInput], previous: Tensor | None = None) -> Tensor:
+        """float32 logits [number of inputs with sample=True, vocab], in input order (previous: as for run)."""
+        return self.run(inputs, previous)[0]
 
     @torch.inference_mode()
-    def run(self, inputs: list[StepInput]) -> tuple[Tensor, Tensor | None]:
+    def run(self, inputs: list[StepInput], previous: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """forward's logits, and the final hidden states of the positions the inputs ask prompt logprobs for (in
-        input order; None when none asks). Logits from a graph are valid until the next step."""
+        input order; None when none asks). Logits from a graph are valid until the next step. previous: the
+        sampled tokens (on the device) of the step before, which inputs with `previous` set take their token from."""
         batch = self.make_batch(inputs)
         if self.graphs is not None and (bucket := self.graphs.bucket_for(batch)) is not None:
-            return self.graphs.run(batch, bucket), None
+            return self.graphs.run(batch, bucket, previous), None
         meta = self.backend.prepare(batch)
         t, s, k = len(batch.token_ids), len(batch.sample_rows), len(batch.hidden_rows)
         at = t + t % 2  # positions 16-byte aligned: the RoPE kernel reads them
@@ -129,6 +136,7 @@ class ModelRunner:
         host[at + t : at + t + s] = batch.sample_rows
         host[at + t + s :] = batch.hidden_rows
         ints = self.staging.to_device()
+        take_previous(ints[:t], batch.previous, previous, self.staging)
         hidden = self.model(ints[:t], ints[at : at + t], self.backend, meta)
         kept = hidden[ints[at + t + s :]] if k else None
         if s < t:
@@ -136,46 +144,51 @@ class ModelRunner:
         return self.model.compute_logits(hidden, self.backend.ops), kept
 
     def make_batch(self, inputs: list[StepInput]) -> StepBatch:
-        """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets). Inputs of
-        one token (that keep no hidden states) come first, so that attention runs them on its decode grid and the
-        rest on its general grid; sampled and kept rows are listed in input order, so logits come out in it."""
+        """The host-side description of the step (token ids, positions, KV slots, per-sequence offsets), built in numpy:
+        per sequence a few C-level operations, no Python per token or per block. Inputs of one token (that keep no
+        hidden states) come first, so that attention runs them on its decode grid and the rest on its general grid;
+        sampled and kept rows are listed in input order, so logits come out in it."""
         assert inputs, "a step needs at least one input"
-        bs, max_len = self.block_size, self.max_model_len
-        single = [i for i, inp in enumerate(inputs) if len(inp.token_ids) == 1 and inp.prompt_logprobs is None]
-        order = range(len(inputs))
-        if 0 < len(single) < len(inputs):
-            several = set(order).difference(single)
-            order = single + sorted(several)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, seq_lens, tables = [0], [], []
-        last_row = [0] * len(inputs)
-        for i in order:
-            inp = inputs[i]
-            end = inp.start_pos + len(inp.token_ids)
-            assert inp.token_ids and len(inp.block_table) * bs >= end, "empty input or block table too short"
-            assert end <= max_len, f"sequence longer than max_model_len ({max_len})"
-            token_ids += inp.token_ids
-            table = inp.block_table
-            if len(inp.token_ids) == 1:  # decode: skip the range machinery
-                p = inp.start_pos
-                positions.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            else:
-                positions += range(inp.start_pos, end)
-                slots += [table[p // bs] * bs + p % bs for p in range(inp.start_pos, end)]
-            query_start.append(len(token_ids))
-            seq_lens.append(end)
-            tables.append(table)
-            last_row[i] = len(token_ids) - 1
-        sample_rows = [last_row[i] for i, inp in enumerate(inputs) if inp.sample]
+        bs, n = self.block_size, len(inputs)
+        lens = np.fromiter(map(_num_tokens, inputs), np.int64, n)
+        single = (lens == 1) & np.fromiter((inp.prompt_logprobs is None for inp in inputs), bool, n)
+        num_single = int(single.sum())
+        order = np.arange(n) if num_single in (0, n) else np.concatenate([np.flatnonzero(single),
+                                                                          np.flatnonzero(~single)])
+        ordered = [inputs[i] for i in order.tolist()]
+        lens = lens[order]
+        starts = np.fromiter((inp.start_pos for inp in ordered), np.int64, n)
+        ends = starts + lens
+        tables = [inp.block_table for inp in ordered]
+        table_lens = np.fromiter(map(len, tables), np.int64, n)
+        assert lens.min() >= 1 and (table_lens * bs >= ends).all(), "empty input or block table too short"
+        assert ends.max() <= self.max_model_len, f"sequence longer than max_model_len ({self.max_model_len})"
+        padded = pad_tables(tables)
+        query_start = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=query_start[1:])
+        t = int(query_start[-1])
+        if num_single == n:  # a decode step: one token per sequence
+            seq_of, positions = np.arange(n), starts
+        else:
+            seq_of = np.repeat(np.arange(n), lens)
+            positions = starts[seq_of] + np.arange(t) - query_start[seq_of]
+        slots = padded[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+        rows = np.empty(n, np.int64)
+        rows[order] = query_start[1:] - 1
+        last_row = rows.tolist()  # each input's last row of T, in input order
+        sample_rows = [row for row, inp in zip(last_row, inputs) if inp.sample]
         hidden_rows: list[int] = []
-        for i, inp in enumerate(inputs):
+        previous = [(row, inp.previous) for row, inp in zip(last_row, inputs) if inp.previous >= 0]
+        for row, inp in zip(last_row, inputs):
             if inp.prompt_logprobs is not None:
-                n = len(inp.prompt_logprobs.targets)
-                assert n <= len(inp.token_ids), "prompt logprobs beyond the input"
-                first = last_row[i] + 1 - len(inp.token_ids)
-                hidden_rows += range(first, first + n)
-        return StepBatch(token_ids, positions, slots, query_start, seq_lens, tables, sample_rows, bs, hidden_rows,
-                         num_decodes=len(single))
+                k = len(inp.prompt_logprobs.targets)
+                assert k <= len(inp.token_ids), "prompt logprobs beyond the input"
+                first = row + 1 - len(inp.token_ids)
+                hidden_rows += range(first, first + k)
+        token_ids = list(chain.from_iterable(inp.token_ids for inp in ordered))
+        return StepBatch(token_ids, positions.tolist(), slots.tolist(), query_start.tolist(), ends.tolist(), tables,
+                         sample_rows, bs, hidden_rows, num_decodes=num_single, tables=padded, previous=previous)
+
+
+def _num_tokens(inp: StepInput) -> int:
+    return len(inp.token_ids)

@@ -175,7 +175,12 @@ class Sampler:
             self.guided.release(request_id)
 
     def __call__(self, logits: Tensor, rows: Sequence[SampleRow], masks: Masks | None = None) -> Sampled:
-        """logits: float32 [B, vocab], one row per request, in rows' order. masks: from start_masks(rows).
+        """The drawn tokens on the host (draw, then Drawn.host)."""
+        return self.draw(logits, rows, masks).host()
+
+    def draw(self, logits: Tensor, rows: Sequence[SampleRow], masks: Masks | None = None) -> Drawn:
+        """Draw a token per row on the device and queue their copy to the host; nothing waits for the device.
+        logits: float32 [B, vocab], one row per request, in rows' order. masks: from start_masks(rows).
 
         A request with a seed gets the same token whatever else is in the batch and whichever process samples it.
         The logits tensor is not modified.
@@ -192,14 +197,8 @@ class Sampler:
             self.guided.apply(logits, masks.bitmask.result(), masks.rows)  # type: ignore[union-attr]
         tokens = self._draw(logits, params, indices)
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if not want:
-            return Sampled(_to_host(tokens), [None] * len(rows))
-        read = self._logprobs(logits, tokens, want, params)
-        host_tokens = _to_host(tokens)
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        for i, lp in zip(want, token_logprobs(*read, [params[i].logprobs or 0 for i in want])):
-            logprobs[i] = lp
-        return Sampled(host_tokens, logprobs)
+        read = self._logprobs(logits, tokens, want, params) if want else ()
+        return Drawn(tokens, want, [params[i].logprobs or 0 for i in want], len(rows), read)
 
     # ---- the logits a token is drawn from ------------------------------------------------------------
 
@@ -355,9 +354,35 @@ def token_logprobs(chosen: Tensor, rank: Tensor, top_lp: Tensor, top_ids: Tensor
     return [TokenLogprobs(c[i], r[i], ids[i][:n], lp[i][:n]) for i, n in enumerate(tops)]
 
 
-def _to_host(tokens: Tensor) -> list[int]:
-    """The sampled ids as a list. On a GPU the wait for the step comes first, as a stream synchronize, which lets go
-    of the GIL: in a one-process unit the other worker's thread keeps feeding its stream meanwhile."""
-    if tokens.is_cuda:
-        torch.cuda.current_stream(tokens.device).synchronize()
-    return tokens.tolist()
+class Drawn:
+    """A step's drawn tokens on the device (`tokens`, which the next step may read there) and their copy to the host
+    under way, with the logprobs asked for; host() waits for the copy, and for nothing queued after it."""
+
+    def __init__(self, tokens: Tensor, want: list[int], tops: list[int], num_rows: int,
+                 read: tuple[Tensor, ...] = ()) -> None:
+        self.tokens, self.want, self.tops, self.num_rows = tokens, want, tops, num_rows
+        self.event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._copies = [_pinned_copy(t) for t in (tokens, *read)]
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self._copies = [tokens, *read]
+
+    def host(self) -> Sampled:
+        """The tokens and logprobs as lists. On a GPU it waits on the copies' event, which lets go of the GIL: in a
+        one-process unit the other worker's thread keeps feeding its stream meanwhile."""
+        if self.event is not None:
+            self.event.synchronize()
+        tokens, *read = self._copies
+        logprobs: list[TokenLogprobs | None] = [None] * self.num_rows
+        if read:
+            for i, lp in zip(self.want, token_logprobs(*read, self.tops)):
+                logprobs[i] = lp
+        return Sampled(tokens.tolist(), logprobs)
+
+
+def _pinned_copy(t: Tensor) -> Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

@@ -52,3 +52,16 @@ class Staging:
             event.record()
             self.events[self.slot] = event
         return dst
+
+
+def take_previous(ids: Tensor, previous: list[tuple[int, int]], tokens: Tensor | None, staging: Staging) -> None:
+    """Write into the device's input ids the tokens that the step before sampled and the host has not seen yet:
+    ids[row] = tokens[index] for each (row, index) of previous (queued behind that step on the same stream)."""
+    if not previous:
+        return
+    assert tokens is not None, "a step takes tokens of the step before, and none was given"
+    k = len(previous)
+    host = staging.buffer(2 * k)
+    host[:k], host[k:] = zip(*previous)
+    pairs = staging.to_device()
+    ids.index_copy_(0, pairs[:k], tokens.index_select(0, pairs[k:]).to(ids.dtype))

@@ -9,6 +9,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -71,6 +72,64 @@ def time_step(engine: Engine, inputs: list[StepInput], repeat: int, warmup: int 
             host.append(greedy_step(engine, inputs))
             wall.append((time.perf_counter() - start) * 1000)
         return statistics.median(wall), statistics.median(host)
+    finally:
+        runner.graphs = saved
+
+
+def device_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True) -> float | None:
+    """The median time the greedy step keeps the device busy, host time out: the step is queued behind a sleeping
+    kernel long enough for the host to queue all of it before the device starts it, and timed by CUDA events from
+    the sleep's end to the tokens' copy. None off CUDA."""
+    if engine.device.type != "cuda":
+        return None
+    runner = engine.runner
+    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
+    try:
+        greedy_step(engine, inputs)  # warm
+        cycles = int(torch.cuda.get_device_properties(engine.device).clock_rate * 1e3 * 0.05)  # 50 ms
+        times = []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)
+            start.record()
+            logits = runner.forward(inputs)
+            engine.sampler.draw(logits, [Row(GREEDY)] * len(logits))
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    finally:
+        runner.graphs = saved
+
+
+def pipelined_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True) -> float:
+    """The median wall time a step takes when each is launched before the one before is taken, as async scheduling
+    runs them (Engine.launch): every input of one token takes its token from the step before. The host's work then
+    overlaps the device's: a step costs the larger of the two."""
+    runner = engine.runner
+    saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
+    ahead, k = [], 0
+    for inp in inputs:
+        one = len(inp.token_ids) == 1 and inp.sample
+        ahead.append(replace(inp, token_ids=[0], previous=k) if one else inp)
+        k += inp.sample
+    rows = [Row(GREEDY)] * k
+    try:
+        launched = engine.launch(inputs, rows)
+        for _ in range(2):  # warm
+            launched = engine.launch(ahead, rows, launched)
+        launched.result()
+        times = []
+        for _ in range(max(repeat, 3)):
+            start = time.perf_counter()
+            batch = [engine.launch(ahead, rows, launched)]
+            for _ in range(4):
+                batch.append(engine.launch(ahead, rows, batch[-1]))
+                batch[-2].result()
+            batch[-1].result()
+            launched = batch[-1]
+            times.append((time.perf_counter() - start) * 1000 / len(batch))
+        return statistics.median(times)
     finally:
         runner.graphs = saved
 

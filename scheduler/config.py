@@ -33,6 +33,7 @@ class UnitConfig:
     partition_profile: str | None = None  # the partition profile the share manager reads (None: none found)
     itl_slo_ms: float | None = None  # the share manager keeps decode steps within it
     prefill_batch_tokens: int | None = None  # inline prefills after the first join a step below this (--prefill-batch-tokens)
+    async_scheduling: bool = False  # build the next step while one runs on the device (--async-scheduling)
     log_level: str = "info"
     stub_step_ms: float | None = None  # no model: a stand-in worker emits a token per request this often (stub_worker.py)
     api_servers: int = 1  # API-server processes sending to the unit (--api-server-count)

@@ -8,6 +8,14 @@ with the fewest tokens left first. When a running
 sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its prompt and
 the tokens it already generated.
+
+A step is committed when it is launched (commit): its tokens count as computed, and each sampling sequence gets a
+PLACEHOLDER for the token the step will sample. With async scheduling the worker schedules the next step while that
+one runs on the device (schedule(ahead=True)): a running sequence's next input is then its placeholder, whose token the
+engine takes from the step before on the device. postprocess writes the sampled tokens over the placeholders once
+the step is done. A sequence that ends while a later step holding it is on the device (a stop token, an abort) keeps
+its blocks until that step is done too: no block is freed, and so handed to the prefill worker, while a step may
+still write it; and a block is cached (others may match it) only once the step that wrote it is done.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from engine.block_manager import BlockManager
 from engine.model_runner import StepInput
 from engine.sampling_params import TokenLogprobs
 from scheduler.messages import GenerateRequest, PrefillDone, PrefillJob, RequestOutput, WorkerStats
-from scheduler.sequence import SeqState, Sequence, pack
+from scheduler.sequence import PLACEHOLDER, SeqState, Sequence, pack
 
 
 @dataclass
@@ -30,6 +38,9 @@ class Step:
     seqs: list[Sequence] = field(default_factory=list)
     jobs: list[PrefillJob] = field(default_factory=list)
     started: list[str] = field(default_factory=list)  # requests whose first chunk is in this step
+    committed: bool = False
+    computed: list[int] = field(default_factory=list)  # per input: its sequence's computed tokens once this step ran
+    placeholders: list[int] = field(default_factory=list)  # per sampling sequence: where its token goes in token_ids
 
     @property
     def sampling_seqs(self) -> list[Sequence]:
@@ -64,6 +75,7 @@ class DecodeScheduler:
         self.prefix_hits = 0
         self.num_preemptions = 0
         self.finished: list[str] = []  # requests ended since the worker last took them (to free sampler state)
+        self.ended_in_flight: list[Sequence] = []  # ended while a launched step holds them: blocks not yet freed
 
     # ---- requests in -------------------------------------------------------------------------------
 
@@ -111,7 +123,7 @@ class DecodeScheduler:
         self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
         seq.reported = True  # the prefill worker sent the first token with the route
         seq.token_ids.append(msg.token_id)
-        reason = self._finish_reason(seq, msg.token_id)
+        reason = self._finish_reason(seq, msg.token_id, len(seq.token_ids))
         if reason:
             self._finish(seq)
             return [RequestOutput(seq.request_id, seq.num_output, [], finish_reason=reason)]
@@ -121,63 +133,96 @@ class DecodeScheduler:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    def schedule(self) -> Step:
-        """Admit what fits, then build a step: one token per running sequence, prefill chunks with the rest of the budget."""
+    def schedule(self, ahead: bool = False) -> Step | None:
+        """Grow the running sequences by a token each, admit what fits, and fill the token budget with prefill chunks.
+        ahead: the step before is still on the device (async scheduling); returns None, changing nothing, where this
+        step must wait for its tokens: a sequence that would take one has penalties or a grammar (their state needs the
+        token on the host), or the running sequences need blocks the pool has not free (preempting waits for the
+        device)."""
+        if ahead and not self._can_run_ahead():
+            return None
         step = Step()
-        self._admit(step)
         budget = self.token_budget
         for seq in self._grow_running():
-            step.inputs.append(StepInput([seq.token_ids[-1]], seq.num_computed, self.blocks.block_table(seq.request_id)))
+            previous = seq.sample_index if seq.token_ids[-1] == PLACEHOLDER else -1
+            token = seq.token_ids[-1] if previous < 0 else 0
+            step.inputs.append(StepInput([token], seq.num_computed, self.blocks.table_array(seq.request_id),
+                                         previous=previous))
             step.seqs.append(seq)
             budget -= 1
+        self._admit(step)
         # Shortest remaining prefill first: a turn's append (its history cached) is not held behind another
         # request's long uncached prompt; a long prompt takes whatever budget the short ones leave, and waits only
         # while short prefills fill whole steps.
         chunks = pack(sorted(self.prefilling, key=lambda s: s.num_uncomputed), budget,
-                      lambda s: self.blocks.block_table(s.request_id), self.prefill_batch_tokens)
+                      lambda s: self.blocks.table_array(s.request_id), self.prefill_batch_tokens)
         step.inputs += chunks.inputs
         step.seqs += chunks.seqs
         step.started += chunks.started
         return step
 
+    def commit(self, step: Step) -> None:
+        """The step was launched: its tokens count as computed, each sampling sequence gets a placeholder for its
+        token, and a prompt's last chunk makes its sequence a running one. Idempotent."""
+        if step.committed:
+            return
+        step.committed = True
+        sampled = 0
+        for seq, inp in zip(step.seqs, step.inputs):
+            seq.num_computed += len(inp.token_ids)
+            seq.in_flight += 1
+            step.computed.append(seq.num_computed)
+            if inp.sample:
+                seq.sample_index, sampled = sampled, sampled + 1
+                step.placeholders.append(len(seq.token_ids))
+                seq.token_ids.append(PLACEHOLDER)
+                if seq.state is SeqState.PREFILLING:
+                    self.prefilling.remove(seq)
+                    seq.state = SeqState.RUNNING
+                    self.running.append(seq)
+
     def postprocess(self, step: Step, tokens: list[int | None], failed: dict[int, str] | None = None,
                     logprobs: list[TokenLogprobs | None] | None = None,
                     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
-        """Record the step's KV and sampled tokens (with their logprobs, where asked, and the prompt logprobs of the
-        inputs that asked, by position); returns the outputs for the API server. failed: the step's inputs (by
-        position) that raised in the engine, with why; their requests end with that error."""
+        """The step ran: record its KV and sampled tokens (with their logprobs, where asked, and the prompt logprobs of
+        the inputs that asked, by position); returns the outputs for the API server. failed: the step's inputs (by
+        position) that raised in the engine, with why; their requests end with that error. A sequence that ended
+        while the step ran gets nothing of it."""
+        self.commit(step)
         failed = failed or {}
         logprobs = logprobs or [None] * len(tokens)
         prompt_logprobs = prompt_logprobs or {}
         outputs = []
-        for pos, (seq, inp) in enumerate(zip(step.seqs, step.inputs)):
+        for pos, (seq, computed) in enumerate(zip(step.seqs, step.computed)):
+            seq.in_flight -= 1
+            if seq.state is SeqState.FINISHED:
+                continue
             if pos in failed:
+                while seq.token_ids[-1] == PLACEHOLDER:  # no token of this step or a later one is the request's
+                    seq.token_ids.pop()
                 outputs.append(RequestOutput(seq.request_id, seq.num_output, [],
                                              error=f"the decode worker failed on this request ({failed[pos]})"))
                 self._finish(seq)
                 continue
             if pos in prompt_logprobs:
                 seq.prompt_logprobs += prompt_logprobs[pos]
-            seq.num_computed += len(inp.token_ids)
-            self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
-        for seq, token, lp in zip(step.sampling_seqs, tokens, logprobs, strict=True):
-            if token is None:
-                continue  # failed above
-            asked_prompt = seq.prompt_logprobs_asked
-            seq.token_ids.append(token)
-            out = RequestOutput(seq.request_id, seq.num_output - 1, [token], logprobs=None if lp is None else [lp])
+            self.blocks.cache_blocks(seq.request_id, seq.token_ids, computed)
+        for seq, at, token, lp in zip(step.sampling_seqs, step.placeholders, tokens, logprobs, strict=True):
+            if token is None or seq.state is SeqState.FINISHED:
+                continue  # failed above, or ended while the step ran
+            asked_prompt = seq.sampling.prompt_logprobs if at == seq.num_prompt else None  # its first pass's end
+            seq.token_ids[at] = token
+            out = RequestOutput(seq.request_id, at - seq.num_prompt, [token], logprobs=None if lp is None else [lp])
             if asked_prompt is not None:
                 out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
             if not seq.reported:
                 out.route, out.num_cached_tokens, seq.reported = seq.route, seq.num_cached, True
-            if seq.state is SeqState.PREFILLING:
-                self.prefilling.remove(seq)
-                seq.state = SeqState.RUNNING
-                self.running.append(seq)
-            out.finish_reason = self._finish_reason(seq, token)
+            out.finish_reason = self._finish_reason(seq, token, at + 1)
             if out.finish_reason:
+                del seq.token_ids[at + 1 :]  # a later step's placeholder: that step's token is not the request's
                 self._finish(seq)
             outputs.append(out)
+        self._free_ended()
         return outputs
 
     # ---- state -------------------------------------------------------------------------------------
@@ -224,6 +269,8 @@ class DecodeScheduler:
                 return
             if self.blocks.num_free_blocks < self._blocks_for(len(seq.token_ids) + 1) + self.watermark and self.running:
                 return
+            if seq.request_id in self.blocks:  # the same id's earlier request keeps its blocks until its step is done
+                return
             # A cached prefix has no logits: a request for prompt logprobs computes its whole prompt.
             cached = self.blocks.allocate(seq.request_id, seq.token_ids, num_extra_slots=1,
                                           use_cache=seq.prompt_logprobs_asked is None, hashes=seq.block_hashes)
@@ -246,10 +293,33 @@ class DecodeScheduler:
                 step.jobs.append(PrefillJob(seq.request_id, list(seq.token_ids), cached,
                                             self.blocks.block_table(seq.request_id), seq.sampling, seq.num_output))
 
+    def _can_run_ahead(self) -> bool:
+        """Whether the next step can be built while the one before is on the device (schedule's `ahead`)."""
+        needed = 0
+        for seq in self.running:
+            if seq.token_ids[-1] != PLACEHOLDER:
+                needed += self._blocks_for(len(seq.token_ids)) - len(self.blocks.table_array(seq.request_id))
+            elif self._ends_by_length(seq):
+                continue
+            elif seq.sampling.penalized or seq.sampling.guided is not None:
+                return False
+            else:
+                needed += self._blocks_for(len(seq.token_ids)) - len(self.blocks.table_array(seq.request_id))
+        return needed <= self.blocks.num_free_blocks
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token a step on the device samples for seq (its last placeholder) ends it, whatever it is."""
+        return seq.token_ids[-1] == PLACEHOLDER and self._length_done(seq, len(seq.token_ids))
+
+    def _length_done(self, seq: Sequence, length: int) -> bool:
+        return length - seq.num_prompt >= seq.sampling.max_tokens or length >= self.max_model_len
+
     def _grow_running(self) -> list[Sequence]:
-        """Running sequences that have a slot for their next token, preempting the newest ones when blocks run out."""
+        """Running sequences that have a slot for their next token, preempting the newest ones when blocks run out
+        (never one a launched step holds: schedule(ahead) has checked that none is needed); a sequence whose token on
+        the device ends it by length has no next token."""
         ready = []
-        queue = deque(self.running)
+        queue = deque(s for s in self.running if not self._ends_by_length(s))
         while queue:
             seq = queue.popleft()
             while not self.blocks.ensure_capacity(seq.request_id, len(seq.token_ids)):
@@ -262,30 +332,47 @@ class DecodeScheduler:
         return ready
 
     def _preempt(self, seq: Sequence) -> None:
+        assert seq.in_flight == 0, "preempting a sequence a launched step holds"
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
         seq.state, seq.num_computed = SeqState.WAITING, 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Why seq ends with token as its length-th token (None: it goes on)."""
         sp = seq.sampling
         if (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids:
             return "stop"
-        if seq.num_output >= sp.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if self._length_done(seq, length):
             return "length"
         return None
 
     def _finish(self, seq: Sequence) -> None:
-        """Forget a finished or aborted sequence and release its blocks."""
+        """Forget a finished or aborted sequence and release its blocks (once no launched step holds it)."""
         if seq.state is SeqState.WAITING:
             self.waiting.remove(seq)
         elif seq.state is SeqState.PREFILLING:
             self.prefilling.remove(seq)
         elif seq.state is SeqState.RUNNING:
             self.running.remove(seq)
+        seq.state = SeqState.FINISHED
         self.remote.pop(seq.request_id, None)
-        if seq.request_id in self.blocks:
+        if seq.in_flight:
+            self.ended_in_flight.append(seq)
+        elif seq.request_id in self.blocks:
             self.blocks.free(seq.request_id)
         del self.by_id[seq.request_id]
         self.finished.append(seq.request_id)
+
+    def _free_ended(self) -> None:
+        """Free the blocks of sequences that ended while a step held them, once no launched step does."""
+        if not self.ended_in_flight:
+            return
+        held = []
+        for seq in self.ended_in_flight:
+            if seq.in_flight:
+                held.append(seq)
+            elif seq.request_id in self.blocks:
+                self.blocks.free(seq.request_id)
+        self.ended_in_flight = held

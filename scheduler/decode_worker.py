@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -24,7 +25,7 @@ import torch
 import zmq
 
 from engine.block_manager import BlockManager
-from engine.engine import Engine, device_info
+from engine.engine import Engine, Launched, device_info
 from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, offset_endpoint
 from engine.memory_plan import StartupError
 from engine.model_runner import StepInput
@@ -37,7 +38,7 @@ from partition.manager import ShareManager, Split
 from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from profiles import unit_device_name
 from scheduler.config import UnitConfig
-from scheduler.decode_scheduler import DecodeScheduler
+from scheduler.decode_scheduler import DecodeScheduler, Step
 from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
                                 PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput,
                                 WorkerReady)
@@ -78,6 +79,15 @@ class StepTimes:
             self.decode_step_ms = ema(self.decode_step_ms, ms)
         elif 0.0 < self.decode_step_ms < ms:
             self.inline_tokens_per_s = ema(self.inline_tokens_per_s, prefill_tokens / ((ms - self.decode_step_ms) / 1000))
+
+
+@dataclass
+class InFlight:
+    """A step launched on the device whose results the worker has not taken yet."""
+
+    step: Step
+    launched: Launched
+    started: float  # perf_counter() at its launch
 
 
 class DecodeWorker:
@@ -132,6 +142,13 @@ class DecodeWorker:
         if self.partition_problem:
             log.error("partition %s: %s", cfg.partition.backend, self.partition_problem)
         self.times = StepTimes()
+        # Async scheduling: the step on the device whose results are not taken yet, and the one launched after it.
+        self.async_scheduling = cfg.async_scheduling and not tp.enabled
+        if self.async_scheduling:
+            log.info("async scheduling on: each step is built while the one before runs")
+        self.in_flight: InFlight | None = None
+        self.latest: InFlight | None = None
+        self.last_done = 0.0
         self.last_stats = self.memory_read = 0.0
         self.memory_used = 0
         info = device_info(self.engine.device)
@@ -140,37 +157,87 @@ class DecodeWorker:
 
     def run(self) -> None:
         while True:
-            busy = self.scheduler.has_step_work
+            busy = self.scheduler.has_step_work or self.in_flight is not None
             began = time.perf_counter()
             self.receive(block=not busy)
             if not busy:  # the wait for work is no part of the loop's cost
                 began = time.perf_counter()
-            step = self.scheduler.schedule()
+            # Async scheduling: the next step is built while the one before runs on the device, unless it needs that
+            # one's tokens on the host first (DecodeScheduler.schedule).
+            step = self.scheduler.schedule(ahead=True) if self.in_flight is not None else None
+            if step is None:
+                self.complete()
+                step = self.scheduler.schedule()
             for job in step.jobs:
                 self.jobs.send(self.encode(job))
             if step.started:  # before the step: it may be a prefill longer than --max-queue-time-s
                 self.out.send(WorkerOutput(self.cfg.unit, started=step.started))
             if self.shares is not None:
                 self.rebalance()
-            step_s = 0.0
+            engine_s = 0.0
             if step.inputs:
-                seqs = step.sampling_seqs
-                started = time.perf_counter()
+                engine_s = self.launch(step)
+            engine_s += self.complete(keep_latest=True)
+            self.flush()
+            if step.inputs:
+                self.times.loop(engine_s, time.perf_counter() - began)
+
+    def launch(self, step: Step) -> float:
+        """Launch step on the device behind the one in flight (async scheduling), or run it whole; returns the seconds
+        spent in the engine. A launch that raises runs the step again the synchronous way, input by input where
+        needed (Engine.step_each), after the step in flight is done."""
+        started = time.perf_counter()
+        if self.async_scheduling:
+            previous = self.in_flight.launched if self.in_flight is not None else None
+            try:
                 with self.on_stream():
-                    sampled, failed = self.engine.step_each(step.inputs, seqs)
-                step_s = time.perf_counter() - started
-                if not failed:
-                    self.times.record(step.inputs, step_s)
-                self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs,
-                                                          sampled.prompt_logprobs)
-            for request_id in self.scheduler.finished:
-                self.engine.release(request_id)
-            self.scheduler.finished.clear()
-            self.send()
-            if self.kv_events is not None and (events := self.scheduler.blocks.take_events()):
-                self.kv_events.publish(events)
-            if step.inputs:
-                self.times.loop(step_s, time.perf_counter() - began)
+                    launched = self.engine.launch(step.inputs, step.sampling_seqs, previous)
+            except Exception as exc:  # noqa: BLE001 - the synchronous path below sorts it out, input by input
+                log.warning("launching a step of %d input(s) failed (%s: %s); running it again synchronously",
+                            len(step.inputs), type(exc).__name__, exc)
+                self.complete()
+                # Not committed: scheduling again gives the same step, its tokens now on the host.
+                step = self.scheduler.schedule()
+            else:
+                self.scheduler.commit(step)
+                self.latest = InFlight(step, launched, started)
+                return time.perf_counter() - started
+        with self.on_stream():
+            sampled, failed = self.engine.step_each(step.inputs, step.sampling_seqs)
+        seconds = time.perf_counter() - started
+        if not failed:
+            self.times.record(step.inputs, seconds)
+        self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs,
+                                                  sampled.prompt_logprobs)
+        return seconds
+
+    def complete(self, keep_latest: bool = False) -> float:
+        """Take the results of the step in flight (waiting for the device) for the outputs, and free what the steps
+        before held; keep_latest: the step launched last becomes the one in flight (else none is). Returns the
+        seconds spent waiting."""
+        waited = 0.0
+        if (flight := self.in_flight) is not None:
+            started = time.perf_counter()
+            sampled = flight.launched.result()  # a device fault raises here: the unit restarts (run_or_report)
+            done = time.perf_counter()
+            waited = done - started
+            # Its step time: from its launch, or from the end of the step before it when it was queued behind one.
+            self.times.record(flight.step.inputs, done - max(flight.started, self.last_done))
+            self.last_done = done
+            self.pending += self.scheduler.postprocess(flight.step, sampled.tokens, {}, sampled.logprobs,
+                                                      sampled.prompt_logprobs)
+        self.in_flight, self.latest = (self.latest if keep_latest else None), None
+        return waited
+
+    def flush(self) -> None:
+        """Each turn of the loop: forget the sampling state of ended requests, stream the outputs (and the stats, now
+        and then), publish the KV events."""
+        for request_id in self.scheduler.finished:
+            self.engine.release(request_id)
+        self.scheduler.finished.clear()
+        self.send()
+        if self.kv_events is not None and (events := self.scheduler.blocks.take_events()):
+            self.kv_events.publish(events)
 
     def receive(self, block: bool) -> None:
         """Take every message waiting; when idle, wait for one (waking up now and then to report stats)."""
@@ -216,8 +283,12 @@ class DecodeWorker:
 
     def use_split(self, split: Split) -> None:
         """Run the next decode steps on split's decode stream (WHOLE when the split overlaps), replaying the graphs
-        captured there."""
-        self.key = self.streams.key_for(None if split.shared else len(split.decode))
+        captured there; that stream first waits for what the old one has queued (a step in flight, whose tokens and
+        KV the next step reads)."""
+        key = self.streams.key_for(None if split.shared else len(split.decode))
+        if key != self.key and self.in_flight is not None:
+            self.streams.stream("decode", key).wait_stream(self.streams.stream("decode", self.key))
+        self.key = key
         self.engine.runner.use_graphs(self.key)
 
     def on_stream(self) -> Any:

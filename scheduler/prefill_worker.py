@@ -19,15 +19,18 @@ import os
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
-from engine.engine import Engine, device_info
+from engine.engine import Engine, Launched, device_info
 from engine.model_runner import StepInput
 from engine.parallel import SINGLE, FollowerLink, TensorParallel, follower_socket, init_tensor_parallel, receive
+from engine.sampler import Sampled
 from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits, graph_targets, on_stream
@@ -38,6 +41,16 @@ from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillRe
 from scheduler.worker_setup import ApiServers, ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
 
 log = logging.getLogger("ppd.prefill")
+
+
+@dataclass
+class InFlight:
+    """A pass launched on the device whose results the worker has not taken yet."""
+
+    inputs: list[StepInput]
+    active: list[Sequence]
+    launched: Launched
+    started: float  # perf_counter() at its launch
 
 
 class PrefillWorker:
@@ -67,37 +80,84 @@ class PrefillWorker:
             self.engine.lead(link)
         self.queue: deque[Sequence] = deque()
         self.tokens_per_s = 0.0
+        self.async_scheduling = cfg.async_scheduling and not tp.enabled
+        self.in_flight: InFlight | None = None  # async scheduling: the pass on the device whose results are not in
+        self.last_done = 0.0
         self.notify.send(self.encode(PrefillReady(os.getpid())))
         info = device_info(self.engine.device)
         self.out.send(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), info.name, info.total_memory)))
 
     def run(self) -> None:
         while True:
-            self.receive(block=not self.queue)
-            if not self.queue:
-                continue  # an abort for a job that had already finished
+            self.receive(block=not self.queue and self.in_flight is None)
             inputs, active, first = self.pack()
-            if first:  # before the pass: it may be a prefill longer than --max-queue-time-s
-                self.out.send(WorkerOutput(self.cfg.unit, started=first))
-            done = [a for a, i in zip(active, inputs) if i.sample]
-            started = time.perf_counter()
-            # The sampled ids come back to the host only after the whole step ran: the KV is then on the device,
-            # and the decode worker may read it once notified (Engine.step syncs even when nothing samples).
-            with self.on_stream():
-                sampled, failed = self.engine.step_each(inputs, done)
-            for a, i in zip(active, inputs):
-                a.num_computed += len(i.token_ids)
-            for pos, logprobs in sampled.prompt_logprobs.items():
-                active[pos].prompt_logprobs += logprobs
-            if not failed:
-                seconds = time.perf_counter() - started
-                self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
-            for pos, error in failed.items():
-                # Only this job ends; its blocks go back when the decode worker reads the PrefillDone.
+            launched = None
+            if inputs:
+                if first:  # before the pass: it may be a prefill longer than --max-queue-time-s
+                    self.out.send(WorkerOutput(self.cfg.unit, started=first))
+                launched = self.launch(inputs, active)
+            # Async scheduling: the step before ends here, after this one was queued behind it on the device.
+            self.complete()
+            self.in_flight = launched
+
+    def launch(self, inputs: list[StepInput], active: list[Sequence]) -> InFlight | None:
+        """Queue a forward pass behind the one in flight (async scheduling; returns it), or run it whole (None). A
+        launch that raises runs the pass again the synchronous way, after the one in flight."""
+        done = [a for a, i in zip(active, inputs) if i.sample]
+        started = time.perf_counter()
+        if self.async_scheduling:
+            try:
+                with self.on_stream():
+                    launched = self.engine.launch(inputs, done)
+            except Exception as exc:  # noqa: BLE001 - the synchronous path below sorts it out, input by input
+                log.warning("launching a pass of %d input(s) failed (%s: %s); running it again synchronously",
+                            len(inputs), type(exc).__name__, exc)
+                self.complete()
+                self.in_flight = None
+            else:
+                for a, i in zip(active, inputs):
+                    a.num_computed += len(i.token_ids)
+                return InFlight(inputs, active, launched, started)
+        # The sampled ids come back to the host only after the whole step ran: the KV is then on the device, and
+        # the decode worker may read it once notified (Engine.step waits even when nothing samples).
+        with self.on_stream():
+            sampled, failed = self.engine.step_each(inputs, done)
+        for a, i in zip(active, inputs):
+            a.num_computed += len(i.token_ids)
+        self.took(inputs, active, sampled, failed, started)
+        return None
+
+    def complete(self) -> None:
+        """Take the results of the pass in flight, once the device ran it: first tokens out, blocks handed back."""
+        if (flight := self.in_flight) is None:
+            return
+        self.in_flight = None
+        sampled = flight.launched.result()  # a device fault raises here: the unit restarts (run_or_report)
+        self.took(flight.inputs, flight.active, sampled, {}, flight.started)
+
+    def took(self, inputs: list[StepInput], active: list[Sequence], sampled: Sampled, failed: dict[int, str],
+             started: float) -> None:
+        """A pass's results, its KV on the device: prompt logprobs kept, the measured speed, failed jobs ended, first
+        tokens sent; jobs aborted while it ran handed back now."""
+        done_at = time.perf_counter()
+        for pos, logprobs in sampled.prompt_logprobs.items():
+            active[pos].prompt_logprobs += logprobs
+        if not failed:
+            seconds = done_at - max(started, self.last_done)
+            self.tokens_per_s = ema(self.tokens_per_s, sum(len(i.token_ids) for i in inputs) / seconds)
+        self.last_done = done_at
+        for pos, error in failed.items():
+            # Only this job ends; its blocks go back when the decode worker reads the PrefillDone.
+            if active[pos] in self.queue:
                 self.drop(active[pos])
-                self.notify.send(self.encode(PrefillDone(active[pos].request_id, None,
-                                                         f"the prefill worker failed on this request ({error})")))
-            self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs) if t is not None])
+            self.notify.send(self.encode(PrefillDone(active[pos].request_id, None,
+                                                     f"the prefill worker failed on this request ({error})")))
+        done = [a for a, i in zip(active, inputs) if i.sample]
+        self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs)
+                     if t is not None and not a.aborted])
+        for a in active:
+            if a.aborted:  # its abort came while the pass ran: its blocks are written now
+                self.notify.send(self.encode(PrefillDone(a.request_id, None)))
 
     def receive(self, block: bool) -> None:
         if block:
@@ -108,12 +168,15 @@ class PrefillWorker:
     def handle(self, msg: ToPrefill) -> None:
         if isinstance(msg, PrefillJob):
             self.queue.append(Sequence(msg.request_id, msg.token_ids, msg.num_prompt, msg.sampling,
-                                       block_table=msg.block_table, num_computed=msg.num_cached,
+                                       block_table=np.asarray(msg.block_table, np.int32), num_computed=msg.num_cached,
                                        num_cached=msg.num_cached))
             self.engine.prepare(msg.request_id, msg.sampling)
         elif isinstance(msg, SetShare):
-            # Between two forward passes: the next one runs on the new cores, or the new split's stream.
+            # Between two forward passes: the next one runs on the new cores, or the new split's stream (which waits
+            # for the pass in flight: a job's next chunk reads the KV of its last).
             if msg.split is not None:
+                if msg.split != self.key and self.in_flight is not None:
+                    self.streams.stream("prefill", msg.split).wait_stream(self.streams.stream("prefill", self.key))
                 self.key = msg.split
                 self.engine.runner.use_graphs(self.key)
             else:
@@ -122,7 +185,10 @@ class PrefillWorker:
             for job in self.queue:
                 if job.request_id == msg.request_id:
                     self.drop(job)
-                    self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
+                    if self.in_flight is not None and job in self.in_flight.active:
+                        job.aborted = True  # handed back once the pass in flight is done (took)
+                    else:
+                        self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
                     return
 
     def on_stream(self) -> Any:
@@ -131,7 +197,9 @@ class PrefillWorker:
     def pack(self) -> tuple[list[StepInput], list[Sequence], list[str]]:
         """The next forward pass: chunks of queued jobs, oldest first, up to the token budget; and the jobs whose first
         chunk it is."""
-        packed = pack(self.queue, self.cfg.engine.max_num_batched_tokens, lambda job: job.block_table)
+        # A job whose last chunk is in flight has nothing left to pack: it leaves the queue when that pass is done.
+        waiting = (job for job in self.queue if job.num_uncomputed)
+        packed = pack(waiting, self.cfg.engine.max_num_batched_tokens, lambda job: job.block_table)
         return packed.inputs, packed.seqs, packed.started
 
     def drop(self, job: Sequence) -> None:

@@ -13,9 +13,14 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.messages import Route
+
+
+PLACEHOLDER = -1  # a token sampled by a step still on the device (async scheduling): its id is not on the host yet
 
 
 class SeqState(enum.Enum):
@@ -23,9 +28,10 @@ class SeqState(enum.Enum):
     REMOTE = "remote"          # prefill running on the prefill worker
     PREFILLING = "prefilling"  # prefill running inline, chunk by chunk
     RUNNING = "running"        # decoding
+    FINISHED = "finished"      # ended; its blocks go back once no step on the device holds it
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: compared by identity (its block table is an array)
 class Sequence:
     request_id: str
     token_ids: list[int]       # prompt, then generated tokens
@@ -33,7 +39,7 @@ class Sequence:
     sampling: SamplingParams
     route_hint: Route | None = None
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the prompt's full blocks (the router's)
-    block_table: list[int] | None = None  # the prefill worker's: the blocks the decode worker allocated for it
+    block_table: np.ndarray | None = None  # the prefill worker's: the blocks the decode worker allocated for it
     state: SeqState = SeqState.WAITING
     num_computed: int = 0      # leading tokens whose KV is in the pool
     num_cached: int = 0        # prompt tokens the prefix cache served at first admission
@@ -42,6 +48,8 @@ class Sequence:
     started: bool = False      # a chunk of it has been in a step (inline), or the prefill worker said so
     reported: bool = False     # route and cached tokens already sent with an output
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the chunks so far, until the first token
+    in_flight: int = 0         # steps launched with it whose results are not taken yet
+    sample_index: int = -1     # its row among the sampled tokens of the latest step launched with it
 
     @property
     def prompt_logprobs_asked(self) -> int | None:

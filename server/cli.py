@@ -98,6 +98,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
                    help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="build each worker's next step while the one before runs on the device, its tokens taken "
+                        "there (default: on a GPU; off on the CPU, whose steps run on the host, and under "
+                        "--tensor-parallel-size above 1); a step whose sequences have penalties or a grammar waits "
+                        "for the tokens before it")
     p.add_argument("--max-graph-tokens", type=int, default=DEFAULT_GRAPH_TOKENS, metavar="N",
                    help=f"steps of up to N new tokens (prefills, append-prefills, decodes beside them) replay CUDA "
                         f"graphs captured at token buckets; larger steps, and steps with prompt logprobs, run eagerly "

@@ -209,6 +209,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                         gpu=gpu, partition=part, share_manager=share_manager,
                         partition_profile=profile,
                         itl_slo_ms=args.itl_slo_ms, prefill_batch_tokens=args.prefill_batch_tokens,
+                        async_scheduling=async_scheduling_on(args.async_scheduling, device, tp),
                         log_level=args.log_level, stub_step_ms=args.stub_engine, api_servers=args.api_server_count,
                         kv_events=kv_events, hash_algo=args.prefix_caching_hash_algo)
              for u, (gpu, part) in enumerate(zip(unit_gpus, parts))]
@@ -397,6 +398,17 @@ def partition_profile_for(args: argparse.Namespace, device: str, model_path: str
     if device != "cpu":
         return None  # the decode worker looks for its GPU's shipped profile (the name is known once CUDA is up there)
     return shipped_profile(cpu_device_name(), model_path)
+
+
+def async_scheduling_on(asked: bool | None, device: str, tp: int) -> bool:
+    """--async-scheduling: on a GPU by default; never under tensor parallelism (rank 0 alone holds the sampled tokens
+    the next step takes, so its followers could not run it); on the CPU only when asked (a step there runs on the
+    host, so building the next one beside it gains nothing, and a step's tokens would reach the client a step late)."""
+    if tp > 1:
+        if asked:
+            log.warning("--async-scheduling is off under --tensor-parallel-size %d: only rank 0 samples", tp)
+        return False
+    return device.startswith("cuda") if asked is None else asked
 
 
 def remove_dead_leftovers(folders: tuple[Path, ...] = (Path(tempfile.gettempdir()), SHM_DIR)) -> list[Path]:

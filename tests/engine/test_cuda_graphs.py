@@ -9,6 +9,7 @@ captured and replayed (tests/engine/test_engine.py).
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,7 +123,19 @@ def test_padded_static_path_equals_the_eager_one(arch: str, tmp_path: Path) -> N
     # Mixed: sequence 1 decodes, 0 and 2 decode after their appends, 3 is a new prompt (bucket 16 then 16).
     mixed = step(seqs.inputs([3, 1, 0, 2], {1: nxt[1], **after}))  # the prompt first: decodes are moved ahead
     nxt = greedy([3, 1, 0, 2], mixed)
-    step(seqs.inputs([3, 1, 0, 2], nxt))  # four decodes: bucket 4, no padding
+    last = step(seqs.inputs([3, 1, 0, 2], nxt))  # four decodes: bucket 4, no padding
+    # Async scheduling: the next tokens are taken on the device from the step before's samples (here in another
+    # order than the step's), on the static path of a decode step and of a step beside a new prompt.
+    sampled = torch.tensor(last)
+    inputs = seqs.inputs([3, 1, 0, 2], greedy([3, 1, 0, 2], last))
+    ahead = [replace(inp, token_ids=[0], previous=k) for k, inp in enumerate(inputs)]
+    torch.testing.assert_close(static.forward(ahead[::-1], sampled), eager.forward(inputs[::-1]), rtol=1e-5, atol=1e-5)
+    seqs.cached = [n - 1 for n in seqs.cached]  # the same step again, beside a new prompt (writing the same KV)
+    inputs = seqs.inputs([3, 1, 0, 2])
+    ahead = [replace(inp, token_ids=[0], previous=k) for k, inp in enumerate(inputs)]
+    prompt = StepInput([rng.randrange(3, 320) for _ in range(5)], 0, [seqs.free.pop()])
+    torch.testing.assert_close(static.forward([prompt, *ahead], sampled), eager.forward([prompt, *inputs]),
+                               rtol=1e-5, atol=1e-5)
     assert used == ["tokens 64", "decode 4", "decode 4", "tokens 32", "tokens 16", "decode 4"]
     torch.testing.assert_close(static.kv_pool, eager.kv_pool, rtol=1e-5, atol=1e-5, equal_nan=True)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,25 @@ def run_together(engine: Engine, convs: list[Conversation], steps: int) -> None:
             c.tokens.append(t)
 
 
+def run_ahead(engine: Engine, convs: list[Conversation], steps: int) -> None:
+    """run_together with async scheduling: each step after the first is launched before the one before is taken,
+    its inputs' tokens taken on the device from that step's samples (StepInput.previous)."""
+    in_flight = None
+    for step in range(steps):
+        inputs = [c.next_input() for c in convs]
+        if step:  # every conversation's new token is the one the step in flight samples, in conversation order
+            inputs = [replace(inp, token_ids=[0], previous=k) for k, inp in enumerate(inputs)]
+        launched = engine.launch(inputs, [Row(GREEDY)] * len(convs), in_flight)
+        if in_flight is not None:
+            for c, t in zip(convs, in_flight.result().tokens):
+                c.tokens[-1] = t
+        for c in convs:
+            c.tokens.append(-1)  # the step's token, not on the host yet
+        in_flight = launched
+    for c, t in zip(convs, in_flight.result().tokens):
+        c.tokens[-1] = t
+
+
 def free_blocks(engine: Engine, seed: int = 0) -> list[int]:
     free = list(range(engine.num_kv_blocks))
     random.Random(seed).shuffle(free)  # tables are never contiguous
@@ -89,10 +109,10 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         convs = [Conversation(engine, free, p) for p in prompts]
         run = engine.runner.run
 
-        def poisoned(inputs: list[StepInput]):  # a fault that only the second conversation's inputs trigger
+        def poisoned(inputs: list[StepInput], previous=None):  # a fault only the second conversation's inputs trigger
             if any(i.block_table == convs[1].table for i in inputs):
                 raise ValueError("poisoned input")
-            return run(inputs)
+            return run(inputs, previous)
 
         engine.runner.run = poisoned
         sampled, failed = engine.step_each([c.next_input() for c in convs], [Row(GREEDY)] * 2)
@@ -103,12 +123,12 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         assert convs[0].tokens[len(prompts[0]):] == hf_greedy(folder, prompts[0], NEW_TOKENS)
         # Steps in which every input fails for a reason of its own request (a grammar the output left) say nothing
         # of the engine: it goes on.
-        engine.runner.run = lambda inputs: (_ for _ in ()).throw(GuidedError("output left the grammar"))
+        engine.runner.run = lambda inputs, previous=None: (_ for _ in ()).throw(GuidedError("output left the grammar"))
         inp = convs[0].next_input()
         for _ in range(MAX_FAILED_STEPS + 1):
             assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "GuidedError: output left the grammar"}
         # An engine on which everything fails is broken: after a few such steps it gives up (the worker restarts).
-        engine.runner.run = lambda inputs: (_ for _ in ()).throw(RuntimeError("device lost"))
+        engine.runner.run = lambda inputs, previous=None: (_ for _ in ()).throw(RuntimeError("device lost"))
         for _ in range(2):
             assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "RuntimeError: device lost"}
         with pytest.raises(RuntimeError, match="steps in a row failed"):
@@ -130,9 +150,9 @@ def test_a_failed_step_is_waited_for_before_the_next_step_and_the_return(tmp_pat
         events: list[str] = []
         run = engine.runner.run
 
-        def launched_then_failed(inputs: list[StepInput]):
+        def launched_then_failed(inputs: list[StepInput], previous=None):
             events.append(f"run {len(inputs)}")
-            result = run(inputs)
+            result = run(inputs, previous)
             if any(i.block_table == convs[1].table for i in inputs):
                 raise GuidedError("output left the grammar")
             return result
@@ -187,6 +207,33 @@ def test_prompt_logprobs_in_slices_beside_decodes_match_hf(tmp_path: Path) -> No
         release_name(engine.kv_handle)
 
 
+def check_run_ahead(engine: Engine, folder: Path) -> None:
+    """Steps launched ahead of the one before give the greedy ids of steps run one by one: decodes, then a turn's
+    append-prefill beside the others' decodes (its chunk's last token sampled, then taken on the device)."""
+    free = free_blocks(engine)
+    prompts = [random_ids(n, seed=s) for n, s in ((23, 1), (40, 2), (7, 3))]
+    convs = [Conversation(engine, free, p) for p in prompts]
+    run_ahead(engine, convs, NEW_TOKENS)
+    for conv, prompt in zip(convs, prompts):
+        assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
+    first = convs[0]
+    first.tokens += random_ids(19, seed=4)
+    turn2 = list(first.tokens)
+    run_ahead(engine, convs, NEW_TOKENS)
+    assert first.tokens[len(turn2):] == hf_greedy(folder, turn2, NEW_TOKENS)
+
+
+def test_steps_launched_ahead_take_their_tokens_on_the_device_and_match_hf(tmp_path: Path) -> None:
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = Engine.create(cfg, names("ahead"))
+    try:
+        check_run_ahead(engine, folder)
+    finally:
+        release_name(engine.weights_handle)
+        release_name(engine.kv_handle)
+
+
 # ---- on a GPU: the Triton backend and CUDA graphs against transformers (float32) --------------------------
 
 
@@ -233,6 +280,12 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
         # The prompts' step (70 tokens), every decode step, and the append beside two decodes (22 tokens).
         assert [(b.tokens, b.decode) for b in replayed] == ([(96, False)] + [(4, True)] * (NEW_TOKENS - 1)
                                                             + [(32, False)] + [(4, True)] * (NEW_TOKENS - 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_steps_launched_ahead_match_hf(tiny: Path, eager: bool) -> None:
+    check_run_ahead(cuda_engine(tiny, eager), tiny)
 
 
 @pytest.mark.gpu
