@@ -6,6 +6,7 @@ timed calls, random KV, the engine's shared memory released, and the --model/--d
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -76,17 +77,18 @@ def time_step(engine: Engine, inputs: list[StepInput], repeat: int, warmup: int 
         runner.graphs = saved
 
 
-def device_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True) -> float | None:
+def device_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True,
+              host_ms: float = 10.0) -> float | None:
     """The median time the greedy step keeps the device busy, host time out: the step is queued behind a sleeping
-    kernel long enough for the host to queue all of it before the device starts it, and timed by CUDA events from
-    the sleep's end to the tokens' copy. None off CUDA."""
+    kernel long enough for the host to queue all of it before the device starts it (twice host_ms, the step's host
+    time, and a millisecond), and timed by CUDA events from the sleep's end to the tokens' copy. None off CUDA."""
     if engine.device.type != "cuda":
         return None
     runner = engine.runner
     saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
     try:
         greedy_step(engine, inputs)  # warm
-        cycles = int(torch.cuda.get_device_properties(engine.device).clock_rate * 1e3 * 0.05)  # 50 ms
+        cycles = int(_sleep_cycles_per_ms() * (2 * host_ms + 1))
         times = []
         for _ in range(repeat):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,6 +102,17 @@ def device_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool
         return statistics.median(times)
     finally:
         runner.graphs = saved
+
+
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """torch.cuda._sleep's cycles per millisecond on this GPU, timed once."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    return 10**7 / start.elapsed_time(end)
 
 
 def pipelined_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True) -> float:

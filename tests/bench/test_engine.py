@@ -92,6 +92,26 @@ def test_floor_is_the_larger_of_bytes_and_flops(cache_dir: Path) -> None:
     assert bound == "compute" and ms > cost.weight_bytes / 100e9 * 1000
 
 
+def test_sequential_floor_adds_each_kernels_floor() -> None:
+    """Run kernel after kernel, a mixed step cannot hide the decodes' KV reads under the append's GEMMs: its
+    sequential floor is at least the overlap floor, equal to it where every kernel is memory-bound, and above it where
+    the GEMMs are compute-bound while attention reads KV."""
+    from bench.engine import Ceilings
+
+    cost = ModelCost.of(ModelConfig.from_folder(Path(__file__).parents[2] / "bench/models/llama-3.1-8b"),
+                        torch.bfloat16, 16)
+    ceil = Ceilings(copy_gbps=4000, matmul_tflops=800)
+    # One decode at 1K: every kernel memory-bound, the two floors the same bytes over the same bandwidth.
+    overlap, bound = cost.floor(ceil, 1, 1024, 1025, 1)
+    assert bound == "memory" and cost.sequential_floor(ceil, 1, 1, [(1024, 1025)]) == pytest.approx(overlap)
+    # 64 decodes at 1K beside 256 new tokens over 4K: GEMMs of 320 rows are compute-bound, the decodes' KV is not.
+    pairs = 64 * 1025 + 256 * 4096 + 256 * 257 // 2
+    overlap, bound = cost.floor(ceil, 320, 64 * 1024 + 4096, pairs, 65)
+    kv_ms = 64 * 1024 * cost.kv_bytes_per_token / 4000e9 * 1000
+    sequential = cost.sequential_floor(ceil, 320, 65, [(64 * 1024, 64 * 1025), (4096, pairs - 64 * 1025)])
+    assert bound == "compute" and sequential > overlap + 0.9 * kv_ms
+
+
 def test_rounds_report_medians_and_each_rounds_own_ratio() -> None:
     """A drifting machine: round 2 ran everything (its ceilings too) twice as slowly. Its ratios equal round 1's,
     and the merged ratio is that ratio, not the median time over the median floor of rounds that differ."""
