@@ -133,7 +133,7 @@ def pipelined_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: b
             launched = engine.launch(ahead, rows, launched)
         launched.result()
         times = []
-        for _ in range(max(repeat, 3)):
+        for _ in range(repeat):
             start = time.perf_counter()
             batch = [engine.launch(ahead, rows, launched)]
             for _ in range(4):

@@ -333,16 +333,29 @@ def test_a_call_whose_last_step_overruns_still_ends_packed_within_its_budget(tmp
     assert archive.exists()
 
 
-def test_the_planned_first_call_fits_its_budget(tmp_path: Path, capsys) -> None:
-    """The next window's first call (README, the GPU call table): its fixed steps' expected durations fit the default
-    budget, less the time to stop a step and to pack, and leave `policy` (resumable, last) at least 350 s."""
-    call = ["host", "tests-gpu:test_engine.py", "engine"]
-    steps = [s for name in call for s in plan(name, tmp_path, Mode(False))]
-    text, fits = describe(steps, gpu_check.DEFAULT_BUDGET_S)
-    assert fits, text
-    assert sum(s.expected_s for s in steps) + 350 <= gpu_check.steps_room_s(gpu_check.DEFAULT_BUDGET_S)
-    call.append("policy")
-    out = tmp_path / "out"
-    assert main(["--plan", str(out), *call]) == 0 and not out.exists()
-    assert ": fits" in capsys.readouterr().out
-    assert main(["--plan", "--budget", "120", str(out), *call]) == 1
+def planned_calls() -> list[list[str]]:
+    """The gpu_check.sh commands of docs/gpu.md's "Next on a GPU", as argument lists."""
+    import shlex
+
+    text = (Path(__file__).parents[2] / "docs" / "gpu.md").read_text()
+    section = text[text.index("**Next on a GPU.**"):text.index("### Tensor parallelism")]
+    return [shlex.split(line)[1:] for line in section.splitlines() if line.startswith("bench/gpu_check.sh")]
+
+
+def test_the_planned_calls_fit_the_window(tmp_path: Path, capsys) -> None:
+    """The next window's two commands, as docs/gpu.md writes them: each fits its budget; the first's fixed steps
+    leave `policy` (resumable, last) at least 250 s, the second (the same OUTDIR on the warm machine) checks greedy
+    ids first; with a machine start of 2 minutes both fit 15 minutes of device time."""
+    first, second = planned_calls()
+    device_s = 120
+    for argv in (first, second):
+        assert main(["--plan", *[a.replace("$OUT", str(tmp_path)) for a in argv]]) == 0
+        assert ": fits" in capsys.readouterr().out
+        budget = float(argv[argv.index("--budget") + 1]) if "--budget" in argv else gpu_check.DEFAULT_BUDGET_S
+        device_s += budget + gpu_check.WHEELS_S
+    assert device_s <= 15 * 60
+    steps = [s for name in first[first.index("/tmp/gc") + 1:-1] for s in plan(name, tmp_path, Mode(False))]
+    assert sum(s.expected_s for s in steps) + 250 <= gpu_check.steps_room_s(gpu_check.DEFAULT_BUDGET_S)
+    assert first[-1] == second[-1] == "policy" and second[second.index("/tmp/gc") + 1] == "tests-gpu:test_engine.py"
+    # A budget the fixed steps do not fit is refused by --plan.
+    assert main(["--plan", "--budget", "120", str(tmp_path / "out"), *first[first.index("/tmp/gc") + 1:]]) == 1
