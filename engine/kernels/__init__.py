@@ -1,8 +1,9 @@
 """Triton kernels of the GPU path: everything in a forward pass except the GEMMs, which go through torch (cuBLAS).
 
 - store_kv: write the step's new K/V into the paged cache (store_kv.py)
-- paged_attention: one causal attention kernel for prefill, append-prefill and decode over the paged cache, with
-  split-KV for small decode batches (attention.py; choose_num_splits and workspace_for size the split)
+- paged_attention: causal attention for prefill, append-prefill and decode over the paged cache, with split-KV for
+  small decode batches and appends over long cached prefixes (attention.py; choose_num_splits, choose_append_splits
+  and workspace_for size the split)
 - rms_norm, add_rms_norm, add_rms_norm_ (norm.py), apply_rope (rope.py), silu_and_mul (activation.py): fused
   elementwise ops; rope_store_kv (rope.py): RoPE and the KV store in one launch
 - plan_attention, launch_attention (attention.py): paged_attention split in two, so that a step plans its launch
@@ -13,7 +14,8 @@ TRITON_INTERPRET=1, which must be set before this package is imported (triton.ji
 """
 
 from engine.kernels.activation import silu_and_mul
-from engine.kernels.attention import choose_num_splits, launch_attention, paged_attention, plan_attention, workspace_for
+from engine.kernels.attention import (choose_append_splits, choose_num_splits, launch_attention, paged_attention,
+                                     plan_attention, workspace_for)
 from engine.kernels.norm import add_rms_norm, add_rms_norm_, rms_norm
 from engine.kernels.rope import apply_rope, rope_store_kv
 from engine.kernels.store_kv import store_kv
@@ -22,6 +24,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_",
     "apply_rope",
+    "choose_append_splits",
     "choose_num_splits",
     "launch_attention",
     "paged_attention",
