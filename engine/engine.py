@@ -404,9 +404,9 @@ def _warm_up(runner: ModelRunner, cfg: EngineConfig) -> None:
 
 
 def _warm_up_kernels(runner: ModelRunner) -> None:
-    """Compile each attention variant a request can select: every prefill tile height, alone and split over a
-    cached prefix of 1,024 keys; the append tile unsplit; every decode split count (tile heights, whether a grid
-    splits and the merge's split count are compile-time constants of the kernels)."""
+    """Compile each attention variant a request can select: every prefill tile height, alone, beside a decode (the
+    mixed launch) and split over a cached prefix of 1,024 keys; the append tile unsplit; every decode split count
+    (tile heights, whether a grid splits and the merge's split count are compile-time constants of the kernels)."""
     cfg = runner.model.cfg
     group = cfg.num_heads // cfg.num_kv_heads
     capacity = min(runner.kv_pool.shape[2] * runner.block_size, runner.max_model_len)
@@ -419,6 +419,7 @@ def _warm_up_kernels(runner: ModelRunner) -> None:
     for n in sorted(lengths):
         if n + 1 <= capacity:
             runner.forward([seq(n)])
+            runner.forward([seq(1, 1), seq(n)])
         if 1024 + n <= capacity:
             runner.forward([seq(n, 1024)])
     if 5 * 1024 <= capacity:  # an append of many query tiles: the append tile unsplit

@@ -8,7 +8,7 @@ the KV store, and the attention kernel: on its decode grid for the step's leadin
 small batches still fill the GPU; on its general grid, with the tile of the longest query, for the rest
 (prompts, append-prefills, chunks), where an append over a long cached prefix splits each query tile's KV the
 same way. A decode row beside a long append so costs what it costs in a decode step, not a tile of the append's
-height.
+height. A step with both runs the two grids as one launch (MIXED_LAUNCH "fused") or two ("sequential").
 
 For CUDA graphs the metadata lives in static buffers sized for the largest bucket: a captured graph reads them,
 and fill_graph_metadata rewrites them in place (through the same pinned staging) before each replay.
@@ -16,6 +16,7 @@ and fill_graph_metadata rewrites them in place (through the same pinned staging)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,10 +24,17 @@ from torch import Tensor
 
 from engine.attention.base import AttentionBackend, AttentionShape, GraphBucket, StepBatch
 from engine.kernels import (add_rms_norm_, apply_rope, choose_append_splits, choose_num_splits, launch_attention,
-                            plan_attention, rms_norm, rope_store_kv, silu_and_mul, store_kv, workspace_for)
+                            plan_attention, plan_mixed_attention, rms_norm, rope_store_kv, silu_and_mul, store_kv,
+                            workspace_for)
 from engine.kernels.attention import AttentionLaunch, default_config, general_programs
 from engine.kernels.launch import Launches
 from engine.staging import Staging
+
+# How a step with decodes and other sequences runs attention's two grids: "fused", one launch whose programs take
+# either role, or "sequential", the decode grid's launch then the general grid's. Read once, at import.
+MIXED_LAUNCH = os.environ.get("PPD_MIXED_ATTENTION", "fused")
+if MIXED_LAUNCH not in ("fused", "sequential"):
+    raise ValueError(f"PPD_MIXED_ATTENTION={MIXED_LAUNCH!r}: set it to 'fused' or 'sequential', or unset it")
 
 
 class TritonOps:
@@ -156,7 +164,7 @@ class TritonBackend(AttentionBackend):
 
     def _plan(self, meta: TritonMetadata, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> None:
         """The step's first layer: check the layout every layer shares, allocate its output, plan attention (one
-        launch per grid) for queries of q's strides."""
+        launch per grid, or one for both: MIXED_LAUNCH) for queries of q's strides."""
         t, h, d = q.shape
         hkv = self.shape.num_kv_heads
         assert (h, d) == (self.shape.num_heads, self.shape.head_dim) and q.stride(2) == 1
@@ -169,6 +177,12 @@ class TritonBackend(AttentionBackend):
         b, n = meta.seq_lens.shape[0], meta.num_decodes
         tile = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_splits=meta.general_splits,
                     workspace=meta.general_workspace)
+        if n and b > n and MIXED_LAUNCH == "fused":
+            mixed = plan_mixed_attention(t, h, d, b, q.dtype, num_decodes=n, decode_tokens=meta.decode_tokens,
+                                         decode_splits=meta.num_splits, decode_workspace=meta.workspace,
+                                         **tile, **common)
+            meta.attention = [(mixed, meta.query_start, meta.seq_lens, meta.block_tables)]
+            return
         meta.attention = []
         if n:  # its rows are the step's first decode_tokens tokens (a padding decode slot has none)
             decode = plan_attention(meta.decode_tokens, h, d, n, q.dtype, max_query_len=1,

@@ -1,5 +1,5 @@
 """Paged attention for mixed batches: one tile program for full prefill, append-prefill over a cached prefix and
-decode, launched on a decode grid or a general grid.
+decode, launched on a decode grid, a general grid, or both grids in one launch.
 
 Contract: new token j of sequence b (n_b = query_start[b+1] - query_start[b] new tokens) sits at absolute
 position seq_lens[b] - n_b + j and attends keys 0..that position, read from the paged cache through
@@ -16,6 +16,8 @@ Grids depend only on shapes and host ints, never on seq_lens values, so a captur
   sliced. num_splits > 1 (an append over a long cached prefix, whose few query tiles would leave SMs idle:
   choose_append_splits) splits each query tile's keys across programs.
 - decode (max_query_len == 1): (B, Hkv, num_splits); num_splits > 1 (choose_num_splits) splits each sequence's keys.
+- mixed (plan_mixed_attention): both grids in one launch, (B_decode x decode splits + (T // BLOCK_Q + B_general) x
+  splits, Hkv): the first programs take the decode role, the rest the general role, each with its own tile.
 A split takes an equal share of its tile's key tiles (counted on the device from seq_lens; past a short sequence's
 keys a split is empty) and writes a float32 partial output and log-sum-exp; a second kernel merges them.
 """
@@ -61,7 +63,8 @@ class AttentionConfig:
 # (bf16, head_dim 128) every entry fits without register spills.
 # An append's query tiles also split their keys (choose_append_splits: toward two programs per SM, at most
 # APPEND_MAX_SPLITS ways); the split counts are chosen from the tile's program count, so a new APPEND_CONFIG brings
-# its own.
+# its own. A mixed step's single launch runs its decode role on DECODE_CONFIG's tile with the general tile's warps
+# and stages.
 DECODE_CONFIG = AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3)
 PREFILL_CONFIGS = (
     AttentionConfig(block_m=16, tile_n=64, num_warps=4, num_stages=3),
@@ -126,8 +129,8 @@ def _attend_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, query_star
                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, DECODE: tl.constexpr,
                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Split `split` of num_splits of one tile of KV head program_id(1): sequence `program` (decode) or the
-    general grid's query tile `program`. With split_kv (num_splits > 1) it writes its partial output and
-    log-sum-exp (lse) instead of out, an empty split its lse (-inf) alone."""
+    general grid's query tile `program`. With split_kv (num_splits > 1; a constexpr where the launch fixes it) it
+    writes its partial output and log-sum-exp (lse) instead of out, an empty split its lse (-inf) alone."""
     kv_head = tl.program_id(1)
     if DECODE:
         seq = program
@@ -200,8 +203,9 @@ def _attend_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, query_star
 
 
 # A batch's size, its block-table width and its split counts change every step: specializing on them (== 1,
-# divisible by 16) would compile new variants on the request path for no gain. The kernel varies with whether it
-# splits (SPLIT_KV: the unsplit tile keeps no partials' code, nor their registers) but not with how many ways.
+# divisible by 16) would compile new variants on the request path for no gain. The one-grid kernel varies with
+# whether it splits (SPLIT_KV: the unsplit tile keeps no partials' code, nor their registers) but not with how many
+# ways; the mixed kernel with neither, its roles' partials float32 placeholders where they do not split.
 _VARYING = ["num_seqs", "num_splits", "stride_table", "stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"]
 
 
@@ -223,6 +227,43 @@ def _attention_kernel(
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kv_head, stride_table,
                  stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
                  G, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, DECODE, DOT_DTYPE, DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["num_decodes", "decode_splits", "stride_dpt", "stride_dph", "stride_dps", "stride_dlt",
+                               "stride_dlh", *_VARYING])
+def _mixed_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+    decode_out_ptr, decode_lse_ptr, part_out_ptr, part_lse_ptr,
+    num_decodes, decode_splits, num_seqs, num_splits, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kv_head, stride_table,
+    stride_dpt, stride_dph, stride_dps, stride_dlt, stride_dlh,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DECODE_BLOCK_M: tl.constexpr, DECODE_TILE_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The decode and the general grid in one launch: programs [0, num_decodes x decode_splits) of axis 0 take the
+    first num_decodes sequences (one token each; each sequence's splits adjacent), the rest the general grid's
+    query tiles over the num_seqs sequences after them (num_splits each, adjacent); axis 1 the KV heads."""
+    p = tl.program_id(0)
+    decode_programs = num_decodes * decode_splits
+    if p < decode_programs:
+        _attend_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, seq_lens_ptr,
+                     decode_out_ptr, decode_lse_ptr, p // decode_splits, p % decode_splits, decode_splits,
+                     decode_splits > 1, num_decodes, qk_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kv_head, stride_table,
+                     stride_dpt, stride_dph, stride_dps, stride_dlt, stride_dlh,
+                     G, HEAD_DIM, D_PAD, BLOCK_SIZE, DECODE_BLOCK_M, 1, DECODE_TILE_N, True, DOT_DTYPE, DOT_PRECISION)
+    else:
+        g = p - decode_programs
+        tables_ptr = block_tables_ptr + num_decodes.to(tl.int64) * stride_table
+        _attend_tile(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, query_start_ptr + num_decodes,
+                     seq_lens_ptr + num_decodes, part_out_ptr, part_lse_ptr,
+                     g // num_splits, g % num_splits, num_splits, num_splits > 1, num_seqs, qk_scale,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kv_head, stride_table,
+                     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+                     G, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_M, BLOCK_Q, TILE_N, False, DOT_DTYPE, DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["first_seq", "first_token"])
@@ -342,11 +383,13 @@ class Merge:
 
 @dataclass(frozen=True)
 class AttentionLaunch:
-    """What one step's attention launch shares across layers: its grid, scalar arguments, tile constants, split-KV
-    partials and their merge. Layers differ only in their q, out and cache tensors, of the strides planned here."""
+    """What one step's attention launch shares across layers: its kernel, grid, scalar arguments, tile constants,
+    split-KV partials and their merges. Layers differ only in their q, out and cache tensors, of the strides planned
+    here."""
 
+    kernel: triton.JITFunction
     grid: tuple[int, ...]
-    part: tuple[Tensor, Tensor]  # the kernel's partial outputs and log-sum-exps (placeholders: no split)
+    part: tuple[Tensor, ...]  # the kernel's partial outputs and log-sum-exps, a pair per grid (placeholders: no split)
     args: tuple  # the kernel's arguments after its tensors
     consts: Consts
     merges: tuple[Merge, ...] = ()
@@ -400,9 +443,43 @@ def plan_attention(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int
     if num_splits > 1:
         merges = (_merge(t - first_token, 0, first_token, num_splits, part, part_strides, out_strides, h, d),)
     return AttentionLaunch(
-        (b if decode else t // block_q + b, hkv, num_splits), part,
+        _attention_kernel, (b if decode else t // block_q + b, hkv, num_splits), part,
         (b, num_splits, scale * LOG2E, *q_strides, *out_strides, *cache_strides, table_stride, *part_strides),
         consts, merges)
+
+
+def plan_mixed_attention(num_tokens: int, num_heads: int, head_dim: int, num_seqs: int, dtype: torch.dtype, *,
+                         q_strides: tuple[int, int], out_strides: tuple[int, int], cache_strides: tuple[int, int],
+                         table_stride: int, num_kv_heads: int, block_size: int, scale: float, num_decodes: int,
+                         decode_tokens: int, decode_splits: int = 1,
+                         decode_workspace: tuple[Tensor, Tensor] | None = None, max_query_len: int,
+                         max_seq_len: int = 0, num_splits: int = 1, workspace: tuple[Tensor, Tensor] | None = None,
+                         config: AttentionConfig | None = None, device: torch.device | str = "cuda") -> AttentionLaunch:
+    """A mixed step's two grids in one launch (its kernel's programs take either role): sequences [0, num_decodes)
+    of one token at most, over the step's first decode_tokens rows, on the decode tile with decode_splits; the
+    other num_seqs - num_decodes on the general tile of max_query_len and max_seq_len (or config) with num_splits.
+    The launch runs with the general tile's warps and stages. Arguments otherwise as plan_attention's; the launch
+    takes the whole step's query_start, seq_lens and block tables."""
+    t, h, d, b, n, hkv = num_tokens, num_heads, head_dim, num_seqs, num_decodes, num_kv_heads
+    group = h // hkv
+    cfg = config or default_config(max_query_len, group, max_seq_len)
+    block_m, block_q = _tile_rows(cfg, group, False)
+    decode_m, _ = _tile_rows(DECODE_CONFIG, group, True)
+    decode_part, decode_strides = _partials(decode_workspace, decode_tokens, h, d, decode_splits, device)
+    part, part_strides = _partials(workspace, t, h, d, num_splits, device)
+    consts = Consts(**_shared_consts(group, d, block_size, dtype), DECODE_BLOCK_M=decode_m,
+                    DECODE_TILE_N=DECODE_CONFIG.tile_n, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    merges = []
+    if decode_splits > 1:
+        merges.append(_merge(decode_tokens, 0, 0, decode_splits, decode_part, decode_strides, out_strides, h, d))
+    if num_splits > 1:
+        merges.append(_merge(t - decode_tokens, n, decode_tokens, num_splits, part, part_strides, out_strides, h, d))
+    return AttentionLaunch(
+        _mixed_attention_kernel, (n * decode_splits + (t // block_q + b - n) * num_splits, hkv), (*decode_part, *part),
+        (n, decode_splits, b - n, num_splits, scale * LOG2E, *q_strides, *out_strides, *cache_strides, table_stride,
+         *decode_strides, *part_strides),
+        consts, tuple(merges))
 
 
 def launch_attention(launch: AttentionLaunch, out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -411,8 +488,8 @@ def launch_attention(launch: AttentionLaunch, out: Tensor, q: Tensor, k_cache: T
     """Run a planned attention: its tensors must have the shapes and strides it was planned with. launches: the
     step's (engine/kernels/launch.py)."""
     launches = launches or Launches()
-    launches(_attention_kernel, launch.grid, (out, q, k_cache, v_cache, block_tables, query_start, seq_lens,
-                                              *launch.part), launch.args, launch.consts)
+    launches(launch.kernel, launch.grid, (out, q, k_cache, v_cache, block_tables, query_start, seq_lens, *launch.part),
+             launch.args, launch.consts)
     for merge in launch.merges:
         launches(_merge_splits_kernel, merge.grid, (out, *merge.part, query_start), merge.args, merge.consts)
     return out

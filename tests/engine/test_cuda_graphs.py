@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.attention import triton_backend
 from engine.attention.base import GraphBucket
 from engine.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs, bucket_sizes, graph_buckets, token_bucket_sizes
 from engine.loader import load_model
@@ -78,16 +79,20 @@ class Seqs:
         return inputs
 
 
-# The four architectures, and llama with 1,024 positions, whose token buckets split their keys.
-STATIC_CASES = {arch: (arch, 256) for arch in ARCHS} | {"llama-1024": ("llama", 1024)}
+# The four architectures, two with each mixed launch (MIXED_LAUNCH), and llama with 1,024 positions, whose token
+# buckets split their keys.
+STATIC_CASES = {arch: (arch, 256, ("fused", "sequential")[i % 2]) for i, arch in enumerate(ARCHS)}
+STATIC_CASES["llama-1024"] = ("llama", 1024, "fused")
 
 
-@pytest.mark.parametrize(("arch", "positions"), STATIC_CASES.values(), ids=STATIC_CASES)
-def test_padded_static_path_equals_the_eager_one(arch: str, positions: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("arch", "positions", "mixed"), STATIC_CASES.values(), ids=STATIC_CASES)
+def test_padded_static_path_equals_the_eager_one(arch: str, positions: int, mixed: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-only, append-only and mixed steps through the padded static path give the eager path's logits and
     greedy ids, and write exactly the same KV (padding tokens write none: both pools start as NaN). With 1,024
     positions the token buckets are planned to split their general grid's keys 4 ways (the eager steps, over short
     contexts, do not): the splits past a short sequence's keys are empty."""
+    monkeypatch.setattr(triton_backend, "MIXED_LAUNCH", mixed)
     folder = write_tiny_model(tmp_path, arch, max_position_embeddings=positions)
     runners = []
     for graphs in (False, True):

@@ -1,7 +1,7 @@
 """The Triton backend's attention for a whole step (engine/attention/triton_backend.py): decodes on the decode grid
-and the other sequences on the general grid, each with the KV splits the backend chooses, eagerly and through the
-static buffers of a token bucket's graph, against the float64 reference (Triton's interpreter; outputs and
-workspaces start as NaN, unwritten cache slots are NaN)."""
+and the other sequences on the general grid, each with the KV splits the backend chooses, launched one after the
+other or in one launch (MIXED_LAUNCH), eagerly and through the static buffers of a token bucket's graph, against
+the float64 reference (Triton's interpreter; outputs and workspaces start as NaN, unwritten cache slots are NaN)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.attention import AttentionShape, StepBatch
+from engine.attention import AttentionShape, StepBatch, triton_backend
 from engine.attention.triton_backend import TritonBackend
 from engine.cuda_graphs import graph_buckets
 from tests.engine.kernels.test_attention import Batch, assert_close, make_batch, reference
@@ -46,21 +46,28 @@ def decodes(seqs: list[tuple[int, int]]) -> int:
 
 
 @pytest.mark.parametrize("name", STEPS)
-def test_a_mixed_step_matches_the_reference(name: str) -> None:
+def test_a_mixed_step_in_either_launch_matches_the_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     seqs, decode_splits, general_splits = STEPS[name]
     batch = make_batch(seqs, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
                        dtype=torch.float32, seed=len(name))
     step, k, v = step_of(batch, decodes(seqs))
-    backend = TritonBackend(SHAPE, torch.device("cpu"))
-    meta = backend.prepare(step)
-    assert (meta.num_splits, meta.general_splits) == (decode_splits, general_splits)
-    out = backend.forward(batch.q, k, v, batch.k_cache, batch.v_cache, meta, SCALE)
-    assert_close(out, reference(batch, SCALE))
+    outs = []
+    for mode in ("sequential", "fused"):
+        monkeypatch.setattr(triton_backend, "MIXED_LAUNCH", mode)
+        backend = TritonBackend(SHAPE, torch.device("cpu"))
+        meta = backend.prepare(step)
+        assert (meta.num_splits, meta.general_splits) == (decode_splits, general_splits)
+        out = backend.forward(batch.q, k, v, batch.k_cache, batch.v_cache, meta, SCALE)
+        assert_close(out, reference(batch, SCALE))
+        outs.append(out.clone())
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
 
 
-def test_a_mixed_step_through_a_token_buckets_static_buffers() -> None:
+@pytest.mark.parametrize("mode", ["sequential", "fused"])
+def test_a_mixed_step_through_a_token_buckets_static_buffers(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A token bucket is planned for the longest context (4 splits here) and holds the step padded: decode slots of
     no token, padding tokens on the general grid's spare slot (zeros), the general merge from row 0 on."""
+    monkeypatch.setattr(triton_backend, "MIXED_LAUNCH", mode)
     seqs = STEPS["both split"][0]
     batch = make_batch(seqs, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK,
                        dtype=torch.float32, seed=3)

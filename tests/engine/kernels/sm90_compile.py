@@ -6,7 +6,7 @@ per-block limit as it does when it loads a kernel on the GPU, and the launch its
 what Triton's interpreter (which runs the kernel tests) never sees: code or dot types the compiler rejects, and
 tiles too big for shared memory. Shapes are Llama-3.1-8B's, in bfloat16, float16 and float32; the attention
 configurations are every one the engine can choose, found by asking the engine (choose_num_splits, default_config,
-choose_append_splits, the CUDA-graph buckets) rather than listed here.
+choose_append_splits, the CUDA-graph buckets) rather than listed here, in either mixed launch (MIXED_LAUNCH).
 Compiled kernels land in Triton's cache, so a second run is quick.
 
 Run with TRITON_INTERPRET unset, in a process of its own (the stand-in driver stays active until exit):
@@ -39,6 +39,7 @@ from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 from triton.runtime.errors import OutOfResources
 
+from engine.attention import triton_backend
 from engine.attention.base import AttentionShape, GraphBucket, StepBatch
 from engine.attention.triton_backend import GraphBuffers, TritonBackend, TritonMetadata
 from engine.config import ModelConfig
@@ -217,16 +218,19 @@ class Model:
         assert meta.num_splits == splits, (meta.num_splits, splits)
         self.attention(meta, batch, self.positions(batch))
 
-    def graph_step(self, bucket: GraphBucket, splits: int = 1) -> None:
-        """A CUDA graph's step (its decode grid's splits in a decode bucket, else its general grid's): metadata and
-        workspace are views of the graphs' static buffers."""
+    def graph_step(self, bucket: GraphBucket, splits: int = 1, mixed: str = "fused") -> None:
+        """A CUDA graph's step (its decode grid's splits in a decode bucket, else its general grid's, and the mixed
+        launch of a token bucket, which has decode slots): metadata and workspace are views of the static buffers."""
+        triton_backend.MIXED_LAUNCH = mixed
         meta = self.backend.graph_view(self.graph_buffers, bucket)
         assert (meta.num_splits if bucket.decode else meta.general_splits) == splits, (meta, splits)
         self.attention(meta, bucket.tokens, torch.zeros(bucket.tokens, dtype=torch.int64))
 
-    def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig, splits: int = 1) -> None:
+    def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig, splits: int = 1,
+                mixed: str = "fused") -> None:
         """A step (decodes first, then prefills or appends) whose general tile default_config must pick as config,
-        split `splits` ways."""
+        split `splits` ways, the two grids launched as `mixed` says."""
+        triton_backend.MIXED_LAUNCH = mixed
         meta = self.backend.prepare(self.step(seqs))
         assert default_config(meta.max_query_len, self.h // self.hkv, meta.max_seq_len) == config
         assert meta.general_splits == splits, (meta.general_splits, splits)
@@ -312,7 +316,7 @@ def attention_cases(dt: str) -> list[Case]:
 
 def split_cases(dt: str) -> list[Case]:
     """Every (tile, split count > 1) of the general grid, each through the smallest step that gets it, with its
-    merge; each tile split beside a decode split."""
+    merge; each tile beside a decode, in one launch with neither grid split and with both, and in two launches."""
     appends = first_append_per_split()
     cases = [Case(f"attention append {dt} {tile(config)} splits={splits} ({new} new over {cached})",
                   f"split {dt} {config}", lambda n=new, c=cached, config=config, s=splits:
@@ -322,18 +326,21 @@ def split_cases(dt: str) -> list[Case]:
     for config in dict.fromkeys(c for c, _ in appends):
         splits = [s for c, s in appends if c == config]
         plain, split = appends[config, min(splits)], appends[config, max(splits)]
-        steps = [(whole_decode, plain, min(splits)), (split_decode, split, max(splits))]
-        for decode, (new, cached), s in steps:
-            cases.append(Case(f"attention mixed {dt} {tile(config)} splits={s} beside decode at {decode[0] + 1}",
-                              f"split {dt} {config}", lambda seqs=[decode, (cached, new)], config=config, s=s:
-                              model(dt).prefill(seqs, config, s)))
+        steps = [("fused", whole_decode, plain, min(splits)), ("fused", split_decode, split, max(splits)),
+                 ("sequential", split_decode, split, max(splits))]
+        for mixed, decode, (new, cached), s in steps:
+            cases.append(Case(f"attention mixed {dt} {tile(config)} splits={s} beside decode at {decode[0] + 1}, "
+                              f"{mixed}", f"split {dt} {config}",
+                              lambda m=mixed, seqs=[decode, (cached, new)], config=config, s=s:
+                              model(dt).prefill(seqs, config, s, m)))
     return cases
 
 
 def graph_cases(dt: str) -> list[Case]:
     """Steps replayed from CUDA graphs (the GPU's default path for steps up to max_graph_tokens): decode, one batch
-    bucket per split count; every (tile, split count) a token bucket is planned with, at its smallest bucket. Their
-    kernels differ from eager steps' only in pointer alignment (static buffers), so one dtype is enough."""
+    bucket per split count; every (tile, split count) a token bucket is planned with, at its smallest bucket, in
+    either mixed launch (a token bucket has decode slots). Their kernels differ from eager steps' only in pointer
+    alignment (static buffers), so one dtype is enough."""
     longest = math.ceil(LLAMA.max_position_embeddings / EngineConfig.block_size) * EngineConfig.block_size
     group, hkv = LLAMA.num_heads // LLAMA.num_kv_heads, LLAMA.num_kv_heads
     decode: dict[int, GraphBucket] = {}
@@ -347,9 +354,9 @@ def graph_cases(dt: str) -> list[Case]:
             tiles.setdefault((config, choose_append_splits(programs, bucket.max_query_len, longest, H100_SMS)), bucket)
     return ([Case(f"attention decode graph {dt} splits={splits} (batch {b.seqs})", f"graph {dt} {splits > 1}",
                   lambda b=b, s=splits: model(dt).graph_step(b, s)) for splits, b in sorted(decode.items())]
-            + [Case(f"attention step graph {dt} {b.tokens} tokens ({tile(config)}, splits={splits})",
-                    f"graph {dt} {config}", lambda b=b, s=splits: model(dt).graph_step(b, s))
-               for (config, splits), b in tiles.items()])
+            + [Case(f"attention step graph {dt} {b.tokens} tokens ({tile(config)}, splits={splits}, {mixed})",
+                    f"graph {dt} {config}", lambda b=b, s=splits, m=mixed: model(dt).graph_step(b, s, m))
+               for (config, splits), b in tiles.items() for mixed in ("fused", "sequential")])
 
 
 def elementwise_cases(dt: str) -> list[Case]:
@@ -445,8 +452,8 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 PARTS = {
     "default": "every case but float32-splits' (the default test suite)",
-    "float32-splits": "float32 attention split over its keys: minutes of FMA dots each to compile (the second test "
-                      "suite)",
+    "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: minutes of FMA dots "
+                      "each to compile (the second test suite)",
     "fast": "default's but float32 attention and CUDA-graph steps (a quick look while editing a kernel)",
     "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as the rest together, "
             "and bfloat16 steps replayed from CUDA graphs",

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from engine.kernels.attention import (APPEND_CONFIG, DECODE_CONFIG, PREFILL_CONFIGS, AttentionConfig,
                                      choose_append_splits, choose_num_splits, default_config, general_programs,
-                                     paged_attention, workspace_for)
+                                     launch_attention, paged_attention, plan_mixed_attention, workspace_for)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAD = (0, 0)  # a CUDA-graph padding row: seq_len 0, one query token
@@ -224,7 +224,7 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8, 1 << 20, max_splits=4) == 4
 
 
-# ---- split-KV on the general grid --------------------------------------------------------------------------------
+# ---- split-KV on the general grid, and both grids in one launch -------------------------------------------------
 
 # Cached prefixes of 0, under one 4-token block, under one 16-key tile, of exactly one tile, across tile and block
 # boundaries, of four tiles with the new tokens (one for each of 4 splits); a one-token sequence and a padding row
@@ -275,6 +275,54 @@ def test_choose_append_splits() -> None:
             n = choose_append_splits(general_programs(new, group, hkv, default_config(new, group, ctx)), new, ctx)
             assert n in (1, 2, 4) and (n == 1 or ctx // n >= 256), "a power of two, no split under 256 keys"
     assert choose_append_splits(programs, 256, 1 << 20, num_sms=16) == 1, "128 programs fill 16 SMs"
+
+
+def run_mixed(batch: Batch, num_decodes: int, *, decode_splits: int = 1, num_splits: int = 1,
+              decode_tokens: int | None = None, **kw: object) -> Tensor:
+    """Attention of batch, whose first num_decodes sequences add one token each, in one launch of both grids;
+    checked against the reference. decode_tokens: what the plan is told of the decodes' rows (a captured step's
+    plan: 0)."""
+    q, scale = batch.q, batch.q.shape[2] ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    t, h, d = q.shape
+    launch = plan_mixed_attention(
+        t, h, d, len(batch.seq_lens), q.dtype, q_strides=q.stride()[:2], out_strides=out.stride()[:2],
+        cache_strides=batch.k_cache.stride()[:2], table_stride=batch.block_tables.stride(0),
+        num_kv_heads=batch.k_cache.shape[1], block_size=batch.block_size, scale=scale, num_decodes=num_decodes,
+        decode_tokens=num_decodes if decode_tokens is None else decode_tokens, decode_splits=decode_splits,
+        max_query_len=batch.max_query_len, num_splits=num_splits, device=q.device,
+        decode_workspace=nan_workspace(num_decodes, h, d, decode_splits) if decode_splits > 1 else None,
+        workspace=nan_workspace(t, h, d, num_splits) if num_splits > 1 else None, **kw)
+    launch_attention(launch, out, q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start,
+                     batch.seq_lens)
+    assert_close(out, reference(batch, scale))
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "decode_splits", "num_splits"),
+                         [(4, 2, 1, 1), (8, 1, 4, 1), (4, 2, 1, 2), (8, 1, 2, 4)])
+def test_both_grids_in_one_launch(heads: int, kv_heads: int, decode_splits: int, num_splits: int) -> None:
+    """Decodes (one a padding row) on the decode role with their splits, the rest on the general role with its
+    own tile and splits, in one launch: the general role's sequences start at row 4 of q and slot 4."""
+    batch = make_batch([(300, 1), (5, 1), PAD, (64, 1)] + GENERAL, heads=heads, kv_heads=kv_heads, head_dim=16,
+                       block_size=4, dtype=torch.float32, seed=heads * 10 + decode_splits * num_splits)
+    run_mixed(batch, 4, decode_splits=decode_splits, num_splits=num_splits, config=SMALL)
+
+
+def test_the_general_merge_from_row_0_leaves_the_decodes_rows() -> None:
+    """As a token bucket's graph plans it, the general grid's merge covers every row and skips, on the device,
+    those before its first sequence's (the decodes', which it never wrote partials for)."""
+    batch = make_batch([(300, 1), (5, 1), PAD, (64, 1)] + GENERAL, heads=4, kv_heads=2, head_dim=16, block_size=4,
+                       dtype=torch.float32, seed=19)
+    run_mixed(batch, 4, num_splits=2, decode_tokens=0, config=SMALL)
+
+
+def test_both_grids_in_one_launch_with_the_append_tile() -> None:
+    batch = make_batch([(40, 1), (0, 1), (700, 60), (20, 3)], heads=8, kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.bfloat16, seed=17)
+    max_seq_len = max(batch.seq_lens.tolist()[2:])
+    assert default_config(batch.max_query_len, 4, max_seq_len) == APPEND_CONFIG
+    run_mixed(batch, 2, decode_splits=2, num_splits=2, max_seq_len=max_seq_len)
 
 
 # ---- GPU: Llama-3.1-8B shapes -----------------------------------------------------------------------------------

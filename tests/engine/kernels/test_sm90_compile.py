@@ -29,15 +29,15 @@ def compile_for_sm90(part: str) -> tuple[int, list[str], str]:
 
 def test_kernels_compile_for_sm90() -> None:
     """Every kernel and every configuration the engine can choose, in bfloat16, float16 and float32, eager and
-    through CUDA graphs' static buffers, but float32 attention split over its keys (below); most of the time goes
-    to float32 attention's FMA dots."""
+    through CUDA graphs' static buffers, but float32 attention split or in the mixed launch (below); most of the
+    time goes to float32 attention's FMA dots."""
     rc, not_ok, output = compile_for_sm90("default")
     assert rc == 0, "\n".join(not_ok) or output
 
 
 @pytest.mark.slow
-def test_float32_split_attention_compiles_for_sm90() -> None:
-    """float32 attention's split-KV variants: minutes of FMA dots on two cores."""
+def test_float32_split_and_mixed_attention_compile_for_sm90() -> None:
+    """float32 attention's split-KV and mixed-launch variants: several minutes of FMA dots on two cores."""
     rc, not_ok, output = compile_for_sm90("float32-splits")
     assert rc == 0, "\n".join(not_ok) or output
 
