@@ -59,8 +59,8 @@ class AttentionConfig:
 # the fastest for prompts of 512, 2,048 and 8,192 tokens (the 3 stages it had: 1.04-1.14x its time); for 256 new
 # tokens over 4,096 and 16,384 cached, 64 x 128 with 3 stages (128 x 64: 1.58-1.81x its time; at 256 new tokens
 # its 128-row tiles make 64 programs for 132 SMs). Between 4 and 17 keys per query the choice is unmeasured (a
-# long prompt's later chunks: 2,048 new over 6,144 cached is an append here). Compiled for sm_90
-# (bf16, head_dim 128) every entry fits without register spills.
+# long prompt's later chunks: 2,048 new over 6,144 cached is an append here). Compiled for sm_90 by Triton 3.9
+# (bf16, head_dim 128), only the append tile spills registers: a few dozen bytes, split or not, alone or mixed.
 # An append's query tiles also split their keys (choose_append_splits: toward two programs per SM, at most
 # APPEND_MAX_SPLITS ways); the split counts are chosen from the tile's program count, so a new APPEND_CONFIG brings
 # its own. A mixed step's single launch runs its decode role on DECODE_CONFIG's tile with the general tile's warps
