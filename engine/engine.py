@@ -434,19 +434,29 @@ def _warm_up(runner: ModelRunner, cfg: EngineConfig) -> None:
 
 
 def _warm_up_kernels(runner: ModelRunner) -> None:
-    """Compile each attention variant a request can select: every prefill tile height, every decode split count
-    (tile heights and split counts are compile-time constants of the kernel)."""
+    """Compile each attention variant a request can select: every prefill tile height, alone, beside a decode (the
+    mixed launch) and split over a cached prefix of 1,024 keys; the append tile unsplit; every decode split count
+    (tile heights, whether a grid splits and the merge's split count are compile-time constants of the kernels)."""
     cfg = runner.model.cfg
     group = cfg.num_heads // cfg.num_kv_heads
     capacity = min(runner.kv_pool.shape[2] * runner.block_size, runner.max_model_len)
     bs = runner.block_size
+
+    def seq(new: int, cached: int = 0) -> StepInput:
+        return StepInput([1] * new, cached, list(range(-(-(cached + new) // bs))))
+
     lengths = {max(2, rows // group) for rows in (16, 32, 64, 128)} | {128 // group + 1}
     for n in sorted(lengths):
-        if n <= capacity:
-            runner.forward([StepInput([1] * n, 0, list(range(-(-n // bs))))])
+        if n + 1 <= capacity:
+            runner.forward([seq(n)])
+            runner.forward([seq(1, 1), seq(n)])
+        if 1024 + n <= capacity:
+            runner.forward([seq(n, 1024)])
+    if 5 * 1024 <= capacity:  # an append of many query tiles: the append tile unsplit
+        runner.forward([seq(1024, 4 * 1024)])
     for context in (256, 512, 1024, 2048, 4096, 8192):
         if context + 1 <= capacity:
-            runner.forward([StepInput([1], context, list(range(-(-(context + 1) // bs))))])
+            runner.forward([seq(1, context)])
     torch.cuda.synchronize()
 
 

@@ -6,8 +6,9 @@ rotated-query and output buffers, which every later layer of the step reuses. A 
 the KV store, and the attention kernel: on its decode grid for the step's leading sequences of one new token
 (ModelRunner.make_batch puts them first), which may split each sequence's KV across programs (split-KV) so that
 small batches still fill the GPU; on its general grid, with the tile of the longest query, for the rest
-(prompts, append-prefills, chunks). A decode row beside a long append so costs what it costs in a decode step,
-not a tile of the append's height.
+(prompts, append-prefills, chunks), where an append over a long cached prefix splits each query tile's KV the
+same way. A decode row beside a long append so costs what it costs in a decode step, not a tile of the append's
+height. A step with both runs the two grids as one launch (MIXED_LAUNCH "fused") or two ("sequential").
 
 For CUDA graphs the metadata lives in static buffers sized for the largest bucket: a captured graph reads them,
 and fill_graph_metadata rewrites them in place (through the same pinned staging) before each replay.
@@ -15,17 +16,25 @@ and fill_graph_metadata rewrites them in place (through the same pinned staging)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engine.attention.base import AttentionBackend, AttentionShape, GraphBucket, StepBatch
-from engine.kernels import (add_rms_norm_, apply_rope, choose_num_splits, launch_attention, paged_attention,
-                            plan_attention, rms_norm, rope_store_kv, silu_and_mul, store_kv, workspace_for)
-from engine.kernels.attention import AttentionLaunch
+from engine.kernels import (add_rms_norm_, apply_rope, choose_append_splits, choose_num_splits, launch_attention,
+                            plan_attention, plan_mixed_attention, rms_norm, rope_store_kv, silu_and_mul, store_kv,
+                            workspace_for)
+from engine.kernels.attention import AttentionLaunch, default_config, general_programs
 from engine.kernels.launch import Launches
 from engine.staging import Staging
+
+# How a step with decodes and other sequences runs attention's two grids: "fused", one launch whose programs take
+# either role, or "sequential", the decode grid's launch then the general grid's. Read once, at import.
+MIXED_LAUNCH = os.environ.get("PPD_MIXED_ATTENTION", "fused")
+if MIXED_LAUNCH not in ("fused", "sequential"):
+    raise ValueError(f"PPD_MIXED_ATTENTION={MIXED_LAUNCH!r}: set it to 'fused' or 'sequential', or unset it")
 
 
 class TritonOps:
@@ -60,8 +69,10 @@ class TritonMetadata:
     decode_tokens: int     # the decode grid's rows: the step's first decode_tokens tokens
     max_query_len: int     # the general grid's longest query (its tile); 1 when every sequence is a decode
     num_splits: int        # the decode grid's KV splits
-    workspace: tuple[Tensor, Tensor] | None = None  # split-KV partials, preallocated for graphs
+    workspace: tuple[Tensor, Tensor] | None = None  # the decode grid's split-KV partials (graphs: static views)
     max_seq_len: int = 0   # the general grid's longest sequence, keys included (its tile: default_config)
+    general_splits: int = 1  # the general grid's KV splits per query tile
+    general_workspace: tuple[Tensor, Tensor] | None = None  # its split-KV partials, rows indexed by token
     # Set by the step's first layer and reused by the others (the model's dtype is not known to prepare):
     attention: list[tuple[AttentionLaunch, Tensor, Tensor, Tensor]] | None = None  # with query_start, seq_lens, tables
     q_rot: Tensor | None = None  # [T, H, D] rotated queries
@@ -74,8 +85,8 @@ class GraphBuffers:
 
     ints: Tensor                     # int32 [query_start (S+1) | seq_lens (S) | slots (T)]
     block_tables: Tensor             # int32 [S, max blocks per sequence]
-    workspace: Tensor                # flat float32 split-KV partials, viewed per decode bucket
-    splits: dict[GraphBucket, int]   # decode bucket -> the KV splits it is captured with
+    workspace: Tensor                # flat float32 split-KV partials, viewed per bucket
+    splits: dict[GraphBucket, int]   # bucket -> the KV splits of its decode grid (decode bucket) or general grid
     max_seqs: int                    # S: the most (padded) sequences of a bucket
     max_tokens: int                  # T: the most tokens of a bucket
 
@@ -102,69 +113,94 @@ class TritonBackend(AttentionBackend):
         host = self.staging.buffer(lay.size)
         lay.write(host, batch, d, t, decode_bucket=False)
         dev = self.staging.to_device()
-        splits, workspace = 1, None
+        s = self.shape
+        splits, workspace, general_splits, general_workspace = 1, None, 1, None
         if d:
-            splits = choose_num_splits(d, self.shape.num_kv_heads, max(batch.seq_lens[:d]), self.num_sms)
+            splits = choose_num_splits(d, s.num_kv_heads, max(batch.seq_lens[:d]), self.num_sms)
             if splits > 1:  # one workspace for all layers of the step
-                workspace = workspace_for(d, self.shape.num_heads, self.shape.head_dim, splits, self.device)
+                workspace = workspace_for(d, s.num_heads, s.head_dim, splits, self.device)
+        max_seq_len = max(batch.seq_lens[d:], default=0)
+        if n > d:
+            general_splits = self._general_splits(t - d, max_query_len, max_seq_len, self.num_sms)
+            if general_splits > 1:
+                general_workspace = workspace_for(t, s.num_heads, s.head_dim, general_splits, self.device)
         return TritonMetadata(
             slot_mapping=dev[lay.slots_at : lay.slots_at + t], query_start=dev[: lay.seqs + 1],
             seq_lens=dev[lay.lens_at : lay.lens_at + lay.seqs],
             block_tables=dev[lay.tables_at : lay.size].view(lay.seqs, lay.width), num_decodes=decodes,
             decode_tokens=d, max_query_len=max_query_len, num_splits=splits, workspace=workspace,
-            max_seq_len=max(batch.seq_lens[d:], default=0))
+            max_seq_len=max_seq_len, general_splits=general_splits, general_workspace=general_workspace)
+
+    def _general_splits(self, tokens: int, max_query_len: int, max_seq_len: int, num_sms: int) -> int:
+        """The general grid's KV splits over `tokens` tokens with the tile default_config gives it."""
+        s = self.shape
+        group = s.num_heads // s.num_kv_heads
+        programs = general_programs(tokens, group, s.num_kv_heads, default_config(max_query_len, group, max_seq_len))
+        return choose_append_splits(programs, max_query_len, max_seq_len, num_sms)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: TritonMetadata,
                 scale: float) -> Tensor:
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                               block_size=self.shape.block_size, scale=scale, max_query_len=meta.max_query_len,
-                               max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, workspace=meta.workspace)
+        if meta.attention is None:
+            self._plan(meta, q, k_cache, v_cache, scale)
+        return self._attend(meta, q, k_cache, v_cache)
 
     def rope_and_attend(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                         meta: TritonMetadata, scale: float, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        if meta.attention is None:
-            self._plan(meta, q, k, v, k_cache, v_cache, scale, cos)
-        launches = self.ops.launches
+        if meta.attention is None:  # the step's first layer
+            t, h, d = q.shape
+            assert k.shape == v.shape == (t, self.shape.num_kv_heads, d) and cos.shape[1] == d // 2
+            assert q.stride(2) == k.stride(2) == v.stride(2) == cos.stride(1) == 1, "last dims must be contiguous"
+            meta.q_rot = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+            self._plan(meta, meta.q_rot, k_cache, v_cache, scale)
         rope_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping, out=meta.q_rot,
-                      launches=launches)
+                      launches=self.ops.launches)
+        return self._attend(meta, meta.q_rot, k_cache, v_cache)
+
+    def _attend(self, meta: TritonMetadata, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
         for launch, query_start, seq_lens, tables in meta.attention:
-            launch_attention(launch, meta.out, meta.q_rot, k_cache, v_cache, tables, query_start, seq_lens, launches)
+            launch_attention(launch, meta.out, q, k_cache, v_cache, tables, query_start, seq_lens, self.ops.launches)
         return meta.out
 
-    def _plan(self, meta: TritonMetadata, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-              scale: float, cos: Tensor) -> None:
-        """The step's first layer: check the layout every layer shares, allocate the step's buffers, plan attention."""
+    def _plan(self, meta: TritonMetadata, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> None:
+        """The step's first layer: check the layout every layer shares, allocate its output, plan attention (one
+        launch per grid, or one for both: MIXED_LAUNCH) for queries of q's strides."""
         t, h, d = q.shape
         hkv = self.shape.num_kv_heads
-        assert (h, d) == (self.shape.num_heads, self.shape.head_dim) and k.shape == v.shape == (t, hkv, d)
-        assert q.stride(2) == k.stride(2) == v.stride(2) == cos.stride(1) == 1, "last dims must be contiguous"
+        assert (h, d) == (self.shape.num_heads, self.shape.head_dim) and q.stride(2) == 1
         assert k_cache.shape[1:] == (hkv, d) and k_cache.is_contiguous() and v_cache.stride() == k_cache.stride()
-        assert meta.block_tables.stride(1) == 1 and cos.shape[1] == d // 2
-        meta.q_rot = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+        assert meta.block_tables.stride(1) == 1
         meta.out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
-        common = dict(q_strides=(h * d, d), out_strides=(h * d, d), cache_strides=k_cache.stride()[:2],
+        common = dict(q_strides=q.stride()[:2], out_strides=(h * d, d), cache_strides=k_cache.stride()[:2],
                       table_stride=meta.block_tables.stride(0), num_kv_heads=hkv, block_size=self.shape.block_size,
                       scale=scale, device=q.device)
         b, n = meta.seq_lens.shape[0], meta.num_decodes
+        tile = dict(max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len, num_splits=meta.general_splits,
+                    workspace=meta.general_workspace)
+        if n and b > n and MIXED_LAUNCH == "fused":
+            mixed = plan_mixed_attention(t, h, d, b, q.dtype, num_decodes=n, decode_tokens=meta.decode_tokens,
+                                         decode_splits=meta.num_splits, decode_workspace=meta.workspace,
+                                         **tile, **common)
+            meta.attention = [(mixed, meta.query_start, meta.seq_lens, meta.block_tables)]
+            return
         meta.attention = []
         if n:  # its rows are the step's first decode_tokens tokens (a padding decode slot has none)
             decode = plan_attention(meta.decode_tokens, h, d, n, q.dtype, max_query_len=1,
                                     num_splits=meta.num_splits, workspace=meta.workspace, **common)
             meta.attention.append((decode, meta.query_start[: n + 1], meta.seq_lens[:n], meta.block_tables[:n]))
-        if b > n:
-            general = plan_attention(t, h, d, b - n, q.dtype, max_query_len=meta.max_query_len,
-                                     max_seq_len=meta.max_seq_len, **common)
+        if b > n:  # its rows follow the decodes' (a token bucket's graph: from row 0 on, see graph_view)
+            general = plan_attention(t, h, d, b - n, q.dtype, first_token=meta.decode_tokens, **tile, **common)
             meta.attention.append((general, meta.query_start[n:], meta.seq_lens[n:], meta.block_tables[n:]))
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
 
     def graph_metadata(self, buckets: list[GraphBucket], num_sms: int | None = None) -> GraphBuffers:
-        s, dev = self.shape, self.device
+        s, dev, sms = self.shape, self.device, num_sms or self.num_sms
         # Captured graphs assume the longest context: a short sequence's extra splits exit at once on the device.
-        splits = {bk: choose_num_splits(bk.seqs, s.num_kv_heads, s.max_blocks_per_seq * s.block_size,
-                                        num_sms or self.num_sms) for bk in buckets if bk.decode}
-        partials = max([bk.tokens * n for bk, n in splits.items()] + [0]) * s.num_heads
+        longest = s.max_blocks_per_seq * s.block_size
+        splits = {bk: choose_num_splits(bk.seqs, s.num_kv_heads, longest, sms) if bk.decode
+                  else self._general_splits(bk.tokens, bk.max_query_len, longest, sms) for bk in buckets}
+        partials = max([bk.tokens * n for bk, n in splits.items() if n > 1] + [0]) * s.num_heads
         lay = Layout.tight(max(sum(slots(bk)) for bk in buckets), 0, max(bk.tokens for bk in buckets), 0)
         # Until the first fill, no sequence has a token or a context and no token a KV slot: the capture's steps
         # read nothing and write nothing (a slot of 0 would be a store into the pool).
@@ -185,21 +221,26 @@ class TritonBackend(AttentionBackend):
     def graph_view(self, static: GraphBuffers, bucket: GraphBucket) -> TritonMetadata:
         self.ops.launches = Launches()
         s, lay = self.shape, self._graph_layout(static, bucket, 0)
-        n = static.splits.get(bucket, 1)
+        n = static.splits[bucket]
         workspace = None
         if n > 1:
             rows = bucket.tokens * s.num_heads * n
             out = static.workspace[: rows * s.head_dim].view(bucket.tokens, s.num_heads, n, s.head_dim)
             lse = static.workspace[rows * s.head_dim : rows * (s.head_dim + 1)].view(bucket.tokens, s.num_heads, n)
             workspace = (out, lse)
-        ints = static.ints
+        ints, decode = static.ints, bucket.decode
+        # A token bucket's decodes do not split: its decode rows' count is known only on the device, so its general
+        # grid merges from row 0 on (decode_tokens 0) and skips the rows before its first sequence's.
         return TritonMetadata(ints[lay.slots_at : lay.slots_at + bucket.tokens], ints[: lay.seqs + 1],
                               ints[lay.lens_at : lay.lens_at + lay.seqs], static.block_tables[: lay.seqs],
-                              num_decodes=lay.decodes, decode_tokens=lay.decodes if bucket.decode else 0,
-                              max_query_len=bucket.max_query_len, num_splits=n, workspace=workspace,
-                              # A token bucket keeps one tile, that of an append over the longest context: it
-                              # holds appends beside decodes; a short prompt of one pays little for it.
-                              max_seq_len=s.max_blocks_per_seq * s.block_size)
+                              num_decodes=lay.decodes, decode_tokens=lay.decodes if decode else 0,
+                              max_query_len=bucket.max_query_len, num_splits=n if decode else 1,
+                              workspace=workspace if decode else None,
+                              # A token bucket keeps one tile and split count, those of an append over the longest
+                              # context: it holds appends beside decodes; a short prompt's splits past its keys are
+                              # empty.
+                              max_seq_len=s.max_blocks_per_seq * s.block_size, general_splits=1 if decode else n,
+                              general_workspace=None if decode else workspace)
 
     def fill_graph_metadata(self, static: GraphBuffers, batch: StepBatch, bucket: GraphBucket) -> None:
         n = batch.num_seqs

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine.attention import triton_backend
 from engine.attention.base import GraphBucket
 from engine.cuda_graphs import MAX_GRAPH_TOKENS, StepGraphs, bucket_sizes, graph_buckets, token_bucket_sizes
 from engine.loader import load_model
@@ -80,11 +81,21 @@ class Seqs:
         return inputs
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_padded_static_path_equals_the_eager_one(arch: str, tmp_path: Path) -> None:
+# The four architectures, two with each mixed launch (MIXED_LAUNCH), and llama with 1,024 positions, whose token
+# buckets split their keys.
+STATIC_CASES = {arch: (arch, 256, ("fused", "sequential")[i % 2]) for i, arch in enumerate(ARCHS)}
+STATIC_CASES["llama-1024"] = ("llama", 1024, "fused")
+
+
+@pytest.mark.parametrize(("arch", "positions", "mixed"), STATIC_CASES.values(), ids=STATIC_CASES)
+def test_padded_static_path_equals_the_eager_one(arch: str, positions: int, mixed: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode-only, append-only and mixed steps through the padded static path give the eager path's logits and
-    greedy ids, and write exactly the same KV (padding tokens write none: both pools start as NaN)."""
-    folder = write_tiny_model(tmp_path, arch)
+    greedy ids, and write exactly the same KV (padding tokens write none: both pools start as NaN). With 1,024
+    positions the token buckets are planned to split their general grid's keys 4 ways (the eager steps, over short
+    contexts, do not): the splits past a short sequence's keys are empty."""
+    monkeypatch.setattr(triton_backend, "MIXED_LAUNCH", mixed)
+    folder = write_tiny_model(tmp_path, arch, max_position_embeddings=positions)
     runners = []
     for graphs in (False, True):
         model, cfg = load_model(folder)
@@ -92,6 +103,8 @@ def test_padded_static_path_equals_the_eager_one(arch: str, tmp_path: Path) -> N
         runner.graphs = eager_graphs(runner, max_batch=8, max_tokens=64) if graphs else None
         runners.append(runner)
     eager, static = runners
+    token_splits = {b.tokens: n for b, n in static.graphs.static.splits.items() if not b.decode}
+    assert token_splits == ({16: 4, 32: 4, 64: 4} if positions == 1024 else {16: 1, 32: 1, 64: 1})
     rng = random.Random(0)
     free = list(range(64))
     rng.shuffle(free)

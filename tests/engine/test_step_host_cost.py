@@ -2,11 +2,12 @@
 
 An eager step's host time was per layer (bench/results/nvidia-h200: about 0.45-0.5 ms a layer, 193 launches and
 259 allocations a step on Llama-3.1-8B). What a layer does now: five kernel launches (the two norms, RoPE fused with
-the KV store, attention, SiLU-and-multiply) beside its GEMMs, one more in a mixed step (attention's decode grid for
-its decodes, its general grid for the rest), and one allocation (SiLU-and-multiply's output): the rotated queries
-and attention's output are made once a step, by the first layer, and the residual stream is updated in place. The counts are taken as the
-difference between a 4-layer and a 2-layer model, so that what a step does once (its metadata, the logits) does
-not blur them.
+the KV store, attention, SiLU-and-multiply) beside its GEMMs, one more in a mixed step when attention's two grids
+launch one after the other (MIXED_LAUNCH "sequential": its decode grid for its decodes, its general grid for the
+rest; "fused" runs both in one launch), and one allocation (SiLU-and-multiply's output): the rotated queries
+and attention's output are made once a step, by the first layer, and the residual stream is updated in place. The
+counts are taken as the difference between a 4-layer and a 2-layer model, so that what a step does once (its
+metadata, the logits) does not blur them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from engine.attention import triton_backend
 from engine.loader import load_model
 from engine.model import kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
@@ -60,21 +62,22 @@ def step_counts(folder: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Counter,
         finally:
             allocations.in_kernel = False
 
-    monkeypatch.setattr(InterpretedFunction, "run", counted)
-    with allocations:
+    with monkeypatch.context() as patch, allocations:
+        patch.setattr(InterpretedFunction, "run", counted)
         runner.forward([StepInput([6] * 20, 0, [3, 4]), StepInput([8], 9, [2])])
-    monkeypatch.undo()
     return launches, allocations.count
 
 
+@pytest.mark.parametrize("mixed", ["fused", "sequential"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_an_eager_mixed_layer_launches_six_kernels_and_allocates_once(arch: str, tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_eager_mixed_layer_launches_five_or_six_kernels_and_allocates_once(arch: str, mixed: str, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_backend, "MIXED_LAUNCH", mixed)
     two, two_alloc = step_counts(write_tiny_model(tmp_path / "2", arch, num_hidden_layers=2), monkeypatch)
     four, four_alloc = step_counts(write_tiny_model(tmp_path / "4", arch, num_hidden_layers=4), monkeypatch)
     per_layer = {name: (four[name] - two[name]) / 2 for name in four}
-    expected = {"_rms_norm_kernel": 2.0, "_rope_store_kv_kernel": 1.0, "_attention_kernel": 2.0,
-                "_silu_and_mul_kernel": 1.0}
+    expected = {"_rms_norm_kernel": 2.0, "_rope_store_kv_kernel": 1.0, "_silu_and_mul_kernel": 1.0}
+    expected.update({"_mixed_attention_kernel": 1.0} if mixed == "fused" else {"_attention_kernel": 2.0})
     if arch == "qwen3":  # its per-head q and k norms: two launches more
         expected["_rms_norm_kernel"] = 4.0
     assert per_layer == expected

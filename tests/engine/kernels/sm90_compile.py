@@ -6,7 +6,8 @@ per-block limit as it does when it loads a kernel on the GPU, and the launch its
 what Triton's interpreter (which runs the kernel tests) never sees: code or dot types the compiler rejects, and
 tiles too big for shared memory. Shapes are Llama-3.1-8B's, in bfloat16, float16 and float32; the attention
 configurations are every one the engine can choose, found by asking the engine (choose_num_splits, default_config,
-the CUDA-graph buckets) rather than listed here. Compiled kernels land in Triton's cache, so a second run is quick.
+choose_append_splits, the CUDA-graph buckets) rather than listed here, in either mixed launch (MIXED_LAUNCH).
+Compiled kernels land in Triton's cache, so a second run is quick.
 
 Run with TRITON_INTERPRET unset, in a process of its own (the stand-in driver stays active until exit):
     env -u TRITON_INTERPRET python -m tests.engine.kernels.sm90_compile [--part PART] [--jobs N]
@@ -38,13 +39,14 @@ from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 from triton.runtime.errors import OutOfResources
 
+from engine.attention import triton_backend
 from engine.attention.base import AttentionShape, GraphBucket, StepBatch
 from engine.attention.triton_backend import GraphBuffers, TritonBackend, TritonMetadata
 from engine.config import ModelConfig
 from engine.cuda_graphs import graph_buckets
 from engine.engine import EngineConfig
-from engine.kernels.attention import (APPEND_CONFIG, PREFILL_CONFIGS, AttentionConfig, choose_num_splits, default_config,
-                                     paged_attention)
+from engine.kernels.attention import (APPEND_CONFIG, PREFILL_CONFIGS, AttentionConfig, choose_append_splits,
+                                     choose_num_splits, default_config, general_programs, paged_attention)
 from engine.kernels.rope import rope_store_kv
 from engine.kernels.store_kv import store_kv
 from partition.probe_kernels import BLOCK, SM_ID_BLOCK, _sm_ids_kernel, spin
@@ -180,15 +182,17 @@ class Model:
         return self.backend.graph_metadata(graph_buckets(EngineConfig.max_num_seqs, EngineConfig.max_graph_tokens))
 
     def step(self, seqs: list[tuple[int, int]]) -> StepBatch:
-        """A step over sequences of (cached, new) tokens, as the scheduler hands it to the model runner."""
+        """A step over sequences of (cached, new) tokens, as the scheduler hands it to the model runner (the
+        sequences of one new token first)."""
         starts = [0]
         for _, new in seqs:
             starts.append(starts[-1] + new)
+        decodes = next((i for i, (_, new) in enumerate(seqs) if new > 1), len(seqs))
         return StepBatch(
             token_ids=[0] * starts[-1], positions=[c + i for c, n in seqs for i in range(n)],
             slot_mapping=[0] * starts[-1], query_start=starts, seq_lens=[c + n for c, n in seqs],
             block_tables=[[0] * math.ceil((c + n) / self.block_size) for c, n in seqs],
-            sample_rows=[s - 1 for s in starts[1:]], block_size=self.block_size)
+            sample_rows=[s - 1 for s in starts[1:]], block_size=self.block_size, num_decodes=decodes)
 
     def qkv(self, t: int) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as engine/model.py has them: strided views of one fused qkv projection output."""
@@ -214,16 +218,22 @@ class Model:
         assert meta.num_splits == splits, (meta.num_splits, splits)
         self.attention(meta, batch, self.positions(batch))
 
-    def graph_step(self, bucket: GraphBucket, splits: int = 1) -> None:
-        """A CUDA graph's step: metadata and workspace are views of the graphs' static buffers."""
+    def graph_step(self, bucket: GraphBucket, splits: int = 1, mixed: str = "fused") -> None:
+        """A CUDA graph's step (its decode grid's splits in a decode bucket, else its general grid's, and the mixed
+        launch of a token bucket, which has decode slots): metadata and workspace are views of the static buffers."""
+        triton_backend.MIXED_LAUNCH = mixed
         meta = self.backend.graph_view(self.graph_buffers, bucket)
-        assert meta.num_splits == splits, (meta.num_splits, splits)
+        assert (meta.num_splits if bucket.decode else meta.general_splits) == splits, (meta, splits)
         self.attention(meta, bucket.tokens, torch.zeros(bucket.tokens, dtype=torch.int64))
 
-    def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig) -> None:
-        """A prefill step whose tile default_config must pick as config."""
+    def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig, splits: int = 1,
+                mixed: str = "fused") -> None:
+        """A step (decodes first, then prefills or appends) whose general tile default_config must pick as config,
+        split `splits` ways, the two grids launched as `mixed` says."""
+        triton_backend.MIXED_LAUNCH = mixed
         meta = self.backend.prepare(self.step(seqs))
         assert default_config(meta.max_query_len, self.h // self.hkv, meta.max_seq_len) == config
+        assert meta.general_splits == splits, (meta.general_splits, splits)
         t = sum(new for _, new in seqs)
         self.attention(meta, t, self.positions(t))
 
@@ -243,61 +253,110 @@ def model(dtype: str) -> Model:
 # ---- the cases ---------------------------------------------------------------------------------------------
 
 
+def contexts() -> list[int]:
+    """Context lengths from 1 to the model's longest, each about 5/4 of the one before."""
+    longest, found = LLAMA.max_position_embeddings, [1]
+    while found[-1] < longest:
+        found.append(min(found[-1] * 5 // 4 + 1, longest))
+    return found
+
+
 def first_batch_per_split() -> dict[int, tuple[int, int]]:
     """Every split count choose_num_splits returns for Llama-3.1-8B over batches 1..MAX_DECODE_BATCH and contexts
     up to the model's longest, each with the smallest (batch, context) that gets it."""
-    longest = LLAMA.max_position_embeddings
-    contexts = [1]
-    while contexts[-1] < longest:
-        contexts.append(min(contexts[-1] * 5 // 4 + 1, longest))
     found: dict[int, tuple[int, int]] = {}
     for batch in range(1, MAX_DECODE_BATCH + 1):
-        for context in contexts:
+        for context in contexts():
             found.setdefault(choose_num_splits(batch, LLAMA.num_kv_heads, context, H100_SMS), (batch, context))
     return dict(sorted(found.items()))
 
 
+def first_append_per_split() -> dict[tuple[AttentionConfig, int], tuple[int, int]]:
+    """Every (tile, split count) the general grid gets for one sequence of up to a full chunk of new tokens over a
+    cached prefix (none included), each with the smallest (new, cached) that gets it."""
+    group, hkv, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
+    news = set(range(2, 2 * PREFILL_CONFIGS[-1].block_m // group + 1)) | {2**k for k in range(chunk.bit_length())}
+    found: dict[tuple[AttentionConfig, int], tuple[int, int]] = {}
+    for new in sorted(news | {chunk}):
+        for cached in [0, *contexts()]:
+            if 2 <= new <= chunk and cached + new <= LLAMA.max_position_embeddings:
+                config = default_config(new, group, cached + new)
+                programs = general_programs(new, group, hkv, config)
+                found.setdefault((config, choose_append_splits(programs, new, cached + new, H100_SMS)), (new, cached))
+    return found
+
+
+def tile(config: AttentionConfig) -> str:
+    return f"tile {config.block_m}x{config.tile_n} warps {config.num_warps} stages {config.num_stages}"
+
+
 def attention_cases(dt: str) -> list[Case]:
-    """A full-chunk prompt, then the append tile and every entry of the prefill tile table, each through the shortest
-    append over a cached prefix that default_config gives it (an override where none does); then decode for every
-    split count the engine can choose, with the workspace prepare() allocates."""
+    """A full-chunk prompt; every tile of the general grid unsplit, each through the smallest step that gets it (an
+    override for a tile none gets); then decode for every split count the engine can choose, with the workspace
+    prepare() allocates."""
     group, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
     longest = default_config(chunk, group, chunk)
     cases = [Case(f"attention prefill {dt} {chunk}-token prompt", f"prefill {dt} {longest}",
                   lambda: model(dt).prefill([(0, chunk)], longest))]
-    for config in (APPEND_CONFIG, *reversed(PREFILL_CONFIGS)):
-        tile = f"tile {config.block_m}x{config.tile_n} warps {config.num_warps} stages {config.num_stages}"
-        new = next((n for n in range(2, chunk + 1) if default_config(n, group, CACHED_PREFIX + n) == config), None)
-        if new is None:  # an entry this model's batches never get: compile it anyway
-            cases.append(Case(f"attention prefill {dt} {tile} (override)", f"prefill {dt} {config}",
+    appends = first_append_per_split()
+    for (config, splits), (new, cached) in appends.items():
+        if splits == 1:
+            cases.append(Case(f"attention append {dt} {tile(config)} ({new} new over {cached})",
+                              f"prefill {dt} {config}", lambda n=new, c=cached, config=config:
+                              model(dt).prefill([(c, n)], config)))
+    for config in (APPEND_CONFIG, *PREFILL_CONFIGS):
+        if (config, 1) not in appends:  # an entry this model's batches never get unsplit: compile it anyway
+            cases.append(Case(f"attention prefill {dt} {tile(config)} (override)", f"prefill {dt} {config}",
                               lambda config=config: model(dt).prefill_with(config, chunk)))
-        else:
-            cases.append(Case(f"attention append {dt} {tile} ({new} new over {CACHED_PREFIX})",
-                              f"prefill {dt} {config}",
-                              lambda new=new, config=config: model(dt).prefill([(CACHED_PREFIX, new)], config)))
     for splits, (batch, context) in first_batch_per_split().items():
         cases.append(Case(f"attention decode {dt} splits={splits} (batch {batch}, context {context})",
-                          f"decode {dt} {splits}", lambda b=batch, c=context, s=splits: model(dt).decode(b, c, s)))
+                          f"decode {dt} {splits > 1}", lambda b=batch, c=context, s=splits: model(dt).decode(b, c, s)))
+    return cases
+
+
+def split_cases(dt: str) -> list[Case]:
+    """Every (tile, split count > 1) of the general grid, each through the smallest step that gets it, with its
+    merge; each tile beside a decode, in one launch with neither grid split and with both, and in two launches."""
+    appends = first_append_per_split()
+    cases = [Case(f"attention append {dt} {tile(config)} splits={splits} ({new} new over {cached})",
+                  f"split {dt} {config}", lambda n=new, c=cached, config=config, s=splits:
+                  model(dt).prefill([(c, n)], config, s))
+             for (config, splits), (new, cached) in appends.items() if splits > 1]
+    split_decode, whole_decode = (4095, 1), (15, 1)  # a decode of 16 splits, one of none (batch 1)
+    for config in dict.fromkeys(c for c, _ in appends):
+        splits = [s for c, s in appends if c == config]
+        plain, split = appends[config, min(splits)], appends[config, max(splits)]
+        steps = [("fused", whole_decode, plain, min(splits)), ("fused", split_decode, split, max(splits)),
+                 ("sequential", split_decode, split, max(splits))]
+        for mixed, decode, (new, cached), s in steps:
+            cases.append(Case(f"attention mixed {dt} {tile(config)} splits={s} beside decode at {decode[0] + 1}, "
+                              f"{mixed}", f"split {dt} {config}",
+                              lambda m=mixed, seqs=[decode, (cached, new)], config=config, s=s:
+                              model(dt).prefill(seqs, config, s, m)))
     return cases
 
 
 def graph_cases(dt: str) -> list[Case]:
     """Steps replayed from CUDA graphs (the GPU's default path for steps up to max_graph_tokens): decode, one batch
-    bucket per split count; every tile a token bucket is planned with, at its smallest bucket. Their kernels differ
-    from eager steps' only in pointer alignment (static buffers), so one dtype is enough."""
+    bucket per split count; every (tile, split count) a token bucket is planned with, at its smallest bucket, in
+    either mixed launch (a token bucket has decode slots). Their kernels differ from eager steps' only in pointer
+    alignment (static buffers), so one dtype is enough."""
     longest = math.ceil(LLAMA.max_position_embeddings / EngineConfig.block_size) * EngineConfig.block_size
-    group = LLAMA.num_heads // LLAMA.num_kv_heads
+    group, hkv = LLAMA.num_heads // LLAMA.num_kv_heads, LLAMA.num_kv_heads
     decode: dict[int, GraphBucket] = {}
-    tiles: dict[AttentionConfig, GraphBucket] = {}
+    tiles: dict[tuple[AttentionConfig, int], GraphBucket] = {}
     for bucket in graph_buckets(EngineConfig.max_num_seqs, EngineConfig.max_graph_tokens):
         if bucket.decode:  # graphs are captured for the longest context (TritonBackend)
-            decode.setdefault(choose_num_splits(bucket.seqs, LLAMA.num_kv_heads, longest, H100_SMS), bucket)
+            decode.setdefault(choose_num_splits(bucket.seqs, hkv, longest, H100_SMS), bucket)
         else:
-            tiles.setdefault(default_config(bucket.max_query_len, group, longest), bucket)
-    return ([Case(f"attention decode graph {dt} splits={splits} (batch {b.seqs})", f"graph {dt} {splits}",
+            config = default_config(bucket.max_query_len, group, longest)
+            programs = general_programs(bucket.tokens, group, hkv, config)
+            tiles.setdefault((config, choose_append_splits(programs, bucket.max_query_len, longest, H100_SMS)), bucket)
+    return ([Case(f"attention decode graph {dt} splits={splits} (batch {b.seqs})", f"graph {dt} {splits > 1}",
                   lambda b=b, s=splits: model(dt).graph_step(b, s)) for splits, b in sorted(decode.items())]
-            + [Case(f"attention step graph {dt} {b.tokens} tokens (tile {config.block_m}x{config.tile_n})",
-                    f"graph {dt} {config}", lambda b=b: model(dt).graph_step(b)) for config, b in tiles.items()])
+            + [Case(f"attention step graph {dt} {b.tokens} tokens ({tile(config)}, splits={splits}, {mixed})",
+                    f"graph {dt} {config}", lambda b=b, s=splits, m=mixed: model(dt).graph_step(b, s, m))
+               for (config, splits), b in tiles.items() for mixed in ("fused", "sequential")])
 
 
 def elementwise_cases(dt: str) -> list[Case]:
@@ -365,7 +424,6 @@ def relaunch_check(dt: str) -> None:
 
     for seqs in ([(CACHED_PREFIX, 1)] * 4, [(0, 64)], [(1, 1), (CACHED_PREFIX, 16)]):
         batch = m.step(seqs)
-        batch.num_decodes = sum(1 for _, new in seqs if new == 1)
         meta = m.backend.prepare(batch)
         t = len(batch.token_ids)
         q, k, v = m.qkv(t)
@@ -393,10 +451,12 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 
 PARTS = {
-    "all": "every case (the default test suite)",
-    "fast": "all but float32 attention and CUDA-graph steps (a quick look while editing a kernel)",
-    "slow": "float32 attention, whose FMA dots take several times as long to compile as the rest together, and "
-            "bfloat16 steps replayed from CUDA graphs",
+    "default": "every case but float32-splits' (the default test suite)",
+    "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: minutes of FMA dots "
+                      "each to compile (the second test suite)",
+    "fast": "default's but float32 attention and CUDA-graph steps (a quick look while editing a kernel)",
+    "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as the rest together, "
+            "and bfloat16 steps replayed from CUDA graphs",
     "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
 }
 
@@ -406,8 +466,10 @@ def cases(part: str) -> list[Case]:
     if part == "oversized":
         return [Case(f"attention prefill bfloat16 oversized {OVERSIZED}", "oversized",
                      lambda: model("bfloat16").prefill_with(OVERSIZED, 256))]
+    if part == "float32-splits":
+        return split_cases("float32")
     slow = attention_cases("float32") + graph_cases("bfloat16")
-    fast = [case for dt in ("bfloat16", "float16") for case in attention_cases(dt)]
+    fast = [case for dt in ("bfloat16", "float16") for case in split_cases(dt) + attention_cases(dt)]
     fast += [case for dt in DTYPES for case in elementwise_cases(dt)]
     fast.append(Case("relaunch bfloat16", "relaunch", lambda: relaunch_check("bfloat16")))
     fast.append(Case("probe spin float32", "probe", lambda: spin(torch.zeros(2 * BLOCK), 1000)))
@@ -452,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(f"  {name:18s} {text}" for name, text in PARTS.items()))
-    parser.add_argument("--part", choices=PARTS, default="all", help="which cases to compile (below)")
+    parser.add_argument("--part", choices=PARTS, default="default", help="which cases to compile (below)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

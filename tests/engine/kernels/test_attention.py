@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from engine.kernels.attention import (APPEND_CONFIG, DECODE_CONFIG, PREFILL_CONFIGS, AttentionConfig, choose_num_splits,
-                                     default_config, paged_attention, workspace_for)
+from engine.kernels.attention import (APPEND_CONFIG, DECODE_CONFIG, PREFILL_CONFIGS, AttentionConfig,
+                                     choose_append_splits, choose_num_splits, default_config, general_programs,
+                                     launch_attention, paged_attention, plan_mixed_attention, workspace_for)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAD = (0, 0)  # a CUDA-graph padding row: seq_len 0, one query token
@@ -221,6 +222,107 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(256, 8, 16384) == 1, "2048 programs already fill the GPU"
     assert choose_num_splits(1, 8, 100) == 1, "too short to split"
     assert choose_num_splits(1, 8, 1 << 20, max_splits=4) == 4
+
+
+# ---- split-KV on the general grid, and both grids in one launch -------------------------------------------------
+
+# Cached prefixes of 0, under one 4-token block, under one 16-key tile, of exactly one tile, across tile and block
+# boundaries, of four tiles with the new tokens (one for each of 4 splits); a one-token sequence and a padding row
+# on the general grid too.
+GENERAL = [(0, 9), (1, 3), (3, 1), (5, 17), PAD, (16, 2), (37, 5), (61, 3)]
+
+
+def nan_workspace(tokens: int, heads: int, head_dim: int, splits: int) -> tuple[Tensor, Tensor]:
+    """A workspace with more rows than the step, holding NaN: a partial the merge must not read shows up."""
+    part, lse = workspace_for(tokens + 5, heads, head_dim, splits, DEVICE)
+    return part.fill_(float("nan")), lse.fill_(float("nan"))
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "num_splits"),
+                         [(2, 2, 2), (2, 2, 4), (4, 2, 1), (4, 2, 4), (8, 2, 2), (8, 1, 4)],
+                         ids=["G1-2", "G1-4", "G2-1", "G2-4", "G4-2", "G8-4"])
+def test_general_grid_splits_match_the_reference(heads: int, kv_heads: int, num_splits: int) -> None:
+    """Split counts over GQA ratios; splits past a short sequence's keys (most of them, at 4 splits of a 16-key
+    tile) are empty, and a split may end before a row's first key (causal)."""
+    batch = make_batch(GENERAL, heads=heads, kv_heads=kv_heads, head_dim=16, block_size=4, dtype=torch.float32,
+                       seed=heads + num_splits)
+    run(batch, num_splits=num_splits, workspace=nan_workspace(len(batch.q), heads, 16, num_splits), config=SMALL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_general_grid_splits_with_the_append_tile(dtype: torch.dtype) -> None:
+    """The append tile (64 rows, 128-key steps) split 4 ways: 170 keys make two key tiles, so two splits are empty;
+    600 keys make five, split 2, 2, 1 and 0 (each split takes cdiv(tiles, splits))."""
+    batch = make_batch([(130, 40), (5, 1), (600, 33), PAD], heads=4, kv_heads=2, head_dim=16, block_size=16,
+                       dtype=dtype, seed=13)
+    max_seq_len = max(batch.seq_lens.tolist())
+    assert default_config(batch.max_query_len, 2, max_seq_len) == APPEND_CONFIG
+    run(batch, max_seq_len=max_seq_len, num_splits=4, workspace=nan_workspace(len(batch.q), 4, 16, 4))
+
+
+def test_choose_append_splits() -> None:
+    group, hkv = 4, 8  # Llama-3.1-8B
+    programs = general_programs(256, group, hkv, APPEND_CONFIG)
+    assert programs == 16 * 8, "256 tokens in 16-token tiles, for each KV head"
+    assert choose_append_splits(programs, 256, 256 + 4096) == 2, "136 programs for 132 SMs: toward 2 per SM"
+    big = AttentionConfig(block_m=128, tile_n=64, num_warps=8, num_stages=2)
+    assert choose_append_splits(general_programs(256, group, hkv, big), 256, 256 + 16384) == 4
+    assert choose_append_splits(1, 256, 1 << 20) == 4, "at most APPEND_MAX_SPLITS"
+    assert choose_append_splits(programs, 256, 1000) == 1, "a fresh prompt (under 4 keys per query) does not split"
+    assert choose_append_splits(8, 2, 300) == 1, "300 keys: too short to split"
+    for new in (2, 17, 64, 256, 2048):
+        for ctx in (new, 4 * new, 1000, 4096, 100_000):
+            n = choose_append_splits(general_programs(new, group, hkv, default_config(new, group, ctx)), new, ctx)
+            assert n in (1, 2, 4) and (n == 1 or ctx // n >= 256), "a power of two, no split under 256 keys"
+    assert choose_append_splits(programs, 256, 1 << 20, num_sms=16) == 1, "128 programs fill 16 SMs"
+
+
+def run_mixed(batch: Batch, num_decodes: int, *, decode_splits: int = 1, num_splits: int = 1,
+              decode_tokens: int | None = None, **kw: object) -> Tensor:
+    """Attention of batch, whose first num_decodes sequences add one token each, in one launch of both grids;
+    checked against the reference. decode_tokens: what the plan is told of the decodes' rows (a captured step's
+    plan: 0)."""
+    q, scale = batch.q, batch.q.shape[2] ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    t, h, d = q.shape
+    launch = plan_mixed_attention(
+        t, h, d, len(batch.seq_lens), q.dtype, q_strides=q.stride()[:2], out_strides=out.stride()[:2],
+        cache_strides=batch.k_cache.stride()[:2], table_stride=batch.block_tables.stride(0),
+        num_kv_heads=batch.k_cache.shape[1], block_size=batch.block_size, scale=scale, num_decodes=num_decodes,
+        decode_tokens=num_decodes if decode_tokens is None else decode_tokens, decode_splits=decode_splits,
+        max_query_len=batch.max_query_len, num_splits=num_splits, device=q.device,
+        decode_workspace=nan_workspace(num_decodes, h, d, decode_splits) if decode_splits > 1 else None,
+        workspace=nan_workspace(t, h, d, num_splits) if num_splits > 1 else None, **kw)
+    launch_attention(launch, out, q, batch.k_cache, batch.v_cache, batch.block_tables, batch.query_start,
+                     batch.seq_lens)
+    assert_close(out, reference(batch, scale))
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "decode_splits", "num_splits"),
+                         [(4, 2, 1, 1), (8, 1, 4, 1), (4, 2, 1, 2), (8, 1, 2, 4)])
+def test_both_grids_in_one_launch(heads: int, kv_heads: int, decode_splits: int, num_splits: int) -> None:
+    """Decodes (one a padding row) on the decode role with their splits, the rest on the general role with its
+    own tile and splits, in one launch: the general role's sequences start at row 4 of q and slot 4."""
+    batch = make_batch([(300, 1), (5, 1), PAD, (64, 1)] + GENERAL, heads=heads, kv_heads=kv_heads, head_dim=16,
+                       block_size=4, dtype=torch.float32, seed=heads * 10 + decode_splits * num_splits)
+    run_mixed(batch, 4, decode_splits=decode_splits, num_splits=num_splits, config=SMALL)
+
+
+def test_the_general_merge_from_row_0_leaves_the_decodes_rows() -> None:
+    """As a token bucket's graph plans it, the general grid's merge covers every row and skips, on the device,
+    those before its first sequence's (the decodes', which it never wrote partials for)."""
+    batch = make_batch([(300, 1), (5, 1), PAD, (64, 1)] + GENERAL, heads=4, kv_heads=2, head_dim=16, block_size=4,
+                       dtype=torch.float32, seed=19)
+    run_mixed(batch, 4, num_splits=2, decode_tokens=0, config=SMALL)
+
+
+def test_both_grids_in_one_launch_with_the_append_tile() -> None:
+    batch = make_batch([(40, 1), (0, 1), (700, 60), (20, 3)], heads=8, kv_heads=2, head_dim=32, block_size=16,
+                       dtype=torch.bfloat16, seed=17)
+    max_seq_len = max(batch.seq_lens.tolist()[2:])
+    assert default_config(batch.max_query_len, 4, max_seq_len) == APPEND_CONFIG
+    run_mixed(batch, 2, decode_splits=2, num_splits=2, max_seq_len=max_seq_len)
 
 
 # ---- GPU: Llama-3.1-8B shapes -----------------------------------------------------------------------------------
