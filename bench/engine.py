@@ -28,6 +28,7 @@ On a GPU the default model is Llama-3.1-8B's configuration with random weights
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from engine.attention import triton_backend
 from engine.config import ModelConfig, ModelError, resolve_dtype
 from engine.cpu_isa import has_native_bf16, isa
 from engine.demo import DEMO_MODEL, demo_model_path
@@ -327,10 +329,13 @@ def time_append(engine: Engine, cost: ModelCost, ceil: Ceilings, new: int, cache
 
 
 def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, context: int, new: int, cached: int,
-               graphs: bool, repeat: int) -> Point:
+               graphs: bool, repeat: int, launch: str | None = None) -> Point:
     """One step of `decodes` decodes at `context` and one append of `new` tokens over `cached`: its floor reads
-    the weights and all the KV of both, against the FLOPs of decodes + new tokens."""
+    the weights and all the KV of both, against the FLOPs of decodes + new tokens. launch: the Triton backend's
+    mixed launch it runs with, where not the default."""
     label = {"decodes": decodes, "context": context, "new": new, "cached": cached, "graphs": graphs}
+    if launch is not None:
+        label["launch"] = launch
     bs = engine.plan.block_size
     blocks = Blocks(engine.num_kv_blocks, bs)
     if (max(context + 1, new + cached) > engine.max_model_len
@@ -349,6 +354,16 @@ def time_mixed(engine: Engine, cost: ModelCost, ceil: Ceilings, decodes: int, co
                                            (cached, new * cached + new * (new + 1) // 2)])
     return Point("mixed", label, ms=ms, host_ms=host, floor_ms=floor, floor_bound=bound,
                  tokens_per_s=(decodes + new) / (ms / 1000), **extra)
+
+
+@contextlib.contextmanager
+def mixed_launch(mode: str):
+    """Within: the Triton backend plans a mixed step's attention as `mode` (fused or sequential)."""
+    saved, triton_backend.MIXED_LAUNCH = triton_backend.MIXED_LAUNCH, mode
+    try:
+        yield
+    finally:
+        triton_backend.MIXED_LAUNCH = saved
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -430,6 +445,13 @@ def run(model: str, device: torch.device, grid: Grid, dtype: str = "auto", quick
             for graphs in ways:
                 report.points.append(time_mixed(engine, cost, ceil, decodes, context, new, cached, graphs,
                                                 max(3, grid.repeat // 2)))
+            if engine.runner.backend.name == "triton":
+                # Graphs keep the launch they were captured with: the other one is timed eagerly (its device time
+                # says which launch is faster, the host's cost apart).
+                other = "sequential" if triton_backend.MIXED_LAUNCH == "fused" else "fused"
+                with mixed_launch(other):
+                    report.points.append(time_mixed(engine, cost, ceil, decodes, context, new, cached, False,
+                                                    max(3, grid.repeat // 2), launch=other))
         return report
     finally:
         release_engine(engine)

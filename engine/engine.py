@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, resolve_dtype
-from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS
+from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS, graph_buckets
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, StartupError, check_free_at_start,
                                 plan_from_measurement, plan_from_request)
@@ -482,10 +482,14 @@ def _measure(runner: ModelRunner, cfg: EngineConfig, weights: int, scratch: int,
     # Each set holds the largest captured step's activations (its own stream's blocks of the shared pool; its
     # decode KV-split partials are in the decode step's peak); all sets write one float32 logits buffer.
     logits = max(cfg.max_num_seqs, min(cfg.max_num_seqs, cfg.max_graph_tokens)) * runner.model.cfg.vocab_size * 4
-    graphs = 0 if cfg.enforce_eager else graph_sets * max(peaks) + logits
+    # Each set's static metadata (block tables for the longest context, the KV-split partials its buckets are
+    # captured with) is allocated outside the pool, beside it.
+    static = runner.backend.graph_metadata_bytes(graph_buckets(cfg.max_num_seqs, cfg.max_graph_tokens))
+    peer_static = runner.backend.graph_metadata_bytes(graph_buckets(cfg.max_num_seqs, cfg.max_graph_tokens, False))
+    graphs = 0 if cfg.enforce_eager else graph_sets * (max(peaks) + static) + logits
     # The prefill worker captures steps of up to max_graph_tokens tokens, a set per split stream as here: its own
     # pool and logits buffer.
-    peer_graphs = (graph_sets * peaks[-1] + logits if cfg.shares_device and cfg.max_graph_tokens
+    peer_graphs = (graph_sets * (peaks[-1] + peer_static) + logits if cfg.shares_device and cfg.max_graph_tokens
                    and not cfg.enforce_eager else 0)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()

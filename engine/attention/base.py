@@ -144,6 +144,10 @@ class AttentionBackend(ABC):
         on (a green-context share; None: the whole device), which sizes decode's KV splits."""
         raise NotImplementedError(f"the {self.name} attention backend does not support CUDA graphs")
 
+    def graph_metadata_bytes(self, buckets: list[GraphBucket], num_sms: int | None = None) -> int:
+        """What graph_metadata(buckets, num_sms) allocates, in bytes, allocating nothing (the memory plan's)."""
+        return 0
+
     def graph_view(self, static: Any, bucket: GraphBucket) -> Any:
         """The metadata a graph of bucket's shape is captured with: views of the static buffers."""
         raise NotImplementedError

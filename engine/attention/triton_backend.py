@@ -32,7 +32,8 @@ from engine.staging import Staging
 
 # How a step with decodes and other sequences runs attention's two grids: "fused", one launch whose programs take
 # either role, or "sequential", the decode grid's launch then the general grid's. Read once, at import.
-MIXED_LAUNCH = os.environ.get("PPD_MIXED_ATTENTION", "fused")
+# Sequential until a GPU has timed both (`ppd bench engine` times the other launch of its mixed step eagerly).
+MIXED_LAUNCH = os.environ.get("PPD_MIXED_ATTENTION", "sequential")
 if MIXED_LAUNCH not in ("fused", "sequential"):
     raise ValueError(f"PPD_MIXED_ATTENTION={MIXED_LAUNCH!r}: set it to 'fused' or 'sequential', or unset it")
 
@@ -194,14 +195,24 @@ class TritonBackend(AttentionBackend):
 
     # ---- CUDA graphs -------------------------------------------------------------------------------------
 
-    def graph_metadata(self, buckets: list[GraphBucket], num_sms: int | None = None) -> GraphBuffers:
-        s, dev, sms = self.shape, self.device, num_sms or self.num_sms
+    def _graph_sizes(self, buckets: list[GraphBucket], num_sms: int | None) -> tuple[dict, int, Layout]:
+        """Each bucket's KV splits, the split partials' rows, and the layout of the static int buffer."""
+        s, sms = self.shape, num_sms or self.num_sms
         # Captured graphs assume the longest context: a short sequence's extra splits exit at once on the device.
         longest = s.max_blocks_per_seq * s.block_size
         splits = {bk: choose_num_splits(bk.seqs, s.num_kv_heads, longest, sms) if bk.decode
                   else self._general_splits(bk.tokens, bk.max_query_len, longest, sms) for bk in buckets}
         partials = max([bk.tokens * n for bk, n in splits.items() if n > 1] + [0]) * s.num_heads
         lay = Layout.tight(max(sum(slots(bk)) for bk in buckets), 0, max(bk.tokens for bk in buckets), 0)
+        return splits, partials, lay
+
+    def graph_metadata_bytes(self, buckets: list[GraphBucket], num_sms: int | None = None) -> int:
+        _, partials, lay = self._graph_sizes(buckets, num_sms)
+        return 4 * (lay.size + lay.seqs * self.shape.max_blocks_per_seq + partials * (self.shape.head_dim + 1))
+
+    def graph_metadata(self, buckets: list[GraphBucket], num_sms: int | None = None) -> GraphBuffers:
+        s, dev = self.shape, self.device
+        splits, partials, lay = self._graph_sizes(buckets, num_sms)
         # Until the first fill, no sequence has a token or a context and no token a KV slot: the capture's steps
         # read nothing and write nothing (a slot of 0 would be a store into the pool).
         ints = torch.zeros(lay.size, dtype=torch.int32, device=dev)
