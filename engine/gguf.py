@@ -22,6 +22,7 @@ else is refused before a worker starts, naming what is supported.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -54,6 +55,9 @@ _IN_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layerno
              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
              "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors: config.json's rope scaling, not a weight (llama3_scaling)
+# In the cache key: a folder is reused only by the converter that wrote it. Raise it whenever what the folder holds
+# changes, so that a fixed converter writes its own folder rather than serve one an older one wrote.
+CONVERTER_VERSION = 2
 
 
 class GGUFError(ValueError):
@@ -105,11 +109,13 @@ def cache_root() -> Path:
 
 
 def model_folder(gguf_path: str | Path) -> Path:
-    """The model folder for a GGUF file, written into the cache on first use (checked first: GGUFError for an
-    architecture or a tensor type this server does not serve)."""
+    """The model folder for a GGUF file, written into the cache on first use by this converter (CONVERTER_VERSION)
+    and transformers' major version (which writes its config and tokenizer files); checked first: GGUFError for an
+    architecture or a tensor type this server does not serve."""
     gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    writer = f"{CONVERTER_VERSION}:{importlib.metadata.version('transformers').split('.')[0]}"
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{writer}".encode()).hexdigest()[:12]
     folder = cache_root() / f"{gguf_path.stem}-{key}"
     if (folder / "model.safetensors").exists():
         return folder
@@ -268,6 +274,21 @@ def serving_dtype(reader) -> str:
     return "float16" if "F16" in types and "BF16" not in types and types <= {"F32", "F16"} else "bfloat16"
 
 
+def rope_theta(config) -> float:
+    """A transformers config's RoPE base, where its version keeps it: `rope_parameters` (5.x) or `rope_theta` (4.x)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def set_rope_scaling(config, scaling: dict) -> None:
+    """State a RoPE scaling in a transformers config where its version keeps it: beside the base in
+    `rope_parameters` (5.x), else as `rope_scaling` (4.x); engine/config.py reads either from config.json."""
+    if getattr(config, "rope_parameters", None) is not None:
+        config.rope_parameters = {"rope_theta": rope_theta(config), **scaling}
+    else:
+        config.rope_scaling = dict(scaling)
+
+
 def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
 
@@ -278,10 +299,9 @@ def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
         config.head_dim = int(head_dim)  # transformers' reader leaves Qwen3's at its default
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
-    theta = config.rope_parameters["rope_theta"]
-    if freqs is not None and (scaling := llama3_scaling(
-            freqs.data, float(theta), int(config.head_dim or config.hidden_size // config.num_attention_heads))):
-        config.rope_parameters = {"rope_theta": theta, **scaling}
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if freqs is not None and (scaling := llama3_scaling(freqs.data, rope_theta(config), int(head_dim))):
+        set_rope_scaling(config, scaling)
     config.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
     tokenizer.save_pretrained(folder)

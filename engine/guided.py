@@ -102,7 +102,7 @@ class _Matcher:
 class GuidedDecoding:
     """Grammar masks for the guided rows of a batch. vocab_size is the model's (the logits' width), which may
     exceed the tokenizer's: the ids past it are never allowed. pin: keep the masks in pinned memory (GPU workers).
-    tokenizer_path None: structured outputs cannot run here, and start and fill raise GuidedError."""
+    tokenizer_path None: structured outputs cannot run here, and fill raises GuidedError for a guided request."""
 
     def __init__(self, tokenizer_path: str | None, vocab_size: int, eos_token_ids: Sequence[int],
                  pin: bool = False) -> None:
@@ -136,11 +136,11 @@ class GuidedDecoding:
             self._warm_locked()
 
     def start(self, request_id: str, spec: GuidedSpec) -> None:
-        """Begin compiling the request's grammar in the background; returns at once (fill waits for it)."""
-        try:
+        """Begin compiling the request's grammar in the background; returns at once (fill waits for it). Never
+        raises: a request that cannot be guided here (no tokenizer, a spec that does not compile) fails at its first
+        fill with a GuidedError naming it, which ends that request alone."""
+        if self.available:
             self._compile(spec)
-        except GuidedError as e:
-            raise GuidedError(f"request {request_id}: {e}") from e
 
     def fill(self, rows: Sequence[GuidedRow]) -> torch.Tensor:
         """The masks of rows (int32 [len(rows), ceil(vocab_size / 32)] on the CPU; bit t of row i set: token t
@@ -210,8 +210,9 @@ class GuidedDecoding:
 
     def _compile(self, spec: GuidedSpec) -> Future[xgr.CompiledGrammar]:
         if not self.available:
-            raise GuidedError("this server runs without a tokenizer (--skip-tokenizer-init), so it cannot run "
-                              "structured outputs; start it with a tokenizer or send the request without them")
+            raise GuidedError("structured outputs need a tokenizer, and this worker runs without one "
+                              "(--skip-tokenizer-init): start the server with a tokenizer, or send the request without "
+                              "structured outputs (response_format, structured_outputs, guided_*)")
         with self._lock:
             if (future := self._compiled.get(spec)) is not None:
                 self._compiled.move_to_end(spec)

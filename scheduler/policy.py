@@ -64,11 +64,14 @@ class UnitLive:
 
 @dataclass(frozen=True)
 class Decision:
+    """A route and why. Every decision, the table's or not, carries the load it was made at: the policy files
+    what the request did under that load."""
+
     route: Route
     reason: str                                 # miss | static | table | queue | model | itl_slo | ttft_slo | client
+    load: int                                   # requests in flight on the unit, this one included
     cell: tuple[int, int, int] | None = None    # the table cell it was decided in
     queue_correction_ms: float = 0.0            # added to the table's prefill TTFT by the live state
-    load: int = 0                               # requests in flight on the unit, this one included
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,10 @@ class Policy:
         """Where the prefill of a request with `cached` tokens cached, `new` to compute and `output` to generate
         runs, with `load` requests in flight on its unit (this one included)."""
         if not self.uses_prefill_worker:
-            return Decision("decode", "static")
+            return Decision("decode", "static", load)
         if cached == 0:
-            return Decision("prefill", "miss")
-        return Decision("decode" if self.name == "dlocal" else "prefill", "static")
+            return Decision("prefill", "miss", load)
+        return Decision("decode" if self.name == "dlocal" else "prefill", "static", load)
 
     def observe(self, decision: Decision, outcome: Outcome) -> None:
         """A routed request finished: what it did."""
@@ -123,7 +126,7 @@ class PPDPolicy(Policy):
 
     def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
         if cached == 0:
-            return Decision("prefill", "miss")
+            return Decision("prefill", "miss", load)
         obj, step = self.objective, live.decode_step_ms
         rate = live.prefill_tokens_per_s
         queue_ms = 1000.0 * live.prefill_queue_tokens / rate if rate > 0 else 0.0
@@ -152,7 +155,7 @@ class PPDPolicy(Policy):
         elif obj.ttft_slo_ms is not None and not decode and ttft_p > obj.ttft_slo_ms >= ttft_d and not (
                 obj.itl_slo_ms is not None and step + inline_ms > obj.itl_slo_ms):
             decode, reason = True, "ttft_slo"
-        return Decision("decode" if decode else "prefill", reason, key, correction, load)
+        return Decision("decode" if decode else "prefill", reason, load, key, correction)
 
     def observe(self, decision: Decision, outcome: Outcome) -> None:
         if self.table is None or outcome.cached == 0:  # a cold prefill: no append, no cell

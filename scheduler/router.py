@@ -77,7 +77,7 @@ class Router:
         earlier = self.answers.earlier(hashes, session)
         output_tokens = self.answers.estimate(earlier, max_tokens, min_tokens, ignore_eos)
         if route_hint is not None and cached > 0 and self.policy.uses_prefill_worker:
-            decision = Decision(route_hint, "client")
+            decision = Decision(route_hint, "client", load)
         else:
             decision = self.policy.route(cached, new, output_tokens, load, live)
         if log.isEnabledFor(logging.DEBUG):

@@ -167,8 +167,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "cores (off by default: on the 2-core demo its switches cost more than they gained; see the "
                         "README); green: pick a split per step (on by default: a switch is a choice of stream)")
     p.add_argument("--partition-profile", default=None,
-                   help="cpu: the partition profile (ppd profile partition) the share manager reads with "
-                        "--itl-slo-ms; default: the shipped profile of this device and model, else an even split")
+                   help="cpu, green: the partition profile (ppd profile partition) the share manager reads with "
+                        "--itl-slo-ms; default: the shipped profile of this device and model, else an even split; "
+                        "refused where no share manager runs (none, mps, cpu without --share-manager)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish KV-cache events as vLLM does (its flag and JSON), for routers that place requests "

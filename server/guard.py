@@ -18,7 +18,7 @@ _json = msgspec.json.Encoder()
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-OPEN_PATHS = ("/health", "/metrics", "/ping", "/version")  # no API key needed, as in vLLM (its key guards /v1)
+OPEN_PATHS = frozenset(("/health", "/metrics", "/ping", "/version"))  # exactly these need no API key, as in vLLM
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
@@ -53,7 +53,7 @@ class GuardMiddleware:
             return await _send_error(send, path, 400, f"Host header {host!r} is not one this server answers to; "
                                                       f"connect to {', '.join(sorted(self.allowed))} or start the "
                                                       "server with --allowed-hosts")
-        if self.guard.api_key is not None and not scope["path"].startswith(OPEN_PATHS):
+        if self.guard.api_key is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "").strip()
             if not hmac.compare_digest(token.encode(), self.guard.api_key.encode()):

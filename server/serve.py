@@ -29,8 +29,8 @@ from engine.memory_plan import StartupError, plan_from_request
 from engine.sampling_params import MAX_LOGPROBS
 from engine.model import kv_block_nbytes
 from engine.shared_memory import SHM_DIR
-from partition.backends import BACKENDS, PartitionError, backend_of, plan_partitions
-from partition.mps import MpsDaemonPlan
+from partition.backends import BACKENDS, PartitionError, UnitPartition, backend_of, plan_partitions
+from partition.mps import MpsDaemon, MpsDaemonPlan
 from partition.cpu import available_cores
 from partition.processes import process_alive
 from scheduler.config import UnitConfig, has_prefill_worker
@@ -190,12 +190,11 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
                                                 (args.mps_decode_percent, args.mps_prefill_percent),
                                                 args.prefill_worker, args.green_decode_sms or (),
                                                 args.cublas_sm_target)
-        profile = partition_profile_for(args, device, path) if parts[0].runtime_shares else None
+        share_manager, profile = share_plan(args, device, path, parts[0], tp)
     except (PartitionError, UsageError) as exc:
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise UsageError(str(exc)) from exc
     log.info("partition: %s", parts[0].why)
-    share_manager = tp_share_manager(share_manager_on(args.share_manager, partition), partition, tp)
     tokenizer = None if args.skip_tokenizer_init else (os.path.abspath(args.tokenizer) if args.tokenizer else path)
     engine = EngineConfig(
         model=path, dtype=args.dtype, load_format=args.load_format, device=device,
@@ -381,6 +380,31 @@ def tp_share_manager(on: bool, partition: str, tp: int) -> bool:
                  "each rank keeps the cores it starts on)", tp)
         return False
     return on
+
+
+def share_plan(args: argparse.Namespace, device: str, model_path: str, part: UnitPartition, tp: int,
+               ) -> tuple[bool, str | None]:
+    """Whether a share manager runs under this unit partition, and the partition profile it reads (None: none
+    found, or no manager). A --partition-profile that no manager would read is refused (UsageError), never dropped."""
+    kind = part.backend
+    manager = tp_share_manager(share_manager_on(args.share_manager, kind), kind, tp) and part.runtime_shares
+    if manager:
+        return True, partition_profile_for(args, device, model_path)
+    if args.partition_profile is not None:
+        chosen = f"auto chose {kind} here" if args.partition == "auto" else f"--partition {kind}"
+        if kind in ("none", "mps"):
+            why = (f"{chosen} fixes each worker's share when it starts, so no share manager reads a profile; drop it, "
+                   f"or use --partition {'cpu' if device == 'cpu' else 'green'}")
+        elif not part.runtime_shares:
+            why = f"{chosen} gives each worker of a unit one core, so there is none to move; drop it"
+        elif args.share_manager is False:
+            why = "the share manager that reads it is off (--no-share-manager); drop one of the two"
+        elif tp > 1 and kind == "cpu":
+            why = f"the share manager that reads it is off with --tensor-parallel-size {tp} on the CPU; drop it"
+        else:
+            why = f"the share manager that reads it is off by default under {chosen}: add --share-manager, or drop it"
+        raise UsageError(f"--partition-profile: {why}")
+    return False, None
 
 
 def partition_profile_for(args: argparse.Namespace, device: str, model_path: str) -> str | None:
@@ -627,12 +651,13 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
     return model
 
 
-def start_mps(args: argparse.Namespace, plan: ServePlan):
+def start_mps(args: argparse.Namespace, plan: ServePlan) -> tuple[MpsDaemon | None, ServePlan]:
     """Under --partition mps (or auto's choice of it): start the MPS daemon where the plan says so, then check that
-    a CUDA client really runs under it. Returns the daemon we started (to stop at exit), else None. Where MPS does
-    not work, auto goes on with green contexts or the time-sliced baseline, saying why; mps is a UsageError."""
+    a CUDA client really runs under it. Returns the daemon we started (to stop at exit; None: none) and the plan to
+    serve: `plan`, or where MPS does not work under auto a new one on green contexts or the time-sliced baseline
+    (saying why; `plan` is left as it was); under mps that is a UsageError."""
     if plan.mps is None:
-        return None
+        return None, plan
     from partition.mps import MpsDaemon, check_mps_client
 
     daemon = MpsDaemon(plan.mps) if plan.mps.start else None
@@ -640,7 +665,7 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
         if daemon is not None:
             daemon.start()
         check_mps_client(plan.mps)
-        return daemon
+        return daemon, plan
     except PartitionError as exc:
         if daemon is not None:
             daemon.stop()  # once; start() stopped a half-started one already
@@ -662,12 +687,10 @@ def start_mps(args: argparse.Namespace, plan: ServePlan):
         kind, parts, _ = plan_partitions("none", *request, prefill_worker=args.prefill_worker)
     parts = [dataclasses.replace(part, why=why) for part in parts]
     log.warning("partition: %s; going on with --partition %s", why, kind)
-    plan.units[:] = [dataclasses.replace(u, partition=part,
-                                         share_manager=tp_share_manager(share_manager_on(args.share_manager, kind),
-                                                                        kind, tp))
-                     for u, part in zip(plan.units, parts)]
-    plan.partition, plan.mps = kind, None
-    return None
+    manager, profile = share_plan(args, plan.device, plan.model_path, parts[0], tp)
+    units = [dataclasses.replace(u, partition=part, share_manager=manager, partition_profile=profile)
+             for u, part in zip(plan.units, parts)]
+    return None, dataclasses.replace(plan, units=units, partition=kind, mps=None)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -689,14 +712,14 @@ def serve(args: argparse.Namespace) -> None:
             sock.close()
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
         raise
-    client = api_client(args, plan, policy, 0)
-    launcher = Launcher(plan.units, client)
     try:
-        mps_daemon = start_mps(args, plan)
+        mps_daemon, plan = start_mps(args, plan)
     except UsageError:
         sock.close()
         shutil.rmtree(plan.ipc_dir, ignore_errors=True)
         raise
+    client = api_client(args, plan, policy, 0)
+    launcher = Launcher(plan.units, client)
     log.info("serving %s on %s: %d unit(s), partition %s, policy %s", plan.model_name,
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.units[0].partition.describe(), args.policy)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
+import struct
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -43,6 +48,24 @@ def test_prefix_hash_chains_over_whole_prefix() -> None:
     assert block_hashes([9, 9, 3, 4], 2)[1] != a[1]  # same block tokens, different prefix
     assert block_hashes([5, 6], 2, parent=a[1]) == [a[2]]
     assert a[0] == chain_hash(None, (1, 2)) and a[1] == chain_hash(a[0], (3, 4))
+
+
+def test_prefix_hash_is_sha256_of_the_parent_and_the_block_the_same_in_every_process() -> None:
+    """sha256 over the parent's 8 bytes and the block's little-endian int32 ids, its first 8 bytes a signed int: a
+    client choosing token ids cannot collide it (Python's tuple hash it could), and no PYTHONHASHSEED changes it."""
+    def expected(parent: bytes, block: tuple[int, ...]) -> int:
+        digest = hashlib.sha256(parent + struct.pack(f"<{len(block)}i", *block)).digest()[:8]
+        return int.from_bytes(digest, "big", signed=True)
+
+    first = expected(bytes(8), (1, 70000))
+    second = expected(first.to_bytes(8, "big", signed=True), (3, 4))
+    assert block_hashes([1, 70000, 3, 4, 5], 2) == [first, second]
+    assert chain_hash(None, (1, 70000)) == first and chain_hash(first, (3, 4)) == second
+    code = "from engine.prefix_hash import block_hashes; print(block_hashes(list(range(40)), 16))"
+    for seed in ("0", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        assert out.strip() == str(block_hashes(list(range(40)), 16))
 
 
 def test_allocate_and_free_accounting() -> None:

@@ -8,6 +8,7 @@ import random
 from dataclasses import replace
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from engine.engine import MAX_FAILED_STEPS, Engine, EngineConfig
 from engine.guided import GuidedError
 from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampler import Row
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GuidedSpec, SamplingParams
 from engine.shared_memory import release_name
 from tests.tiny_models import ARCHS, hf_greedy, hf_logits, write_tiny_model
 
@@ -133,6 +134,29 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
             assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "RuntimeError: device lost"}
         with pytest.raises(RuntimeError, match="steps in a row failed"):
             engine.step_each([inp], [Row(GREEDY)])
+    finally:
+        release_name(engine.weights_handle)
+        release_name(engine.kv_handle)
+
+
+def test_a_guided_request_on_an_engine_without_a_tokenizer_ends_alone_naming_the_fix(tmp_path: Path) -> None:
+    """A worker without a tokenizer (--skip-tokenizer-init) that is sent a guided request anyway (the API server
+    refuses it first; a worker never trusts a message) takes it without raising, and its first step ends it alone
+    with an error that says what to do; the other request of the step gets its token."""
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = Engine.create(cfg, names("guided"))
+    try:
+        guided = msgspec.structs.replace(GREEDY, guided=GuidedSpec("regex", "[0-9]+"))
+        engine.prepare("g", guided)
+        free = free_blocks(engine)
+        convs = [Conversation(engine, free, random_ids(n, seed=n)) for n in (6, 9)]
+        rows = [Row(guided, convs[0].tokens, len(convs[0].tokens), "g"), Row(GREEDY, convs[1].tokens,
+                                                                               len(convs[1].tokens), "plain")]
+        sampled, failed = engine.step_each([c.next_input() for c in convs], rows)
+        assert list(failed) == [0] and failed[0].startswith("GuidedError: request g: ")
+        assert "need a tokenizer" in failed[0] and "start the server with a tokenizer" in failed[0]
+        assert sampled.tokens[0] is None and sampled.tokens[1] == hf_greedy(folder, convs[1].tokens, 1)[0]
     finally:
         release_name(engine.weights_handle)
         release_name(engine.kv_handle)

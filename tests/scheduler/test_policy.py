@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.prefix_hash import block_hashes
 from scheduler.policy import OBSERVATION_WEIGHT, Objective, Outcome, PPDPolicy, UnitLive
 from scheduler.policy_table import Cell, PolicyTable, RouteStats, TableError, table_path
+from scheduler.router import Router
 
 CONTEXTS = [256, 1024]
 SHAPES = [(64, 512), (1024, 64)]  # decode-heavy (ratio 0.125), prefill-heavy (ratio 16)
@@ -150,3 +152,24 @@ def test_table_file_round_trip_and_errors(tmp_path: Path) -> None:
 def test_default_table_path_names_device_and_model(tmp_path: Path) -> None:
     assert table_path("NVIDIA H100 80GB HBM3", "Llama-3.1-8B", tmp_path).name == \
         "nvidia-h100-80gb-hbm3__llama-3.1-8b__policy.json"
+
+
+@pytest.mark.parametrize("hint", [None, "prefill"])
+def test_a_decision_the_table_did_not_make_is_filed_under_the_load_it_was_made_at(hint: str | None) -> None:
+    """A router miss the unit served from its own cache, and a client's route, teach the cell of their real load."""
+    cells = {f"c{c}s{s}l{l}": (stats(ttft=100, tpot=10), stats(ttft=60, tpot=11))
+             for c in range(2) for s in range(2) for l in range(2)}
+    policy = ppd(table(**cells))
+    router = Router(num_units=1, block_size=16, policy=policy, capacity_blocks=100)
+    for i in range(7):  # seven other conversations in flight
+        router.route([1000 * (i + 1) + t for t in range(16)], available=[0])
+    prompt = list(range(260))
+    if hint is not None:
+        router.remember(0, block_hashes(prompt, 16))  # the router guesses the prefix is cached, the client routes
+    placed = router.route(prompt, available=[0], route_hint=hint)
+    assert placed.decision.reason == ("miss" if hint is None else "client") and placed.decision.load == 8
+    before = {key: [list(v) for v in routes.values()] for key, routes in policy.estimates.items()}
+    # The unit found 200 tokens of the prompt in its own cache and ran the append on the prefill worker.
+    router.finished(0, prompt + [7] * 50, placed, Outcome("prefill", 200, 60, 50, ttft_ms=50, tpot_ms=10))
+    moved = [key for key, routes in policy.estimates.items() if [list(v) for v in routes.values()] != before[key]]
+    assert moved == [policy.table.key(200, 60, 50, load=8)] == [(0, 0, 1)]

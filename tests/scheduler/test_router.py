@@ -164,3 +164,24 @@ def test_a_finished_request_hashes_only_its_answer_and_the_placement_carries_the
     fresh.route(conv, available=[0])
     fresh.finished(0, conv + answer)
     assert list(reused.index[0]) == list(fresh.index[0]) == block_hashes(conv + answer, BS)
+
+
+def test_the_hashes_a_placement_carries_are_the_ones_the_units_block_manager_keys_its_cache_by() -> None:
+    """The decode worker matches and caches a prompt's blocks under the router's hashes (they come with the request):
+    a later prompt the worker hashes itself finds them, and a GenerateRequest carries them intact."""
+    import msgspec
+
+    from engine.block_manager import BlockManager
+    from engine.sampling_params import SamplingParams
+    from scheduler.messages import GenerateRequest
+
+    prompt = list(range(1000, 1018))  # 4 full blocks and 2 tokens
+    placed = Router(num_units=1, block_size=BS, policy=Policy("pd"), capacity_blocks=100).route(prompt, [0])
+    sent = GenerateRequest("r", prompt, SamplingParams(), "prefill", block_hashes=placed.hashes)
+    got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=GenerateRequest)
+    assert got.block_hashes == placed.hashes and len(placed.hashes) == 4
+    blocks = BlockManager(num_blocks=16, block_size=BS)
+    assert blocks.allocate("a", prompt, hashes=got.block_hashes) == 0
+    blocks.cache_blocks("a", prompt, len(prompt))
+    assert sorted(blocks._hash_to_block) == sorted(placed.hashes)
+    assert blocks.allocate("b", prompt + [7]) == 16

@@ -217,12 +217,15 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     daemon_plan = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=True,
                                 why="starting an MPS daemon")
     plan.mps, args.partition = daemon_plan, "auto"
+    units, planned = plan.units, list(plan.units)
     with caplog.at_level("WARNING", logger="ppd"):
-        assert server.serve.start_mps(args, plan) is None
-    assert events == ["start", "check", "stop"]
-    assert plan.partition == "none" and plan.mps is None
-    assert all(u.partition.backend == "none" and not u.partition.env for u in plan.units)
-    assert "MPS does not work here" in plan.units[0].partition.why and "exited with code 1" in caplog.text
+        daemon, fallen = server.serve.start_mps(args, plan)
+    assert daemon is None and events == ["start", "check", "stop"]
+    assert fallen.partition == "none" and fallen.mps is None
+    assert all(u.partition.backend == "none" and not u.partition.env for u in fallen.units)
+    assert "MPS does not work here" in fallen.units[0].partition.why and "exited with code 1" in caplog.text
+    # A new plan: the one planned, whose units list others may hold, is left as it was.
+    assert plan.units is units and units == planned and plan.mps is daemon_plan and fallen.units is not units
     assert "going on with --partition none" in caplog.text
     events.clear()
     plan.mps, args.partition = daemon_plan, "mps"
@@ -260,13 +263,17 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
     plan.device, args.partition = "NVIDIA H100 80GB HBM3", "auto"  # a GPU host, as far as the fallback can tell
     plan.mps = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=False,
                              why="an MPS daemon is running")
+    units, planned = plan.units, list(plan.units)
     with caplog.at_level("WARNING", logger="ppd"):
-        assert server.serve.start_mps(args, plan) is None
-    part = plan.units[0].partition
+        daemon, fallen = server.serve.start_mps(args, plan)
+    assert daemon is None and plan.units is units and units == planned and plan.partition == "cpu"
+    part = fallen.units[0].partition
     if prefill_worker == "auto":
-        assert plan.partition == part.backend == "green" and part.prefill_thread
+        assert fallen.partition == part.backend == "green" and part.prefill_thread
+        assert fallen.units[0].share_manager, "green's share manager, on by default, is planned with green"
     else:
-        assert plan.partition == part.backend == "none" and not part.prefill_thread, "the process asked for stays"
+        assert fallen.partition == part.backend == "none" and not part.prefill_thread, "the process asked for stays"
+        assert not fallen.units[0].share_manager and fallen.units[0].partition_profile is None
         assert "--prefill-worker process" in part.why and "going on with --partition none" in caplog.text
 
 

@@ -59,3 +59,11 @@ def test_a_503_refusal_has_no_retry_after() -> None:
     app = GuardMiddleware(Recorder(), Guard(), refuse=lambda: EngineError(503, "the server is shutting down"))
     r = post(app, "/v1/completions")
     assert r.status_code == 503 and "retry-after" not in r.headers
+
+
+def test_only_the_exact_open_paths_are_answered_without_the_api_key() -> None:
+    app = GuardMiddleware(Recorder(), Guard(api_key="sekret"), refuse=lambda: None)
+    for path in ("/health", "/metrics", "/ping", "/version"):
+        assert post(app, path).status_code == 200, path
+    for path in ("/healthz-admin", "/metricsfoo", "/ping/../v1/completions", "/version2", "/health/", "/v1/models"):
+        assert post(app, path).status_code == 401, path

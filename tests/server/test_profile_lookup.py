@@ -1,18 +1,24 @@
 """The server's lookup of its profiles (server/serve.py): the user's ($PPD_CACHE_DIR/profiles) before the shipped
-ones, under the one model name every producer writes (profiles.model_name)."""
+ones, under the one model name every producer writes (profiles.model_name); a --partition-profile honoured under
+every partition where a share manager runs, and refused in one line where none would read it."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 
+import server.serve
+from partition.mps import MpsDaemonPlan
 from profiles import PROFILES_DIR, model_name
 from scheduler.policy import Objective, PPDPolicy
-from server.serve import find_shipped_table, model_slug, partition_profile_for
+from server.cli import add_serve_args
+from server.serve import ServePlan, find_shipped_table, model_slug, partition_profile_for
+from tests.tiny_models import write_tiny_model
 
 SHIPPED_TABLE = PROFILES_DIR / "cpu-2core__demo-v2__policy.json"
 SHIPPED_PROFILE = PROFILES_DIR / "cpu-2core__demo-v2.json"
@@ -59,3 +65,56 @@ def test_the_partition_profile_of_the_user_is_read_before_the_shipped_one(monkey
     assert partition_profile_for(args, "cpu", demo_folder) == str(SHIPPED_PROFILE)
     user = _copy_marked(SHIPPED_PROFILE, tmp_path / "profiles", "measured here")
     assert partition_profile_for(args, "cpu", demo_folder) == str(user)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def _plan(tiny: Path, monkeypatch: pytest.MonkeyPatch, *argv: str, gpu: bool) -> ServePlan:
+    """ppd serve's plan for argv, on a GPU host with MPS installed and green contexts (as far as planning can tell)
+    or on 2 CPU cores; no process is started."""
+    from partition import backends, mps
+
+    monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0"] if gpu else [])
+    monkeypatch.setattr(server.serve, "available_cores", lambda: [0, 1])
+    monkeypatch.setattr(backends, "green_available", lambda: True)
+    monkeypatch.setattr(backends, "auto_backend", lambda device, with_prefill=True: (
+        ("mps", "auto: an MPS daemon runs") if gpu else ("cpu", "auto: on the CPU each worker gets its own cores")))
+    monkeypatch.setattr(mps, "mps_daemon_plan", lambda workdir: MpsDaemonPlan(
+        "/usr/bin/nvidia-cuda-mps-control", workdir / "pipe", workdir / "log", start=True, why="starting one"))
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    plan = server.serve.plan_serve(parser.parse_args(["--model", str(tiny), "--skip-tokenizer-init", "--policy", "pd",
+                                                      *argv]))
+    shutil.rmtree(plan.ipc_dir)
+    return plan
+
+
+@pytest.mark.parametrize("gpu, argv", [
+    (False, ["--partition", "cpu", "--share-manager"]),
+    (False, ["--share-manager"]),  # auto: cpu
+    (True, ["--partition", "green"]),
+])
+def test_a_given_partition_profile_reaches_the_share_manager_wherever_one_runs(
+        gpu: bool, argv: list[str], tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(tiny, monkeypatch, *argv, "--partition-profile", str(SHIPPED_PROFILE), gpu=gpu)
+    assert all(u.share_manager and u.partition_profile == str(SHIPPED_PROFILE) for u in plan.units)
+
+
+@pytest.mark.parametrize("gpu, argv, needle", [
+    (False, ["--partition", "none"], "--partition none"),
+    (False, ["--partition", "cpu"], "add --share-manager"),
+    (False, [], "add --share-manager"),  # auto: cpu, where the share manager is off by default
+    (True, ["--partition", "green", "--no-share-manager"], "--no-share-manager"),
+    (True, ["--partition", "mps"], "--partition mps"),
+    (True, [], "auto chose mps here"),  # were MPS not to work, auto's fallback would have nothing to honour
+    (True, ["--partition", "none"], "--partition none"),
+])
+def test_a_partition_profile_no_share_manager_would_read_is_refused_in_one_line(
+        gpu: bool, argv: list[str], needle: str, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(server.serve.UsageError) as refused:
+        _plan(tiny, monkeypatch, *argv, "--partition-profile", str(SHIPPED_PROFILE), gpu=gpu)
+    message = str(refused.value)
+    assert message.startswith("--partition-profile: ") and needle in message and "\n" not in message
