@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import statistics
 import time
@@ -28,6 +29,8 @@ from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Ro
 from scheduler.policy import Outcome
 from scheduler.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
+
+log = logging.getLogger("ppd.api")
 
 
 class EngineError(Exception):
@@ -60,6 +63,7 @@ class Admission:
 START_INTERVAL_SAMPLES = 16  # the latest backlog samples the time between starts is the median of
 START_INTERVAL_MIN_SAMPLES = 4  # samples before the median predicts a wait (and so refuses a request)
 MAX_RETRY_AFTER_S = 60
+DROPPED_LOG_EVERY = 1000  # router events: one warning per this many dropped
 
 
 @dataclass
@@ -320,17 +324,18 @@ class EngineClient:
             available = [unit]
         placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint,
                                    sampling.min_tokens, sampling.ignore_eos)
-        self.metrics.route_decision(placed.decision.route, placed.decision.reason)
+        # From here the request counts in its unit's load: whatever happens next, _end gives it back.
         req = _Request(new_request_id(self.api_server, next(self._ids), uuid.uuid4().hex[:8]), placed.unit,
                        placed, prompt_ids)
-        try:
-            message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route, placed.hashes))
-        except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
-            self.router.finished(placed.unit, prompt_ids, placed)
-            raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
         self.requests[req.request_id] = req
         self.state[req.unit].waiting += 1
         try:
+            self.metrics.route_decision(placed.decision.route, placed.decision.reason)
+            try:
+                message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route,
+                                                      placed.hashes))
+            except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks make this unreachable
+                raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
             await self.to_units[req.unit].send(message)
             while True:
                 timeout = None
@@ -469,7 +474,11 @@ class EngineClient:
 class RouterBus:
     """Keeps the API servers' routers (and unit resets) in step: API server 0 publishes every event, its own and
     those the others push to it; each applies the events of the others. Events cost a message per request, never
-    per token."""
+    per token.
+
+    Events are hints: publishing one never blocks and never raises. One that finds the queue full (API server 0 not
+    reading, past the socket's bound of 1,000) is dropped and counted in `dropped`; PUB drops silently for a
+    subscriber that far behind. An event that cannot be read or applied is logged and skipped."""
 
     def __init__(self, ctx: zmq.asyncio.Context, cfg: UnitConfig, api_server: int) -> None:
         self.api_server = api_server
@@ -477,31 +486,50 @@ class RouterBus:
         self.decode = msgspec.msgpack.Decoder(RouterEvent).decode
         self.task: asyncio.Task | None = None
         self.metrics_task: asyncio.Task | None = None
+        self.dropped = 0
+        # The sending socket is a plain one: an asyncio socket's send would park a full queue's zmq.Again in a
+        # future that no one awaits, and the event would be lost unseen.
+        self.out = ctx.socket(zmq.PUB if api_server == 0 else zmq.PUSH, socket_class=zmq.Socket)
         if api_server == 0:
-            self.pub = ctx.socket(zmq.PUB)
-            self.pub.bind(cfg.router_bus_address)
+            self.out.bind(cfg.router_bus_address)
             self.inbox = ctx.socket(zmq.PULL)  # the others' events
             self.inbox.bind(cfg.router_events_address)
         else:
-            self.push = ctx.socket(zmq.PUSH)
-            self.push.connect(cfg.router_events_address)
+            self.out.connect(cfg.router_events_address)
             self.inbox = ctx.socket(zmq.SUB)  # everyone's events, as API server 0 publishes them
             self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
             self.inbox.connect(cfg.router_bus_address)
-        for sock in (self.inbox, getattr(self, "pub", None), getattr(self, "push", None)):
-            if sock is not None:
-                sock.setsockopt(zmq.LINGER, 0)
+        for sock in (self.inbox, self.out):
+            sock.setsockopt(zmq.LINGER, 0)
 
     def publish(self, event: RouterEvent) -> None:
-        raw = self.encode(event)
-        (self.pub if self.api_server == 0 else self.push).send(raw, zmq.NOBLOCK)
+        self._send(self.encode(event))
+
+    def _send(self, raw: bytes) -> None:
+        try:
+            self.out.send(raw, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % DROPPED_LOG_EVERY == 0:
+                log.warning("router bus: %d event(s) dropped so far, API server 0 is not reading them (the other "
+                            "routers' view of the units' load and prefixes is a guess until it does)", self.dropped)
+        except zmq.ZMQError as exc:  # a closed socket at shutdown, ...: a hint lost
+            self.dropped += 1
+            log.warning("router bus: an event could not be sent (%s)", exc)
 
     async def run(self, apply: Callable[[RouterEvent], None]) -> None:
         while True:
             raw = await self.inbox.recv()
-            event = self.decode(raw)
+            try:
+                event = self.decode(raw)
+            except msgspec.DecodeError as exc:
+                log.error("router bus: skipped an event that cannot be read (%s)", exc)
+                continue
             if event.origin == self.api_server:
                 continue  # our own, back from API server 0
             if self.api_server == 0:
-                self.pub.send(raw, zmq.NOBLOCK)
-            apply(event)
+                self._send(raw)
+            try:
+                apply(event)
+            except Exception:  # noqa: BLE001 - one event that cannot be applied must not stop the others
+                log.exception("router bus: applying %s failed; skipped", type(event).__name__)
