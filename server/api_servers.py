@@ -101,6 +101,8 @@ class ApiServerProcesses:
         self.procs[index] = proc
 
     async def watch(self) -> None:
+        """Start again every API server that died. Run supervised (server/supervise.py) and again where it fails: each
+        turn reads the processes afresh, so a new run misses no death."""
         while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for index, proc in list(self.procs.items()):

@@ -29,6 +29,7 @@ from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Ro
 from scheduler.policy import Outcome
 from scheduler.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
+from server.supervise import supervise
 
 log = logging.getLogger("ppd.api")
 
@@ -63,6 +64,8 @@ class Admission:
 START_INTERVAL_SAMPLES = 16  # the latest backlog samples the time between starts is the median of
 START_INTERVAL_MIN_SAMPLES = 4  # samples before the median predicts a wait (and so refuses a request)
 MAX_RETRY_AFTER_S = 60
+READER = "the output reader"  # the background tasks' names, in the log and on /health
+BUS = "the router bus"
 DROPPED_LOG_EVERY = 1000  # router events: one warning per this many dropped
 
 
@@ -147,6 +150,7 @@ class _Request:
     route: Route | None = None  # where the unit ran the prefill (with the cached length it found)
     cached: int | None = None
     done: bool = False
+    abort: bool = False  # ended here while its unit still runs it: the unit must be told to stop it
 
     @property
     def started(self) -> bool:
@@ -217,13 +221,28 @@ class EngineClient:
         self._ids = itertools.count()
         self.on_ready: Callable[[], None] | None = None  # called whenever a unit becomes ready
         self.draining = False  # shutting down: no new request; those in flight may finish
+        self.problems: dict[str, str] = {}  # background task -> why it is down: the process is unhealthy meanwhile
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.reader = loop.create_task(self._read_outputs())
+        """Start the background tasks, each supervised (server/supervise.py), each run again where it failed: the
+        reader keeps nothing of its own beyond the requests it fails, and what it knows of the units the workers
+        send again within STATS_INTERVAL_S; the bus's events are hints; the metrics writer rewrites a whole file
+        each time and carries no request, so its failure leaves the process healthy. Restarting the process
+        instead would cost every request it serves, and on API server 0 the units too."""
+        self.reader = supervise(READER, self._read_outputs, self.problems, self._reader_failed)
         if self.bus is not None:
-            self.bus.task = loop.create_task(self.bus.run(self._router_event))
-            self.bus.metrics_task = loop.create_task(self._write_metrics())
+            bus = self.bus
+            bus.task = supervise(BUS, lambda: bus.run(self._router_event), self.problems)
+            bus.metrics_task = supervise("the metrics writer", self._write_metrics, None)
+
+    def _reader_failed(self, exc: Exception) -> None:
+        """The reader died: no output reaches the requests in flight, so they end with a 500, and their units are told
+        to stop them (generate sends the abort)."""
+        error = EngineError(500, f"internal error: the server's output reader failed ({type(exc).__name__}); the "
+                                 "server logged it and is restarting the reader, retry")
+        for req in list(self.requests.values()):
+            req.abort = True
+            self._end(req, error, finished=False)
 
     def close(self) -> None:
         for task in (self.reader, self.bus and self.bus.task, self.bus and self.bus.metrics_task):
@@ -276,6 +295,8 @@ class EngineClient:
         if self.draining:
             return EngineError(503, "the server is shutting down; send the request to another server, or retry once "
                                     "this one is back")
+        if READER in self.problems:
+            return EngineError(503, f"{self.problems[READER]}; retry shortly")
         ready = [u for u in range(len(self.units)) if self.unit_ready(u)]
         if not ready:
             return EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
@@ -362,6 +383,8 @@ class EngineClient:
         finally:
             if not req.done:
                 self._end(req, None, finished=False)
+                req.abort = True
+            if req.abort:
                 await self.to_units[req.unit].send(self.encode(AbortRequest(req.request_id)))
 
     # ---- outputs from the workers ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from scheduler.decode_worker import run_decode_worker
 from scheduler.prefill_worker import run_prefill_worker
 from scheduler.stub_worker import run_stub_worker
 from server.engine_client import EngineClient
+from server.supervise import supervise
 
 log = logging.getLogger("ppd.launcher")
 
@@ -53,7 +54,7 @@ class Launcher:
         raises StartupFailed when a unit reports that it cannot start (the model does not fit, ...)."""
         if not any(self.procs):
             self.spawn_all()
-        self.watcher = asyncio.get_running_loop().create_task(self._watch())
+        self.watcher = supervise("the launcher's watcher", self._watch, self.client.problems)
         await asyncio.gather(*(self.client.state[u].ready_event.wait() for u in range(len(self.units))))
         for unit, state in enumerate(self.client.state):
             if state.fatal is not None:
@@ -106,6 +107,8 @@ class Launcher:
                 remove_leftover(cfg.shm_name(kind, rank))
 
     async def _watch(self) -> None:
+        """Restart every unit whose worker died. Supervised and run again where it fails (server/supervise.py): each
+        turn reads the processes afresh, so a new run misses no death."""
         while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for unit, procs in enumerate(self.procs):

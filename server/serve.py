@@ -674,6 +674,7 @@ def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
     from server.api_servers import ApiServerProcesses, DrainingServer, freeze_startup_heap
     from server.launcher import Launcher
+    from server.supervise import supervise
 
     plan = plan_serve(args)
     guard = request_guard(args)
@@ -717,7 +718,7 @@ def serve(args: argparse.Namespace) -> None:
         freeze_startup_heap()
         client.start()
         starting = asyncio.get_running_loop().create_task(launcher.start())
-        watching = asyncio.get_running_loop().create_task(helpers.watch())
+        watching = supervise("the API servers' watcher", helpers.watch, client.problems)
 
         def started(task: asyncio.Task) -> None:
             if task.cancelled():
