@@ -84,9 +84,12 @@ class StubUnit:
 
 
 async def until(predicate, timeout: float, what: str) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
+    try:
+        async with asyncio.timeout(timeout):
+            while not predicate():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 
 def test_a_reader_that_fails_ends_its_requests_with_500_says_so_on_health_and_is_restarted(tmp_path: Path) -> None:
