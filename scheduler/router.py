@@ -141,6 +141,11 @@ class Router:
         while len(index) > self.capacity:
             index.popitem(last=False)
 
+    def recount(self, unit: int, held: int) -> None:
+        """The unit's own count of the requests it holds becomes its load: after an API server died, the placements
+        it made there (which no end will give back) are gone from the unit, and from every router with this."""
+        self.load[unit] = held
+
     def forget_unit(self, unit: int) -> None:
         """The unit restarted with an empty cache: its conversations are placed afresh."""
         self.index[unit].clear()

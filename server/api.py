@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -74,7 +75,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
         ok = bool(units) and all(u["ready"] for u in units) and not problems
         # Overloaded is still healthy (200): a probe that restarted the server now would lose every request.
         status = "unavailable" if not ok else ("overloaded" if all(u.get("overloaded") for u in units) else "ok")
-        body = {"status": status, "api_server": client.api_server, "units": units}
+        body = {"status": status, "api_server": {"index": client.api_server, "pid": os.getpid()}, "units": units}
         return JSONResponse(body | ({"problems": problems} if problems else {}), status_code=200 if ok else 503)
 
     @app.get("/metrics")

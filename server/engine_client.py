@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
-from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent, UnitReset,
-                                WorkerOutput, WorkerReady, WorkerStats, new_request_id)
+from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent, UnitReset,
+                                WorkerOutput, WorkerReady, WorkerStats, new_request_id, request_prefix)
 from scheduler.policy import Outcome
 from scheduler.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
@@ -66,6 +66,7 @@ START_INTERVAL_MIN_SAMPLES = 4  # samples before the median predicts a wait (and
 MAX_RETRY_AFTER_S = 60
 READER = "the output reader"  # the background tasks' names, in the log and on /health
 BUS = "the router bus"
+UNIT_SEND_TIMEOUT_S = 1.0  # a message outside a request's path that a unit does not take by then is dropped
 DROPPED_LOG_EVERY = 1000  # router events: one warning per this many dropped
 
 
@@ -324,6 +325,18 @@ class EngineClient:
         if self.bus is not None:
             self.bus.publish(UnitReset(self.api_server, unit, message))
 
+    async def api_server_died(self, index: int) -> None:
+        """API server `index` died (API server 0 is told, before it starts it again): its requests have no one to
+        stream to, so every unit stops them, by their ids' prefix, and frees their blocks; then it tells every router
+        what it holds, its load from then on. A unit that does not take the message within a second is restarting, and
+        holds none of them."""
+        raw = self.encode(AbortPrefix(request_prefix(index)))
+        for unit, sock in enumerate(self.to_units):
+            try:
+                await asyncio.wait_for(sock.send(raw), UNIT_SEND_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("unit %d did not take the abort of API server %d's requests (it is restarting)", unit, index)
+
     def _reset(self, unit: int, message: str) -> None:
         for req in [r for r in self.requests.values() if r.unit == unit]:
             self._end(req, EngineError(503, message), finished=False)
@@ -404,6 +417,8 @@ class EngineClient:
                 live = self.router.live[msg.unit]
                 live.prefill_queue_tokens = msg.stats.prefill_queue_tokens
                 live.decode_step_ms, live.inline_tokens_per_s = msg.stats.decode_step_ms, msg.stats.inline_tokens_per_s
+            if msg.held is not None:
+                self.router.recount(msg.unit, msg.held)
             if msg.prefill_stats is not None:
                 self.router.live[msg.unit].prefill_tokens_per_s = msg.prefill_stats.tokens_per_s
                 self.metrics.prefill_speed_measured(msg.unit, msg.prefill_stats.tokens_per_s)
