@@ -40,8 +40,8 @@ from profiles import unit_device_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler, Step
 from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortPrefix, AbortRequest, FromPrefill,
-                                GenerateRequest, PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup,
-                                WorkerOutput, WorkerReady)
+                                GenerateRequest, PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode,
+                                UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.prefill_worker import start_prefill_follower_thread, start_prefill_thread
 from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
                                     zmq_socket)

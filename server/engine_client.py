@@ -24,8 +24,8 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
-from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent, UnitReset,
-                                WorkerOutput, WorkerReady, WorkerStats, new_request_id, request_prefix)
+from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent,
+                                UnitReset, WorkerOutput, WorkerReady, WorkerStats, new_request_id, request_prefix)
 from scheduler.policy import Outcome
 from scheduler.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
@@ -335,7 +335,8 @@ class EngineClient:
             try:
                 await asyncio.wait_for(sock.send(raw), UNIT_SEND_TIMEOUT_S)
             except TimeoutError:
-                log.warning("unit %d did not take the abort of API server %d's requests (it is restarting)", unit, index)
+                log.warning("unit %d did not take the abort of API server %d's requests (it is restarting)", unit,
+                            index)
 
     def _reset(self, unit: int, message: str) -> None:
         for req in [r for r in self.requests.values() if r.unit == unit]:
