@@ -39,9 +39,9 @@ from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from profiles import unit_device_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler, Step
-from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
-                                PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup, WorkerOutput,
-                                WorkerReady)
+from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortPrefix, AbortRequest, FromPrefill,
+                                GenerateRequest, PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode,
+                                UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.prefill_worker import start_prefill_follower_thread, start_prefill_thread
 from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
                                     zmq_socket)
@@ -126,6 +126,7 @@ class DecodeWorker:
             self.notify = zmq_socket(ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
         self.pending: list[RequestOutput] = []
+        self.recount = False  # a dead API server's requests were stopped: the next output says what is left
         self.shares = None if cfg.prefill_worker == "none" else share_manager(cfg, self.streams, self.engine)
         if self.streams is not None and self.shares is not None:
             self.use_split(self.shares.current)
@@ -253,14 +254,24 @@ class DecodeWorker:
                 elif isinstance(msg, PrefillReady):
                     self._release_names()
 
-    def handle_request(self, msg: GenerateRequest | AbortRequest) -> None:
+    def handle_request(self, msg: GenerateRequest | AbortRequest | AbortPrefix) -> None:
         if isinstance(msg, GenerateRequest):
             if (error := self.scheduler.add(msg)) is not None:
                 self.pending.append(error)
             else:
                 self.engine.prepare(msg.request_id, msg.sampling)
-        elif self.scheduler.abort(msg.request_id):
-            self.jobs.send(self.encode(AbortPrefill(msg.request_id)))
+        elif isinstance(msg, AbortRequest):
+            self.abort(msg.request_id)
+        else:
+            lost = [request_id for request_id in self.scheduler.by_id if request_id.startswith(msg.prefix)]
+            for request_id in lost:
+                self.abort(request_id)
+            self.recount = True
+            log.warning("stopped the %d request(s) of an API server that died (ids %s...)", len(lost), msg.prefix)
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id):
+            self.jobs.send(self.encode(AbortPrefill(request_id)))
 
     def rebalance(self) -> None:
         """The share manager's decision for this step: repin ourselves, and tell the prefill worker its cores
@@ -298,7 +309,7 @@ class DecodeWorker:
     def send(self, ready: WorkerReady | None = None) -> None:
         """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
         now = time.monotonic()
-        if not self.pending and ready is None and now - self.last_stats < STATS_INTERVAL_S:
+        if not self.pending and ready is None and not self.recount and now - self.last_stats < STATS_INTERVAL_S:
             return
         self.last_stats = now
         stats = self.scheduler.stats()
@@ -323,8 +334,10 @@ class DecodeWorker:
                 free, total = torch.cuda.mem_get_info()
                 self.memory_used, self.memory_read = total - free, now
             stats.device_memory_used = self.memory_used
-        self.out.send(WorkerOutput(self.cfg.unit, self.pending, stats, ready))
-        self.pending = []
+        # A remote prefill that was stopped stays until the prefill worker lets its blocks go; no router counts it.
+        held = sum(not seq.aborted for seq in self.scheduler.by_id.values()) if self.recount else None
+        self.out.send(WorkerOutput(self.cfg.unit, self.pending, stats, ready, held=held))
+        self.pending, self.recount = [], False
 
     def _release_names(self) -> None:
         """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the

@@ -1,6 +1,7 @@
 """Every message that crosses a process boundary, in one place.
 
     API server --GenerateRequest/AbortRequest--> decode worker
+    API server 0 --AbortPrefix--> decode worker (another API server died)
     decode worker --UnitSetup/PrefillJob/AbortPrefill--> prefill worker
     prefill worker --PrefillReady/PrefillDone--> decode worker
     both workers --WorkerOutput--> API server
@@ -9,6 +10,7 @@
 With several API servers, a request's outputs go back to the one that sent it:
 its request id begins with that server's index (new_request_id), and the
 workers send every other part of a WorkerOutput (stats, ready) to all of them.
+When one dies, API server 0 has the units stop its requests by that prefix.
 
 A request's generated tokens reach the API server from up to two senders (the
 prefill worker samples the first token, the decode worker the rest), so each
@@ -34,7 +36,12 @@ Route = Literal["prefill", "decode"]
 
 
 def new_request_id(api_server: int, serial: int, suffix: str) -> str:
-    return f"{api_server}-{serial}-{suffix}"
+    return f"{request_prefix(api_server)}{serial}-{suffix}"
+
+
+def request_prefix(api_server: int) -> str:
+    """What the id of every request an API server sends begins with."""
+    return f"{api_server}-"
 
 
 def api_server_of(request_id: str) -> int:
@@ -59,6 +66,14 @@ class AbortRequest(msgspec.Struct, tag=True):
     """The client went away or a stop string matched: stop the request and free its blocks."""
 
     request_id: str
+
+
+class AbortPrefix(msgspec.Struct, tag=True):
+    """An API server died: stop every request whose id begins with `prefix` (request_prefix) and free its blocks, as
+    AbortRequest does for one; no one is left to stream their tokens to. Sent by API server 0 before it starts the
+    dead one again, so a request of the new one cannot be among them."""
+
+    prefix: str
 
 
 class UnitSetup(msgspec.Struct, tag=True):
@@ -194,9 +209,12 @@ class WorkerOutput(msgspec.Struct, tag=True, gc=False):
     # Requests whose first chunk has just been put in a step of this worker: they no longer wait to be scheduled,
     # so --max-queue-time-s ends them no more (sent before the step runs, which may be a long prefill).
     started: list[str] = []
+    # The worker has just stopped a dead API server's requests (AbortPrefix): the requests it holds now, those stopped
+    # left out, which every router takes as the unit's load in place of the count it kept.
+    held: int | None = None
 
 
-ToDecode = GenerateRequest | AbortRequest
+ToDecode = GenerateRequest | AbortRequest | AbortPrefix
 ToPrefill = UnitSetup | PrefillJob | AbortPrefill | SetShare
 FromPrefill = PrefillReady | PrefillDone
 

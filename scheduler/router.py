@@ -86,8 +86,7 @@ class Router:
                       cached, new, output_tokens, load, decision.cell, live.prefill_queue_tokens,
                       live.prefill_tokens_per_s, live.decode_step_ms, live.inline_tokens_per_s)
         self._placed(unit, hashes, session)
-        if self.publish is not None:
-            self.publish(Placed(self.origin, unit, hashes, session))
+        self._publish(Placed(self.origin, unit, hashes, session))
         return Placement(unit, decision, cached, session, earlier, hashes)
 
     def finished(self, unit: int, token_ids: list[int], placement: Placement | None = None,
@@ -102,8 +101,17 @@ class Router:
         if placement is not None and outcome is not None:
             self.policy.observe(placement.decision, outcome)
             self.answers.answered(hashes, placement.session, placement.earlier_answers, outcome.output)
-        if self.publish is not None:
-            self.publish(Finished(self.origin, unit, hashes))
+        self._publish(Finished(self.origin, unit, hashes))
+
+    def _publish(self, event: RouterEvent) -> None:
+        """Tell the other API servers' routers. Events are hints: one that cannot go costs them a guess, never the
+        request that made it (nor the load it counted, which its end gives back)."""
+        if self.publish is None:
+            return
+        try:
+            self.publish(event)
+        except Exception:  # noqa: BLE001 - whatever the bus does, the request goes on
+            log.exception("could not publish a router event to the other API servers")
 
     def apply(self, event: RouterEvent) -> None:
         """Another API server's placement or end, as if it had been ours."""
@@ -132,6 +140,11 @@ class Router:
             index.move_to_end(h)
         while len(index) > self.capacity:
             index.popitem(last=False)
+
+    def recount(self, unit: int, held: int) -> None:
+        """The unit's own count of the requests it holds becomes its load: after an API server died, the placements
+        it made there (which no end will give back) are gone from the unit, and from every router with this."""
+        self.load[unit] = held
 
     def forget_unit(self, unit: int) -> None:
         """The unit restarted with an empty cache: its conversations are placed afresh."""

@@ -20,8 +20,8 @@ import zmq
 from engine.sampling_params import TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import STATS_INTERVAL_S
-from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, ToDecode, WorkerOutput, WorkerReady,
-                                WorkerStats)
+from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, ToDecode, WorkerOutput,
+                                WorkerReady, WorkerStats)
 from scheduler.worker_setup import ApiServers, init_worker_process, recv_nowait, requests_socket
 
 log = logging.getLogger("ppd.stub")
@@ -71,11 +71,15 @@ class StubWorker:
             if outputs or stats:
                 self.out.send(WorkerOutput(self.cfg.unit, outputs, stats))
 
-    def handle(self, msg: GenerateRequest | AbortRequest) -> None:
+    def handle(self, msg: GenerateRequest | AbortRequest | AbortPrefix) -> None:
         if isinstance(msg, GenerateRequest):
             self.running[msg.request_id] = _Running(msg)
-        else:
+        elif isinstance(msg, AbortRequest):
             self.running.pop(msg.request_id, None)
+        else:
+            for request_id in [r for r in self.running if r.startswith(msg.prefix)]:
+                del self.running[request_id]
+            self.out.send(WorkerOutput(self.cfg.unit, stats=self.stats(), held=len(self.running)))
 
     def token(self, r: _Running) -> RequestOutput:
         req, i = r.request, r.index

@@ -88,7 +88,8 @@ class ApiServers:
             outputs[api_server_of(out.request_id)].append(out)
         for request_id in msg.started:
             started[api_server_of(request_id)].append(request_id)
-        to_all = msg.stats is not None or msg.ready is not None or msg.fatal is not None or msg.prefill_stats is not None
+        to_all = (msg.stats is not None or msg.ready is not None or msg.fatal is not None
+                  or msg.prefill_stats is not None or msg.held is not None)
         for sock, mine, began in zip(self.socks, outputs, started):
             if mine or began or to_all:
                 sock.send(self.encode(msgspec.structs.replace(msg, outputs=mine, started=began)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
@@ -70,10 +71,12 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     @app.get("/health")
     async def get_health() -> JSONResponse:
         units = health()
-        ok = bool(units) and all(u["ready"] for u in units)
+        problems = list(client.problems.values())  # a background task that carries requests is down
+        ok = bool(units) and all(u["ready"] for u in units) and not problems
         # Overloaded is still healthy (200): a probe that restarted the server now would lose every request.
         status = "unavailable" if not ok else ("overloaded" if all(u.get("overloaded") for u in units) else "ok")
-        return JSONResponse({"status": status, "units": units}, status_code=200 if ok else 503)
+        body = {"status": status, "api_server": {"index": client.api_server, "pid": os.getpid()}, "units": units}
+        return JSONResponse(body | ({"problems": problems} if problems else {}), status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -83,7 +86,7 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness check: 200 once the units are ready, as /health."""
         units = health()
-        return Response(status_code=200 if units and all(u["ready"] for u in units) else 503)
+        return Response(status_code=200 if units and all(u["ready"] for u in units) and not client.problems else 503)
 
     @app.get("/version")
     async def version() -> dict:

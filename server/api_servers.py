@@ -9,8 +9,9 @@ its requests' tokens straight back to it (scheduler/worker_setup.py ApiServers).
 is shared without touching a token: the routers' placements and the units' restarts over a bus through API
 server 0 (engine_client.RouterBus), the request-side metrics through files (metrics.PeerStates).
 
-An API server that dies is started again; the requests it was streaming are lost with their connections (their
-units finish them and drop the tokens). Each one admits at most its share of --max-waiting-requests.
+An API server that dies is started again; the requests it was streaming are lost with their connections, and API
+server 0 has the units stop them first (EngineClient.api_server_died). Each one admits at most its share of
+--max-waiting-requests.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
 
 import uvicorn
@@ -83,9 +84,11 @@ def freeze_startup_heap() -> None:
 class ApiServerProcesses:
     """API servers 1..N-1, started, watched and stopped by API server 0."""
 
-    def __init__(self, args: argparse.Namespace, plan, target: Callable[[argparse.Namespace, object, int], None]) -> None:
-        """target(args, plan, index) is an API server's process entry point (server.serve.run_api_server)."""
-        self.args, self.plan, self.target = args, plan, target
+    def __init__(self, args: argparse.Namespace, plan, target: Callable[[argparse.Namespace, object, int], None],
+                 died: Callable[[int], Awaitable[None]]) -> None:
+        """target(args, plan, index) is an API server's process entry point (server.serve.run_api_server); died(index)
+        frees what a dead one's requests held, before it is started again (EngineClient.api_server_died)."""
+        self.args, self.plan, self.target, self.died = args, plan, target, died
         self.ctx = mp.get_context("spawn")
         self.procs: dict[int, BaseProcess] = {}
         self.stopping = self.signalled = False
@@ -101,12 +104,15 @@ class ApiServerProcesses:
         self.procs[index] = proc
 
     async def watch(self) -> None:
+        """Start again every API server that died. Run supervised (server/supervise.py) and again where it fails: each
+        turn reads the processes afresh, so a new run misses no death."""
         while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for index, proc in list(self.procs.items()):
                 if not self.stopping and not proc.is_alive():
-                    log.error("API server %d died (exit code %s); starting it again (the streams it served are lost)",
-                              index, proc.exitcode)
+                    log.error("API server %d died (exit code %s); stopping its requests in the units and starting it "
+                              "again (the streams it served are lost)", index, proc.exitcode)
+                    await self.died(index)
                     self._spawn(index)
 
     def signal(self, sig: int) -> None:

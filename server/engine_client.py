@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import statistics
 import time
@@ -23,11 +24,14 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
-from scheduler.messages import (AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent, UnitReset,
-                                WorkerOutput, WorkerReady, WorkerStats, new_request_id)
+from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent,
+                                UnitReset, WorkerOutput, WorkerReady, WorkerStats, new_request_id, request_prefix)
 from scheduler.policy import Outcome
 from scheduler.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
+from server.supervise import supervise
+
+log = logging.getLogger("ppd.api")
 
 
 class EngineError(Exception):
@@ -60,6 +64,10 @@ class Admission:
 START_INTERVAL_SAMPLES = 16  # the latest backlog samples the time between starts is the median of
 START_INTERVAL_MIN_SAMPLES = 4  # samples before the median predicts a wait (and so refuses a request)
 MAX_RETRY_AFTER_S = 60
+READER = "the output reader"  # the background tasks' names, in the log and on /health
+BUS = "the router bus"
+UNIT_SEND_TIMEOUT_S = 1.0  # a message outside a request's path that a unit does not take by then is dropped
+DROPPED_LOG_EVERY = 1000  # router events: one warning per this many dropped
 
 
 @dataclass
@@ -143,6 +151,7 @@ class _Request:
     route: Route | None = None  # where the unit ran the prefill (with the cached length it found)
     cached: int | None = None
     done: bool = False
+    abort: bool = False  # ended here while its unit still runs it: the unit must be told to stop it
 
     @property
     def started(self) -> bool:
@@ -213,13 +222,28 @@ class EngineClient:
         self._ids = itertools.count()
         self.on_ready: Callable[[], None] | None = None  # called whenever a unit becomes ready
         self.draining = False  # shutting down: no new request; those in flight may finish
+        self.problems: dict[str, str] = {}  # background task -> why it is down: the process is unhealthy meanwhile
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.reader = loop.create_task(self._read_outputs())
+        """Start the background tasks, each supervised (server/supervise.py), each run again where it failed: the
+        reader keeps nothing of its own beyond the requests it fails, and what it knows of the units the workers
+        send again within STATS_INTERVAL_S; the bus's events are hints; the metrics writer rewrites a whole file
+        each time and carries no request, so its failure leaves the process healthy. Restarting the process
+        instead would cost every request it serves, and on API server 0 the units too."""
+        self.reader = supervise(READER, self._read_outputs, self.problems, self._reader_failed)
         if self.bus is not None:
-            self.bus.task = loop.create_task(self.bus.run(self._router_event))
-            self.bus.metrics_task = loop.create_task(self._write_metrics())
+            bus = self.bus
+            bus.task = supervise(BUS, lambda: bus.run(self._router_event), self.problems)
+            bus.metrics_task = supervise("the metrics writer", self._write_metrics, None)
+
+    def _reader_failed(self, exc: Exception) -> None:
+        """The reader died: no output reaches the requests in flight, so they end with a 500, and their units are told
+        to stop them (generate sends the abort)."""
+        error = EngineError(500, f"internal error: the server's output reader failed ({type(exc).__name__}); the "
+                                 "server logged it and is restarting the reader, retry")
+        for req in list(self.requests.values()):
+            req.abort = True
+            self._end(req, error, finished=False)
 
     def close(self) -> None:
         for task in (self.reader, self.bus and self.bus.task, self.bus and self.bus.metrics_task):
@@ -272,6 +296,8 @@ class EngineClient:
         if self.draining:
             return EngineError(503, "the server is shutting down; send the request to another server, or retry once "
                                     "this one is back")
+        if READER in self.problems:
+            return EngineError(503, f"{self.problems[READER]}; retry shortly")
         ready = [u for u in range(len(self.units)) if self.unit_ready(u)]
         if not ready:
             return EngineError(503, "no worker unit is ready (the server is starting or restarting one); retry shortly")
@@ -299,6 +325,19 @@ class EngineClient:
         if self.bus is not None:
             self.bus.publish(UnitReset(self.api_server, unit, message))
 
+    async def api_server_died(self, index: int) -> None:
+        """API server `index` died (API server 0 is told, before it starts it again): its requests have no one to
+        stream to, so every unit stops them, by their ids' prefix, and frees their blocks; then it tells every router
+        what it holds, its load from then on. A unit that does not take the message within a second is restarting, and
+        holds none of them."""
+        raw = self.encode(AbortPrefix(request_prefix(index)))
+        for unit, sock in enumerate(self.to_units):
+            try:
+                await asyncio.wait_for(sock.send(raw), UNIT_SEND_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("unit %d did not take the abort of API server %d's requests (it is restarting)", unit,
+                            index)
+
     def _reset(self, unit: int, message: str) -> None:
         for req in [r for r in self.requests.values() if r.unit == unit]:
             self._end(req, EngineError(503, message), finished=False)
@@ -320,17 +359,18 @@ class EngineClient:
             available = [unit]
         placed = self.router.route(prompt_ids, available, sampling.max_tokens, session, route_hint,
                                    sampling.min_tokens, sampling.ignore_eos)
-        self.metrics.route_decision(placed.decision.route, placed.decision.reason)
+        # From here the request counts in its unit's load: whatever happens next, _end gives it back.
         req = _Request(new_request_id(self.api_server, next(self._ids), uuid.uuid4().hex[:8]), placed.unit,
                        placed, prompt_ids)
-        try:
-            message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route, placed.hashes))
-        except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks should make this unreachable
-            self.router.finished(placed.unit, prompt_ids, placed)
-            raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
         self.requests[req.request_id] = req
         self.state[req.unit].waiting += 1
         try:
+            self.metrics.route_decision(placed.decision.route, placed.decision.reason)
+            try:
+                message = self.encode(GenerateRequest(req.request_id, prompt_ids, sampling, placed.route,
+                                                      placed.hashes))
+            except (OverflowError, TypeError, msgspec.EncodeError) as exc:  # the API's checks make this unreachable
+                raise EngineError(400, f"the request has a value no worker can take ({exc})") from exc
             await self.to_units[req.unit].send(message)
             while True:
                 timeout = None
@@ -357,6 +397,8 @@ class EngineClient:
         finally:
             if not req.done:
                 self._end(req, None, finished=False)
+                req.abort = True
+            if req.abort:
                 await self.to_units[req.unit].send(self.encode(AbortRequest(req.request_id)))
 
     # ---- outputs from the workers ----------------------------------------------------------------------
@@ -376,6 +418,8 @@ class EngineClient:
                 live = self.router.live[msg.unit]
                 live.prefill_queue_tokens = msg.stats.prefill_queue_tokens
                 live.decode_step_ms, live.inline_tokens_per_s = msg.stats.decode_step_ms, msg.stats.inline_tokens_per_s
+            if msg.held is not None:
+                self.router.recount(msg.unit, msg.held)
             if msg.prefill_stats is not None:
                 self.router.live[msg.unit].prefill_tokens_per_s = msg.prefill_stats.tokens_per_s
                 self.metrics.prefill_speed_measured(msg.unit, msg.prefill_stats.tokens_per_s)
@@ -469,7 +513,11 @@ class EngineClient:
 class RouterBus:
     """Keeps the API servers' routers (and unit resets) in step: API server 0 publishes every event, its own and
     those the others push to it; each applies the events of the others. Events cost a message per request, never
-    per token."""
+    per token.
+
+    Events are hints: publishing one never blocks and never raises. One that finds the queue full (API server 0 not
+    reading, past the socket's bound of 1,000) is dropped and counted in `dropped`; PUB drops silently for a
+    subscriber that far behind. An event that cannot be read or applied is logged and skipped."""
 
     def __init__(self, ctx: zmq.asyncio.Context, cfg: UnitConfig, api_server: int) -> None:
         self.api_server = api_server
@@ -477,31 +525,50 @@ class RouterBus:
         self.decode = msgspec.msgpack.Decoder(RouterEvent).decode
         self.task: asyncio.Task | None = None
         self.metrics_task: asyncio.Task | None = None
+        self.dropped = 0
+        # The sending socket is a plain one: an asyncio socket's send would park a full queue's zmq.Again in a
+        # future that no one awaits, and the event would be lost unseen.
+        self.out = ctx.socket(zmq.PUB if api_server == 0 else zmq.PUSH, socket_class=zmq.Socket)
         if api_server == 0:
-            self.pub = ctx.socket(zmq.PUB)
-            self.pub.bind(cfg.router_bus_address)
+            self.out.bind(cfg.router_bus_address)
             self.inbox = ctx.socket(zmq.PULL)  # the others' events
             self.inbox.bind(cfg.router_events_address)
         else:
-            self.push = ctx.socket(zmq.PUSH)
-            self.push.connect(cfg.router_events_address)
+            self.out.connect(cfg.router_events_address)
             self.inbox = ctx.socket(zmq.SUB)  # everyone's events, as API server 0 publishes them
             self.inbox.setsockopt(zmq.SUBSCRIBE, b"")
             self.inbox.connect(cfg.router_bus_address)
-        for sock in (self.inbox, getattr(self, "pub", None), getattr(self, "push", None)):
-            if sock is not None:
-                sock.setsockopt(zmq.LINGER, 0)
+        for sock in (self.inbox, self.out):
+            sock.setsockopt(zmq.LINGER, 0)
 
     def publish(self, event: RouterEvent) -> None:
-        raw = self.encode(event)
-        (self.pub if self.api_server == 0 else self.push).send(raw, zmq.NOBLOCK)
+        self._send(self.encode(event))
+
+    def _send(self, raw: bytes) -> None:
+        try:
+            self.out.send(raw, zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % DROPPED_LOG_EVERY == 0:
+                log.warning("router bus: %d event(s) dropped so far, API server 0 is not reading them (the other "
+                            "routers' view of the units' load and prefixes is a guess until it does)", self.dropped)
+        except zmq.ZMQError as exc:  # a closed socket at shutdown, ...: a hint lost
+            self.dropped += 1
+            log.warning("router bus: an event could not be sent (%s)", exc)
 
     async def run(self, apply: Callable[[RouterEvent], None]) -> None:
         while True:
             raw = await self.inbox.recv()
-            event = self.decode(raw)
+            try:
+                event = self.decode(raw)
+            except msgspec.DecodeError as exc:
+                log.error("router bus: skipped an event that cannot be read (%s)", exc)
+                continue
             if event.origin == self.api_server:
                 continue  # our own, back from API server 0
             if self.api_server == 0:
-                self.pub.send(raw, zmq.NOBLOCK)
-            apply(event)
+                self._send(raw)
+            try:
+                apply(event)
+            except Exception:  # noqa: BLE001 - one event that cannot be applied must not stop the others
+                log.exception("router bus: applying %s failed; skipped", type(event).__name__)

@@ -4,12 +4,15 @@ The two workers of a unit share memory (and on the GPU one fault reaches every
 process of the device), so a unit is restarted whole: its in-flight requests end
 at once with a 503, both processes go, a fresh pair comes up. A tensor-parallel
 unit has a decode and a prefill process per rank, its ranks meet in collectives
-that one dead rank stalls: any of them dying restarts all of them.
+that one dead rank stalls: any of them dying restarts all of them. Each restart
+runs as a task of its own, so the watcher sees a second unit die while the first
+is still loading.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -22,6 +25,7 @@ from scheduler.decode_worker import run_decode_worker
 from scheduler.prefill_worker import run_prefill_worker
 from scheduler.stub_worker import run_stub_worker
 from server.engine_client import EngineClient
+from server.supervise import supervise
 
 log = logging.getLogger("ppd.launcher")
 
@@ -41,6 +45,8 @@ class Launcher:
         self.procs: list[dict[str, BaseProcess]] = [{} for _ in units]
         self.restarts = [0] * len(units)
         self.watcher: asyncio.Task | None = None
+        self.restarting: dict[int, asyncio.Task] = {}  # unit -> its restart, which runs beside the watcher
+        self.down: set[int] = set()  # units that reported they cannot start: left stopped
         self.stopping = False
 
     def spawn_all(self) -> None:
@@ -53,7 +59,7 @@ class Launcher:
         raises StartupFailed when a unit reports that it cannot start (the model does not fit, ...)."""
         if not any(self.procs):
             self.spawn_all()
-        self.watcher = asyncio.get_running_loop().create_task(self._watch())
+        self.watcher = supervise("the launcher's watcher", self._watch, self.client.problems)
         await asyncio.gather(*(self.client.state[u].ready_event.wait() for u in range(len(self.units))))
         for unit, state in enumerate(self.client.state):
             if state.fatal is not None:
@@ -68,8 +74,9 @@ class Launcher:
     def shutdown(self) -> None:
         """Stop every worker, leaving no process and no shared-memory file behind."""
         self.stopping = True
-        if self.watcher:
-            self.watcher.cancel()
+        for task in [self.watcher, *self.restarting.values()]:
+            if task is not None:
+                task.cancel()
         for unit in range(len(self.units)):
             self._stop(unit)
 
@@ -106,38 +113,64 @@ class Launcher:
                 remove_leftover(cfg.shm_name(kind, rank))
 
     async def _watch(self) -> None:
+        """Notice every unit whose worker died, at once: fail its requests with a 503, stop what is left of it, and
+        start its restart as a task of its own. Supervised and run again where it fails (server/supervise.py): each
+        turn reads the processes afresh, so a new run misses no death."""
         while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for unit, procs in enumerate(self.procs):
                 if self.stopping:
                     return
+                if unit in self.restarting or unit in self.down:
+                    continue
                 dead = [(role, p.exitcode) for role, p in procs.items() if not p.is_alive()]
-                if dead:
-                    await self._restart(unit, dead)
+                if dead or not procs:  # none: a restart that failed before it started the processes again
+                    self._fail(unit, dead)
+                    task = asyncio.get_running_loop().create_task(self._restart(unit), name=f"restart unit {unit}")
+                    self.restarting[unit] = task
+                    task.add_done_callback(functools.partial(self._restart_ended, unit))
 
-    async def _restart(self, unit: int, dead: list[tuple[str, int | None]]) -> None:
-        what = ", ".join(f"{role} worker (exit code {code})" for role, code in dead)
+    def _fail(self, unit: int, dead: list[tuple[str, int | None]]) -> None:
+        """End the unit's requests (in every API server) and stop what is left of its processes."""
+        what = ", ".join(f"{role} worker (exit code {code})" for role, code in dead) or "its workers"
         log.error("unit %d: %s died; failing its requests and restarting the unit", unit, what)
         self.client.reset_unit(unit, f"the worker serving this request died ({what}); the server is restarting it, retry")
         self._stop(unit)
-        # Back off when a unit keeps dying at start, instead of spinning.
-        delay = min(MAX_RESTART_DELAY_S, 0.5 * (2 ** self.restarts[unit]) - 0.5)
-        self.restarts[unit] += 1
-        if delay:
-            await asyncio.sleep(delay)
-        started = time.monotonic()
-        self._spawn(unit)
+
+    async def _restart(self, unit: int) -> None:
+        """Start a failed unit again, until it is ready; one that dies while starting is failed and started again after
+        a longer wait, one that reports it cannot start stays down."""
+        began = time.monotonic()
+        while not self.stopping:
+            # Back off when a unit keeps dying at start, instead of spinning.
+            delay = min(MAX_RESTART_DELAY_S, 0.5 * (2 ** self.restarts[unit]) - 0.5)
+            self.restarts[unit] += 1
+            if delay:
+                await asyncio.sleep(delay)
+            self._spawn(unit)
+            state = self.client.state[unit]
+            dead: list[tuple[str, int | None]] = []
+            while not state.ready_event.is_set() and not dead:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                if state.fatal is None:
+                    dead = [(role, p.exitcode) for role, p in self.procs[unit].items() if not p.is_alive()]
+            if not dead:
+                break
+            self._fail(unit, dead)
         state = self.client.state[unit]
-        while not state.ready_event.is_set():
-            await asyncio.sleep(WATCH_INTERVAL_S)
-            if any(not p.is_alive() for p in self.procs[unit].values()) and state.fatal is None:
-                return  # died while starting: the watcher restarts it again
         if state.fatal is not None:
             log.error("unit %d cannot start again and stays down: %s", unit, state.fatal)
-            self._stop(unit)  # no processes left: the watcher has nothing to restart
+            self.down.add(unit)
+            self._stop(unit)
             return
-        self.restarts[unit] = 0
-        log.info("unit %d restarted in %.1fs", unit, time.monotonic() - started)
+        if state.ready_event.is_set():
+            self.restarts[unit] = 0
+            log.info("unit %d restarted in %.1fs", unit, time.monotonic() - began)
+
+    def _restart_ended(self, unit: int, task: asyncio.Task) -> None:
+        self.restarting.pop(unit, None)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("unit %d: restarting it failed; the watcher tries again", unit, exc_info=exc)
 
 
 def _remove(path: str) -> None:

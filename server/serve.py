@@ -697,6 +697,7 @@ def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
     from server.api_servers import ApiServerProcesses, DrainingServer, freeze_startup_heap
     from server.launcher import Launcher
+    from server.supervise import supervise
 
     plan = plan_serve(args)
     guard = request_guard(args)
@@ -724,7 +725,7 @@ def serve(args: argparse.Namespace) -> None:
              plan.device if plan.device == "cpu" else f"GPU(s) {','.join(u.gpu or '' for u in plan.units)}",
              len(plan.units), plan.units[0].partition.describe(), args.policy)
     launcher.spawn_all()  # the workers load the model while this process loads the web stack
-    helpers = ApiServerProcesses(args, plan, run_api_server)  # API servers 1..N-1 (--api-server-count)
+    helpers = ApiServerProcesses(args, plan, run_api_server, client.api_server_died)  # API servers 1..N-1
     helpers.spawn_all()
     import uvicorn
 
@@ -740,7 +741,7 @@ def serve(args: argparse.Namespace) -> None:
         freeze_startup_heap()
         client.start()
         starting = asyncio.get_running_loop().create_task(launcher.start())
-        watching = asyncio.get_running_loop().create_task(helpers.watch())
+        watching = supervise("the API servers' watcher", helpers.watch, client.problems)
 
         def started(task: asyncio.Task) -> None:
             if task.cancelled():
@@ -824,7 +825,8 @@ def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
 
 
 def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | None, bool]]]) -> list[dict]:
-    """Each unit's readiness, device and workers (pids(unit): role -> (pid, alive)), for GET /health."""
+    """Each unit's readiness, device and workers (pids(unit): role -> (pid, alive)), its requests waiting to start
+    and its load (the requests of every API server this one's router counts there), for GET /health."""
     units = []
     for u, cfg in enumerate(plan.units):
         state = client.state[u]
@@ -840,7 +842,7 @@ def health(plan: ServePlan, client, pids: Callable[[int], dict[str, tuple[int | 
         if state.stats is not None and state.stats.partition_problem:
             partition["problem"] = state.stats.partition_problem
         units.append({"unit": u, "ready": client.unit_ready(u), "device": device, "partition": partition,
-                      "waiting": state.waiting,
+                      "waiting": state.waiting, "load": client.router.load[u],
                       "overloaded": overloaded is not None, **({"overload": overloaded} if overloaded else {}),
                       "workers": workers_of(pids(u), cfg)})
     return units

@@ -185,3 +185,18 @@ def test_the_hashes_a_placement_carries_are_the_ones_the_units_block_manager_key
     blocks.cache_blocks("a", prompt, len(prompt))
     assert sorted(blocks._hash_to_block) == sorted(placed.hashes)
     assert blocks.allocate("b", prompt + [7]) == 16
+
+
+def test_an_event_that_cannot_be_published_neither_fails_the_request_nor_leaks_its_load() -> None:
+    """Router events are hints: a bus that raises (a full queue, a closed socket) costs the other API servers a
+    hint, never the request its router placed, and the load it counted is given back when the request ends."""
+    router = Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100)
+
+    def full(event) -> None:
+        raise RuntimeError("the bus is full")
+
+    router.publish = full
+    placed = router.route(list(range(16)), available=[0])
+    assert router.load == [1]
+    router.finished(placed.unit, list(range(16)), placed)
+    assert router.load == [0]

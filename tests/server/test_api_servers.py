@@ -156,3 +156,45 @@ def test_sigterm_drains_the_streams_of_every_api_server(server) -> None:
     assert len(outcomes) == 16 and {api for api, _, _ in outcomes} == {"0", "1"}
     for _, events, _ in outcomes:
         assert events[-1] == "[DONE]" and '"finish_reason":"length"' in events[-2]
+
+
+def health_of(url: str, api_server: int, timeout: float = 30) -> dict:
+    """/health as API server `api_server` answers it (new connections until that one takes one)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with httpx.Client() as client:
+            health = client.get(f"{url}/health", timeout=10).json()
+        if health["api_server"]["index"] == api_server:
+            return health
+    raise AssertionError(f"API server {api_server} answered no /health within {timeout}s")
+
+
+def test_a_dead_api_servers_requests_are_stopped_in_the_unit_and_the_routers_forget_their_load(start_server) -> None:
+    """A killed API server's requests would run to max_tokens in the unit (the whole context by default), holding
+    KV blocks and a decode slot, and stay in every router's load: the unit stops them within a few steps, the
+    survivor's router takes the unit's own count, and the survivor serves on."""
+    server = start_server("--api-server-count", "2", "--policy", "pd")  # the demo model: a real decode worker
+    body = {"model": "demo", "prompt": "a stream through the other API server", "max_tokens": 4000,
+            "ignore_eos": True, "stream": True}
+    deadline = time.monotonic() + 60
+    with httpx.Client() as first:
+        while time.monotonic() < deadline:
+            with httpx.Client() as client, client.stream("POST", f"{server.url}{COMPLETIONS}", json=body,
+                                                         timeout=60) as resp:
+                if resp.headers["x-ppd-api-server"] != "1":
+                    continue  # API server 0 took it: closing the stream aborts it
+                lines = resp.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))
+                helper = health_of(server.url, 1)["api_server"]["pid"]
+                os.kill(helper, signal.SIGKILL)
+                killed = time.monotonic()
+                break
+        else:
+            raise AssertionError("API server 1 took no stream")
+        # Gone from the unit within a few steps, its KV blocks back, though its client stayed.
+        wait_until(lambda: server.metrics().get("vllm:num_requests_running", 1) == 0
+                   and server.metrics().get("vllm:kv_cache_usage_perc", 1) == 0, 10, "the unit to stop the request")
+        assert time.monotonic() - killed < 10
+        wait_until(lambda: health_of(server.url, 0)["units"][0]["load"] == 0, 10, "the survivor's router to forget it")
+        resp = first.post(f"{server.url}{COMPLETIONS}", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from partition.cpu import available_cores, split_cores
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +121,46 @@ def test_an_outside_routers_rank_header_picks_the_unit(server: ServerProcess) ->
     for bad in ("2", "-1", "one"):
         resp = ask(conv, bad)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-data-parallel-rank"
+
+
+def test_two_units_killed_at_once_both_end_their_streams_at_once_and_both_restart(server: ServerProcess) -> None:
+    """A restart lasts until the unit is ready again (minutes on a GPU): a second unit that dies meanwhile must not
+    wait for it. Both units' streams end with an error event at once, both units come back, and each serves again."""
+    victims = [{w["role"]: w["pid"] for w in unit["workers"]}["decode"] for unit in server.health()["units"]]
+    streaming = [threading.Event() for _ in victims]
+    outcomes: dict[int, tuple[list[str], float]] = {}
+
+    def stream(rank: int) -> None:
+        body = {"model": "demo", "messages": [{"role": "user", "content": f"long {rank}"}], "max_tokens": 3000,
+                "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"x-data-parallel-rank": str(rank)}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        streaming[rank].set()
+        outcomes[rank] = (events, time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(rank,)) for rank in range(len(victims))]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in streaming), "both streams to run"
+    killed = time.monotonic()
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(outcomes) == [0, 1]
+    for rank, (events, ended) in outcomes.items():
+        assert events[-1] == "[DONE]" and "died" in events[-2], rank
+        assert ended - killed < 3, f"unit {rank}'s stream ended {ended - killed:.1f}s after its worker died"
+    wait_until(lambda: server.health()["status"] == "ok", 120, "both units to restart")
+    workers = [{w["role"]: w["pid"] for w in unit["workers"]} for unit in server.health()["units"]]
+    assert all(w["decode"] != victim for w, victim in zip(workers, victims))
+    for rank in ("0", "1"):
+        resp = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-data-parallel-rank": rank}, timeout=60,
+                          json={"model": "demo", "messages": [{"role": "user", "content": "back"}], "max_tokens": 4,
+                                "ignore_eos": True})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4, resp.text

@@ -116,6 +116,7 @@ class RecordingClient:
 
     api_server = 0
     units = [0]
+    problems: dict[str, str] = {}
 
     def __init__(self, answer: bytes = b"ok") -> None:
         self.answer, self.prompts, self.sampling = answer, [], []
