@@ -35,7 +35,7 @@ from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits, graph_targets, on_stream
 from scheduler.config import UnitConfig
-from scheduler.sequence import Sequence, pack
+from scheduler.sequence import SeqState, Sequence, pack
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
                                 SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
 from scheduler.worker_setup import ApiServers, ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
@@ -154,9 +154,9 @@ class PrefillWorker:
                                                      f"the prefill worker failed on this request ({error})")))
         done = [a for a, i in zip(active, inputs) if i.sample]
         self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs)
-                     if t is not None and not a.aborted])
+                     if t is not None and not a.state.finished])
         for a in active:
-            if a.aborted:  # its abort came while the pass ran: its blocks are written now
+            if a.state is SeqState.FINISHED_ABORTED:  # its abort came while the pass ran: its blocks are written now
                 self.notify.send(self.encode(PrefillDone(a.request_id, None)))
 
     def receive(self, block: bool) -> None:
@@ -186,7 +186,7 @@ class PrefillWorker:
                 if job.request_id == msg.request_id:
                     self.drop(job)
                     if self.in_flight is not None and job in self.in_flight.active:
-                        job.aborted = True  # handed back once the pass in flight is done (took)
+                        job.state = SeqState.FINISHED_ABORTED  # handed back once the pass in flight is done (took)
                     else:
                         self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
                     return

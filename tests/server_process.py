@@ -38,7 +38,8 @@ class ServerProcess:
 
     def __init__(self, *args: str, cache_dir: Path, log_path: Path) -> None:
         self.log_path = log_path
-        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        # PPD_CHECK_INVARIANTS: each decode worker checks its books whenever it goes idle.
+        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1", "PPD_CHECK_INVARIANTS": "1"}
         if "--policy" not in args:  # the two-worker path these tests exercise; on the CPU auto picks it only on 4+ cores
             args = ("--policy", "ppd", *args)
         self.proc, self.url = start_server(list(args), log_path, env=env, timeout=120)
