@@ -38,7 +38,8 @@ from scheduler.config import UnitConfig
 from scheduler.sequence import SeqState, Sequence, pack
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
                                 SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
-from scheduler.worker_setup import ApiServers, ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
+from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, run_or_report, set_thread_name,
+                                    worker_title, zmq_socket)
 
 log = logging.getLogger("ppd.prefill")
 
@@ -253,7 +254,7 @@ def start_prefill_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, strea
         out = ApiServers(ctx, cfg)
         run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx, owner, streams, key, tp).run())
 
-    return _thread_of_the_unit(cfg, main)
+    return _thread_of_the_unit(cfg, main, tp.rank)
 
 
 def start_prefill_follower_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, streams: StreamSplits | None,
@@ -265,14 +266,16 @@ def start_prefill_follower_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engi
         engine = Engine.sibling(owner, *graph_targets(streams, "prefill"), tp)
         engine.follow(sock, on_stream=lambda key: on_stream(streams, "prefill", key))
 
-    return _thread_of_the_unit(cfg, main)
+    return _thread_of_the_unit(cfg, main, tp.rank)
 
 
-def _thread_of_the_unit(cfg: UnitConfig, main: Any) -> threading.Thread:
+def _thread_of_the_unit(cfg: UnitConfig, main: Any, rank: int = 0) -> threading.Thread:
     """A thread that ends only with its process: when main fails or returns, the process exits (code 3: a start-up
-    error run_or_report told the API server of), and the launcher restarts the unit."""
+    error run_or_report told the API server of), and the launcher restarts the unit. It is named as the prefill
+    worker's process would be (ppd::u0-prefill)."""
     def run() -> None:
         torch.set_grad_enabled(False)  # per thread
+        set_thread_name(worker_title(cfg, "prefill", rank))
         code = 1
         try:
             main()

@@ -59,3 +59,13 @@ class ServerProcess:
         if self.proc.poll() is None:
             stop_server(self.proc)
         return self.proc.returncode
+
+
+def process_title(pid: int) -> str:
+    """What `ps` shows for a process: its command line (setproctitle rewrites it)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+def thread_names(pid: int) -> set[str]:
+    """The names of a process's threads (`top -H`)."""
+    return {(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()}

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.demo import write_byte_tokenizer
-from tests.server_process import ServerProcess, greedy_completion, wait_until
+from tests.server_process import ServerProcess, greedy_completion, process_title, wait_until
 from tests.tiny_models import hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
@@ -92,6 +92,7 @@ def test_each_rank_maps_its_own_shard_shared_by_its_two_workers(tp_server) -> No
     _, server = tp_server
     workers = {(w["role"], w["rank"]): w["pid"] for w in server.health()["units"][0]["workers"]}
     assert set(workers) == {("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)}
+    assert {process_title(pid) for pid in workers.values()} == {f"ppd::u0-rank{r}-{role}" for role, r in workers}
     prefix = f"/dev/shm/ppd-{server.proc.pid}-u0-"
     rank0, rank1 = mapped(workers["decode", 0], prefix), mapped(workers["decode", 1], prefix)
     assert set(rank0) == {"weights", "kv"} and set(rank1) == {"weights-r1", "kv-r1"}
