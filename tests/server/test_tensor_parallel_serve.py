@@ -127,6 +127,30 @@ def test_killing_any_rank_restarts_the_whole_unit(tp_server, victim: tuple[str, 
     assert complete(server, prompt)[0] == hf_greedy(folder, prompt, NEW_TOKENS)
 
 
+def test_a_step_failing_on_one_rank_restarts_the_unit(cache_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails on a follower alone (its memory, its device) leaves the other ranks in a collective no retry
+    can meet: the follower ends, the request gets an error at once, every rank restarts, and the next request is
+    served. The fault is injected once (engine/faults.py), on the first step a follower runs."""
+    monkeypatch.setenv("PPD_INJECT_FAULT", f"follower-step:{tmp_path / 'fired'}")
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    write_byte_tokenizer(folder)
+    server = ServerProcess("--model", str(folder), "--served-model-name", "tiny", "--policy", "ppd",
+                           "--tensor-parallel-size", "2", cache_dir=cache_dir, log_path=tmp_path / "serve.log")
+    try:
+        before = {w["pid"] for w in server.health()["units"][0]["workers"]}
+        prompt = ids(random.Random(4), 30)
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+        assert resp.status_code in (500, 503) and (tmp_path / "fired").exists()
+        wait_until(lambda: (h := server.health())["status"] == "ok"
+                   and not {w["pid"] for w in h["units"][0]["workers"]} & before, 120, "every rank to restart")
+        assert complete(server, prompt)[0] == hf_greedy(folder, prompt, NEW_TOKENS)
+        assert "tensor-parallel rank 1's step failed (InjectedFault" in (tmp_path / "serve.log").read_text()
+    finally:
+        server.stop()
+
+
 def plan(*argv: str):
     import server.serve
     from server.cli import add_serve_args
