@@ -191,6 +191,34 @@ class BlockManager:
                 else:
                     self._evictable[block_id] = None
 
+    def holders(self) -> set[str]:
+        """The sequences that hold blocks."""
+        return set(self._seqs)
+
+    def check(self) -> None:
+        """Raise AssertionError where the books disagree: every block free, evictable or referenced, exactly one of
+        them; each block's reference count the number of tables holding it; an evictable block cached; the hash
+        index and the blocks' hashes the same map both ways; a table's blocks distinct."""
+        refs: dict[int, int] = {}
+        for seq_id, seq in self._seqs.items():
+            table = seq.table.tolist()
+            _check(len(set(table)) == len(table), f"{seq_id}'s table holds a block twice")
+            for block_id in table:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        free, evictable = set(self._free), set(self._evictable)
+        _check(len(free) == len(self._free), "a block listed free twice")
+        _check(not (free & evictable) and not (free & refs.keys()) and not (evictable & refs.keys()),
+               "a block both free, evictable or referenced")
+        _check(len(free) + len(evictable) + len(refs) == self.num_blocks, "a block neither free, evictable nor held")
+        for block in self._blocks:
+            _check(block.ref_count == refs.get(block.block_id, 0), f"block {block.block_id}'s reference count")
+            if block.hash is not None:
+                _check(self._hash_to_block.get(block.hash) == block.block_id, f"block {block.block_id}'s hash entry")
+        for block_id in evictable:
+            _check(self._blocks[block_id].hash is not None, f"evictable block {block_id} is not cached")
+        for h, block_id in self._hash_to_block.items():
+            _check(self._blocks[block_id].hash == h, f"hash entry of block {block_id}")
+
     def peek_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens allocate() would report as cached right now, without pinning."""
         num_matched = len(self._match(token_ids))
@@ -247,3 +275,8 @@ class BlockManager:
         if block.ref_count == 0:
             del self._evictable[block.block_id]
             self._free.append(block.block_id)
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:  # not `assert`: checked under python -O too
+        raise AssertionError(f"block manager: {what}")

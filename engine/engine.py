@@ -25,6 +25,7 @@ import torch
 
 from engine.config import ModelConfig, resolve_dtype
 from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS, graph_buckets
+from engine.faults import inject_fault
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import (GiB, KVPlan, MemoryMeasurement, StartupError, check_free_at_start,
                                 plan_from_measurement, plan_from_request)
@@ -40,6 +41,10 @@ from engine.shared_memory import SharedHandle, create_shared, open_shared
 log = logging.getLogger("ppd.engine")
 
 MAX_FAILED_STEPS = 3  # steps in a row where every input fails before step_each gives up on the engine
+
+
+class UnitFault(RuntimeError):
+    """The engine cannot go on: its process must end, and the launcher restarts the unit's processes together."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,11 @@ class Engine:
             self._failed_steps = 0
             return sampled, {}
         except Exception as exc:  # noqa: BLE001 - sorted out below, per input
+            if self.followers is not None and not isinstance(exc, RequestFailure):
+                # A forward pass that failed here may have failed on this rank alone, its followers waiting in a
+                # collective it never joined: no retry can meet them. The unit restarts (every rank, together).
+                raise UnitFault(f"tensor-parallel rank 0's step failed ({type(exc).__name__}: {exc}); the unit "
+                                "restarts") from exc
             log.warning("a step of %d input(s) failed (%s: %s); running them one by one", len(inputs),
                         type(exc).__name__, exc)
             batch_error = exc
@@ -300,20 +310,22 @@ class Engine:
         """A tensor-parallel follower's life: run each step rank 0 sends (its sampling and scheduling are rank 0's)
         with the graphs of the stream rank 0 ran it on (on_stream(key): the context that runs it there, in a
         one-process unit on a GPU), and hand any other message to on_command(kind, payload), for as long as the process
-        lives (the launcher stops a unit's ranks together). A step that fails here fails on rank 0 too (the same
-        inputs), which runs its inputs again one by one, as do we."""
+        lives (the launcher stops a unit's ranks together). A step that fails here may fail on this rank alone (its
+        memory, its device), leaving the others in a collective it never joins: it raises UnitFault, the process ends
+        and the launcher restarts every rank of the unit."""
         while True:
             kind, payload = receive(sock)
             if kind == "step":
                 inputs, key = payload
                 try:
+                    inject_fault("follower-step")
                     self.runner.use_graphs(key)
                     with on_stream(key) if on_stream is not None else contextlib.nullcontext():
                         self.forward(inputs)
                         self._wait_for_device()
-                except Exception as exc:  # noqa: BLE001 - rank 0 sees the same failure and says what it was
-                    log.debug("a step failed on this rank too: %s: %s", type(exc).__name__, exc)
-                    self._wait_for_device()
+                except Exception as exc:
+                    raise UnitFault(f"tensor-parallel rank {self.runner.model.tp.rank}'s step failed "
+                                    f"({type(exc).__name__}: {exc}); the unit restarts") from exc
             elif on_command is not None:
                 on_command(kind, payload)
 

@@ -75,7 +75,7 @@ class DecodeScheduler:
         self.prefix_hits = 0
         self.num_preemptions = 0
         self.finished: list[str] = []  # requests ended since the worker last took them (to free sampler state)
-        self.ended_in_flight: list[Sequence] = []  # ended while a launched step holds them: blocks not yet freed
+        self.ended: list[Sequence] = []  # ended while a launched step or the prefill worker still writes their blocks
 
     # ---- requests in -------------------------------------------------------------------------------
 
@@ -103,30 +103,28 @@ class DecodeScheduler:
         seq = self.by_id.get(request_id)
         if seq is None:
             return False
-        if seq.state is SeqState.REMOTE:
-            seq.aborted = True
-            return True
-        self._finish(seq)
-        return False
+        remote = seq.state is SeqState.REMOTE
+        self._end(seq, SeqState.FINISHED_ABORTED)
+        return remote
 
     def prefill_done(self, msg: PrefillDone) -> list[RequestOutput]:
         """The prefill worker finished (its KV is complete): start decoding, or release the sequence."""
         seq = self.remote.pop(msg.request_id, None)
         if seq is None:
             return []
-        if seq.aborted or msg.token_id is None:
-            self._finish(seq)
-            if seq.aborted:
-                return []
+        if seq.state.finished:  # aborted while the prefill worker had it: its blocks are no one's now
+            self._release_ended()
+            return []
+        if msg.token_id is None:
+            self._end(seq, SeqState.FINISHED_ERROR)
             return [RequestOutput(seq.request_id, seq.num_output, [], error=msg.error or "prefill failed")]
         seq.num_computed = len(seq.token_ids)
         self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
         seq.reported = True  # the prefill worker sent the first token with the route
         seq.token_ids.append(msg.token_id)
-        reason = self._finish_reason(seq, msg.token_id, len(seq.token_ids))
-        if reason:
-            self._finish(seq)
-            return [RequestOutput(seq.request_id, seq.num_output, [], finish_reason=reason)]
+        if (end := self._end_by(seq, msg.token_id, len(seq.token_ids))) is not None:
+            self._end(seq, end)
+            return [RequestOutput(seq.request_id, seq.num_output, [], finish_reason=end.value)]
         seq.state = SeqState.RUNNING
         self.running.append(seq)
         return []
@@ -195,20 +193,20 @@ class DecodeScheduler:
         outputs = []
         for pos, (seq, computed) in enumerate(zip(step.seqs, step.computed)):
             seq.in_flight -= 1
-            if seq.state is SeqState.FINISHED:
+            if seq.state.finished:
                 continue
             if pos in failed:
                 while seq.token_ids[-1] == PLACEHOLDER:  # no token of this step or a later one is the request's
                     seq.token_ids.pop()
                 outputs.append(RequestOutput(seq.request_id, seq.num_output, [],
                                              error=f"the decode worker failed on this request ({failed[pos]})"))
-                self._finish(seq)
+                self._end(seq, SeqState.FINISHED_ERROR)
                 continue
             if pos in prompt_logprobs:
                 seq.prompt_logprobs += prompt_logprobs[pos]
             self.blocks.cache_blocks(seq.request_id, seq.token_ids, computed)
         for seq, at, token, lp in zip(step.sampling_seqs, step.placeholders, tokens, logprobs, strict=True):
-            if token is None or seq.state is SeqState.FINISHED:
+            if token is None or seq.state.finished:
                 continue  # failed above, or ended while the step ran
             asked_prompt = seq.sampling.prompt_logprobs if at == seq.num_prompt else None  # its first pass's end
             seq.token_ids[at] = token
@@ -217,12 +215,12 @@ class DecodeScheduler:
                 out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
             if not seq.reported:
                 out.route, out.num_cached_tokens, seq.reported = seq.route, seq.num_cached, True
-            out.finish_reason = self._finish_reason(seq, token, at + 1)
-            if out.finish_reason:
+            if (end := self._end_by(seq, token, at + 1)) is not None:
+                out.finish_reason = end.value
                 del seq.token_ids[at + 1 :]  # a later step's placeholder: that step's token is not the request's
-                self._finish(seq)
+                self._end(seq, end)
             outputs.append(out)
-        self._free_ended()
+        self._release_ended()
         return outputs
 
     # ---- state -------------------------------------------------------------------------------------
@@ -335,44 +333,67 @@ class DecodeScheduler:
         assert seq.in_flight == 0, "preempting a sequence a launched step holds"
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
-        seq.state, seq.num_computed = SeqState.WAITING, 0
+        seq.state, seq.num_computed = SeqState.PREEMPTED, 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
-        """Why seq ends with token as its length-th token (None: it goes on)."""
+    def _end_by(self, seq: Sequence, token: int, length: int) -> SeqState | None:
+        """How seq ends with token as its length-th token (None: it goes on)."""
         sp = seq.sampling
         if (token in self.eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return "stop"
+            return SeqState.FINISHED_STOPPED
         if self._length_done(seq, length):
-            return "length"
+            return SeqState.FINISHED_LENGTH
         return None
 
-    def _finish(self, seq: Sequence) -> None:
-        """Forget a finished or aborted sequence and release its blocks (once no launched step holds it)."""
-        if seq.state is SeqState.WAITING:
+    def _end(self, seq: Sequence, state: SeqState) -> None:
+        """The one way a request ends: it leaves its queue and the live requests, its sampling state is to be freed
+        (`finished`), and its blocks go back now, or once no writer holds them: a launched step (in_flight) or the
+        prefill worker (a REMOTE request stays in `remote` until its PrefillDone)."""
+        assert state.finished and not seq.state.finished, f"{seq.request_id}: {seq.state} -> {state}"
+        if seq.state.queued:
             self.waiting.remove(seq)
         elif seq.state is SeqState.PREFILLING:
             self.prefilling.remove(seq)
         elif seq.state is SeqState.RUNNING:
             self.running.remove(seq)
-        seq.state = SeqState.FINISHED
-        self.remote.pop(seq.request_id, None)
-        if seq.in_flight:
-            self.ended_in_flight.append(seq)
-        elif seq.request_id in self.blocks:
-            self.blocks.free(seq.request_id)
+        seq.state = state
         del self.by_id[seq.request_id]
         self.finished.append(seq.request_id)
+        self.ended.append(seq)
+        self._release_ended()
 
-    def _free_ended(self) -> None:
-        """Free the blocks of sequences that ended while a step held them, once no launched step does."""
-        if not self.ended_in_flight:
-            return
+    def _release_ended(self) -> None:
+        """Free the blocks of ended requests no writer holds any more."""
         held = []
-        for seq in self.ended_in_flight:
-            if seq.in_flight:
+        for seq in self.ended:
+            if seq.in_flight or seq.request_id in self.remote:
                 held.append(seq)
             elif seq.request_id in self.blocks:
                 self.blocks.free(seq.request_id)
-        self.ended_in_flight = held
+        self.ended = held
+
+    def check(self) -> None:
+        """Raise AssertionError where the books disagree: each live request in the one queue its state names, blocks
+        held exactly by live requests past the queue and by ended ones a writer still holds, the batch within
+        max_num_seqs, and the block manager's own books (BlockManager.check)."""
+        queues = {SeqState.REMOTE: [s for s in self.remote.values() if not s.state.finished],
+                  SeqState.PREFILLING: self.prefilling, SeqState.RUNNING: self.running}
+        placed = [(s, SeqState.WAITING) for s in self.waiting] + [(s, k) for k, q in queues.items() for s in q]
+        _check(sorted(s.request_id for s, _ in placed) == sorted(self.by_id), "each live request in exactly one queue")
+        for seq, queue in placed:
+            _check(seq.state is queue or (queue is SeqState.WAITING and seq.state.queued),
+                   f"{seq.request_id} is {seq.state.value} in the {queue.value} queue")
+            _check((seq.request_id in self.blocks) != seq.state.queued, f"{seq.request_id}: blocks and state agree")
+        for seq in self.ended:
+            _check(seq.state.finished and (seq.in_flight or seq.request_id in self.remote),
+                   f"{seq.request_id}: an ended request keeps blocks only while a writer holds them")
+        holders = set(self.by_id) | {s.request_id for s in self.ended}
+        _check(self.blocks.holders() <= holders, "blocks held by a request that is gone")
+        _check(len(self.running) + len(self.prefilling) + len(self.remote) <= self.max_num_seqs, "max_num_seqs")
+        self.blocks.check()
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:  # not `assert`: checked under python -O too
+        raise AssertionError(what)

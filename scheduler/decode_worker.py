@@ -47,6 +47,8 @@ from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_n
                                     zmq_socket)
 
 STATS_INTERVAL_S = 0.25
+# Debug builds (tests set it): the scheduler and block manager prove their books whenever the worker goes idle.
+CHECK_INVARIANTS = os.environ.get("PPD_CHECK_INVARIANTS") == "1"
 THREAD_SWITCH_INTERVAL_S = 0.001  # a one-process unit: how long one worker's thread may hold the GIL (default 5 ms)
 log = logging.getLogger("ppd.decode")
 
@@ -157,8 +159,12 @@ class DecodeWorker:
                                     plan.max_model_len))
 
     def run(self) -> None:
+        checked = True
         while True:
             busy = self.scheduler.has_step_work or self.in_flight is not None
+            if CHECK_INVARIANTS and not busy and not checked:
+                self.scheduler.check()
+            checked = not busy
             began = time.perf_counter()
             self.receive(block=not busy)
             if not busy:  # the wait for work is no part of the loop's cost

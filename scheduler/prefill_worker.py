@@ -35,10 +35,11 @@ from engine.sampling_params import TokenLogprobs
 from partition.cpu import repin
 from partition.green import WHOLE, StreamSplits, graph_targets, on_stream
 from scheduler.config import UnitConfig
-from scheduler.sequence import Sequence, pack
+from scheduler.sequence import SeqState, Sequence, pack
 from scheduler.messages import (AbortPrefill, PrefillDone, PrefillJob, PrefillReady, PrefillStats, RequestOutput,
                                 SetShare, ToPrefill, UnitSetup, WorkerOutput, WorkerReady)
-from scheduler.worker_setup import ApiServers, ema, init_worker_process, recv_nowait, run_or_report, zmq_socket
+from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, run_or_report, set_thread_name,
+                                    worker_title, zmq_socket)
 
 log = logging.getLogger("ppd.prefill")
 
@@ -154,9 +155,9 @@ class PrefillWorker:
                                                      f"the prefill worker failed on this request ({error})")))
         done = [a for a, i in zip(active, inputs) if i.sample]
         self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs)
-                     if t is not None and not a.aborted])
+                     if t is not None and not a.state.finished])
         for a in active:
-            if a.aborted:  # its abort came while the pass ran: its blocks are written now
+            if a.state is SeqState.FINISHED_ABORTED:  # its abort came while the pass ran: its blocks are written now
                 self.notify.send(self.encode(PrefillDone(a.request_id, None)))
 
     def receive(self, block: bool) -> None:
@@ -186,7 +187,7 @@ class PrefillWorker:
                 if job.request_id == msg.request_id:
                     self.drop(job)
                     if self.in_flight is not None and job in self.in_flight.active:
-                        job.aborted = True  # handed back once the pass in flight is done (took)
+                        job.state = SeqState.FINISHED_ABORTED  # handed back once the pass in flight is done (took)
                     else:
                         self.notify.send(self.encode(PrefillDone(msg.request_id, None)))
                     return
@@ -253,7 +254,7 @@ def start_prefill_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, strea
         out = ApiServers(ctx, cfg)
         run_or_report(cfg.unit, out, lambda: PrefillWorker(cfg, out, ctx, owner, streams, key, tp).run())
 
-    return _thread_of_the_unit(cfg, main)
+    return _thread_of_the_unit(cfg, main, tp.rank)
 
 
 def start_prefill_follower_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engine, streams: StreamSplits | None,
@@ -265,14 +266,16 @@ def start_prefill_follower_thread(cfg: UnitConfig, ctx: zmq.Context, owner: Engi
         engine = Engine.sibling(owner, *graph_targets(streams, "prefill"), tp)
         engine.follow(sock, on_stream=lambda key: on_stream(streams, "prefill", key))
 
-    return _thread_of_the_unit(cfg, main)
+    return _thread_of_the_unit(cfg, main, tp.rank)
 
 
-def _thread_of_the_unit(cfg: UnitConfig, main: Any) -> threading.Thread:
+def _thread_of_the_unit(cfg: UnitConfig, main: Any, rank: int = 0) -> threading.Thread:
     """A thread that ends only with its process: when main fails or returns, the process exits (code 3: a start-up
-    error run_or_report told the API server of), and the launcher restarts the unit."""
+    error run_or_report told the API server of), and the launcher restarts the unit. It is named as the prefill
+    worker's process would be (ppd::u0-prefill)."""
     def run() -> None:
         torch.set_grad_enabled(False)  # per thread
+        set_thread_name(worker_title(cfg, "prefill", rank))
         code = 1
         try:
             main()

@@ -24,11 +24,31 @@ PLACEHOLDER = -1  # a token sampled by a step still on the device (async schedul
 
 
 class SeqState(enum.Enum):
-    WAITING = "waiting"        # not holding blocks
-    REMOTE = "remote"          # prefill running on the prefill worker
-    PREFILLING = "prefilling"  # prefill running inline, chunk by chunk
+    """Where a request is in its life. The decode worker moves it through these; _end (decode_scheduler.py) is the
+    one way into the FINISHED_* states."""
+
+    WAITING = "waiting"        # queued, holding no blocks
+    PREEMPTED = "preempted"    # queued again after its blocks went to others: recomputed from its tokens
+    REMOTE = "remote"          # its prefill runs on the prefill worker
+    PREFILLING = "prefilling"  # its prefill runs inline, chunk by chunk
     RUNNING = "running"        # decoding
-    FINISHED = "finished"      # ended; its blocks go back once no step on the device holds it
+    FINISHED_STOPPED = "stop"      # a stop token
+    FINISHED_LENGTH = "length"     # max_tokens, or the context, reached
+    FINISHED_ABORTED = "abort"     # the client left, or the server ended it
+    FINISHED_ERROR = "error"       # a worker failed on it
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def queued(self) -> bool:
+        """Waiting for admission, holding no blocks."""
+        return self in (SeqState.WAITING, SeqState.PREEMPTED)
+
+
+_FINISHED = frozenset({SeqState.FINISHED_STOPPED, SeqState.FINISHED_LENGTH, SeqState.FINISHED_ABORTED,
+                       SeqState.FINISHED_ERROR})
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity (its block table is an array)
@@ -44,7 +64,7 @@ class Sequence:
     num_computed: int = 0      # leading tokens whose KV is in the pool
     num_cached: int = 0        # prompt tokens the prefix cache served at first admission
     route: Route | None = None
-    aborted: bool = False
+    # What the API server was told, not where the request is in its life:
     started: bool = False      # a chunk of it has been in a step (inline), or the prefill worker said so
     reported: bool = False     # route and cached tokens already sent with an output
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # of the chunks so far, until the first token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -22,6 +23,7 @@ from scheduler.config import UnitConfig
 from scheduler.messages import WorkerOutput, api_server_of
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report (the router's policy reads them)
 
 
@@ -34,11 +36,33 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
+def set_process_title(title: str) -> None:
+    """Name this process as `ps`, `top` and an orchestrator's logs show it (vLLM's VLLM::EngineCore, ours ppd::u0-decode):
+    its command line through setproctitle where installed, and its name (15 characters) through prctl on Linux."""
+    with contextlib.suppress(ImportError):
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+    set_thread_name(title)
+
+
+def set_thread_name(name: str) -> None:
+    """Name the calling thread (`top -H`, /proc/PID/task/TID/comm; the kernel keeps 15 characters). Linux only."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def worker_title(cfg: UnitConfig, role: str, rank: int = 0) -> str:
+    """ppd::u0-decode, ppd::u0-prefill; under tensor parallelism ppd::u0-rank1-decode."""
+    return f"ppd::u{cfg.unit}-" + (f"rank{rank}-" if cfg.tensor_parallel_size > 1 else "") + role
+
+
 def init_worker_process(cfg: UnitConfig, role: str, rank: int = 0) -> None:
     """Die with the launcher (no orphans even if it is killed), leave Ctrl-C and SIGTERM to it, see only the rank's GPU,
     and take our share of it (cores, or the MPS daemon and thread percentage; a tensor-parallel rank its part of its
     role's cores). Runs before anything touches CUDA."""
     die_with_parent()
+    set_process_title(worker_title(cfg, role, rank))
     # Ctrl-C and SIGTERM reach the whole process group (a terminal, systemd): the launcher drains the requests in
     # flight and then stops the workers itself, so they ignore both (and die with it all the same, above).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -696,10 +696,12 @@ def start_mps(args: argparse.Namespace, plan: ServePlan) -> tuple[MpsDaemon | No
 def serve(args: argparse.Namespace) -> None:
     # Imported here so `ppd --help` and bad command lines answer fast.
     from server.api_servers import ApiServerProcesses, DrainingServer, freeze_startup_heap
+    from scheduler.worker_setup import set_process_title
     from server.launcher import Launcher
     from server.supervise import supervise
 
     plan = plan_serve(args)
+    set_process_title("ppd::api-0")  # API server 0: also the launcher of the units and of the other API servers
     guard = request_guard(args)
     policy = policy_for(args, plan)
     # What can fail on the operator's side fails now, before any worker starts: the port, the tokenizer.
@@ -787,9 +789,10 @@ def serve(args: argparse.Namespace) -> None:
 
 def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
     """Process entry point of API server `index` (1..N-1), started by API server 0 (api_servers.ApiServerProcesses)."""
-    from scheduler.worker_setup import die_with_parent
+    from scheduler.worker_setup import die_with_parent, set_process_title
 
     die_with_parent()  # no orphan
+    set_process_title(f"ppd::api-{index}")
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s [api {index}]: %(message)s")
     import uvicorn
 

@@ -38,7 +38,8 @@ class ServerProcess:
 
     def __init__(self, *args: str, cache_dir: Path, log_path: Path) -> None:
         self.log_path = log_path
-        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+        # PPD_CHECK_INVARIANTS: each decode worker checks its books whenever it goes idle.
+        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1", "PPD_CHECK_INVARIANTS": "1"}
         if "--policy" not in args:  # the two-worker path these tests exercise; on the CPU auto picks it only on 4+ cores
             args = ("--policy", "ppd", *args)
         self.proc, self.url = start_server(list(args), log_path, env=env, timeout=120)
@@ -58,3 +59,13 @@ class ServerProcess:
         if self.proc.poll() is None:
             stop_server(self.proc)
         return self.proc.returncode
+
+
+def process_title(pid: int) -> str:
+    """What `ps` shows for a process: its command line (setproctitle rewrites it)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+def thread_names(pid: int) -> set[str]:
+    """The names of a process's threads (`top -H`)."""
+    return {(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()}

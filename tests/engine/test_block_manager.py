@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 
 import engine.block_manager as bm_module
@@ -381,3 +382,30 @@ def test_the_routers_hashes_match_and_cache_as_the_tokens_own(monkeypatch: pytes
     m.free("c")
     other = [5] * 12
     assert m.allocate("d", other, num_extra_slots=1, hashes=hashes) == 0, "another prompt's hashes serve nothing"
+
+
+def test_check_finds_every_kind_of_broken_book() -> None:
+    """BlockManager.check proves the counts the rest relies on; each corruption below is one it must report."""
+    def fresh() -> BlockManager:
+        bm = BlockManager(8, 4)
+        bm.allocate("a", list(range(12)))
+        bm.cache_blocks("a", list(range(12)), 12)
+        bm.allocate("b", list(range(8)) + [99])  # shares a's first two cached blocks; a's third becomes evictable
+        bm.free("a")
+        bm.check()
+        assert bm._evictable and bm._free
+        return bm
+
+    corruptions = {
+        "reference count": lambda bm: setattr(bm._blocks[bm.block_table("b")[0]], "ref_count", 5),
+        "both free": lambda bm: bm._free.append(bm.block_table("b")[-1]),
+        "neither": lambda bm: bm._free.pop(),
+        "evictable block": lambda bm: setattr(bm._blocks[next(iter(bm._evictable))], "hash", None),
+        "hash entry": lambda bm: bm._hash_to_block.update({12345: bm.block_table("b")[0]}),
+        "twice": lambda bm: setattr(bm._seqs["b"], "table", np.repeat(bm._seqs["b"].table[:1], 2)),
+    }
+    for what, corrupt in corruptions.items():
+        bm = fresh()
+        corrupt(bm)
+        with pytest.raises(AssertionError):
+            bm.check()

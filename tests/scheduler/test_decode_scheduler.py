@@ -152,7 +152,7 @@ def test_preemption_recomputes_with_generated_tokens() -> None:
         if s.num_preemptions:
             preempted = s.by_id["new"]
             break
-    assert preempted is not None and preempted.state is SeqState.WAITING
+    assert preempted is not None and preempted.state is SeqState.PREEMPTED
     assert preempted.num_output > 1 and preempted.request_id not in s.blocks
     # The older sequence keeps decoding; once it ends the preempted one is recomputed with what it generated.
     s.abort("old")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from scheduler.decode_scheduler import DecodeScheduler, Step
-from scheduler.sequence import PLACEHOLDER, SeqState
+from scheduler.sequence import PLACEHOLDER
 from scheduler.messages import GenerateRequest, PrefillDone
 
 VOCAB, EOS, BS = 40, 2, 4
@@ -32,11 +32,7 @@ op = st.one_of(add, add, step, step, step, step, step, step, prefill_done, prefi
 
 
 def check(s: DecodeScheduler, in_flight: Step | None = None) -> None:
-    states = [q.request_id for q in (*s.waiting, *s.remote.values(), *s.prefilling, *s.running)]
-    assert sorted(states) == sorted(s.by_id), "each live sequence in exactly one state"
-    for q in s.by_id.values():
-        assert (q.request_id in s.blocks) == (q.state is not SeqState.WAITING)
-    assert len(s.running) + len(s.prefilling) + len(s.remote) <= s.max_num_seqs
+    s.check()
     if in_flight is not None:
         for inp in in_flight.inputs:
             # Every block the step on the device reads or writes is still held, and none it writes is cached yet

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from engine.kv_events import BlockHasher, BlockStored, KVEventBatch
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess, process_title
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,9 @@ def test_models_and_health(client: openai.OpenAI, server: ServerProcess) -> None
     roles = {w["role"]: w for w in health["units"][0]["workers"]}
     assert set(roles) == {"decode", "prefill"}
     assert all(w["alive"] and w["pid"] > 0 for w in roles.values())
+    # ps tells the processes apart.
+    assert process_title(server.proc.pid).startswith("ppd::api-0")
+    assert {process_title(w["pid"]) for w in roles.values()} == {"ppd::u0-decode", "ppd::u0-prefill"}
     assert health["units"][0]["device"] == {"kind": "cpu", "tensor_parallel_size": 1}
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.server.test_lifecycle import wait_until
-from tests.server_process import ServerProcess, greedy_completion
+from tests.server_process import ServerProcess, greedy_completion, process_title, thread_names
 from tests.tiny_models import hf_greedy
 
 NEW_TOKENS = 10
@@ -38,6 +38,9 @@ def test_one_process_serves_both_workers(server: ServerProcess) -> None:
     workers = {w["role"]: w for w in unit["workers"]}
     assert workers["prefill"]["thread"] and workers["prefill"]["pid"] == workers["decode"]["pid"]
     assert unit["partition"]["backend"] == "none" and "problem" not in unit["partition"]
+    # ps names the process for its decode worker, top -H its prefill thread.
+    assert process_title(workers["decode"]["pid"]) == "ppd::u0-decode"
+    assert "ppd::u0-prefill" in thread_names(workers["decode"]["pid"])
 
 
 def test_greedy_ids_match_hf_on_both_routes_with_both_threads_busy(server: ServerProcess, tiny_llama: Path) -> None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.demo import write_byte_tokenizer
-from tests.server_process import ServerProcess, greedy_completion, wait_until
+from tests.server_process import ServerProcess, greedy_completion, process_title, wait_until
 from tests.tiny_models import hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
@@ -92,6 +92,7 @@ def test_each_rank_maps_its_own_shard_shared_by_its_two_workers(tp_server) -> No
     _, server = tp_server
     workers = {(w["role"], w["rank"]): w["pid"] for w in server.health()["units"][0]["workers"]}
     assert set(workers) == {("decode", 0), ("decode", 1), ("prefill", 0), ("prefill", 1)}
+    assert {process_title(pid) for pid in workers.values()} == {f"ppd::u0-rank{r}-{role}" for role, r in workers}
     prefix = f"/dev/shm/ppd-{server.proc.pid}-u0-"
     rank0, rank1 = mapped(workers["decode", 0], prefix), mapped(workers["decode", 1], prefix)
     assert set(rank0) == {"weights", "kv"} and set(rank1) == {"weights-r1", "kv-r1"}
@@ -124,6 +125,30 @@ def test_killing_any_rank_restarts_the_whole_unit(tp_server, victim: tuple[str, 
     assert set(after) == set(before) and not set(after.values()) & set(before.values())  # every rank anew
     prompt = ids(random.Random(3), 30)
     assert complete(server, prompt)[0] == hf_greedy(folder, prompt, NEW_TOKENS)
+
+
+def test_a_step_failing_on_one_rank_restarts_the_unit(cache_dir: Path, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails on a follower alone (its memory, its device) leaves the other ranks in a collective no retry
+    can meet: the follower ends, the request gets an error at once, every rank restarts, and the next request is
+    served. The fault is injected once (engine/faults.py), on the first step a follower runs."""
+    monkeypatch.setenv("PPD_INJECT_FAULT", f"follower-step:{tmp_path / 'fired'}")
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    write_byte_tokenizer(folder)
+    server = ServerProcess("--model", str(folder), "--served-model-name", "tiny", "--policy", "ppd",
+                           "--tensor-parallel-size", "2", cache_dir=cache_dir, log_path=tmp_path / "serve.log")
+    try:
+        before = {w["pid"] for w in server.health()["units"][0]["workers"]}
+        prompt = ids(random.Random(4), 30)
+        resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0})
+        assert resp.status_code in (500, 503) and (tmp_path / "fired").exists()
+        wait_until(lambda: (h := server.health())["status"] == "ok"
+                   and not {w["pid"] for w in h["units"][0]["workers"]} & before, 120, "every rank to restart")
+        assert complete(server, prompt)[0] == hf_greedy(folder, prompt, NEW_TOKENS)
+        assert "tensor-parallel rank 1's step failed (InjectedFault" in (tmp_path / "serve.log").read_text()
+    finally:
+        server.stop()
 
 
 def plan(*argv: str):
