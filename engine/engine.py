@@ -43,6 +43,19 @@ log = logging.getLogger("ppd.engine")
 MAX_FAILED_STEPS = 3  # steps in a row where every input fails before step_each gives up on the engine
 
 
+class InputFailure(str):
+    """Why an input of a step failed (step_each), and the HTTP status its request ends with: 400 for a reason of the
+    request's own (RequestFailure: its grammar, a guided request a worker without a tokenizer cannot run), 500
+    otherwise."""
+
+    status: int
+
+    def __new__(cls, why: str, status: int = 500) -> InputFailure:
+        failure = super().__new__(cls, why)
+        failure.status = status
+        return failure
+
+
 class UnitFault(RuntimeError):
     """The engine cannot go on: its process must end, and the launcher restarts the unit's processes together."""
 
@@ -222,7 +235,7 @@ class Engine:
 
     # ---- steps -------------------------------------------------------------------------------------
 
-    def step_each(self, inputs: list[StepInput], rows: list[SampleRow]) -> tuple[Sampled, dict[int, str]]:
+    def step_each(self, inputs: list[StepInput], rows: list[SampleRow]) -> tuple[Sampled, dict[int, InputFailure]]:
         """step(), but a failure ends only the inputs that fail: when the batch raises, each input runs again alone
         (rewriting its KV slots with the same values), and those that still raise are returned as
         {input position: error} with None for their token. Raises when every input fails in MAX_FAILED_STEPS steps in
@@ -260,7 +273,7 @@ class Engine:
                     prompt[pos] = got.prompt_logprobs[0]
             except Exception as exc:  # noqa: BLE001
                 self._wait_for_device()
-                failed[pos] = f"{type(exc).__name__}: {exc}"
+                failed[pos] = InputFailure(f"{type(exc).__name__}: {exc}", 400 if isinstance(exc, RequestFailure) else 500)
                 tokens += [None] * inp.sample
                 logprobs += [None] * inp.sample
                 own_failures += isinstance(exc, RequestFailure)

@@ -117,7 +117,8 @@ class DecodeScheduler:
             return []
         if msg.token_id is None:
             self._end(seq, SeqState.FINISHED_ERROR)
-            return [RequestOutput(seq.request_id, seq.num_output, [], error=msg.error or "prefill failed")]
+            return [RequestOutput(seq.request_id, seq.num_output, [], error=msg.error or "prefill failed",
+                                  error_status=msg.error_status)]
         seq.num_computed = len(seq.token_ids)
         self.blocks.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed)
         seq.reported = True  # the prefill worker sent the first token with the route
@@ -199,7 +200,8 @@ class DecodeScheduler:
                 while seq.token_ids[-1] == PLACEHOLDER:  # no token of this step or a later one is the request's
                     seq.token_ids.pop()
                 outputs.append(RequestOutput(seq.request_id, seq.num_output, [],
-                                             error=f"the decode worker failed on this request ({failed[pos]})"))
+                                             error=f"the decode worker failed on this request ({failed[pos]})",
+                                             error_status=getattr(failed[pos], "status", 500)))
                 self._end(seq, SeqState.FINISHED_ERROR)
                 continue
             if pos in prompt_logprobs:

@@ -39,9 +39,9 @@ from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from profiles import unit_device_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler, Step
-from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortPrefix, AbortRequest, FromPrefill,
-                                GenerateRequest, PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode,
-                                UnitSetup, WorkerOutput, WorkerReady)
+from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
+                                Hello, PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup,
+                                WorkerOutput, WorkerReady)
 from scheduler.prefill_worker import start_prefill_follower_thread, start_prefill_thread
 from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
                                     zmq_socket)
@@ -128,6 +128,7 @@ class DecodeWorker:
             self.notify = zmq_socket(ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
         self.pending: list[RequestOutput] = []
+        self.prefill_ready: WorkerReady | None = None  # what the prefill worker told the API servers (Hello)
         self.recount = False  # a dead API server's requests were stopped: the next output says what is left
         self.shares = None if cfg.prefill_worker == "none" else share_manager(cfg, self.streams, self.engine)
         if self.streams is not None and self.shares is not None:
@@ -155,8 +156,9 @@ class DecodeWorker:
         self.last_stats = self.memory_read = 0.0
         self.memory_used = 0
         info = device_info(self.engine.device)
-        self.send(ready=WorkerReady("decode", os.getpid(), info.name, info.total_memory, plan.num_blocks,
-                                    plan.max_model_len))
+        self.ready = WorkerReady("decode", os.getpid(), info.name, info.total_memory, plan.num_blocks,
+                                 plan.max_model_len)
+        self.send(ready=self.ready)
 
     def run(self) -> None:
         checked = True
@@ -258,10 +260,16 @@ class DecodeWorker:
                 if isinstance(msg, PrefillDone):
                     self.pending += self.scheduler.prefill_done(msg)
                 elif isinstance(msg, PrefillReady):
+                    self.prefill_ready = msg.ready
                     self._release_names()
 
-    def handle_request(self, msg: GenerateRequest | AbortRequest | AbortPrefix) -> None:
-        if isinstance(msg, GenerateRequest):
+    def handle_request(self, msg: ToDecode) -> None:
+        if isinstance(msg, Hello):
+            for ready in (self.ready, self.prefill_ready):
+                if ready is not None:
+                    self.out.send_to(msg.api_server, WorkerOutput(self.cfg.unit, stats=self.scheduler.stats(),
+                                                                  ready=ready))
+        elif isinstance(msg, GenerateRequest):
             if (error := self.scheduler.add(msg)) is not None:
                 self.pending.append(error)
             else:

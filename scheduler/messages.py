@@ -76,6 +76,13 @@ class AbortPrefix(msgspec.Struct, tag=True):
     prefix: str
 
 
+class Hello(msgspec.Struct, tag=True):
+    """An API server started (again, after a death): the decode worker answers it alone with what it missed, each of
+    the unit's workers' WorkerReady (the prefill worker's relayed), as a unit that is up never sends them again."""
+
+    api_server: int
+
+
 class UnitSetup(msgspec.Struct, tag=True):
     """The decode worker's shared memory, for the prefill worker to map, and the pool it sized. Under tensor
     parallelism, weights and kv_pool are rank 0's, and followers holds every rank's (weights, kv_pool) from rank 1."""
@@ -119,9 +126,11 @@ class SetShare(msgspec.Struct, tag=True):
 
 
 class PrefillReady(msgspec.Struct, tag=True):
-    """The prefill worker has mapped the unit's shared memory."""
+    """The prefill worker has mapped the unit's shared memory; ready: what it told the API servers (the decode worker
+    relays it to an API server that starts later: Hello)."""
 
     pid: int
+    ready: WorkerReady | None = None
 
 
 class PrefillDone(msgspec.Struct, tag=True):
@@ -130,6 +139,7 @@ class PrefillDone(msgspec.Struct, tag=True):
     request_id: str
     token_id: int | None
     error: str | None = None
+    error_status: int = 500  # the HTTP status the request ends with (400: a reason of its own, RequestFailure)
 
 
 class RequestOutput(msgspec.Struct, gc=False):
@@ -214,7 +224,7 @@ class WorkerOutput(msgspec.Struct, tag=True, gc=False):
     held: int | None = None
 
 
-ToDecode = GenerateRequest | AbortRequest | AbortPrefix
+ToDecode = GenerateRequest | AbortRequest | AbortPrefix | Hello
 ToPrefill = UnitSetup | PrefillJob | AbortPrefill | SetShare
 FromPrefill = PrefillReady | PrefillDone
 

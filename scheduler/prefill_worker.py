@@ -84,9 +84,10 @@ class PrefillWorker:
         self.async_scheduling = cfg.async_scheduling and not tp.enabled
         self.in_flight: InFlight | None = None  # async scheduling: the pass on the device whose results are not in
         self.last_done = 0.0
-        self.notify.send(self.encode(PrefillReady(os.getpid())))
         info = device_info(self.engine.device)
-        self.out.send(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), info.name, info.total_memory)))
+        ready = WorkerReady("prefill", os.getpid(), info.name, info.total_memory)
+        self.notify.send(self.encode(PrefillReady(os.getpid(), ready)))
+        self.out.send(WorkerOutput(cfg.unit, ready=ready))
 
     def run(self) -> None:
         while True:
@@ -152,7 +153,8 @@ class PrefillWorker:
             if active[pos] in self.queue:
                 self.drop(active[pos])
             self.notify.send(self.encode(PrefillDone(active[pos].request_id, None,
-                                                     f"the prefill worker failed on this request ({error})")))
+                                                     f"the prefill worker failed on this request ({error})",
+                                                     getattr(error, "status", 500))))
         done = [a for a, i in zip(active, inputs) if i.sample]
         self.finish([(a, t, lp) for a, t, lp in zip(done, sampled.tokens, sampled.logprobs)
                      if t is not None and not a.state.finished])

@@ -20,7 +20,7 @@ import zmq
 from engine.sampling_params import TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import STATS_INTERVAL_S
-from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, ToDecode, WorkerOutput,
+from scheduler.messages import (AbortRequest, GenerateRequest, Hello, RequestOutput, ToDecode, WorkerOutput,
                                 WorkerReady, WorkerStats)
 from scheduler.worker_setup import ApiServers, init_worker_process, recv_nowait, requests_socket
 
@@ -44,10 +44,11 @@ class StubWorker:
         self.last_stats = 0.0
         blocks = cfg.engine.num_kv_blocks or 0
         max_len = cfg.engine.max_model_len or 0
-        if cfg.prefill_worker != "none":  # it stands in for both workers
-            self.out.send(WorkerOutput(cfg.unit, ready=WorkerReady("prefill", os.getpid(), "stub")))
-        self.out.send(WorkerOutput(cfg.unit, stats=self.stats(), ready=WorkerReady(
-            "decode", os.getpid(), "stub", 0, blocks, max_len)))
+        # It stands in for both workers.
+        self.readies = ([WorkerReady("prefill", os.getpid(), "stub")] if cfg.prefill_worker != "none" else []) + [
+            WorkerReady("decode", os.getpid(), "stub", 0, blocks, max_len)]
+        for ready in self.readies:
+            self.out.send(WorkerOutput(cfg.unit, stats=self.stats(), ready=ready))
         log.info("stub engine: a token per running request every %g ms", cfg.stub_step_ms)
 
     def stats(self) -> WorkerStats:
@@ -71,8 +72,11 @@ class StubWorker:
             if outputs or stats:
                 self.out.send(WorkerOutput(self.cfg.unit, outputs, stats))
 
-    def handle(self, msg: GenerateRequest | AbortRequest | AbortPrefix) -> None:
-        if isinstance(msg, GenerateRequest):
+    def handle(self, msg: ToDecode) -> None:
+        if isinstance(msg, Hello):
+            for ready in self.readies:
+                self.out.send_to(msg.api_server, WorkerOutput(self.cfg.unit, stats=self.stats(), ready=ready))
+        elif isinstance(msg, GenerateRequest):
             self.running[msg.request_id] = _Running(msg)
         elif isinstance(msg, AbortRequest):
             self.running.pop(msg.request_id, None)

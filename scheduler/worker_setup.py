@@ -22,8 +22,10 @@ from partition.cpu import pin_to_cores, rank_cores
 from scheduler.config import UnitConfig
 from scheduler.messages import WorkerOutput, api_server_of
 
+log = logging.getLogger("ppd.worker")
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
+HELPER_QUEUE = 100_000  # messages a worker queues for a helper API server that does not read (about 20 MB at most)
 EMA_WEIGHT = 0.1  # of the newest step in the speed averages the workers report (the router's policy reads them)
 
 
@@ -100,7 +102,26 @@ class ApiServers:
 
     def __init__(self, ctx: zmq.Context, cfg: UnitConfig) -> None:
         self.socks = [zmq_socket(ctx, zmq.PUSH, cfg.outputs_address(i)) for i in range(cfg.api_servers)]
+        for sock in self.socks[1:]:
+            sock.setsockopt(zmq.SNDHWM, HELPER_QUEUE)
         self.encode = msgspec.msgpack.Encoder().encode
+        self.dropped = [0] * len(self.socks)
+
+    def send_to(self, index: int, msg: WorkerOutput) -> None:
+        """msg to API server `index` alone. API server 0 is the launcher: while it lives the worker waits for it to
+        read. Another (a helper) may have died, its address unread until it starts again: a worker never waits for
+        one (the whole unit would stall), it queues up to HELPER_QUEUE messages, then drops them, loudly (the dead
+        helper's requests are stopped in the unit: AbortPrefix)."""
+        if index == 0:
+            self.socks[0].send(self.encode(msg))
+            return
+        try:
+            self.socks[index].send(self.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped[index] += 1
+            if self.dropped[index] % HELPER_QUEUE == 1:
+                log.error("API server %d has not read %d messages (it died, or is stuck): %d dropped since", index,
+                          HELPER_QUEUE, self.dropped[index])
 
     def send(self, msg: WorkerOutput) -> None:
         if len(self.socks) == 1:
@@ -114,9 +135,9 @@ class ApiServers:
             started[api_server_of(request_id)].append(request_id)
         to_all = (msg.stats is not None or msg.ready is not None or msg.fatal is not None
                   or msg.prefill_stats is not None or msg.held is not None)
-        for sock, mine, began in zip(self.socks, outputs, started):
+        for index, (mine, began) in enumerate(zip(outputs, started)):
             if mine or began or to_all:
-                sock.send(self.encode(msgspec.structs.replace(msg, outputs=mine, started=began)))
+                self.send_to(index, msgspec.structs.replace(msg, outputs=mine, started=began))
 
 
 def requests_socket(ctx: zmq.Context, cfg: UnitConfig) -> zmq.Socket:

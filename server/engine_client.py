@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
-from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, RequestOutput, Route, RouterEvent,
+from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, Hello, RequestOutput, Route, RouterEvent,
                                 UnitReset, WorkerOutput, WorkerReady, WorkerStats, new_request_id, request_prefix)
 from scheduler.policy import Outcome
 from scheduler.router import Placement, Router
@@ -231,6 +231,11 @@ class EngineClient:
         each time and carries no request, so its failure leaves the process healthy. Restarting the process
         instead would cost every request it serves, and on API server 0 the units too."""
         self.reader = supervise(READER, self._read_outputs, self.problems, self._reader_failed)
+        if self.api_server > 0:
+            # A helper API server started again after a death: units that are up never send their WorkerReady again,
+            # so it asks for them (queued until a unit's decode worker starts, for a helper that starts with them).
+            for sock in self.to_units:
+                sock.send(self.encode(Hello(self.api_server)))
         if self.bus is not None:
             bus = self.bus
             bus.task = supervise(BUS, lambda: bus.run(self._router_event), self.problems)

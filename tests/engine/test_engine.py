@@ -118,7 +118,7 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         engine.runner.run = poisoned
         sampled, failed = engine.step_each([c.next_input() for c in convs], [Row(GREEDY)] * 2)
         tokens = sampled.tokens
-        assert failed == {1: "ValueError: poisoned input"} and tokens[1] is None
+        assert failed == {1: "ValueError: poisoned input"} and tokens[1] is None and failed[1].status == 500
         convs[0].tokens.append(tokens[0])
         run_together(engine, convs[:1], NEW_TOKENS - 1)
         assert convs[0].tokens[len(prompts[0]):] == hf_greedy(folder, prompts[0], NEW_TOKENS)
@@ -156,6 +156,7 @@ def test_a_guided_request_on_an_engine_without_a_tokenizer_ends_alone_naming_the
         sampled, failed = engine.step_each([c.next_input() for c in convs], rows)
         assert list(failed) == [0] and failed[0].startswith("GuidedError: request g: ")
         assert "need a tokenizer" in failed[0] and "start the server with a tokenizer" in failed[0]
+        assert failed[0].status == 400  # the request's own reason: the client is answered 400, not 500
         assert sampled.tokens[0] is None and sampled.tokens[1] == hf_greedy(folder, convs[1].tokens, 1)[0]
     finally:
         release_name(engine.weights_handle)

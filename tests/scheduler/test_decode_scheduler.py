@@ -295,3 +295,18 @@ def test_a_request_starts_when_its_first_chunk_is_in_a_step() -> None:
     remote.add(req("miss", [7] * 9))
     step = remote.schedule()
     assert [j.request_id for j in step.jobs] == ["miss"] and step.started == []
+
+
+def test_a_failed_input_ends_its_request_with_the_status_of_its_failure() -> None:
+    """A request's own failure (its grammar) is the client's 400; the engine's is a 500."""
+    from engine.engine import InputFailure
+
+    s = make()
+    for rid in ("own", "engine"):
+        s.add(req(rid, list(range(10, 14)), route="prefill"))
+        run_remote_prefill(s, rid)
+    step = s.schedule()
+    failed = {0: InputFailure("GuidedError: left the grammar", 400), 1: InputFailure("RuntimeError: device", 500)}
+    outs = {o.request_id: o for o in s.postprocess(step, [None, None], failed)}
+    assert (outs["own"].error_status, outs["engine"].error_status) == (400, 500)
+    assert not s.by_id and s.blocks.usage == 0.0

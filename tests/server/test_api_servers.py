@@ -198,3 +198,27 @@ def test_a_dead_api_servers_requests_are_stopped_in_the_unit_and_the_routers_for
         wait_until(lambda: health_of(server.url, 0)["units"][0]["load"] == 0, 10, "the survivor's router to forget it")
         resp = first.post(f"{server.url}{COMPLETIONS}", json={**body, "stream": False, "max_tokens": 4}, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_helper_api_server_started_again_learns_the_units_are_ready_and_serves(start_server) -> None:
+    """A unit that is up never says it is ready again: a helper started after a death asks (Hello), and serves."""
+    server = start_server("--api-server-count", "2", "--stub-engine", "5")
+    old = health_of(server.url, 1)["api_server"]["pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def back() -> bool:
+        with httpx.Client() as client:
+            resp = client.get(f"{server.url}/health", timeout=10)
+        who = resp.json()["api_server"]
+        return who["index"] == 1 and who["pid"] != old and resp.status_code == 200
+
+    wait_until(back, 60, "API server 1 to start again and find the unit ready")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with httpx.Client() as client:
+            resp = client.post(f"{server.url}{COMPLETIONS}", json={"model": "demo", "prompt": "hi", "max_tokens": 3},
+                               timeout=30)
+        assert resp.status_code == 200, resp.text
+        if resp.headers["x-ppd-api-server"] == "1":
+            return
+    raise AssertionError("the restarted API server 1 served no request")
