@@ -213,7 +213,7 @@ class MpsBackend(Backend):
     def check(self, part: UnitPartition, device: str) -> str | None:
         if not device.startswith("cuda"):
             return None
-        from partition.probe_gpus import mps_enabled
+        from partition.driver import mps_enabled
 
         enabled = mps_enabled(0)
         if enabled is False:
@@ -338,7 +338,7 @@ def plan_partitions(kind: str, device: str, num_units: int, with_prefill: bool, 
 
 def green_available() -> bool:
     """Whether cuda-python's driver API, with green contexts (CUDA 12.4 and later), can be imported here."""
-    from partition.probe_gpus import cuda_driver
+    from partition.driver import cuda_driver
 
     try:
         return hasattr(cuda_driver(), "cuGreenCtxCreate")

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from partition.probe_gpus import cuda_driver, driver_call
+from partition.driver import cuda_driver, driver_call
 
 log = logging.getLogger("ppd.partition")
 
@@ -96,7 +96,7 @@ class GreenStreams:
         """Wait for the streams, free torch's cached blocks, destroy streams then contexts; the errors, if any."""
         import torch
 
-        from partition.probe_child import error_text
+        from partition.child import error_text
 
         errors = []
         gc.collect()  # graphs captured on these streams must be gone before their contexts are

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from partition import PartitionError
-from partition.probe_child import SPAWN, Env, Finding, error_text, failed, finish_child, start_child
-from partition.probe_gpus import mps_enabled, nvml_processes
+from partition.child import SPAWN, Env, Finding, error_text, failed, finish_child, start_child
+from partition.driver import mps_enabled, nvml_processes
 from partition.processes import process_alive
 
 log = logging.getLogger("ppd.partition")

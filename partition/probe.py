@@ -8,7 +8,7 @@ be written). Without a CUDA device it says "no CUDA device: nothing to probe", r
 writes the JSON with "gpus": [] and the verdict "cpu"; on a host without an NVIDIA driver NVML and CUDA are skipped,
 not failed. --quick: shorter kernels and a 64 MiB IPC tensor instead of 1 GiB (for tests).
 
-Every GPU check runs in spawned processes with timeouts (probe_child), so none can crash or hang the probe, and
+Every GPU check runs in spawned processes with timeouts (partition/child.py), so none can crash or hang the probe, and
 the probe's own process never initialises CUDA. The checks, in order:
   cpu             the CPU's extensions, the dtype and kernels ppd serve picks (in-process, no CUDA)  probe_cpu.py
   gpus            NVML facts + torch's device properties                     probe_gpus.py
@@ -68,9 +68,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from partition.probe_child import Env, Finding, failed, guarded, run_in_child, skipped
+from partition.child import Env, Finding, failed, guarded, run_in_child, skipped
 from partition.probe_cpu import cpu_facts
-from partition.probe_gpus import NO_DRIVER, list_gpus, nvidia_driver_present, nvml_inventory
+from partition.driver import NO_DRIVER, nvidia_driver_present
+from partition.probe_gpus import list_gpus, nvml_inventory
 from partition.probe_green import green_context_check
 from partition.probe_ipc import ipc_round_trip
 from partition.probe_mps import probe_mps

@@ -4,28 +4,17 @@ NVML (nvidia-ml-py, `import pynvml`) gives what the driver knows (name, UUID, me
 versions, compute capability, MIG and compute mode); a child process gives what torch sees under the
 CUDA_VISIBLE_DEVICES in effect (the SM count, and the device order the probe's other steps use). The two are
 matched by UUID, since NVML numbers devices physically and torch after CUDA_VISIBLE_DEVICES.
-
-Also the small driver-API helpers the other steps share (cuda-bindings, imported only when called).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from partition.probe_child import Env, Finding, error_text, guarded, run_in_child
+from partition.child import Env, Finding, error_text, guarded, run_in_child
+from partition.driver import mps_enabled, text
 
 COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
-# What an NVIDIA driver leaves on a host: its kernel module's file, its control device, or (under WSL) the GPU device
-# the Windows driver exposes. None of them: NVML and CUDA have nothing to find.
-NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")
-NO_DRIVER = "no NVIDIA driver on this host"
-
-
-def nvidia_driver_present() -> bool:
-    """Whether this host has an NVIDIA driver for NVML and CUDA to ask (NVIDIA_DRIVER_FILES)."""
-    return any(Path(path).exists() for path in NVIDIA_DRIVER_FILES)
 
 
 def list_gpus(env: Env, timeout: float) -> tuple[list[dict[str, Any]], Finding, Finding]:
@@ -66,7 +55,7 @@ def nvml_inventory() -> Finding:
     try:
         return {
             "ok": True, "error": None,
-            "driver_version": _attempt(lambda: _text(pynvml.nvmlSystemGetDriverVersion())),
+            "driver_version": _attempt(lambda: text(pynvml.nvmlSystemGetDriverVersion())),
             "cuda_driver_version": _attempt(lambda: _cuda_version(pynvml.nvmlSystemGetCudaDriverVersion_v2())),
             "devices": [_nvml_device(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())],
         }
@@ -81,36 +70,14 @@ def _nvml_device(pynvml: Any, index: int) -> dict[str, Any]:
     memory = _attempt(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
     return {
         "nvml_index": index,
-        "name": _attempt(lambda: _text(pynvml.nvmlDeviceGetName(handle))),
-        "uuid": _attempt(lambda: _text(pynvml.nvmlDeviceGetUUID(handle))),
+        "name": _attempt(lambda: text(pynvml.nvmlDeviceGetName(handle))),
+        "uuid": _attempt(lambda: text(pynvml.nvmlDeviceGetUUID(handle))),
         "memory_total_bytes": getattr(memory, "total", memory),
         "memory_used_bytes": getattr(memory, "used", memory),
         "compute_capability": _attempt(lambda: "%d.%d" % tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))),
         "mig_mode": _attempt(lambda: _mig_mode(pynvml.nvmlDeviceGetMigMode(handle))),
         "compute_mode": _attempt(lambda: _compute_mode(pynvml.nvmlDeviceGetComputeMode(handle))),
     }
-
-
-def nvml_processes(nvml_index: int | None, mps: bool = False) -> list[dict[str, Any]] | str:
-    """[{pid, used_bytes}] of the compute processes on a GPU (MPS clients if mps), or why NVML could not say.
-    Under MPS, NVML charges clients' memory to the MPS server."""
-    if nvml_index is None:
-        return "unknown NVML index"
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(nvml_index)
-            if mps:
-                processes = pynvml.nvmlDeviceGetMPSComputeRunningProcesses(handle)
-            else:
-                processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            return [{"pid": int(p.pid), "used_bytes": p.usedGpuMemory} for p in processes]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:
-        return f"NVML: {error_text(exc)}"
 
 
 def torch_inventory() -> Finding:
@@ -132,40 +99,6 @@ def torch_inventory() -> Finding:
     return {"devices": devices, "mps_enabled": mps_enabled(0) if devices else None}
 
 
-def cuda_driver() -> Any:
-    """cuda-bindings' driver API module (cuda-python before 12.6 called it cuda.cuda)."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        from cuda import cuda as driver
-    return driver
-
-
-def driver_call(drv: Any, name: str, *args: Any) -> Any:
-    """drv.<name>(*args) with its CUresult checked: the returned values (one, a tuple, or None), or RuntimeError."""
-    result = getattr(drv, name)(*args)
-    status, values = result[0], result[1:]
-    if status != drv.CUresult.CUDA_SUCCESS:
-        _, text = drv.cuGetErrorName(status)
-        raise RuntimeError(f"{name} failed: {_text(text)} ({int(status)})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
-
-
-def mps_enabled(device: int) -> bool | None:
-    """Whether this process's contexts on device go through MPS (CU_DEVICE_ATTRIBUTE_MPS_ENABLED); None if the
-    driver or cuda-bindings cannot say. A client that cannot reach a daemon silently runs without MPS: this tells."""
-    try:
-        drv = cuda_driver()
-        driver_call(drv, "cuInit", 0)
-        dev = driver_call(drv, "cuDeviceGet", device)
-        attribute = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MPS_ENABLED
-        return bool(driver_call(drv, "cuDeviceGetAttribute", attribute, dev))
-    except Exception:
-        return None
-
-
 def _attempt(read: Any) -> Any:
     """One NVML field: its value, or the error as text, so one unsupported query does not lose the others."""
     try:
@@ -185,10 +118,6 @@ def _compute_mode(mode: int) -> str:
 
 def _cuda_version(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _norm_uuid(uuid: Any) -> str:

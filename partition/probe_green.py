@@ -21,9 +21,9 @@ import inspect
 import time
 from typing import Any
 
-from partition.probe_child import Finding, error_text, guarded
+from partition.child import Finding, error_text, guarded
 from partition.green import GreenStreams
-from partition.probe_gpus import cuda_driver, driver_call, mps_enabled
+from partition.driver import cuda_driver, driver_call, mps_enabled
 from partition.probe_report import PARTITION_SLOWDOWN
 
 SMALL_SMS = 16

@@ -13,8 +13,8 @@ import os
 import time
 from typing import Any
 
-from partition.probe_child import SPAWN, Finding, finish_child, start_child
-from partition.probe_gpus import mps_enabled, nvml_processes
+from partition.child import SPAWN, Finding, finish_child, start_child
+from partition.driver import mps_enabled, nvml_processes
 
 SEED_A = 0x2545F491
 SEED_B = 0x5BD1E995

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from partition.mps import (COMMAND_TIMEOUT_S, CONTROL, DEFAULT_PIPE_DIR, PID_FILE, Daemon, check_client, mps_program,
                            read_pid, start_daemon, stop_daemon)
-from partition.probe_child import Env, Finding, error_text, guarded, skipped
+from partition.child import Env, Finding, error_text, guarded, skipped
 
 def probe_mps(device: int, nvml_index: int | None, workdir: Path, under_mps: Callable[[Env], Finding]) -> Finding:
     """The MPS findings; under_mps(env) runs the IPC, overlap and green-context probes as clients of our daemon."""

@@ -17,8 +17,8 @@ import os
 import time
 from typing import Any, Callable
 
-from partition.probe_child import SPAWN, Env, Finding, error_text, finish_all, start_child
-from partition.probe_gpus import mps_enabled
+from partition.child import SPAWN, Env, Finding, error_text, finish_all, start_child
+from partition.driver import mps_enabled
 from partition.probe_report import overlap_verdict
 
 KERNELS = ("spin", "sleep")

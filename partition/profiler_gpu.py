@@ -42,7 +42,7 @@ class GpuBench:
     unit = "sms"
 
     def __init__(self, cfg: EngineConfig, decode_blocks: int) -> None:
-        from partition.probe_gpus import cuda_driver
+        from partition.driver import cuda_driver
 
         try:
             driver = cuda_driver()

@@ -19,7 +19,7 @@ import torch
 
 from partition import mps, probe, probe_cpu, probe_mps, probe_overlap
 from partition.probe import NO_CUDA, NO_DRIVER, SCHEMA_KEYS, SCHEMA_VERSION, add_probe_args, run_probe
-from partition.probe_child import apply_env, guarded, run_in_child
+from partition.child import apply_env, guarded, run_in_child
 from partition.probe_report import MODES, overlap_verdict, partition_verdict, render_table
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -65,7 +65,7 @@ def bench(monkeypatch: pytest.MonkeyPatch):
     owner, sibling = FakeEngine("owner"), FakeEngine("sibling")
     entered: list = []
     steps: list[tuple] = []
-    monkeypatch.setattr("partition.probe_gpus.cuda_driver", lambda: object())
+    monkeypatch.setattr("partition.driver.cuda_driver", lambda: object())
     monkeypatch.setattr(profiler_gpu.Engine, "create", classmethod(lambda cls, cfg, names: owner))
     monkeypatch.setattr(profiler_gpu.Engine, "sibling", classmethod(lambda cls, engine: sibling))
     monkeypatch.setattr(profiler_gpu, "fill_random_kv", lambda engine: None)
