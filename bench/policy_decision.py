@@ -17,10 +17,10 @@ import statistics
 import time
 from pathlib import Path
 
-from scheduler.policy import Objective, PPDPolicy, UnitLive
+from server.routing.policy import Objective, PPDPolicy, UnitLive
 from profiles import cpu_device_name
-from scheduler.policy_table import Cell, PolicyTable, RouteStats, table_path
-from scheduler.router import Router
+from server.routing.policy_table import Cell, PolicyTable, RouteStats, table_path
+from server.routing.router import Router
 
 
 def synthetic_table() -> PolicyTable:

@@ -8,7 +8,7 @@ worker's mean queue delay (sampled from /metrics), then x* = 1[w_ttft * dTTFT - 
 After every run the table is written (atomically), so an interrupted profile resumes where it stopped: runs
 already in the file are not repeated, except those that measured nothing (no turn-2 request succeeded), which
 make the command exit 1, each named with why. Output: $PPD_CACHE_DIR/profiles/<device>__<model>__policy.json, which
-`ppd serve` reads before the shipped tables (see scheduler/policy_table.py for the schema), a heatmap of x* beside it
+`ppd serve` reads before the shipped tables (see server/routing/policy_table.py for the schema), a heatmap of x* beside it
 (.png), a markdown summary (.md) and the log of the server it starts (.serve.log). The table is built from the runs
 beside its reader (PolicyTable.from_runs); what stays here drives a server over HTTP with the benchmarks' load
 generator (bench/client.py, workloads.py, servers.py), which is why this producer lives in bench/ while the partition
@@ -40,8 +40,8 @@ from bench.common import BenchError, fail_unless_measured
 from bench.servers import add_served_model_args, option_value, start_server, stop_server, with_model_args
 from partition.profiler import file_out, names_folder
 from profiles import cpu_device_name, model_name, unit_device_name, user_profiles_dir
-from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
-from scheduler.policy_table import ROUTES, PolicyTable, TableError, run_key, table_path
+from server.routing.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from server.routing.policy_table import ROUTES, PolicyTable, TableError, run_key, table_path
 
 
 @dataclass(frozen=True)

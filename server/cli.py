@@ -13,8 +13,8 @@ from engine.demo import DEMO_MODEL
 from partition.backends import (BACKENDS as PARTITIONS, DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT,
                                 PREFILL_WORKERS)
 from scheduler.config import POLICIES
-from scheduler.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
-from scheduler.router import DEFAULT_SESSION_TTL_S
+from server.routing.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from server.routing.router import DEFAULT_SESSION_TTL_S
 from server.guard import DEFAULT_MAX_REQUEST_BYTES
 from server.response_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 

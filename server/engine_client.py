@@ -26,8 +26,8 @@ from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortPrefix, AbortRequest, GenerateRequest, Hello, RequestOutput, Route, RouterEvent,
                                 UnitReset, WorkerOutput, WorkerReady, WorkerStats, new_request_id, request_prefix)
-from scheduler.policy import Outcome
-from scheduler.router import Placement, Router
+from server.routing.policy import Outcome
+from server.routing.router import Placement, Router
 from server.metrics import SNAPSHOT_INTERVAL_S, Metrics
 from server.supervise import supervise
 

@@ -557,8 +557,8 @@ def request_guard(args: argparse.Namespace):
 
 def make_policy_for(args: argparse.Namespace):
     """The routing policy; ppd reads --policy-table now, else its device's shipped profile once a unit is ready."""
-    from scheduler.policy import Objective, make_policy
-    from scheduler.policy_table import PolicyTable, TableError
+    from server.routing.policy import Objective, make_policy
+    from server.routing.policy_table import PolicyTable, TableError
 
     table = None
     if args.policy == "ppd" and args.policy_table is not None:
@@ -574,8 +574,8 @@ def find_shipped_table(policy, device: str, model: str) -> None:
     """Give the ppd policy this device's and model's table, the user's ($PPD_CACHE_DIR/profiles) before the shipped
     one, or say that the cost model stands in."""
     from profiles import profile_dirs
-    from scheduler.policy import PPDPolicy
-    from scheduler.policy_table import PolicyTable, TableError, table_path
+    from server.routing.policy import PPDPolicy
+    from server.routing.policy_table import PolicyTable, TableError, table_path
 
     if not isinstance(policy, PPDPolicy) or policy.table is not None:
         return
@@ -612,7 +612,7 @@ def model_slug(plan: ServePlan) -> str:
 
 def api_client(args: argparse.Namespace, plan: ServePlan, policy, api_server: int):
     """API server `api_server`'s engine client, with its router and its metrics (--api-server-count)."""
-    from scheduler.router import Router
+    from server.routing.router import Router
     from server.api_servers import admission_for
     from server.engine_client import EngineClient
     from server.metrics import Metrics, PeerStates

@@ -8,7 +8,7 @@ import pytest
 
 from bench import policy_profile
 from bench.policy_profile import Grid, heatmap, markdown, profile
-from scheduler.policy_table import PolicyTable, run_key
+from server.routing.policy_table import PolicyTable, run_key
 from server import cli
 
 GRID = Grid(contexts=(160, 544), shapes=((8, 64), (128, 8)), loads=(1, 4), turn1_output=32, duration=1.0)
@@ -136,7 +136,7 @@ def test_without_out_the_table_goes_to_the_user_folder_under_the_name_the_server
     """No --out: $PPD_CACHE_DIR/profiles/<device>__demo-v2__policy.json for a server that serves the demo (its
     /v1/models says "demo"), the file `ppd serve --model demo` looks up; the shipped tables are left alone."""
     from profiles import PROFILES_DIR, cpu_device_name
-    from scheduler.policy_table import table_path
+    from server.routing.policy_table import table_path
     from server.serve import model_slug
 
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))

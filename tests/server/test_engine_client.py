@@ -19,8 +19,8 @@ from engine.sampling_params import SamplingParams
 from scheduler.config import UnitConfig
 from scheduler.messages import (AbortRequest, GenerateRequest, Placed, RequestOutput, ToDecode, WorkerOutput,
                                 WorkerReady)
-from scheduler.policy import Policy
-from scheduler.router import Router
+from server.routing.policy import Policy
+from server.routing.router import Router
 from server.api import build_app
 from server.engine_client import READER, EngineClient, EngineError, RouterBus
 from server.metrics import Metrics

@@ -15,11 +15,11 @@ from engine.engine import EngineConfig
 from engine.sampling_params import SamplingParams
 from scheduler.config import UnitConfig
 from scheduler.messages import GenerateRequest, RequestOutput, ToDecode, WorkerOutput, WorkerReady
-from scheduler.policy import Decision, Objective, Outcome, PPDPolicy
-from scheduler.router import Router
+from server.routing.policy import Decision, Objective, Outcome, PPDPolicy
+from server.routing.router import Router
 from server.engine_client import EngineClient
 from server.metrics import Metrics
-from tests.scheduler.test_policy import stats, table
+from tests.server.routing.test_policy import stats, table
 
 BLOCK = 16
 ANSWER = 6

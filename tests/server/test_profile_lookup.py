@@ -15,7 +15,7 @@ import pytest
 import server.serve
 from partition.mps import MpsDaemonPlan
 from profiles import PROFILES_DIR, model_name
-from scheduler.policy import Objective, PPDPolicy
+from server.routing.policy import Objective, PPDPolicy
 from server.cli import add_serve_args
 from server.serve import ServePlan, find_shipped_table, model_slug, partition_profile_for
 from tests.tiny_models import write_tiny_model

@@ -9,7 +9,7 @@ they keep one another's up to date: every placement and every end is published
 (`publish`) and applied by the others (`apply`), so a conversation's next turn
 finds its unit whichever API server it reaches. Both are only guesses (the unit may have evicted the
 blocks): the unit's own prefix cache decides, by tokens, what is really reused, so an edited history or a lost
-prefix gets a correct answer, only a slower one. The route then comes from the policy (scheduler/policy.py),
+prefix gets a correct answer, only a slower one. The route then comes from the policy (server/routing/policy.py),
 which reads each unit's live state as its workers last reported it.
 """
 
@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.prefix_hash import block_hashes
-from scheduler.answer_length import AnswerLengths
+from server.routing.answer_length import AnswerLengths
 from scheduler.messages import Finished, Placed, Route, RouterEvent
-from scheduler.policy import Decision, Outcome, Policy, UnitLive
+from server.routing.policy import Decision, Outcome, Policy, UnitLive
 
 DEFAULT_SESSION_TTL_S = 3600.0
 log = logging.getLogger("ppd.router")
@@ -65,7 +65,7 @@ class Router:
               session: str | None = None, route_hint: Route | None = None, min_tokens: int = 0,
               ignore_eos: bool = False) -> Placement:
         """Choose one of the available units and a route for a new request that may generate up to max_tokens, and
-        count it in that unit's load. The policy is given the answer's expected length (scheduler/answer_length.py),
+        count it in that unit's load. The policy is given the answer's expected length (server/routing/answer_length.py),
         which max_tokens only caps. route_hint (a client's choice) overrides the policy for an append-prefill."""
         hashes = block_hashes(token_ids, self.block_size)
         unit = self._session_unit(session, available)

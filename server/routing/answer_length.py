@@ -1,6 +1,6 @@
 """How long a request's answer will be, as the policy needs it.
 
-The policy weighs an inline append's cost per output token (scheduler/policy.py), so it needs the answer's length
+The policy weighs an inline append's cost per output token (server/routing/policy.py), so it needs the answer's length
 before the answer exists. `max_tokens` is a cap, not that length: without one (the OpenAI SDK's default) it is the
 whole remaining context, and a generous cap is no closer. So the router estimates it:
 

@@ -4,7 +4,7 @@ A prompt with no cached prefix (turn 1, or a miss) always goes to the prefill wo
 over a cached prefix has a choice. Static policies: `pd` (always the prefill worker), `dlocal` (always the
 decode worker), `aggregated` (one worker does everything). `ppd` decides per request:
 
-1. With a profiled table (scheduler/policy_table.py), the request's cell gives each route's expected turn-2+
+1. With a profiled table (server/routing/policy_table.py), the request's cell gives each route's expected turn-2+
    TTFT and TPOT at this load. The prefill route's TTFT is corrected by the live state: by how much the
    prefill worker's queue delay now (queued uncached tokens over its measured rate) exceeds its mean when the
    cell was profiled. Only an excess counts: a queue shorter than the profile's does not make the prefill
@@ -18,7 +18,7 @@ decode worker), `aggregated` (one worker does everything). `ppd` decides per req
                                                              that carries the append)
      TPOT(prefill) = decode step;  TPOT(decode) = decode step + (new / inline rate) / output tokens
    i.e. an inline append delays one step of every running sequence, spread over this request's output length
-   (the router's estimate of it, scheduler/answer_length.py: max_tokens is only a cap).
+   (the router's estimate of it, server/routing/answer_length.py: max_tokens is only a cap).
 3. Route to decode when w_ttft * (TTFT(prefill) - TTFT(decode)) > w_tpot * (TPOT(decode) - TPOT(prefill)).
 4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the prefill route
    meets --ttft-slo-ms; never send to the prefill worker a request that would miss --ttft-slo-ms there while
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from scheduler.config import has_prefill_worker
 from scheduler.messages import Route
-from scheduler.policy_table import ROUTES, PolicyTable
+from server.routing.policy_table import ROUTES, PolicyTable
 
 OBSERVATION_WEIGHT = 0.02  # the most one observation moves a cell's estimate, as a fraction of it
 DEFAULT_W_TTFT = 1.0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.policy import Policy, UnitLive, make_policy
-from scheduler.router import Router
+from server.routing.policy import Policy, UnitLive, make_policy
+from server.routing.router import Router
 
 BS = 4
 

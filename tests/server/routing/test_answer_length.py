@@ -5,9 +5,9 @@ by its prefix or its session."""
 from __future__ import annotations
 
 from engine.prefix_hash import block_hashes
-from scheduler.answer_length import CONVERSATIONS, PRIOR, RECENT, AnswerLengths
-from scheduler.policy import Decision, Outcome, Policy
-from scheduler.router import Router
+from server.routing.answer_length import CONVERSATIONS, PRIOR, RECENT, AnswerLengths
+from server.routing.policy import Decision, Outcome, Policy
+from server.routing.router import Router
 
 BLOCK = 16
 

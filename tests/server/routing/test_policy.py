@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from engine.prefix_hash import block_hashes
-from scheduler.policy import OBSERVATION_WEIGHT, Objective, Outcome, PPDPolicy, UnitLive
-from scheduler.policy_table import Cell, PolicyTable, RouteStats, TableError, table_path
-from scheduler.router import Router
+from server.routing.policy import OBSERVATION_WEIGHT, Objective, Outcome, PPDPolicy, UnitLive
+from server.routing.policy_table import Cell, PolicyTable, RouteStats, TableError, table_path
+from server.routing.router import Router
 
 CONTEXTS = [256, 1024]
 SHAPES = [(64, 512), (1024, 64)]  # decode-heavy (ratio 0.125), prefill-heavy (ratio 16)
