@@ -140,7 +140,7 @@ class Mode:
 
 def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step]:
     """The steps STEP name stands for (some names expand to one step per configuration); ValueError if unknown."""
-    ppd = (python, "-m", "server.cli")
+    ppd = (python, "-m", "cli")
     serve = shlex.join(mode.model)
     quick = ("--quick",) if mode.rehearse else ()
     load = ("--api", "completions", "--workload", "synthetic", "--timeout", "120", "--repeat", "1", "--no-progress")
@@ -588,7 +588,7 @@ def check_imports() -> int:
 
     failed = 0
     names = list(THIRD_PARTY)
-    for package in ("engine", "scheduler", "partition", "server", "bench", "profiles"):
+    for package in ("cli", "engine", "scheduler", "partition", "server", "bench", "profiles"):
         names.append(package)
         names += [m.name for m in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}.")]
     for name in names:

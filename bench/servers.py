@@ -36,7 +36,7 @@ def start_server(serve_args: list[str], log: Path, env: dict[str, str] | None = 
         serve_args = ["--port", port, *serve_args]
     host = "127.0.0.1" if host in (None, "0.0.0.0", "::", "localhost") else host
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", *serve_args]
+    cmd = [sys.executable, "-m", "cli", "serve", *serve_args]
     return start_process(cmd, log, url, env, timeout, name=f"ppd serve {shlex.join(serve_args)}"), url
 
 

@@ -21,10 +21,10 @@ common=(--serve-args "--model smollm2 --dtype $dtype --policy ppd --max-model-le
         --tokenizer "$folder"
         --concurrency 8 --duration 90 --token-timing --no-progress --max-tokens-from none --seed "$seed")
 # 1. The true lengths: the same conversations (each round's seed), answered once.
-python -m server.cli bench compare --policies ppd "${common[@]}" --repeat "$rounds" --out "$out/lengths"
+python -m cli bench compare --policies ppd "${common[@]}" --repeat "$rounds" --out "$out/lengths"
 cat "$out"/lengths/ppd_ppd-8-run*/records.jsonl.gz > "$out/true-lengths.jsonl.gz"  # gzip members concatenate
 # 2. The three side by side, a fresh server each round, in turns.
-python -m server.cli bench compare --policies ppd --variant "cap=--answer-length max-tokens" \
+python -m cli bench compare --policies ppd --variant "cap=--answer-length max-tokens" \
   --variant "truth=--answer-length max-tokens -- --max-tokens-from $out/true-lengths.jsonl.gz" \
   "${common[@]}" --repeat "$rounds" --interleave --out "$out/compare"
 python bench/scripts/answer_length_routes.py "$out"

@@ -8,7 +8,7 @@
 # (POLICIES: ppd's policies to run, default ppd,aggregated; aggregated alone is the 2-core default and halves the time)
 set -euo pipefail
 model=$1 out=$2 turns=$3 rounds=${4:-3} policies=${POLICIES:-ppd,aggregated}
-python -m server.cli bench compare --policies "$policies" --peer vllm \
+python -m cli bench compare --policies "$policies" --peer vllm \
   --serve-args "--model $model --dtype bfloat16 --max-model-len 8192 --kv-cache-memory 2" \
   --workload uniform --turns "$turns" --user-tokens 200-400 --output-tokens 64 --num-conversations 24 \
   --concurrency 8 --duration 60 --repeat "$rounds" --token-timing --no-progress --out "$out"

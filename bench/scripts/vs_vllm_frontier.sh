@@ -10,7 +10,7 @@
 set -euo pipefail
 out=$1 turns=$2 rounds=${3:-2}
 folder=$(python -c "from engine.gguf import model_folder, smollm2_gguf; print(model_folder(smollm2_gguf()))")
-python -m server.cli bench compare --policies "${POLICIES:-aggregated,ppd}" --variant budget256="--policy aggregated --max-num-batched-tokens 256" --variant budget512="--policy aggregated --max-num-batched-tokens 512" \
+python -m cli bench compare --policies "${POLICIES:-aggregated,ppd}" --variant budget256="--policy aggregated --max-num-batched-tokens 256" --variant budget512="--policy aggregated --max-num-batched-tokens 512" \
   --peer vllm --serve-args "--model smollm2 --dtype auto --max-model-len 8192 --kv-cache-memory 2" \
   --workload sharegpt --turns "$turns" --max-output-tokens 512 --num-conversations 24 --tokenizer "$folder" \
   --concurrency 8 --duration 60 --repeat "$rounds" --token-timing --no-progress --out "$out"

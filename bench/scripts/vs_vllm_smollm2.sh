@@ -9,7 +9,7 @@
 set -euo pipefail
 out=$1 turns=$2 rounds=${3:-3} dtype=${4:-auto}
 folder=$(python -c "from engine.gguf import model_folder, smollm2_gguf; print(model_folder(smollm2_gguf()))")
-python -m server.cli bench compare --policies "${POLICIES:-aggregated}" --peer vllm \
+python -m cli bench compare --policies "${POLICIES:-aggregated}" --peer vllm \
   --serve-args "--model smollm2 --dtype $dtype --max-model-len 8192 --kv-cache-memory 2" \
   --workload sharegpt --turns "$turns" --max-output-tokens 512 --num-conversations 24 --tokenizer "$folder" \
   --concurrency 8 --duration 60 --repeat "$rounds" --token-timing --no-progress --out "$out"

@@ -25,7 +25,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def ppd(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_results_go_under_ppd_results_dir_else_ppd_results(monkeypatch: pytest.M
 def test_bench_without_out_says_its_results_folder_at_the_start_and_the_end(stub, tmp_path: Path) -> None:
     # Token ids, no tokenizer: the stub has no /tokenize, and a completions run needs none.
     env = {**os.environ, "PPD_RESULTS_DIR": str(tmp_path / "results")}
-    result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", stub.url, "--qps", "5", "--duration",
+    result = subprocess.run([sys.executable, "-m", "cli", "bench", "--url", stub.url, "--qps", "5", "--duration",
                              "1", "--scale", "0.05", "--api", "completions", "--no-progress"],
                             capture_output=True, text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr
@@ -88,7 +88,7 @@ def test_bench_refuses_bad_input_clearly(stub) -> None:
 def test_ctrl_c_reports_what_was_measured(stub, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     httpx.post(f"{stub.url}/stub/reset", timeout=10)
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "bench", "--url", stub.url, "--concurrency", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "bench", "--url", stub.url, "--concurrency", "2",
                              "--duration", "60", "--api", "completions", "--scale", "0.05", "--out", str(out),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             # A suite started in the background (`pytest &`) ignores SIGINT, and so would the child,
@@ -255,7 +255,7 @@ def test_bench_against_the_demo_fits_its_context_and_shows_failures(start_server
     env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir)}
 
     def bench(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "server.cli", "bench", "--url", server.url, "--qps", "2",
+        return subprocess.run([sys.executable, "-m", "cli", "bench", "--url", server.url, "--qps", "2",
                                "--duration", "3", "--num-conversations", "6", "--no-progress",
                                "--out", str(tmp_path / f"run{len(args)}"), *args],
                               capture_output=True, text=True, timeout=300, env=env)

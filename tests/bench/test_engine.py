@@ -136,7 +136,7 @@ def test_rounds_report_medians_and_each_rounds_own_ratio() -> None:
 @pytest.mark.slow  # over 10 s on 2 cores: the second suite keeps the default one under its budget
 def test_cli_runs_quick_and_writes_results(cache_dir: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir)}
-    result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "engine", "--quick", "--rounds", "2",
+    result = subprocess.run([sys.executable, "-m", "cli", "bench", "engine", "--quick", "--rounds", "2",
                              "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -226,7 +226,7 @@ def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
     import shlex
 
     from partition import backends, mps
-    from server.cli import add_serve_args
+    from server.args import add_serve_args
 
     monkeypatch.setattr(backends, "green_available", lambda: True)
     monkeypatch.setattr(backends.shutil, "which", lambda name: f"/usr/bin/{name}")

@@ -12,7 +12,7 @@ import pytest
 from bench import interference
 from bench.common import BenchError
 from bench.interference import GPU_CONFIGS, GPU_DEFAULT, Shares, _tpot, configurations, report
-from server.cli import main
+from cli.main import main
 
 
 def test_a_windows_tpot_counts_every_streams_tokens_in_it() -> None:
@@ -47,19 +47,19 @@ def plan_of(config: str, monkeypatch: pytest.MonkeyPatch):
     import shlex
     import shutil
 
-    import server.serve
+    import server.plan
     from partition import backends, mps
     from partition.mps import MpsDaemonPlan
-    from server.cli import add_serve_args
+    from server.args import add_serve_args
 
-    monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0"])
+    monkeypatch.setattr(server.plan, "visible_gpus", lambda: ["0"])
     monkeypatch.setattr(backends, "green_available", lambda: True)
     monkeypatch.setattr(mps, "mps_daemon_plan", lambda workdir: MpsDaemonPlan(
         "nvidia-cuda-mps-control", workdir / "pipe", workdir / "log", start=True, why="a test's daemon"))
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args(["--model", "demo", "--device", "cuda", *shlex.split(GPU_CONFIGS[config].args)])
-    plan = server.serve.plan_serve(args)
+    plan = server.plan.plan_serve(args)
     shutil.rmtree(plan.ipc_dir)
     return plan.units[0]
 

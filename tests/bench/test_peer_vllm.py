@@ -179,7 +179,7 @@ VLLM_VENV = Path(peer_vllm.default_venv())
 def test_a_tiny_real_comparison_against_vllm(cache_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "peer"
     env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir)}
-    result = subprocess.run([sys.executable, "-m", "server.cli", "bench", "compare", "--policies", "aggregated",
+    result = subprocess.run([sys.executable, "-m", "cli", "bench", "compare", "--policies", "aggregated",
                              "--peer", "vllm", "--serve-args", "--device cpu --max-model-len 1024", "--concurrency",
                              "2", "--duration", "5", "--num-conversations", "2", "--turns", "2", "--scale", "0.05",
                              "--no-progress", "--out", str(out)], capture_output=True, text=True, timeout=900, env=env)

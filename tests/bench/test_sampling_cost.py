@@ -12,7 +12,7 @@ from bench.sampling_cost import QUICK_SWEEP, Batch, Point, Report, Sweep, config
 from engine.demo import demo_model_path
 from engine.engine import Engine, EngineConfig
 from engine.step_timing import release_engine
-from server.cli import main as ppd
+from cli.main import main as ppd
 from tests.tiny_models import write_tiny_model
 
 

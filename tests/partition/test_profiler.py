@@ -298,7 +298,7 @@ def test_without_out_the_profile_goes_to_the_user_folder_and_the_server_reads_it
     (in an install, site-packages); the server's lookup of the demo then takes it before the shipped one."""
     from profiles import PROFILES_DIR
     from server import cli
-    from server.serve import partition_profile_for
+    from server.plan import partition_profile_for
 
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
     shipped = {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()}

@@ -14,7 +14,7 @@ from tests.tiny_models import write_tiny_model
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "server.cli", "serve", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "cli", "serve", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_bad_memory_utilization_is_refused() -> None:
 
 
 def test_the_cublas_sm_target_is_for_green_only_and_says_so() -> None:
-    help_text = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--help"], capture_output=True, text=True,
+    help_text = subprocess.run([sys.executable, "-m", "cli", "serve", "--help"], capture_output=True, text=True,
                                timeout=120).stdout
     assert "--cublas-sm-target" in " ".join(help_text.split())
     assert "only with --partition green, where graphs are captured per split" in " ".join(help_text.split())
@@ -104,22 +104,22 @@ def test_the_cublas_sm_target_reaches_the_engine_config_of_every_unit(tiny: Path
     import argparse
     import shutil
 
-    import server.serve
+    import server.plan
     from partition import backends
-    from server.cli import add_serve_args
+    from server.args import add_serve_args
 
-    monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(server.plan, "visible_gpus", lambda: ["0", "1"])
     monkeypatch.setattr(backends, "green_available", lambda: True)
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     base = ["--model", str(tiny), "--skip-tokenizer-init", "--partition", "green", "--policy", "pd"]
     for extra, on in ((["--cublas-sm-target"], True), ([], False)):
-        plan = server.serve.plan_serve(parser.parse_args(base + extra))
+        plan = server.plan.plan_serve(parser.parse_args(base + extra))
         shutil.rmtree(plan.ipc_dir)
         assert plan.partition == "green" and len(plan.units) == 2
         assert [u.engine.cublas_sm_target for u in plan.units] == [on, on]
-    with pytest.raises(server.serve.UsageError, match="with --enforce-eager none are"):
-        server.serve.plan_serve(parser.parse_args(base + ["--cublas-sm-target", "--enforce-eager"]))
+    with pytest.raises(server.plan.UsageError, match="with --enforce-eager none are"):
+        server.plan.plan_serve(parser.parse_args(base + ["--cublas-sm-target", "--enforce-eager"]))
 
 
 def test_a_port_in_use_is_refused_before_any_worker_starts() -> None:
@@ -139,14 +139,14 @@ def test_a_port_in_use_is_refused_before_any_worker_starts() -> None:
 def test_more_units_than_cores_warns(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    import server.serve
-    from server.cli import add_serve_args
+    import server.plan
+    from server.args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    monkeypatch.setattr(server.serve, "available_cores", lambda: [0, 1])
+    monkeypatch.setattr(server.plan, "available_cores", lambda: [0, 1])
     with caplog.at_level("WARNING", logger="ppd"):
-        plan = server.serve.plan_serve(parser.parse_args(["--units", "4", "--policy", "ppd"]))
+        plan = server.plan.plan_serve(parser.parse_args(["--units", "4", "--policy", "ppd"]))
     import shutil
     shutil.rmtree(plan.ipc_dir)
     assert len(plan.units) == 4
@@ -163,14 +163,14 @@ def test_the_default_policy_on_the_cpu_fits_its_cores_and_says_why(
     import argparse
     import shutil
 
-    import server.serve
-    from server.cli import add_serve_args
+    import server.plan
+    from server.args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    monkeypatch.setattr(server.serve, "available_cores", lambda: list(range(cores)))
+    monkeypatch.setattr(server.plan, "available_cores", lambda: list(range(cores)))
     with caplog.at_level("INFO", logger="ppd"):
-        plan = server.serve.plan_serve(parser.parse_args(["--device", "cpu", "--policy", asked]))
+        plan = server.plan.plan_serve(parser.parse_args(["--device", "cpu", "--policy", asked]))
     shutil.rmtree(plan.ipc_dir)
     assert [u.policy for u in plan.units] == [chosen]
     assert (f"policy: auto: {chosen}" in caplog.text) == (asked == "auto")
@@ -183,16 +183,16 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     import argparse
     import shutil
 
-    import server.serve
+    import server.plan
     from partition import backends, mps
     from partition.backends import PartitionError
     from partition.mps import MpsDaemonPlan
-    from server.cli import add_serve_args
+    from server.args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args([])
-    plan = server.serve.plan_serve(args)
+    plan = server.plan.plan_serve(args)
     shutil.rmtree(plan.ipc_dir)
     events = []
 
@@ -219,7 +219,7 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     plan.mps, args.partition = daemon_plan, "auto"
     units, planned = plan.units, list(plan.units)
     with caplog.at_level("WARNING", logger="ppd"):
-        daemon, fallen = server.serve.start_mps(args, plan)
+        daemon, fallen = server.plan.start_mps(args, plan)
     assert daemon is None and events == ["start", "check", "stop"]
     assert fallen.partition == "none" and fallen.mps is None
     assert all(u.partition.backend == "none" and not u.partition.env for u in fallen.units)
@@ -229,8 +229,8 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     assert "going on with --partition none" in caplog.text
     events.clear()
     plan.mps, args.partition = daemon_plan, "mps"
-    with pytest.raises(server.serve.UsageError, match="does not run as an MPS client"):
-        server.serve.start_mps(args, plan)
+    with pytest.raises(server.plan.UsageError, match="does not run as an MPS client"):
+        server.plan.start_mps(args, plan)
     assert events == ["start", "check", "stop"]
 
 
@@ -243,16 +243,16 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
     import argparse
     import shutil
 
-    import server.serve
+    import server.plan
     from partition import backends, mps
     from partition.backends import PartitionError
     from partition.mps import MpsDaemonPlan
-    from server.cli import add_serve_args
+    from server.args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
     args = parser.parse_args(["--policy", "ppd", "--prefill-worker", prefill_worker])
-    plan = server.serve.plan_serve(args)
+    plan = server.plan.plan_serve(args)
     shutil.rmtree(plan.ipc_dir)
 
     def no_mps_client(plan: MpsDaemonPlan) -> None:
@@ -265,7 +265,7 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
                              why="an MPS daemon is running")
     units, planned = plan.units, list(plan.units)
     with caplog.at_level("WARNING", logger="ppd"):
-        daemon, fallen = server.serve.start_mps(args, plan)
+        daemon, fallen = server.plan.start_mps(args, plan)
     assert daemon is None and plan.units is units and units == planned and plan.partition == "cpu"
     part = fallen.units[0].partition
     if prefill_worker == "auto":
@@ -280,7 +280,7 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
 def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
     import os
 
-    from server.serve import remove_dead_leftovers
+    from server.plan import remove_dead_leftovers
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -116,7 +116,7 @@ def test_greedy_ids_match_hf_under_each_gpu_partition(start_server, tiny_llama: 
 
 
 def test_model_that_does_not_fit_is_refused_with_numbers(tiny_llama: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(tiny_llama), "--device", "cuda",
+    result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(tiny_llama), "--device", "cuda",
                              "--gpus", "0", "--gpu-memory-utilization", "0.0001", "--port", "0"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]

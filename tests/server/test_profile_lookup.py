@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-import server.serve
+import server.plan
 from partition.mps import MpsDaemonPlan
 from profiles import PROFILES_DIR, model_name
 from server.routing.policy import Objective, PPDPolicy
-from server.cli import add_serve_args
-from server.serve import ServePlan, find_shipped_table, model_slug, partition_profile_for
+from server.args import add_serve_args
+from server.plan import ServePlan, partition_profile_for
+from server.serve import find_shipped_table, model_slug
 from tests.tiny_models import write_tiny_model
 
 SHIPPED_TABLE = PROFILES_DIR / "cpu-2core__demo-v2__policy.json"
@@ -77,8 +78,8 @@ def _plan(tiny: Path, monkeypatch: pytest.MonkeyPatch, *argv: str, gpu: bool) ->
     or on 2 CPU cores; no process is started."""
     from partition import backends, mps
 
-    monkeypatch.setattr(server.serve, "visible_gpus", lambda: ["0"] if gpu else [])
-    monkeypatch.setattr(server.serve, "available_cores", lambda: [0, 1])
+    monkeypatch.setattr(server.plan, "visible_gpus", lambda: ["0"] if gpu else [])
+    monkeypatch.setattr(server.plan, "available_cores", lambda: [0, 1])
     monkeypatch.setattr(backends, "green_available", lambda: True)
     monkeypatch.setattr(backends, "auto_backend", lambda device, with_prefill=True: (
         ("mps", "auto: an MPS daemon runs") if gpu else ("cpu", "auto: on the CPU each worker gets its own cores")))
@@ -86,7 +87,7 @@ def _plan(tiny: Path, monkeypatch: pytest.MonkeyPatch, *argv: str, gpu: bool) ->
         "/usr/bin/nvidia-cuda-mps-control", workdir / "pipe", workdir / "log", start=True, why="starting one"))
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    plan = server.serve.plan_serve(parser.parse_args(["--model", str(tiny), "--skip-tokenizer-init", "--policy", "pd",
+    plan = server.plan.plan_serve(parser.parse_args(["--model", str(tiny), "--skip-tokenizer-init", "--policy", "pd",
                                                       *argv]))
     shutil.rmtree(plan.ipc_dir)
     return plan
@@ -114,7 +115,7 @@ def test_a_given_partition_profile_reaches_the_share_manager_wherever_one_runs(
 ])
 def test_a_partition_profile_no_share_manager_would_read_is_refused_in_one_line(
         gpu: bool, argv: list[str], needle: str, tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(server.serve.UsageError) as refused:
+    with pytest.raises(server.plan.UsageError) as refused:
         _plan(tiny, monkeypatch, *argv, "--partition-profile", str(SHIPPED_PROFILE), gpu=gpu)
     message = str(refused.value)
     assert message.startswith("--partition-profile: ") and needle in message and "\n" not in message

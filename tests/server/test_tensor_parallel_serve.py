@@ -152,25 +152,25 @@ def test_a_step_failing_on_one_rank_restarts_the_unit(cache_dir: Path, tmp_path:
 
 
 def plan(*argv: str):
-    import server.serve
-    from server.cli import add_serve_args
+    import server.plan
+    from server.args import add_serve_args
 
     parser = argparse.ArgumentParser()
     add_serve_args(parser)
-    return server.serve.plan_serve(parser.parse_args(list(argv)))
+    return server.plan.plan_serve(parser.parse_args(list(argv)))
 
 
 def test_a_size_that_does_not_split_the_model_is_refused_at_start(tiny_llama: Path) -> None:
-    import server.serve
+    import server.plan
 
-    with pytest.raises(server.serve.UsageError, match=r"--tensor-parallel-size 3 does not split .* use one of 1, 2, 4, 8"):
+    with pytest.raises(server.plan.UsageError, match=r"--tensor-parallel-size 3 does not split .* use one of 1, 2, 4, 8"):
         plan("--model", str(tiny_llama), "-tp", "3")
-    with pytest.raises(server.serve.UsageError, match="--pipeline-parallel-size 2"):
+    with pytest.raises(server.plan.UsageError, match="--pipeline-parallel-size 2"):
         plan("--model", str(tiny_llama), "-pp", "2")
 
 
 def test_units_take_consecutive_gpus_and_a_size_that_does_not_divide_them_is_refused(tiny_llama: Path) -> None:
-    import server.serve
+    import server.plan
     from engine.config import ModelConfig
 
     mcfg = ModelConfig.from_folder(tiny_llama)
@@ -180,11 +180,11 @@ def test_units_take_consecutive_gpus_and_a_size_that_does_not_divide_them_is_ref
         args = argparse.Namespace(gpus=None, units=None, tensor_parallel_size=1)
         for flag, value in zip(argv[::2], argv[1::2]):
             setattr(args, flag, value if flag == "gpus" else int(value))
-        return server.serve.choose_gpus(args, gpus, mcfg)
+        return server.plan.choose_gpus(args, gpus, mcfg)
 
     assert units("tensor_parallel_size", "4") == ["0,1,2,3", "4,5,6,7"]
     assert units("tensor_parallel_size", "8") == ["0,1,2,3,4,5,6,7"]
     assert units("tensor_parallel_size", "2", "units", "1") == ["0,1"]
     assert units("tensor_parallel_size", "2", "gpus", "6,7,2,3") == ["6,7", "2,3"]
-    with pytest.raises(server.serve.UsageError, match=r"does not divide the 6 GPU\(s\) .* use one of 1, 2"):
+    with pytest.raises(server.plan.UsageError, match=r"does not divide the 6 GPU\(s\) .* use one of 1, 2"):
         units("tensor_parallel_size", "4", "gpus", "0,1,2,3,4,5")  # 3 and 6 divide 6 GPUs but not 8 heads

@@ -43,7 +43,7 @@ def test_a_folder_without_tokenizer_is_refused_before_any_worker_starts(weights_
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(weights_only), "--port", "0"],
+    result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(weights_only), "--port", "0"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert "tokenizer" in result.stderr and "--skip-tokenizer-init" in result.stderr and "--tokenizer" in result.stderr
@@ -58,7 +58,7 @@ def test_a_folder_of_config_and_weights_alone_is_refused_in_one_line(arch: str, 
     import sys
 
     folder = write_tiny_model(tmp_path / arch, arch)
-    result = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--model", str(folder), "--port", "0"],
+    result = subprocess.run([sys.executable, "-m", "cli", "serve", "--model", str(folder), "--port", "0"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]

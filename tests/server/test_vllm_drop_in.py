@@ -15,14 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-import server.serve
+import server.plan
 from engine.demo import demo_model_path
 from server.api import VERSION, build_app
-from server.cli import add_serve_args
+from server.args import add_serve_args
 from server.engine_client import Delta
 from server.protocol import IGNORED_FIELDS
 from server.request_path import ServedModel
-from server.serve import UsageError, load_tokenizer
+from server.plan import UsageError
+from server.serve import load_tokenizer
 
 
 def serve_args(*argv: str) -> argparse.Namespace:
@@ -31,8 +32,8 @@ def serve_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def plan(*argv: str) -> server.serve.ServePlan:
-    found = server.serve.plan_serve(serve_args(*argv))
+def plan(*argv: str) -> server.plan.ServePlan:
+    found = server.plan.plan_serve(serve_args(*argv))
     shutil.rmtree(found.ipc_dir)
     return found
 
