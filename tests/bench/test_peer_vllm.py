@@ -16,7 +16,7 @@ from bench.cli import Target, schedule
 from bench.common import BenchError
 from bench.peer_vllm import cpu_list, ensure_vllm, vllm_command, vllm_env
 from bench.servers import free_port, start_process
-from server import cli
+from cli import main as cli
 
 
 def test_vllm_command_matches_the_serve_args(tiny_llama: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 from bench import policy_profile
 from bench.policy_profile import Grid, heatmap, markdown, profile
 from server.routing.policy_table import PolicyTable, run_key
-from server import cli
+from cli import main as cli
 
 GRID = Grid(contexts=(160, 544), shapes=((8, 64), (128, 8)), loads=(1, 4), turn1_output=32, duration=1.0)
 

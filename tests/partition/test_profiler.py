@@ -236,7 +236,7 @@ def test_bad_grid_arguments_name_the_fix() -> None:
 
 def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import policy_profile
-    from server import cli
+    from cli import main as cli
 
     ran = []
     monkeypatch.setattr(profiler_cli, "main", lambda args: ran.append(("partition", args.quick)))
@@ -282,7 +282,7 @@ def fake_run(monkeypatch: pytest.MonkeyPatch) -> dict:
 def test_model_demo_and_an_out_folder(fake_run: dict, tmp_path: Path) -> None:
     """`--model demo` is the built-in demo model, as wherever --model is taken; `--out` a folder gets the profile
     under its default name (an existing folder, or a new one named with a trailing separator)."""
-    from server import cli
+    from cli import main as cli
 
     new_folder = tmp_path / "new"
     for out in (str(tmp_path), f"{new_folder}/", str(tmp_path / "named.json")):
@@ -297,7 +297,7 @@ def test_without_out_the_profile_goes_to_the_user_folder_and_the_server_reads_it
     """No --out: $PPD_CACHE_DIR/profiles/<device>__demo-v2.json, said as the run starts, never the shipped profiles/
     (in an install, site-packages); the server's lookup of the demo then takes it before the shipped one."""
     from profiles import PROFILES_DIR
-    from server import cli
+    from cli import main as cli
     from server.plan import partition_profile_for
 
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
