@@ -71,12 +71,13 @@ def api_server_pids(pid: int, url: str) -> list[int]:
 
 
 def _is_api_server(pid: int) -> bool:
-    """A child started by multiprocessing's spawn (the API servers, the workers), not its resource tracker."""
+    """An API server by its title (ppd::api-N), or a child started by multiprocessing's spawn where setproctitle
+    is missing (an API server or a worker), not its resource tracker."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return False
-    return b"spawn_main" in cmdline
+    return cmdline.startswith(b"ppd::api-") or b"spawn_main" in cmdline
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int, gaps: list[float],
