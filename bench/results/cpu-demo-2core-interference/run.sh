@@ -4,7 +4,7 @@
 set -euo pipefail
 here=bench/results/cpu-demo-2core-interference
 for run in ${RUNS:-0 1 2}; do
-  python -m server.cli bench interference --batch 8 --context 128 --prefill-tokens 1024 --rounds 5 --alone-s 3 \
+  python -m cli bench interference --batch 8 --context 128 --prefill-tokens 1024 --rounds 5 --alone-s 3 \
     --settle-s 0.5 --out "$here/run-$run"
 done
 python - "$here" <<'PY'
