@@ -18,39 +18,8 @@ the probe's own process never initialises CUDA. The checks, in order:
   mps             our own MPS daemon and its clients; ipc, overlap and green_contexts again under it  probe_mps.py
   verdict         which partition modes look usable, each with a reason      probe_report.py
 
-JSON schema 1. Times in seconds, sizes in bytes. Every finding is a dict with "ok": bool and "error": str|None
-(a check that was not run: ok false, error null, "skipped": the reason).
-  {"schema": 1,
-   "host": {time_utc, hostname, platform, python, cpu_count, affinity_cpus, is_root, torch, torch_cuda, triton,
-            cuda_bindings, nvidia_ml_py, cuda_visible_devices, nvml: finding, torch_devices: finding},
-   "cpu": {model, cpu_count, affinity_cpus, flags: {avx2, avx512f, avx512_bf16, amx_bf16: bool}, ppd_cpu_isa,
-           native_bf16, dtype_auto: {demo, bfloat16_checkpoint}, kernels: {build, compile_flags, library, error,
-           attention, amx_linear_rows, few_rows: {float32, bfloat16}, bfloat16_weights_packed_as,
-           bfloat16_prefill_attention}},
-   "gpus": [{index (torch's), nvml_index, name, uuid, sm_count, compute_capability, memory_total_bytes,
-             memory_used_bytes, l2_cache_bytes, driver_version, cuda_driver_version, mig_mode, compute_mode,
-             cuda_visible_devices}],
-   "ipc": {bytes, export_s, open_s, verify_a_s, write_b_s, verify_b_s, verified_a, verified_b, mps_enabled,
-           importer_allocated_delta_bytes, importer_free_delta_bytes, importer_nvml_used_bytes,
-           mapped_not_copied, importer: finding},
-   "overlap": {verdict: concurrent|time-sliced|inconclusive, ratio, target_ms,
-               spin: {ratio, verdict, reason, solo_s, span_s, start_skew_s}, sleep: {the same},
-               sides: [{pid, sm_count, mps_enabled, spin: {solo_s, units, start, end}, sleep: {...}}]},
-   "green_contexts": {torch_api: {present, create_signature, has_stream, public}, mps_enabled, device_sm_count,
-                      split_rounding: {requested: granted}, groups: {small|pair_a|pair_b: {requested, granted}},
-                      matmul: {n, iters, full_s, group_s, slowdowns, small_slowdown, small_granted},
-                      pair_overlap: {sequential_s, parallel_s, ratio},
-                      pair_sm_ids: {pair_a_sms, pair_b_sms, common_sms, disjoint},
-                      graph: {matches_eager, max_abs_diff, green_replay_s, full_replay_s, slowdown,
-                              keeps_partition, replayed_on_ordinary_stream: {replay_s, slowdown, partition_in_graph}},
-                      context_restored, cleanup_errors},
-   "mps": {control_binary, existing: {running, processes, pipe_directory, pipe_directory_exists, control_pid_file},
-           static_partitioning: {offered, usage, version}, daemon: {pid, pipe_directory, servers},
-           client: {is_mps_client, mps_enabled, in_daemon_client_list, in_nvml_mps_list, sm_count, ...},
-           thread_percentage_50: {the same, under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50},
-           under_mps: {ipc, overlap, green_contexts}, stop: {stopped, quit, signalled, still_running}, logs},
-   "verdict": {preferred: green_in_mps|mps_processes|green_in_process|time_sliced_only|none|cpu,
-               modes: {green_in_mps|mps_processes|green_in_process|time_sliced_only: {usable, reason}}}}
+JSON schema 1: every field of the report, in docs/gpu.md ("The report's schema"). Times are in seconds, sizes in
+bytes; every finding is a dict with "ok" and "error" (a check not run: ok false, error null, "skipped": why).
 """
 
 from __future__ import annotations
