@@ -152,8 +152,8 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str = "cpu",
         _say(f"--dtype bfloat16 on a CPU without native bfloat16 (neither {' nor '.join(NATIVE_BF16_FLAGS)} among its "
              "flags): linear layers of more than 8 rows multiply a float32 copy of each weight that each process "
              "makes (the weights take 0.75x float32's memory, not 0.5x), those of up to 8 rows and attention widen "
-             "bfloat16 to float32 in our kernels; against float32 on an AVX2 build, prefill took 1.0-1.1x its time "
-             "and decode 0.4-0.9x (bench/results/cpu-2core/isa/)")
+             "bfloat16 to float32 in our kernels; its speed against float32: "
+             "docs/cpu-engine.md#the-dtype-on-the-cpu")
     return DTYPES[name]
 
 

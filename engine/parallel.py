@@ -8,7 +8,7 @@ style: two all-reduces a layer, one for the embedding, and an all-gather of the 
 Rank 0 of each role runs the worker (its scheduler, sockets and sampling); ranks 1..N-1 are followers: they run
 each forward pass rank 0 runs, with the same inputs, which rank 0 sends them over a ZeroMQ socket before the pass
 (FollowerLink). The collectives are NCCL's on GPUs; on the CPU the model's all-reduces and all-gathers go through
-shared memory (engine/shm_collectives.py: gloo's loopback TCP took about 1 ms a call), the rest through gloo. A
+shared memory (engine/shm_collectives.py: gloo's loopback TCP is slow), the rest through gloo. A
 follower waits for its next step on the socket rather than in a collective, so an idle server holds no collective
 open (whose timeout would end it).
 """

@@ -7,12 +7,10 @@ row a tile of flash attention with the other new tokens of its sequence. Where t
 (engine/attention/cpu_kernel.py says why), the dtype is not float32 or bfloat16, or a KV head has more than
 MAX_GROUP query heads, every row goes to PyTorch's SDPA over the gathered blocks, as in the torch backend.
 
-bfloat16 prefill rows on a CPU with AMX go to PyTorch's SDPA as well, per sequence over its gathered blocks: its
-flash attention multiplies tiles on AMX, where our kernel's AVX512-BF16 dot products are no faster than its
-float32 path. On a 2-core Xeon with AMX-BF16, at SmolLM2-135M's layer (9 heads, 3 KV heads, D 64): 0.56x our
-kernel's time on a 512-token prompt, 0.82x on 16 prompts of 128, 0.44x on 256 new tokens over 1,024 cached, 0.52x on
-64 over 2,048, the gather and masks included (bench/results/cpu-2core/smollm2/sdpa_layer.py). float32, and CPUs
-without AMX, keep our kernel.
+bfloat16 prefill rows on a CPU with AMX go to PyTorch's SDPA as well, per sequence over its gathered
+blocks: its flash attention multiplies tiles on AMX, where our kernel's AVX512-BF16 dot products are no
+faster than its float32 path, so SDPA is the faster there, gather and masks included
+(docs/cpu-engine.md#measurements-behind-the-code). float32, and CPUs without AMX, keep our kernel.
 """
 
 from __future__ import annotations

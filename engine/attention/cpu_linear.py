@@ -2,10 +2,10 @@
 on AMX's tiles in cpu_amx.c where the CPU has AMX-BF16, else of a few rows in cpu_gemv.c), RMSNorm,
 SiLU-and-multiply and RoPE fused.
 
-oneDNN reorders a weight once into the blocked layout its GEMM kernels read; on a 2-core Zen 4 that ran a
-bfloat16 [5632 x 1024] linear 1.4x faster at 1 row and 1.5x at 8 rows than torch's linear on the plain weight
-(and no slower at 2,048). The packed copy is this process's own memory: a worker's weights take about twice their
-size (the shared arena and the packed copy), and every runner of a process shares one packed copy per weight.
+oneDNN reorders a weight once into the blocked layout its GEMM kernels read, which runs a linear faster
+than torch's linear on the plain weight (docs/cpu-engine.md#measurements-behind-the-code). The packed
+copy is this process's own memory: a worker's weights take about twice their size (the shared arena and
+the packed copy), and every runner of a process shares one packed copy per weight.
 Where oneDNN is unavailable, or the dtype is not float32 or bfloat16, the plain weight is used.
 
 On a CPU without native bfloat16 (engine/cpu_isa.py) PyTorch's bfloat16 GEMMs run at a fraction of float32's speed,
@@ -34,26 +34,24 @@ from engine.ops import TorchOps
 # reference.
 _packed: dict[tuple[str, int], tuple[weakref.ref, Tensor | None]] = {}
 _lock = threading.Lock()
-# bfloat16 linears of up to this many rows run in cpu_gemv.c (on CPUs with AVX512-BF16), the rest in oneDNN. A/B in
-# the engine (bench/results/cpu-2core/cpu-kernels/abg.py): 0.68-0.85x the decode step at 1-2 rows, but 1.08x at 3,
-# 1.2x at 4 and 1.4-1.5x at 8, where oneDNN's blocked weights compute faster than the kernel streams.
+
+# The row limits below come from timing each kernel against oneDNN (the figures and their sources:
+# docs/cpu-engine.md#measurements-behind-the-code).
+# bfloat16 linears of up to this many rows run in cpu_gemv.c (on CPUs with AVX512-BF16), the rest in oneDNN,
+# whose blocked weights compute faster than the kernel streams from 3 rows on.
 FEW_ROWS = 2
-# Without native bfloat16 the kernel, reading the bfloat16 weights and widening them in registers, is the faster up to
-# its limit of 8 rows against oneDNN's float32 GEMM on the float32 copy (bench/results/cpu-2core/isa/README.md).
+# Without native bfloat16 the kernel, reading the bfloat16 weights and widening them in registers, is the faster
+# up to its limit of 8 rows against oneDNN's float32 GEMM on the float32 copy.
 FEW_ROWS_WIDENED = 8
-# On a CPU without AVX-512 (an AVX2 build), linears of up to this many rows run in cpu_gemv.c's float32 kernel, whose
-# weights (float32, or bfloat16 widened in registers) are read once for every 3 rows of x: float32 weights at 1-32
-# rows in 0.64-0.95x the time of oneDNN's float32 GEMM, bfloat16 ones at 9-32 rows in 0.67-1.05x
-# (bench/results/cpu-2core/isa/rows_bench.py, AVX2 environment). With AVX-512 oneDNN is the faster from 4 rows
-# (1.3-3x), and at 1 row the kernel gains little (0.66-0.97x): it is not taken there.
+# On a CPU without AVX-512 (an AVX2 build), linears of up to this many rows run in cpu_gemv.c's float32 kernel,
+# whose weights (float32, or bfloat16 widened in registers) are read once for every 3 rows of x: faster than
+# oneDNN's float32 GEMM there. With AVX-512 oneDNN is the faster from 4 rows, and at 1 row the kernel gains
+# little: it is not taken there.
 ROWS_F32 = 32
-# On a CPU with AMX-BF16, bfloat16 linears of up to this many rows run in cpu_amx.c on weights packed into its tiles:
-# SmolLM2-135M's four linears of a layer cycled over 30 layers (as a decode step reads them) in 0.59-0.79x oneDNN's
-# time at 1 and 8 rows and 0.69-1.04x at 32, its 49,152-row head in 0.92-0.95x at 1-8 rows (1.19x at 32); from 48 rows
-# the two are within noise of each other or oneDNN's GEMM, which blocks x for the caches, is the faster (0.71-1.61x at
-# 48-256 rows, 1.81-2.09x at 2,048), so mixed and prefill steps keep it (bench/results/cpu-2core/smollm2/
-# amx_linear.py, amx_linear.txt). A process that runs both keeps both packed copies: three copies of each weight with
-# the arena.
+# On a CPU with AMX-BF16, bfloat16 linears of up to this many rows run in cpu_amx.c on weights packed into its
+# tiles; from 48 rows the two are within noise or oneDNN's GEMM, which blocks x for the caches, is the faster,
+# so mixed and prefill steps keep it. A process that runs both keeps both packed copies: three copies of each
+# weight with the arena.
 AMX_ROWS = 32
 
 
