@@ -143,9 +143,10 @@ class Paged:
 def attention_runner(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
                      qs: torch.Tensor, lens: torch.Tensor, max_query_len: int, max_seq_len: int,
                      workspaces: dict | None = None) -> Callable[..., torch.Tensor]:
-    """run(config, splits=1): attention over these tensors, planned once per (config, splits) and launched through
-    one Launches, as an engine step does for its layers (planning each call cost 50-100 us of host time, which
-    do_bench timed for kernels shorter than that: the first H200 sweep's small decode rows)."""
+    """run(config, splits=1): attention over these tensors, planned once per (config, splits) and
+    launched through one Launches, as an engine step does for its layers, so that do_bench times the
+    kernel and not the host's planning, which can take longer than a small decode kernel
+    (docs/gpu.md#measurements-behind-the-code)."""
     from engine.kernels.attention import launch_attention, plan_attention
     from engine.kernels.launch import Launches
 

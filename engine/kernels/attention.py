@@ -51,16 +51,15 @@ class AttentionConfig:
     num_stages: int
 
 
-# Decode is bandwidth-bound: one 16-row tile per (sequence, KV head), 64-key steps, loads pipelined over 3 stages.
-# Prefill is compute-bound: the smallest tile that holds the longest query (short appends waste fewer rows), up to
-# 128 rows with 8 warps (two Hopper warpgroups) and 64-key steps. An append over a long cached prefix reads many keys
-# per query row: 64 rows and 128-key steps. The two largest entries were measured on an H200 (`bench.kernels`'
-# sweep of 36 tiles at Llama-3.1-8B's heads, bench/results/nvidia-h200/call7/kernels): 128 x 64 with 2 stages was
-# the fastest for prompts of 512, 2,048 and 8,192 tokens (the 3 stages it had: 1.04-1.14x its time); for 256 new
-# tokens over 4,096 and 16,384 cached, 64 x 128 with 3 stages (128 x 64: 1.58-1.81x its time; at 256 new tokens
-# its 128-row tiles make 64 programs for 132 SMs). Between 4 and 17 keys per query the choice is unmeasured (a
-# long prompt's later chunks: 2,048 new over 6,144 cached is an append here). Compiled for sm_90 by Triton 3.9
-# (bf16, head_dim 128), only the append tile spills registers: a few dozen bytes, split or not, alone or mixed.
+# Decode is bandwidth-bound: one 16-row tile per (sequence, KV head), 64-key steps, loads pipelined
+# over 3 stages. Prefill is compute-bound: the smallest tile that holds the longest query (short
+# appends waste fewer rows), up to 128 rows with 8 warps (two Hopper warpgroups) and 64-key steps.
+# An append over a long cached prefix reads many keys per query row: 64 rows and 128-key steps. The
+# two largest entries are the fastest of `bench.kernels`' sweep on an H200
+# (docs/gpu.md#measurements-behind-the-code); between 4 and 17 keys per query the choice is
+# unmeasured (a long prompt's later chunks: 2,048 new over 6,144 cached is an append here). Compiled
+# for sm_90 by Triton 3.9 (bf16, head_dim 128), only the append tile spills registers: a few dozen
+# bytes, split or not, alone or mixed.
 # An append's query tiles also split their keys (choose_append_splits: toward two programs per SM, at most
 # APPEND_MAX_SPLITS ways); the split counts are chosen from the tile's program count, so a new APPEND_CONFIG brings
 # its own. A mixed step's single launch runs its decode role on DECODE_CONFIG's tile with the general tile's warps

@@ -1,10 +1,10 @@
 """What it costs the host to launch a kernel: integer helpers for launch parameters, and Launches, which relaunches
 a step's kernels without the JIT's argument binding.
 
-triton.next_power_of_2 and triton.cdiv are constexpr functions in recent Triton: a call from host code costs
-1.5 us (Triton 3.9) to about 8 us (3.6, seen on the GPU host), against 0.1 us for the arithmetic itself, and an
-eager step computed hundreds of them. The kernels' host wrappers use these instead, and cache what depends only
-on a step's shape.
+triton.next_power_of_2 and triton.cdiv are constexpr functions in recent Triton: a call from host
+code costs many times the arithmetic itself (docs/gpu.md#measurements-behind-the-code), and an eager
+step needs hundreds. The kernels' host wrappers use these instead, and cache what depends only on a
+step's shape.
 """
 
 from __future__ import annotations
@@ -45,15 +45,16 @@ class Consts:
 
 
 class Launches:
-    """A step's Triton launches: the first launch of each kind goes through the JIT, which binds and specializes the
-    arguments, finds (or compiles) the kernel and launches it, 9-10 us of host time a launch (Triton 3.6 and 3.9
-    alike, measured with kernels compiled for sm_90 and a recording launcher); a later launch of the same kernel with
-    the same grid, scalars and constants, whose tensors are 16-byte aligned as the first's were, calls the compiled
-    kernel's launcher directly (0.5 us). A kernel's arguments must be its tensors, then its scalars, then its
-    constexprs, in that order. Made anew for every step (or captured graph): within one, a kind's tensors keep their
-    dtypes and strides (the layers' views of one layout), so grid, scalars and constants identify the compiled kernel,
-    and every launch goes to one stream. Under Triton's interpreter, or with a launch hook set (a profiler), every
-    launch goes through the JIT."""
+    """A step's Triton launches: the first launch of each kind goes through the JIT, which binds and
+    specializes the arguments, finds (or compiles) the kernel and launches it; a later launch of the
+    same kernel with the same grid, scalars and constants, whose tensors are 16-byte aligned as the
+    first's were, calls the compiled kernel's launcher directly, for a fraction of the JIT's host
+    time (docs/gpu.md#measurements-behind-the-code). A kernel's arguments must be its tensors, then
+    its scalars, then its constexprs, in that order. Made anew for every step (or captured graph):
+    within one, a kind's tensors keep their dtypes and strides (the layers' views of one layout), so
+    grid, scalars and constants identify the compiled kernel, and every launch goes to one stream.
+    Under Triton's interpreter, or with a launch hook set (a profiler), every launch goes through
+    the JIT."""
 
     __slots__ = ("compiled", "stream")
 
@@ -62,7 +63,7 @@ class Launches:
         self.stream: int | bool | None = None  # the step's stream, read at its first relaunch (False: relaunch none)
 
     def __call__(self, kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, consts: Consts) -> None:
-        key = (id(kernel), grid, scalars, consts)  # by id: a JITFunction hashes its source, 1 us
+        key = (id(kernel), grid, scalars, consts)  # by id: a JITFunction hashes its source
         compiled = self.compiled.get(key)
         if compiled is not None and _aligned(tensors):
             if self.stream is None:
