@@ -9,8 +9,7 @@ decode worker), `aggregated` (one worker does everything). `ppd` decides per req
    prefill worker's queue delay now (queued uncached tokens over its measured rate) exceeds its mean when the
    cell was profiled. Only an excess counts: a queue shorter than the profile's does not make the prefill
    route faster by as much, since its TTFT also waits for the pass under way and the hand-off, which the
-   queue does not show (measured: with a symmetric correction, the appends it sent to the prefill worker on
-   the CPU demo had 6-10 ms higher turn-2 TTFT than those it kept inline, bench/results/cpu-demo-2core-policy).
+   queue does not show (docs/policy.md#measurements-behind-the-code).
    The decode route's TPOT is the table's measured slowdown at this load.
 2. Without a table (none for this device and model), a cost model stands in, from live rates only:
      TTFT(prefill) = queue delay + new / prefill rate   (the prefill worker samples the first token itself)
