@@ -89,8 +89,9 @@ def cpu_grid(total: int, quick: bool) -> Grid:
     pairs = ((total // 2, total - total // 2), (total, total)) if total > 1 else ((1, 1),)
     if quick:
         return Grid(shares, (1, 8), (128,), (128,), 512, pairs, (1, 4), 64, 10, 2)
-    # Three rounds: the 2-core VM this was tuned on ran the same decode step up to 2x slower from one minute to the
-    # next; the median of rounds a minute or more apart is steadier than any one measurement.
+    # Three rounds: a shared machine's speed drifts from minute to minute, and the median of rounds
+    # a minute or more apart is steadier than any one measurement
+    # (docs/profiling.md#measurements-behind-the-code).
     return Grid(shares, (1, 4, 16), (128, 512, 1024), (32, 128, 512, 2048), 2048, pairs, (1, 4), 128, 30, 3, 3)
 
 

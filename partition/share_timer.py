@@ -19,8 +19,9 @@ from engine.model_runner import StepInput
 from engine.step_timing import Blocks, greedy_step, median_ms
 
 WARMUP_STEPS = 3
-# A decode point stops timing after this long (once it has MIN_STEPS): time-sliced on 2 cores, a step sometimes
-# takes 80x as long as alone, and the full count of steps would take minutes.
+# A decode point stops timing after this long (once it has MIN_STEPS): time-sliced on a small CPU, a
+# step can take many times as long as alone (docs/profiling.md#measurements-behind-the-code), and
+# the full count of steps would take minutes.
 POINT_LIMIT_S = 2.0
 MIN_STEPS = 5
 SYNC_TIMEOUT_S = 300.0  # the longest one worker waits for the other at the start of an interference point
