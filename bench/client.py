@@ -8,8 +8,9 @@ OpenAI fields are sent, plus vLLM's `ignore_eos` / `return_token_ids` where need
 The client must not be what is measured: one aiohttp session whose pool holds `concurrency`
 connections, one task per closed-loop slot (per conversation in an open loop, none per request),
 the time taken as a read returns and before its lines are parsed, msgspec decoding only the fields
-read. Against `bench.stub_server` it drives 300+ requests/s on a 2-core machine with its timing
-overhead (TTFT beyond the server's own) well under 1 ms; see tests/bench/test_client.py.
+read. tests/bench/test_client.py checks its timings against `bench.stub_server`'s own and prints
+its rate and timing overhead (TTFT beyond the server's own); the figures on a 2-core machine are in
+docs/benchmarks.md#measurements-behind-the-code.
 """
 
 from __future__ import annotations

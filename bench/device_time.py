@@ -3,7 +3,7 @@ grouped by what it computes, and the GEMMs by weight shape.
 
 torch.profiler lists a step's device work as FunctionEvents of device type CUDA: its kernels, copies and memsets,
 and beside them a device-side copy of each record_function range around them (a "gpu_user_annotation" from the
-first to the last kernel launched inside it). Summing every CUDA event, as engine-host did, counts the step's
+first to the last kernel launched inside it). Summing every CUDA event counts the step's
 kernels once more inside the ppd::step range, which spans the whole step, and again inside each Triton launch's
 range: more than the step's kernels take. Here a device event counts when it is a kernel, copy or memset (not an
 annotation), starts at or after the step's range began (nothing of a warm-up; the sync after the step launches

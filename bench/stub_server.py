@@ -11,8 +11,8 @@ flag; `cached_tokens` is every prompt token but the last user message's (chat, c
 tokens; 0 for completions).
 
 It is plain HTTP/1.1 on asyncio's protocol API rather than a web framework, for two reasons: it
-stays cheap (well over 1,000 requests/s on one core), and it takes a request's arrival time when
-its last bytes are read from the socket, so what a client measures beyond the stub's own
+stays cheap (docs/benchmarks.md#measurements-behind-the-code), and it takes a request's arrival time
+when its last bytes are read from the socket, so what a client measures beyond the stub's own
 (logged) time to the first token is the client's overhead plus the loopback, not the stub's HTTP
 stack.
 

@@ -19,8 +19,8 @@ puts them in order.
 
 The structs the workers send every step are declared gc=False: they never hold
 a reference cycle, and untracked they cost the receiving API server no garbage
-collection, which had been its largest cost per streamed token (several
-microseconds per output; bench/results/cpu-2core/frontend-*).
+collection, which would be its largest cost per streamed token
+(docs/benchmarks.md#measurements-behind-the-code).
 """
 
 from __future__ import annotations
