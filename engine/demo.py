@@ -35,7 +35,8 @@ NUM_BYTES = 256
 # "system". Text parts are joined with "\n", as vLLM does. Tools are written as Qwen2.5 writes them (a system turn
 # listing them, calls in <tool_call> blocks, results as <tool_response> blocks in a user turn), and an assistant's
 # calls exactly as the model is told to write them, so turn 2's prompt extends turn 1's and its cache is reused.
-# Without tools and tool messages the rendering is what it was before tools existed.
+# Without tools, tool calls or tool messages a conversation renders as <|role|>\n + text + <|end|>\n
+# per message, then <|assistant|>\n when the generation prompt is asked for.
 CHAT_TEMPLATE = """\
 {%- macro text(content) -%}
 {%- if content is string -%}
