@@ -1,13 +1,14 @@
 """All-reduce and all-gather between the CPU ranks of one host through shared memory (the CPU's stand-in for NCCL).
 
 gloo's collectives go through the loopback TCP stack, slow for a decode step's many small ones
-(docs/cpu-engine.md#measurements-behind-the-code). Here each rank copies its tensor into its slot of one
-/dev/shm file, tells every other rank (a POSIX semaphore for each pair of sender and receiver, in the
-same file: sem_post is a full memory barrier, so the copy is visible before the signal, and a receiver's
-k-th wait on a sender's semaphore is that sender's k-th call), waits for theirs, and sums the slots in
-rank order, so that every rank ends with the same bits. Two sets of slots alternate between calls: a
-rank writes set p again only two calls later, after every rank has signalled the call between, which
-each does only once it finished reading set p. A tensor larger than a slot goes in slot-sized pieces.
+(docs/cpu-engine.md#measurements-behind-the-code). Here each rank copies its tensor into its slot of
+one /dev/shm file, tells every other rank (a POSIX semaphore for each pair of sender and receiver,
+in the same file: sem_post is a full memory barrier, so the copy is visible before the signal, and a
+receiver's k-th wait on a sender's semaphore is that sender's k-th call), waits for theirs, and sums
+the slots in rank order, so that every rank ends with the same bits. Two sets of slots alternate
+between calls: a rank writes set p again only two calls later, after every rank has signalled the
+call between, which each does only once it finished reading set p. A tensor larger than a slot goes
+in slot-sized pieces.
 
 Waiting blocks in the kernel (sem_timedwait), so ranks that share a core take turns rather than spin.
 """

@@ -79,8 +79,8 @@ class StartRate:
     among its requests; counting the first request of a batch at the whole gap and the others at zero would let
     the first sample alone say "one start per step" after a burst, and answer 429 to a queue the next step clears.
 
-    A median, and none before START_INTERVAL_MIN_SAMPLES: one slow step (a partition's first prefill of a
-    burst) must not be the estimate the rest of the burst is refused on
+    A median, and none before START_INTERVAL_MIN_SAMPLES: one slow step (a partition's first prefill
+    of a burst) must not be the estimate the rest of the burst is refused on
     (docs/reliability.md#measurements-behind-the-code).
     """
 

@@ -335,9 +335,10 @@ CPU_SPLIT_MIN_CORES = 4
 
 
 def auto_policy(device: str, cores_per_unit: int) -> tuple[str, str]:
-    """--policy auto: (the policy, why). ppd on a GPU (the workers share its SMs); on the CPU, where a split pins
-    each worker to its own cores, aggregated below CPU_SPLIT_MIN_CORES cores per unit: on 2 cores one engine on
-    both served more requests/s, at a lower TPOT, than the 1+1-core split (docs/serving.md#on-the-cpu)."""
+    """--policy auto: (the policy, why). ppd on a GPU (the workers share its SMs); on the CPU, where
+    a split pins each worker to its own cores, aggregated below CPU_SPLIT_MIN_CORES cores per unit:
+    on 2 cores one engine on both served more requests/s, at a lower TPOT, than the 1+1-core split
+    (docs/serving.md#on-the-cpu)."""
     if device != "cpu":
         return "ppd", "auto: ppd (each turn-2+ append-prefill on the decode or the prefill worker, per request)"
     if cores_per_unit < CPU_SPLIT_MIN_CORES:

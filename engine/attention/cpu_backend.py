@@ -8,8 +8,8 @@ row a tile of flash attention with the other new tokens of its sequence. Where t
 MAX_GROUP query heads, every row goes to PyTorch's SDPA over the gathered blocks, as in the torch backend.
 
 bfloat16 prefill rows on a CPU with AMX go to PyTorch's SDPA as well, per sequence over its gathered
-blocks: its flash attention multiplies tiles on AMX, where our kernel's AVX512-BF16 dot products are no
-faster than its float32 path, so SDPA is the faster there, gather and masks included
+blocks: its flash attention multiplies tiles on AMX, where our kernel's AVX512-BF16 dot products are
+no faster than its float32 path, so SDPA is the faster there, gather and masks included
 (docs/cpu-engine.md#measurements-behind-the-code). float32, and CPUs without AMX, keep our kernel.
 """
 

@@ -2,10 +2,10 @@
 on AMX's tiles in cpu_amx.c where the CPU has AMX-BF16, else of a few rows in cpu_gemv.c), RMSNorm,
 SiLU-and-multiply and RoPE fused.
 
-oneDNN reorders a weight once into the blocked layout its GEMM kernels read, which runs a linear faster
-than torch's linear on the plain weight (docs/cpu-engine.md#measurements-behind-the-code). The packed
-copy is this process's own memory: a worker's weights take about twice their size (the shared arena and
-the packed copy), and every runner of a process shares one packed copy per weight.
+oneDNN reorders a weight once into the blocked layout its GEMM kernels read, which runs a linear
+faster than torch's linear on the plain weight (docs/cpu-engine.md#measurements-behind-the-code).
+The packed copy is this process's own memory: a worker's weights take about twice their size (the
+shared arena and the packed copy), and every runner of a process shares one packed copy per weight.
 Where oneDNN is unavailable, or the dtype is not float32 or bfloat16, the plain weight is used.
 
 On a CPU without native bfloat16 (engine/cpu_isa.py) PyTorch's bfloat16 GEMMs run at a fraction of float32's speed,
@@ -37,21 +37,21 @@ _lock = threading.Lock()
 
 # The row limits below come from timing each kernel against oneDNN (the figures and their sources:
 # docs/cpu-engine.md#measurements-behind-the-code).
-# bfloat16 linears of up to this many rows run in cpu_gemv.c (on CPUs with AVX512-BF16), the rest in oneDNN,
-# whose blocked weights compute faster than the kernel streams from 3 rows on.
+# bfloat16 linears of up to this many rows run in cpu_gemv.c (on CPUs with AVX512-BF16), the rest in
+# oneDNN, whose blocked weights compute faster than the kernel streams from 3 rows on.
 FEW_ROWS = 2
-# Without native bfloat16 the kernel, reading the bfloat16 weights and widening them in registers, is the faster
-# up to its limit of 8 rows against oneDNN's float32 GEMM on the float32 copy.
+# Without native bfloat16 the kernel, reading the bfloat16 weights and widening them in registers,
+# is the faster up to its limit of 8 rows against oneDNN's float32 GEMM on the float32 copy.
 FEW_ROWS_WIDENED = 8
-# On a CPU without AVX-512 (an AVX2 build), linears of up to this many rows run in cpu_gemv.c's float32 kernel,
-# whose weights (float32, or bfloat16 widened in registers) are read once for every 3 rows of x: faster than
-# oneDNN's float32 GEMM there. With AVX-512 oneDNN is the faster from 4 rows, and at 1 row the kernel gains
-# little: it is not taken there.
+# On a CPU without AVX-512 (an AVX2 build), linears of up to this many rows run in cpu_gemv.c's
+# float32 kernel, whose weights (float32, or bfloat16 widened in registers) are read once for every
+# 3 rows of x: faster than oneDNN's float32 GEMM there. With AVX-512 oneDNN is the faster from 4
+# rows, and at 1 row the kernel gains little: it is not taken there.
 ROWS_F32 = 32
-# On a CPU with AMX-BF16, bfloat16 linears of up to this many rows run in cpu_amx.c on weights packed into its
-# tiles; from 48 rows the two are within noise or oneDNN's GEMM, which blocks x for the caches, is the faster,
-# so mixed and prefill steps keep it. A process that runs both keeps both packed copies: three copies of each
-# weight with the arena.
+# On a CPU with AMX-BF16, bfloat16 linears of up to this many rows run in cpu_amx.c on weights
+# packed into its tiles; from 48 rows the two are within noise or oneDNN's GEMM, which blocks x for
+# the caches, is the faster, so mixed and prefill steps keep it. A process that runs both keeps both
+# packed copies: three copies of each weight with the arena.
 AMX_ROWS = 32
 
 
