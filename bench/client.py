@@ -30,13 +30,19 @@ from yarl import URL
 
 NEEDS_TOKEN_IDS = "completions API multi-turn needs return_token_ids support"
 APIS = ("chat", "completions", "responses")
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
+_PATHS = {
+    "chat": "/v1/chat/completions",
+    "completions": "/v1/completions",
+    "responses": "/v1/responses",
+}
 
 
 @dataclass
 class Turn:
-    user: str | list[int]   # new user input: text (chat API) or token ids (completions API)
-    max_tokens: int | None  # output budget (None: sent without one); exact output length with ignore_eos
+    user: str | list[int]  # new user input: text (chat API) or token ids (completions API)
+    max_tokens: (
+        int | None
+    )  # output budget (None: sent without one); exact output length with ignore_eos
 
 
 @dataclass
@@ -52,17 +58,23 @@ class RequestRecord:
     """One request as the client saw it; times in seconds (perf_counter)."""
 
     conversation: str
-    turn: int               # 0-based turn index within the conversation
-    start: float            # time.perf_counter() when the request was sent
-    ttft: float | None      # seconds to the first streamed token (first chunk carrying text or token ids)
-    itl: list[float]        # gaps between consecutive token-bearing chunks, seconds
-    latency: float | None   # seconds from send to the end of the stream (to the failure, for a failed one)
-    prompt_tokens: int      # from usage (0 if the server gave none)
-    output_tokens: int      # from usage; if absent, the number of token-bearing chunks
-    cached_tokens: int | None   # usage.prompt_tokens_details.cached_tokens when present
-    route: str | None       # the x-ppd-route response header when present
-    error: str | None = None    # None on success; timeouts, HTTP errors, stream errors give a short reason
-    retries: int = 0        # times the server refused it (429 or 503 with Retry-After) before this answer
+    turn: int  # 0-based turn index within the conversation
+    start: float  # time.perf_counter() when the request was sent
+    ttft: (
+        float | None
+    )  # seconds to the first streamed token (first chunk carrying text or token ids)
+    itl: list[float]  # gaps between consecutive token-bearing chunks, seconds
+    latency: (
+        float | None
+    )  # seconds from send to the end of the stream (to the failure, for a failed one)
+    prompt_tokens: int  # from usage (0 if the server gave none)
+    output_tokens: int  # from usage; if absent, the number of token-bearing chunks
+    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens when present
+    route: str | None  # the x-ppd-route response header when present
+    error: str | None = (
+        None  # None on success; timeouts, HTTP errors, stream errors give a short reason
+    )
+    retries: int = 0  # times the server refused it (429 or 503 with Retry-After) before this answer
 
     @property
     def success(self) -> bool:
@@ -71,36 +83,55 @@ class RequestRecord:
     @property
     def tpot(self) -> float | None:
         """Mean time per output token after the first: (latency - ttft) / (output_tokens - 1)."""
-        if self.error is not None or self.output_tokens < 2 or self.ttft is None or self.latency is None:
+        if (
+            self.error is not None
+            or self.output_tokens < 2
+            or self.ttft is None
+            or self.latency is None
+        ):
             return None
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
 @dataclass
 class LoadConfig:
-    base_url: str            # e.g. http://127.0.0.1:8000 (no /v1)
+    base_url: str  # e.g. http://127.0.0.1:8000 (no /v1)
     model: str
-    # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids; "responses":
-    # /v1/responses, each later turn only its new message after the previous response's id (stored by the server)
+    # "chat": /v1/chat/completions with messages; "completions": /v1/completions with token ids;
+    # "responses": /v1/responses, each later turn only its new message after the previous response's
+    # id (stored by the server)
     api: str = "chat"
-    qps: float | None = None         # conversation arrival rate (Poisson); exactly one of qps / concurrency is set
-    concurrency: int | None = None   # closed loop: this many conversations in flight; a finished one is replaced
-    duration: float = 60.0   # seconds: no new conversation starts and no new turn is sent after this
-    timeout: float = 300.0   # seconds per request; a request past it counts as failed (error="timeout")
-    seed: int = 0            # Poisson arrival times are reproducible
+    qps: float | None = (
+        None  # conversation arrival rate (Poisson); exactly one of qps / concurrency is set
+    )
+    concurrency: int | None = (
+        None  # closed loop: this many conversations in flight; a finished one is replaced
+    )
+    duration: float = 60.0  # seconds: no new conversation starts and no new turn is sent after this
+    timeout: float = (
+        300.0  # seconds per request; a request past it counts as failed (error="timeout")
+    )
+    seed: int = 0  # Poisson arrival times are reproducible
     temperature: float = 0.0
-    extra_body: dict = field(default_factory=dict)   # merged into every request body
-    headers: dict = field(default_factory=dict)      # sent with every request (e.g. x-ppd-route to force a route)
-    # A request refused with a 429 or 503 that carries Retry-After is sent again after that long, within its timeout,
-    # as OpenAI's SDK retries (the server saturated: the report says so); its times count from its first sending.
+    extra_body: dict = field(default_factory=dict)  # merged into every request body
+    headers: dict = field(
+        default_factory=dict
+    )  # sent with every request (e.g. x-ppd-route to force a route)
+    # A request refused with a 429 or 503 that carries Retry-After is sent again after that long,
+    # within its timeout, as OpenAI's SDK retries (the server saturated: the report says so); its
+    # times count from its first sending.
     honor_retry_after: bool = True
-    token_timing: bool = False  # ask for return_token_ids on every request: TTFT and ITL time tokens, not text
+    token_timing: bool = (
+        False  # ask for return_token_ids on every request: TTFT and ITL time tokens, not text
+    )
 
 
 # Only the fields the client reads; msgspec skips the rest without building them.
 class _Delta(msgspec.Struct):
     content: str | None = None
-    reasoning_content: str | None = None  # reasoning models' thinking (vLLM, SGLang): tokens, not history
+    reasoning_content: str | None = (
+        None  # reasoning models' thinking (vLLM, SGLang): tokens, not history
+    )
     reasoning: str | None = None
 
 
@@ -149,7 +180,8 @@ def _error_message(err: Any) -> str:
 
 
 def _retry_after(value: str | None) -> float:
-    """Seconds from a Retry-After header given in seconds (0 if absent or an HTTP date, which servers here never send)."""
+    """Seconds from a Retry-After header given in seconds (0 if absent or an HTTP date, which
+    servers here never send)."""
     try:
         return max(0.0, float(value)) if value is not None else 0.0
     except ValueError:
@@ -176,8 +208,10 @@ def _check(cfg: LoadConfig, conversations: list[Conversation]) -> None:
     want = list if cfg.api == "completions" else str
     for conv in conversations:
         if any(not isinstance(t.user, want) for t in conv.turns):
-            raise ValueError(f"conversation {conv.id}: the {cfg.api} API needs turns of "
-                             f"{'text' if want is str else 'token ids'}; use the other --api or workload")
+            raise ValueError(
+                f"conversation {conv.id}: the {cfg.api} API needs turns of "
+                f"{'text' if want is str else 'token ids'}; use the other --api or workload"
+            )
         if cfg.api == "completions" and conv.system is not None:
             raise ValueError(f"conversation {conv.id}: a system prompt needs the chat API")
 
@@ -196,8 +230,13 @@ def _cycle(conversations: list[Conversation]) -> Iterator[tuple[str, Conversatio
 class _Load:
     """One run: the session, the deadline, the records and the progress bar."""
 
-    def __init__(self, cfg: LoadConfig, session: aiohttp.ClientSession, records: list[RequestRecord],
-                 bar: tqdm) -> None:
+    def __init__(
+        self,
+        cfg: LoadConfig,
+        session: aiohttp.ClientSession,
+        records: list[RequestRecord],
+        bar: tqdm,
+    ) -> None:
         self.cfg, self.session, self.records, self.bar = cfg, session, records, bar
         self.t0 = perf_counter()
         self.deadline = self.t0 + cfg.duration
@@ -239,28 +278,44 @@ class _Load:
             await _cancel(tasks)
 
     async def conversation(self, cid: str, conv: Conversation) -> float:
-        """Send the turns in order, each with the whole history; stop at the first failure or the deadline.
-        Returns the Retry-After seconds of a refusal that ended it (0 otherwise)."""
+        """Send the turns in order, each with the whole history; stop at the first failure or the
+        deadline. Returns the Retry-After seconds of a refusal that ended it (0 otherwise)."""
         cfg, chat = self.cfg, self.cfg.api == "chat"
         if cfg.api == "responses":
             return await self.responses_conversation(cid, conv)
-        base = {"model": cfg.model, "stream": True, "stream_options": {"include_usage": True},
-                "temperature": cfg.temperature}
+        base = {
+            "model": cfg.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": cfg.temperature,
+        }
         if conv.ignore_eos:
             base["ignore_eos"] = True
         if cfg.token_timing or (not chat and len(conv.turns) > 1):
             base["return_token_ids"] = True
-        history: list[dict] = [{"role": "system", "content": conv.system}] if conv.system is not None else []
+        history: list[dict] = (
+            [{"role": "system", "content": conv.system}] if conv.system is not None else []
+        )
         prompt_ids: list[int] = []
         for i, turn in enumerate(conv.turns):
             if i and perf_counter() >= self.deadline:
                 return 0.0
             if chat:
                 history.append({"role": "user", "content": turn.user})
-                body = {**base, "messages": history, **_budget("max_tokens", turn), **cfg.extra_body}
+                body = {
+                    **base,
+                    "messages": history,
+                    **_budget("max_tokens", turn),
+                    **cfg.extra_body,
+                }
             else:
                 prompt_ids += turn.user
-                body = {**base, "prompt": prompt_ids, **_budget("max_tokens", turn), **cfg.extra_body}
+                body = {
+                    **base,
+                    "prompt": prompt_ids,
+                    **_budget("max_tokens", turn),
+                    **cfg.extra_body,
+                }
             record, text, ids, retry_after, _ = await self.request(_encode(body), cid, i)
             self.add(record)
             if record.error is not None:
@@ -270,15 +325,27 @@ class _Load:
             elif ids is not None:
                 prompt_ids += ids
             elif i + 1 < len(conv.turns):
-                self.add(RequestRecord(cid, i + 1, start=perf_counter(), ttft=None, itl=[], latency=None,
-                                       prompt_tokens=0, output_tokens=0, cached_tokens=None, route=None,
-                                       error=NEEDS_TOKEN_IDS))
+                self.add(
+                    RequestRecord(
+                        cid,
+                        i + 1,
+                        start=perf_counter(),
+                        ttft=None,
+                        itl=[],
+                        latency=None,
+                        prompt_tokens=0,
+                        output_tokens=0,
+                        cached_tokens=None,
+                        route=None,
+                        error=NEEDS_TOKEN_IDS,
+                    )
+                )
                 return 0.0
         return 0.0
 
     async def responses_conversation(self, cid: str, conv: Conversation) -> float:
-        """The turns through the Responses API: each sends only its new message, after the previous response's id
-        (the server stored the conversation)."""
+        """The turns through the Responses API: each sends only its new message, after the previous
+        response's id (the server stored the conversation)."""
         cfg = self.cfg
         base = {"model": cfg.model, "stream": True, "temperature": cfg.temperature, "store": True}
         if conv.system is not None:
@@ -289,7 +356,12 @@ class _Load:
         for i, turn in enumerate(conv.turns):
             if i and perf_counter() >= self.deadline:
                 return 0.0
-            body = {**base, "input": turn.user, **_budget("max_output_tokens", turn), **cfg.extra_body}
+            body = {
+                **base,
+                "input": turn.user,
+                **_budget("max_output_tokens", turn),
+                **cfg.extra_body,
+            }
             if previous is not None:
                 body["previous_response_id"] = previous
             record, _, _, retry_after, previous = await self.request(_encode(body), cid, i)
@@ -298,23 +370,31 @@ class _Load:
                 return retry_after
         return 0.0
 
-    async def request(self, body: bytes, cid: str, turn: int
-                      ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
-        """Send one streamed request, again after the Retry-After of each refusal while its timeout allows (unless
-        told not to: a request sent before the run's end may be refused past it, and is still answered); the record, the streamed text, token ids (None if none came), the Retry-After seconds of a 429
-        or 503 that carried one and ended it (0 otherwise) and the response's id (Responses API)."""
+    async def request(
+        self, body: bytes, cid: str, turn: int
+    ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
+        """Send one streamed request, again after the Retry-After of each refusal while its timeout
+        allows (unless told not to: a request sent before the run's end may be refused past it, and
+        is still answered); the record, the streamed text, token ids (None if none came), the
+        Retry-After seconds of a 429 or 503 that carried one and ended it (0 otherwise) and the
+        response's id (Responses API)."""
         start, retries = perf_counter(), 0
         while True:
             record, text, ids, retry_after, response_id = await self._send(body, cid, turn, start)
-            if (record.error is None or not retry_after or not self.cfg.honor_retry_after
-                    or perf_counter() + retry_after - start > self.cfg.timeout):
+            if (
+                record.error is None
+                or not retry_after
+                or not self.cfg.honor_retry_after
+                or perf_counter() + retry_after - start > self.cfg.timeout
+            ):
                 record.retries = retries
                 return record, text, ids, retry_after, response_id
             retries += 1
             await asyncio.sleep(retry_after)
 
-    async def _send(self, body: bytes, cid: str, turn: int, start: float
-                    ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
+    async def _send(
+        self, body: bytes, cid: str, turn: int, start: float
+    ) -> tuple[RequestRecord, str, list[int] | None, float, str | None]:
         """One sending of a request first sent at `start` (request's results)."""
         route, retry_after = None, 0.0
         stream = _ResponsesStream(start) if self.cfg.api == "responses" else _Stream(start)
@@ -323,11 +403,17 @@ class _Load:
                 route = resp.headers.get("x-ppd-route")
                 if resp.status >= 400:
                     stream.error = _http_error(resp.status, await resp.read())
-                    retry_after = _retry_after(resp.headers.get("retry-after")) if resp.status in (429, 503) else 0.0
+                    retry_after = (
+                        _retry_after(resp.headers.get("retry-after"))
+                        if resp.status in (429, 503)
+                        else 0.0
+                    )
                 else:
                     read = resp.content.readany
                     while data := await read():
-                        if stream.feed(data, perf_counter()):  # the time is taken before any parsing
+                        if stream.feed(
+                            data, perf_counter()
+                        ):  # the time is taken before any parsing
                             break
                     if stream.done:
                         while await read():
@@ -340,11 +426,18 @@ class _Load:
             stream.error = f"{type(exc).__name__}: {exc}"[:300]
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             stream.error = f"bad stream chunk: {exc}"[:300]
-        return stream.record(cid, turn, route), "".join(stream.texts), stream.ids, retry_after, stream.response_id
+        return (
+            stream.record(cid, turn, route),
+            "".join(stream.texts),
+            stream.ids,
+            retry_after,
+            stream.response_id,
+        )
 
 
 class _Stream:
-    """What one SSE response has carried so far, with the arrival time of each token-bearing chunk."""
+    """What one SSE response has carried so far, with the arrival time of each token-bearing
+    chunk."""
 
     def __init__(self, start: float) -> None:
         self.start = start
@@ -361,13 +454,15 @@ class _Stream:
         self.response_id: str | None = None  # the Responses API's
 
     def lines(self, data: bytes) -> list[bytes]:
-        """The whole lines that data completes; a line it leaves unfinished waits for the next read."""
+        """The whole lines that data completes; a line it leaves unfinished waits for the next
+        read."""
         lines = (self.pending + data).split(b"\n") if self.pending else data.split(b"\n")
         self.pending = lines.pop()
         return lines
 
     def feed(self, data: bytes, now: float) -> bool:
-        """Take the bytes of one read, which arrived by `now`; True once [DONE] or an error event came."""
+        """Take the bytes of one read, which arrived by `now`; True once [DONE] or an error event
+        came."""
         for line in self.lines(data):
             if not line.startswith(b"data:"):
                 continue  # blank separators, SSE comments and keep-alives
@@ -410,10 +505,20 @@ class _Stream:
         usage = self.usage or _Usage()
         details = usage.prompt_tokens_details
         return RequestRecord(
-            conversation=cid, turn=turn, start=self.start, ttft=self.ttft, itl=self.itl, latency=end - self.start,
+            conversation=cid,
+            turn=turn,
+            start=self.start,
+            ttft=self.ttft,
+            itl=self.itl,
+            latency=end - self.start,
             prompt_tokens=usage.prompt_tokens or 0,
-            output_tokens=usage.completion_tokens if usage.completion_tokens is not None else self.chunks,
-            cached_tokens=details.cached_tokens if details is not None else None, route=route, error=self.error)
+            output_tokens=usage.completion_tokens
+            if usage.completion_tokens is not None
+            else self.chunks,
+            cached_tokens=details.cached_tokens if details is not None else None,
+            route=route,
+            error=self.error,
+        )
 
 
 class _RespUsage(msgspec.Struct):
@@ -439,9 +544,10 @@ _RESPONSE_ENDS = (b"response.completed", b"response.incomplete", b"response.fail
 
 
 class _ResponsesStream(_Stream):
-    """A Responses API stream: typed events, no [DONE]. The first token's time is response.created's: ppd sends
-    it with the first token (so that an error before it still gets an HTTP status), where OpenAI sends it at once;
-    elsewhere it would time the request's acceptance, not a token. Output text deltas time the later tokens."""
+    """A Responses API stream: typed events, no [DONE]. The first token's time is
+    response.created's: ppd sends it with the first token (so that an error before it still gets
+    an HTTP status), where OpenAI sends it at once; elsewhere it would time the request's
+    acceptance, not a token. Output text deltas time the later tokens."""
 
     def feed(self, data: bytes, now: float) -> bool:
         for line in self.lines(data):
@@ -460,7 +566,9 @@ class _ResponsesStream(_Stream):
             elif kind.encode() in _RESPONSE_ENDS:
                 usage = event.response.usage if event.response is not None else None
                 if usage is not None:
-                    self.usage = _Usage(usage.input_tokens, usage.output_tokens, usage.input_tokens_details)
+                    self.usage = _Usage(
+                        usage.input_tokens, usage.output_tokens, usage.input_tokens_details
+                    )
                 if kind == "response.failed":
                     self.error = "response.failed"
                 self.done, self.end = True, now
@@ -479,8 +587,12 @@ async def _cancel(tasks: set[asyncio.Task] | list[asyncio.Task]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_load(cfg: LoadConfig, conversations: list[Conversation], progress: bool = True,
-                   records: list[RequestRecord] | None = None) -> list[RequestRecord]:
+async def run_load(
+    cfg: LoadConfig,
+    conversations: list[Conversation],
+    progress: bool = True,
+    records: list[RequestRecord] | None = None,
+) -> list[RequestRecord]:
     """Drive the conversations against the server and return one record per request sent.
 
     Records are appended to `records` (when given) as each request completes, so a caller that
@@ -489,18 +601,23 @@ async def run_load(cfg: LoadConfig, conversations: list[Conversation], progress:
     _check(cfg, conversations)
     records = [] if records is None else records
     source = _cycle(conversations)
-    # Closed loop: a pool of exactly `concurrency` connections. Open loop: unbounded, since waiting for a
-    # connection inside the client would hide the server's queueing from the measured TTFT.
+    # Closed loop: a pool of exactly `concurrency` connections. Open loop: unbounded, since waiting
+    # for a connection inside the client would hide the server's queueing from the measured TTFT.
     connector = aiohttp.TCPConnector(limit=cfg.concurrency or 0, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout)
-    bar = tqdm(desc="requests", unit=" req", file=sys.stderr, disable=not progress, postfix="failed=0")
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
-                                     trust_env=False) as session:
+    bar = tqdm(
+        desc="requests", unit=" req", file=sys.stderr, disable=not progress, postfix="failed=0"
+    )
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False
+    ) as session:
         load = _Load(cfg, session, records, bar)
         tasks: list[asyncio.Task] = []
         try:
             if cfg.concurrency is not None:
-                tasks = [asyncio.create_task(load.closed_loop(source)) for _ in range(cfg.concurrency)]
+                tasks = [
+                    asyncio.create_task(load.closed_loop(source)) for _ in range(cfg.concurrency)
+                ]
                 await asyncio.gather(*tasks)
             else:
                 await load.open_loop(source)

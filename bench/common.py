@@ -1,4 +1,5 @@
-"""What every benchmark shares: its errors, how it fails for what it did not measure, and where it writes."""
+"""What every benchmark shares: its errors, how it fails for what it did not measure, and where it
+writes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 from profiles import results_path
 
-# A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy weights has none).
+# A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy
+# weights has none).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -16,12 +18,13 @@ class BenchError(Exception):
 
 
 class Unmeasured(BenchError):
-    """The run went, but something it was asked to measure measured nothing (each named on stderr): exit code 1."""
+    """The run went, but something it was asked to measure measured nothing (each named on stderr):
+    exit code 1."""
 
 
 def fail_unless_measured(missing: dict[str, str], asked: int, what: str) -> None:
-    """Raise Unmeasured when any of the `asked` things measured nothing, after one line on stderr for each: its name
-    (a key of `missing`) and why (the value)."""
+    """Raise Unmeasured when any of the `asked` things measured nothing, after one line on stderr
+    for each: its name (a key of `missing`) and why (the value)."""
     for name, why in missing.items():
         print(f"not measured: {name}: {why}", file=sys.stderr)
     if missing:
@@ -29,8 +32,8 @@ def fail_unless_measured(missing: dict[str, str], asked: int, what: str) -> None
 
 
 def one_line(exc: BaseException) -> str:
-    """An error on one line: a message of several lines (what failed, then the log of a server that stopped) as its
-    first line and its last, which says why."""
+    """An error on one line: a message of several lines (what failed, then the log of a server that
+    stopped) as its first line and its last, which says why."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
     return lines[0] if len(lines) == 1 else f"{lines[0].rstrip(':')}: {lines[-1]}"
 
@@ -41,14 +44,14 @@ def has_tokenizer(folder: str) -> bool:
 
 
 def default_out(kind: str) -> str:
-    """The results folder of a `kind` run begun now: <results>/<kind>-<UTC time>, <results> being $PPD_RESULTS_DIR,
-    else ./ppd-results (profiles.results_dir)."""
+    """The results folder of a `kind` run begun now: <results>/<kind>-<UTC time>, <results> being
+    $PPD_RESULTS_DIR, else ./ppd-results (profiles.results_dir)."""
     return str(results_path(kind))
 
 
 def results_out(out: str | Path | None, kind: str) -> Path:
-    """Where a `kind` run writes: --out, else default_out(kind); said on stderr as the run starts (the run says it
-    again at its end)."""
+    """Where a `kind` run writes: --out, else default_out(kind); said on stderr as the run starts
+    (the run says it again at its end)."""
     folder = Path(out or default_out(kind))
     print(f"results go to {folder}", file=sys.stderr, flush=True)
     return folder

@@ -1,17 +1,19 @@
-"""`python -m bench.kernels [--out DIR] [--quick] [--only NAME ...]`: time the Triton kernels on a GPU.
+"""`python -m bench.kernels [--out DIR] [--quick] [--only NAME ...]`: time the Triton kernels on a
+GPU.
 
-Every kernel runs at Llama-3.1-8B sizes (H=32, Hkv=8, D=128, hidden 4096, intermediate 14336, bf16, KV block 16)
-over a small grid of launch configs, and once with the config the code picks today (`default`). Times are
-medians of triton.testing.do_bench (warm-up first, L2 flushed between runs). Attention is planned once per config
-and relaunched as the engine does (engine/kernels/launch.py), so a small kernel's time is not its host time.
-Bandwidth counts the bytes a kernel must read and write once; attention also reports TFLOP/s (two matmuls of
-2 x queries x keys x D per head, each (query, key) pair under the causal mask once). Both are set against this
-GPU's measured copy bandwidth (read + write of a 1 GiB device-to-device copy) and bf16 matmul rate (8192^3),
-measured in the same run. Appends sweep tiles x KV splits of the general grid; a mixed step (64 decodes at 1K
-beside a 256-token append over 4K) sweeps the two grids' launch (sequential or fused, MIXED_LAUNCH) x the append's
-splits. Before timing, each config's output is checked against the default's, so a fast but wrong config cannot
-win. Prints one markdown row per shape (default vs best config); --out writes every measurement as JSON.
-Without CUDA it says so and exits 0.
+Every kernel runs at Llama-3.1-8B sizes (H=32, Hkv=8, D=128, hidden 4096, intermediate 14336, bf16,
+KV block 16) over a small grid of launch configs, and once with the config the code picks today
+(`default`). Times are medians of triton.testing.do_bench (warm-up first, L2 flushed between runs).
+Attention is planned once per config and relaunched as the engine does (engine/kernels/launch.py),
+so a small kernel's time is not its host time. Bandwidth counts the bytes a kernel must read and
+write once; attention also reports TFLOP/s (two matmuls of 2 x queries x keys x D per head, each
+(query, key) pair under the causal mask once). Both are set against this GPU's measured copy
+bandwidth (read + write of a 1 GiB device-to-device copy) and bf16 matmul rate (8192^3), measured in
+the same run. Appends sweep tiles x KV splits of the general grid; a mixed step (64 decodes at 1K
+beside a 256-token append over 4K) sweeps the two grids' launch (sequential or fused, MIXED_LAUNCH)
+x the append's splits. Before timing, each config's output is checked against the default's, so a
+fast but wrong config cannot win. Prints one markdown row per shape (default vs best config); --out
+writes every measurement as JSON. Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class Row:
 
 @dataclass(frozen=True)
 class Split:
-    """An attention tile (None: the table's) with its KV splits; for a mixed step, how its two grids launch."""
+    """An attention tile (None: the table's) with its KV splits; for a mixed step, how its two grids
+    launch."""
 
     tile: object
     splits: int
@@ -53,7 +56,8 @@ class Split:
 
 @dataclass
 class Case:
-    """One shape of one kernel: run(config) launches it; configs are the sweep (None = the code's default)."""
+    """One shape of one kernel: run(config) launches it; configs are the sweep (None = the code's
+    default)."""
 
     kernel: str
     shape: str
@@ -70,8 +74,8 @@ def time_ms(fn: Callable[[], object]) -> float:
 
 
 def label(config: object) -> str:
-    """"default", "num_warps=4", "block_m=128 tile_n=64 num_warps=8 num_stages=3", or with a Split "... splits=2"
-    ("default tile splits=2 fused")."""
+    """ "default", "num_warps=4", "block_m=128 tile_n=64 num_warps=8 num_stages=3", or with a Split
+    "... splits=2" ("default tile splits=2 fused")."""
     if config is None:
         return "default"
     if isinstance(config, Split):
@@ -87,12 +91,31 @@ def measure_one(case: Case, config: object, reference: torch.Tensor | None) -> R
     try:
         out = case.run(config)
         torch.cuda.synchronize()
-        if reference is not None and not torch.allclose(out.float(), reference.float(), rtol=2e-2, atol=2e-2):
-            return Row(case.kernel, case.shape, name, None, None, None, "output differs from the default config")
+        if reference is not None and not torch.allclose(
+            out.float(), reference.float(), rtol=2e-2, atol=2e-2
+        ):
+            return Row(
+                case.kernel,
+                case.shape,
+                name,
+                None,
+                None,
+                None,
+                "output differs from the default config",
+            )
         ms = time_ms(lambda: case.run(config))
     except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory, registers) is skipped
-        return Row(case.kernel, case.shape, name, None, None, None, f"{type(e).__name__}: {str(e)[:80]}")
-    return Row(case.kernel, case.shape, name, ms, case.nbytes / ms / 1e6, case.flops / ms / 1e9 if case.flops else None)
+        return Row(
+            case.kernel, case.shape, name, None, None, None, f"{type(e).__name__}: {str(e)[:80]}"
+        )
+    return Row(
+        case.kernel,
+        case.shape,
+        name,
+        ms,
+        case.nbytes / ms / 1e6,
+        case.flops / ms / 1e9 if case.flops else None,
+    )
 
 
 def sweep(case: Case) -> list[Row]:
@@ -102,7 +125,7 @@ def sweep(case: Case) -> list[Row]:
     return rows
 
 
-# ---- cases ---------------------------------------------------------------------------------------------------
+# ---- cases ---------------------------------------------------------------------------------------
 
 
 def attention_configs(decode: bool, quick: bool) -> list[object]:
@@ -111,23 +134,38 @@ def attention_configs(decode: bool, quick: bool) -> list[object]:
     if quick:
         return []
     if decode:
-        return [AttentionConfig(16, n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
-    return [AttentionConfig(m, n, w, s) for m in (64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        return [
+            AttentionConfig(16, n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+        ]
+    return [
+        AttentionConfig(m, n, w, s)
+        for m in (64, 128)
+        for n in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+    ]
 
 
 def append_configs(quick: bool) -> list[object]:
-    """Tiles of 32 to 128 rows with 4 or 8 warps (8 warps hold a tile in fewer registers each: two programs may
-    share an SM), each with 1, 2 and 4 KV splits."""
+    """Tiles of 32 to 128 rows with 4 or 8 warps (8 warps hold a tile in fewer registers each: two
+    programs may share an SM), each with 1, 2 and 4 KV splits."""
     from engine.kernels.attention import AttentionConfig
 
     if quick:
         return []
-    tiles = [AttentionConfig(m, n, w, s) for m in (32, 64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    tiles = [
+        AttentionConfig(m, n, w, s)
+        for m in (32, 64, 128)
+        for n in (64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+    ]
     return [Split(tile, splits) for tile in tiles for splits in (1, 2, 4)]
 
 
 class Paged:
-    """One KV cache sized for the largest case, with random contents and block tables in a random block order."""
+    """One KV cache sized for the largest case, with random contents and block tables in a random
+    block order."""
 
     def __init__(self, max_tokens: int, device: str = "cuda") -> None:
         self.num_blocks = max_tokens // BS + 1
@@ -140,9 +178,18 @@ class Paged:
         return self.order[: batch * width].view(batch, width)
 
 
-def attention_runner(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables: torch.Tensor,
-                     qs: torch.Tensor, lens: torch.Tensor, max_query_len: int, max_seq_len: int,
-                     workspaces: dict | None = None) -> Callable[..., torch.Tensor]:
+def attention_runner(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    qs: torch.Tensor,
+    lens: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    workspaces: dict | None = None,
+) -> Callable[..., torch.Tensor]:
     """run(config, splits=1): attention over these tensors, planned once per (config, splits) and
     launched through one Launches, as an engine step does for its layers, so that do_bench times the
     kernel and not the host's planning, which can take longer than a small decode kernel
@@ -155,10 +202,25 @@ def attention_runner(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: tor
     def run(config: object, splits: int = 1) -> torch.Tensor:
         if (config, splits) not in plans:
             launch = plan_attention(
-                q.shape[0], H, D, lens.shape[0], q.dtype, q_strides=q.stride()[:2], out_strides=out.stride()[:2],
-                cache_strides=k.stride()[:2], table_stride=tables.stride(0), num_kv_heads=HKV, block_size=BS,
-                scale=D**-0.5, max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=splits,
-                workspace=(workspaces or {}).get(splits), config=config, device=q.device)
+                q.shape[0],
+                H,
+                D,
+                lens.shape[0],
+                q.dtype,
+                q_strides=q.stride()[:2],
+                out_strides=out.stride()[:2],
+                cache_strides=k.stride()[:2],
+                table_stride=tables.stride(0),
+                num_kv_heads=HKV,
+                block_size=BS,
+                scale=D**-0.5,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                num_splits=splits,
+                workspace=(workspaces or {}).get(splits),
+                config=config,
+                device=q.device,
+            )
             plans[(config, splits)] = launch, Launches()
         launch, launches = plans[(config, splits)]
         return launch_attention(launch, out, q, k, v, tables, qs, lens, launches)
@@ -177,31 +239,50 @@ def decode_cases(paged: Paged, quick: bool, device: str = "cuda") -> Iterator[Ca
             lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
             tables = paged.tables(batch, ctx)
             best = choose_num_splits(batch, HKV, ctx)
-            workspaces = {s: workspace_for(batch, H, D, s, device) for s in {1, 2, 4, 8, 16, 32, best}}
+            workspaces = {
+                s: workspace_for(batch, H, D, s, device) for s in {1, 2, 4, 8, 16, 32, best}
+            }
 
-            attend = attention_runner(q, out, paged.k, paged.v, tables, qs, lens, 1, ctx, workspaces)
+            attend = attention_runner(
+                q, out, paged.k, paged.v, tables, qs, lens, 1, ctx, workspaces
+            )
 
-            def run(cfg: object, splits: int | None = None, attend=attend, best=best) -> torch.Tensor:
+            def run(
+                cfg: object, splits: int | None = None, attend=attend, best=best
+            ) -> torch.Tensor:
                 return attend(cfg, best if splits is None else splits)
 
             nbytes = batch * ctx * HKV * D * 2 * DT.itemsize + 2 * q.numel() * DT.itemsize
             shape = f"decode b={batch} ctx={ctx}"
-            yield Case("attention", shape + f" splits={best}", run, attention_configs(True, quick), nbytes,
-                       4 * batch * H * ctx * D)
+            yield Case(
+                "attention",
+                shape + f" splits={best}",
+                run,
+                attention_configs(True, quick),
+                nbytes,
+                4 * batch * H * ctx * D,
+            )
             if not quick:
                 for s in sorted({1, 2, 4, 8, 16, 32} - {best}):
-                    yield Case("attention", shape + f" splits={s}", lambda cfg, s=s, run=run: run(cfg, s), [],
-                               nbytes, 4 * batch * H * ctx * D)
+                    yield Case(
+                        "attention",
+                        shape + f" splits={s}",
+                        lambda cfg, s=s, run=run: run(cfg, s),
+                        [],
+                        nbytes,
+                        4 * batch * H * ctx * D,
+                    )
 
 
 def causal_flops(cached: int, new: int) -> int:
-    """Attention FLOPs of new tokens over `cached` keys and themselves: two matmuls of 2 x D per head for each
-    (query, key) pair under the causal mask."""
+    """Attention FLOPs of new tokens over `cached` keys and themselves: two matmuls of 2 x D per
+    head for each (query, key) pair under the causal mask."""
     return 4 * H * D * (new * cached + new * (new + 1) // 2)
 
 
 def append_splits(cached: int, new: int) -> int:
-    """The KV splits the engine gives one sequence's general grid (its tile's programs, choose_append_splits)."""
+    """The KV splits the engine gives one sequence's general grid (its tile's programs,
+    choose_append_splits)."""
     from engine.kernels.attention import choose_append_splits, default_config, general_programs
 
     tile = default_config(new, H // HKV, cached + new)
@@ -209,7 +290,8 @@ def append_splits(cached: int, new: int) -> int:
 
 
 def prefill_cases(paged: Paged, quick: bool, device: str = "cuda") -> Iterator[Case]:
-    """Prompts over the prefill tiles; appends over tiles x KV splits (the shape names the default's splits)."""
+    """Prompts over the prefill tiles; appends over tiles x KV splits (the shape names the default's
+    splits)."""
     shapes = [(0, 512), (0, 2048), (0, 8192), (4096, 256), (16384, 256)]
     for cached, new in shapes:
         q = torch.randn(new, H, D, dtype=DT, device=device)
@@ -221,24 +303,41 @@ def prefill_cases(paged: Paged, quick: bool, device: str = "cuda") -> Iterator[C
         attend = attention_runner(q, out, paged.k, paged.v, tables, qs, lens, new, cached + new)
         nbytes = (cached + new) * HKV * D * 2 * DT.itemsize + 2 * q.numel() * DT.itemsize
         if cached == 0:
-            yield Case("attention", f"prefill n={new}", attend, attention_configs(False, quick), nbytes,
-                       causal_flops(cached, new))
+            yield Case(
+                "attention",
+                f"prefill n={new}",
+                attend,
+                attention_configs(False, quick),
+                nbytes,
+                causal_flops(cached, new),
+            )
             continue
         splits = append_splits(cached, new)
 
         def run(cfg: Split | None, attend=attend, splits=splits) -> torch.Tensor:
             return attend(None, splits) if cfg is None else attend(cfg.tile, cfg.splits)
 
-        yield Case("attention", f"append over {cached} n={new} splits={splits}", run, append_configs(quick), nbytes,
-                   causal_flops(cached, new))
+        yield Case(
+            "attention",
+            f"append over {cached} n={new} splits={splits}",
+            run,
+            append_configs(quick),
+            nbytes,
+            causal_flops(cached, new),
+        )
 
 
 def mixed_cases(paged: Paged, quick: bool, device: str = "cuda") -> Iterator[Case]:
-    """64 decodes at context 1K beside one 256-token append over 4K cached tokens, attention as the Triton backend
-    launches it: sequential (the decode grid, then the general grid) or fused (one launch), by the append's KV
-    splits; the default is MIXED_LAUNCH with the engine's splits."""
+    """64 decodes at context 1K beside one 256-token append over 4K cached tokens, attention as the
+    Triton backend launches it: sequential (the decode grid, then the general grid) or fused (one
+    launch), by the append's KV splits; the default is MIXED_LAUNCH with the engine's splits."""
     from engine.attention.triton_backend import MIXED_LAUNCH
-    from engine.kernels.attention import choose_num_splits, launch_attention, plan_attention, plan_mixed_attention
+    from engine.kernels.attention import (
+        choose_num_splits,
+        launch_attention,
+        plan_attention,
+        plan_mixed_attention,
+    )
     from engine.kernels.launch import Launches
 
     decodes, ctx, cached, new = 64, 1024, 4096, 256
@@ -250,8 +349,16 @@ def mixed_cases(paged: Paged, quick: bool, device: str = "cuda") -> Iterator[Cas
     tables = torch.zeros(decodes + 1, -(-(cached + new) // BS), dtype=torch.int32, device=device)
     tables[:decodes, : ctx // BS] = paged.tables(decodes, ctx)
     tables[decodes] = paged.tables(1, cached + new)[0]
-    common = dict(q_strides=q.stride()[:2], out_strides=out.stride()[:2], cache_strides=paged.k.stride()[:2],
-                  table_stride=tables.stride(0), num_kv_heads=HKV, block_size=BS, scale=D**-0.5, device=device)
+    common = dict(
+        q_strides=q.stride()[:2],
+        out_strides=out.stride()[:2],
+        cache_strides=paged.k.stride()[:2],
+        table_stride=tables.stride(0),
+        num_kv_heads=HKV,
+        block_size=BS,
+        scale=D**-0.5,
+        device=device,
+    )
     decode_splits = choose_num_splits(decodes, HKV, ctx)
     default = Split(None, append_splits(cached, new), MIXED_LAUNCH)
     plans: dict = {}
@@ -259,26 +366,59 @@ def mixed_cases(paged: Paged, quick: bool, device: str = "cuda") -> Iterator[Cas
     def run(cfg: Split | None) -> torch.Tensor:
         cfg = cfg or default
         if cfg not in plans:
-            general = dict(max_query_len=new, max_seq_len=cached + new, num_splits=cfg.splits, config=cfg.tile)
+            general = dict(
+                max_query_len=new, max_seq_len=cached + new, num_splits=cfg.splits, config=cfg.tile
+            )
             if cfg.mixed == "fused":
-                launches = [(plan_mixed_attention(t, H, D, n + 1, DT, num_decodes=n, decode_tokens=n,
-                                                  decode_splits=decode_splits, **general, **common), qs, lens, tables)]
+                launches = [
+                    (
+                        plan_mixed_attention(
+                            t,
+                            H,
+                            D,
+                            n + 1,
+                            DT,
+                            num_decodes=n,
+                            decode_tokens=n,
+                            decode_splits=decode_splits,
+                            **general,
+                            **common,
+                        ),
+                        qs,
+                        lens,
+                        tables,
+                    )
+                ]
             else:
-                decode = plan_attention(n, H, D, n, DT, max_query_len=1, num_splits=decode_splits, **common)
+                decode = plan_attention(
+                    n, H, D, n, DT, max_query_len=1, num_splits=decode_splits, **common
+                )
                 append = plan_attention(t, H, D, 1, DT, first_token=n, **general, **common)
-                launches = [(decode, qs[: n + 1], lens[:n], tables[:n]), (append, qs[n:], lens[n:], tables[n:])]
+                launches = [
+                    (decode, qs[: n + 1], lens[:n], tables[:n]),
+                    (append, qs[n:], lens[n:], tables[n:]),
+                ]
             plans[cfg] = launches, Launches()
         launches, relaunch = plans[cfg]
         for launch, starts, seq_lens, seq_tables in launches:
-            launch_attention(launch, out, q, paged.k, paged.v, seq_tables, starts, seq_lens, relaunch)
+            launch_attention(
+                launch, out, q, paged.k, paged.v, seq_tables, starts, seq_lens, relaunch
+            )
         return out
 
     configs = [Split(None, s, m) for m in ("sequential", "fused") for s in (1, 2, 4)]
-    nbytes = (decodes * ctx + cached + new) * HKV * D * 2 * DT.itemsize + 2 * q.numel() * DT.itemsize
-    yield Case("attention", f"mixed {decodes} decodes at {ctx} + append over {cached} n={new} "
-               f"(decode splits={decode_splits}, splits={default.splits} {default.mixed})",
-               run, [] if quick else [c for c in configs if c != default], nbytes,
-               4 * H * D * decodes * ctx + causal_flops(cached, new))
+    nbytes = (
+        decodes * ctx + cached + new
+    ) * HKV * D * 2 * DT.itemsize + 2 * q.numel() * DT.itemsize
+    yield Case(
+        "attention",
+        f"mixed {decodes} decodes at {ctx} + append over {cached} n={new} "
+        f"(decode splits={decode_splits}, splits={default.splits} {default.mixed})",
+        run,
+        [] if quick else [c for c in configs if c != default],
+        nbytes,
+        4 * H * D * decodes * ctx + causal_flops(cached, new),
+    )
 
 
 def elementwise_cases(quick: bool, device: str = "cuda") -> Iterator[Case]:
@@ -291,17 +431,31 @@ def elementwise_cases(quick: bool, device: str = "cuda") -> Iterator[Case]:
     for t in (1, 256, 8192):
         x, r = (torch.randn(t, HIDDEN, dtype=DT, device=device) for _ in range(2))
         w = torch.randn(HIDDEN, dtype=DT, device=device)
-        yield Case("rms_norm", f"t={t}", lambda nw, x=x, w=w: rms_norm(x, w, 1e-5, num_warps=nw), warps,
-                   2 * x.numel() * b)
-        yield Case("add_rms_norm", f"t={t}", lambda nw, x=x, r=r, w=w: add_rms_norm(x, r, w, 1e-5, num_warps=nw)[0],
-                   warps, 4 * x.numel() * b)
+        yield Case(
+            "rms_norm",
+            f"t={t}",
+            lambda nw, x=x, w=w: rms_norm(x, w, 1e-5, num_warps=nw),
+            warps,
+            2 * x.numel() * b,
+        )
+        yield Case(
+            "add_rms_norm",
+            f"t={t}",
+            lambda nw, x=x, r=r, w=w: add_rms_norm(x, r, w, 1e-5, num_warps=nw)[0],
+            warps,
+            4 * x.numel() * b,
+        )
         qkv = torch.randn(t, (H + 2 * HKV) * D, dtype=DT, device=device)
         q, k = qkv[:, : H * D].view(t, H, D), qkv[:, H * D : (H + HKV) * D].view(t, HKV, D)
         v = qkv[:, (H + HKV) * D :].view(t, HKV, D)
         pos = torch.randint(0, 65536, (t,), device=device)
-        yield Case("apply_rope", f"t={t}",
-                   lambda nw, q=q, k=k, pos=pos: apply_rope(q, k, pos, cos, sin, num_warps=nw)[0],
-                   warps, 2 * (q.numel() + k.numel()) * b + t * D * 4)
+        yield Case(
+            "apply_rope",
+            f"t={t}",
+            lambda nw, q=q, k=k, pos=pos: apply_rope(q, k, pos, cos, sin, num_warps=nw)[0],
+            warps,
+            2 * (q.numel() + k.numel()) * b + t * D * 4,
+        )
         kc = torch.zeros(t * 4, HKV, D, dtype=DT, device=device)
         vc = torch.zeros_like(kc)
         slots = torch.randperm(t * 4, device=device)[:t]
@@ -312,13 +466,19 @@ def elementwise_cases(quick: bool, device: str = "cuda") -> Iterator[Case]:
 
         yield Case("store_kv", f"t={t}", store, warps, 4 * k.numel() * b)
         gate_up = torch.randn(t, 2 * INTER, dtype=DT, device=device)
-        yield Case("silu_and_mul", f"t={t}", lambda nw, x=gate_up: silu_and_mul(x, num_warps=nw), warps,
-                   3 * t * INTER * b)
+        yield Case(
+            "silu_and_mul",
+            f"t={t}",
+            lambda nw, x=gate_up: silu_and_mul(x, num_warps=nw),
+            warps,
+            3 * t * INTER * b,
+        )
 
 
 def all_cases(quick: bool, attention: bool = True, device: str = "cuda") -> Iterator[Case]:
-    """Every case, attention's first (attention False: none of them, nor their KV cache). Tensors are made on
-    device as each case comes (on "meta", none has memory: the cases can be listed anywhere)."""
+    """Every case, attention's first (attention False: none of them, nor their KV cache). Tensors
+    are made on device as each case comes (on "meta", none has memory: the cases can be listed
+    anywhere)."""
     if attention:
         paged = Paged(256 * 16384, device)
         yield from decode_cases(paged, quick, device)
@@ -327,7 +487,7 @@ def all_cases(quick: bool, attention: bool = True, device: str = "cuda") -> Iter
     yield from elementwise_cases(quick, device)
 
 
-# ---- baselines, report ---------------------------------------------------------------------------------------
+# ---- baselines, report ---------------------------------------------------------------------------
 
 
 def copy_gbps() -> float:
@@ -347,7 +507,8 @@ def markdown(rows: list[Row], copy: float, mm: float) -> str:
     lines = [
         f"copy {copy:,.0f} GB/s, bf16 matmul {mm:,.0f} TFLOP/s",
         "",
-        "| kernel | shape | default ms | best ms | best config | GB/s | % copy | TFLOP/s | % matmul |",
+        "| kernel | shape | default ms | best ms | best config | GB/s | % copy | TFLOP/s | % "
+        "matmul |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     groups: dict[tuple[str, str], list[Row]] = {}
@@ -361,8 +522,11 @@ def markdown(rows: list[Row], copy: float, mm: float) -> str:
         default = next((r for r in ok if r.config == "default"), None)
         best = min(ok, key=lambda r: r.ms)
         tf = f"{best.tflops:.1f} | {100 * best.tflops / mm:.0f}%" if best.tflops else "| "
-        lines.append(f"| {kernel} | {shape} | {default.ms if default else float('nan'):.4f} | {best.ms:.4f} | "
-                     f"{best.config} | {best.gbps:,.0f} | {100 * best.gbps / copy:.0f}% | {tf} |")
+        lines.append(
+            f"| {kernel} | {shape} | {default.ms if default else float('nan'):.4f} | {best.ms:.4f} "
+            "| "
+            f"{best.config} | {best.gbps:,.0f} | {100 * best.gbps / copy:.0f}% | {tf} |"
+        )
     return "\n".join(lines)
 
 
@@ -370,15 +534,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="folder for the JSON of every measurement")
     p.add_argument("--quick", action="store_true", help="time the default configs only (no sweep)")
-    p.add_argument("--only", nargs="*", default=None,
-                   help="kernels to run: attention, rms_norm, add_rms_norm, apply_rope, store_kv, silu_and_mul")
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="kernels to run: attention, rms_norm, add_rms_norm, apply_rope, store_kv, "
+        "silu_and_mul",
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.kernels needs a CUDA GPU; none is visible, nothing to measure.")
         return 0
     torch.manual_seed(0)
     copy, mm = copy_gbps(), matmul_tflops()
-    print(f"# {torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, bf16 matmul {mm:,.0f} TFLOP/s", flush=True)
+    print(
+        f"# {torch.cuda.get_device_name()}: copy {copy:,.0f} GB/s, bf16 matmul {mm:,.0f} TFLOP/s",
+        flush=True,
+    )
 
     def wanted(name: str) -> bool:
         return args.only is None or name in args.only
@@ -391,15 +563,23 @@ def main(argv: list[str] | None = None) -> int:
         group = sweep(case)
         rows += group
         ok = [r.ms for r in group if r.ms is not None]
-        print(f"{case.kernel:13s} {case.shape:40s} best {min(ok) if ok else float('nan'):.4f} ms "
-              f"({len(group)} configs, {time.monotonic() - start:.0f} s)", flush=True)
+        print(
+            f"{case.kernel:13s} {case.shape:40s} best {min(ok) if ok else float('nan'):.4f} ms "
+            f"({len(group)} configs, {time.monotonic() - start:.0f} s)",
+            flush=True,
+        )
     table = markdown(rows, copy, mm)
     print("\n" + table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"kernels-{time.strftime('%Y%m%d-%H%M%S')}.json"
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "triton": __import__("triton").__version__, "copy_GBps": copy, "matmul_TFLOPs": mm}
+        meta = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": __import__("triton").__version__,
+            "copy_GBps": copy,
+            "matmul_TFLOPs": mm,
+        }
         path.write_text(json.dumps({**meta, "results": [asdict(r) for r in rows]}, indent=1))
         (args.out / path.name.replace(".json", ".md")).write_text(table + "\n")
         print(f"\nwrote {path}")

@@ -1,6 +1,7 @@
-"""The served model's tokenizer, asked over HTTP: POST /tokenize and /detokenize (vLLM's endpoints; ppd serve has
-them too). A benchmark against a running server whose tokenizer folder is not on this machine counts prompt tokens
-this way, with the very tokenizer that will run them, so its prompt lengths are exact.
+"""The served model's tokenizer, asked over HTTP: POST /tokenize and /detokenize (vLLM's endpoints;
+ppd serve has them too). A benchmark against a running server whose tokenizer folder is not on
+this machine counts prompt tokens this way, with the very tokenizer that will run them, so its
+prompt lengths are exact.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ import httpx
 
 from bench.common import BenchError
 
-CACHE_SIZE = 4096  # texts and id lists remembered: fitting a text to a length re-encodes its prefixes
+CACHE_SIZE = (
+    4096  # texts and id lists remembered: fitting a text to a length re-encodes its prefixes
+)
 
 
 class ServerTokenizer:
-    """What the workloads ask of a tokenizer (bench/workloads.py: encode without special tokens, decode), answered by
-    the server behind `client` for `model`, each distinct question asked once. Shaped as a transformers tokenizer:
-    encode(text, add_special_tokens=..., verbose=...), decode(ids), model_max_length (the server's context)."""
+    """What the workloads ask of a tokenizer (bench/workloads.py: encode without special tokens,
+    decode), answered by the server behind `client` for `model`, each distinct question asked once.
+    Shaped as a transformers tokenizer: encode(text, add_special_tokens=..., verbose=...),
+    decode(ids), model_max_length (the server's context)."""
 
     def __init__(self, client: httpx.Client, model: str) -> None:
         self.client, self.model = client, model
@@ -26,7 +30,9 @@ class ServerTokenizer:
         self._encode = functools.lru_cache(CACHE_SIZE)(self._tokenize)
         self._decode = functools.lru_cache(CACHE_SIZE)(self._detokenize)
 
-    def encode(self, text: str, add_special_tokens: bool = True, verbose: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, verbose: bool = False
+    ) -> list[int]:
         return list(self._encode(text, add_special_tokens))
 
     def decode(self, ids: list[int]) -> str:
@@ -47,17 +53,25 @@ class ServerTokenizer:
         except httpx.HTTPError as exc:
             raise BenchError(f"{path} of {self.client.base_url} did not answer ({exc})") from exc
         if resp.status_code != 200:
-            raise BenchError(f"{path} of {self.client.base_url} answered {resp.status_code}: {_message(resp)}")
+            raise BenchError(
+                f"{path} of {self.client.base_url} answered {resp.status_code}: {_message(resp)}"
+            )
         try:
             return resp.json()
         except ValueError as exc:
-            raise BenchError(f"{path} of {self.client.base_url} answered something other than JSON") from exc
+            raise BenchError(
+                f"{path} of {self.client.base_url} answered something other than JSON"
+            ) from exc
 
 
-def server_tokenizer(url: str, model: str, headers: dict[str, str] | None = None) -> ServerTokenizer:
-    """The tokenizer of `model` at the server at url, checked with one question; BenchError saying why where the
-    server cannot tokenize (no /tokenize route, or a server without a tokenizer)."""
-    tokenizer = ServerTokenizer(httpx.Client(base_url=url, headers=headers or {}, timeout=60), model)
+def server_tokenizer(
+    url: str, model: str, headers: dict[str, str] | None = None
+) -> ServerTokenizer:
+    """The tokenizer of `model` at the server at url, checked with one question; BenchError saying
+    why where the server cannot tokenize (no /tokenize route, or a server without a tokenizer)."""
+    tokenizer = ServerTokenizer(
+        httpx.Client(base_url=url, headers=headers or {}, timeout=60), model
+    )
     tokenizer.encode("hello", add_special_tokens=False)
     return tokenizer
 

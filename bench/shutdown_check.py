@@ -1,8 +1,10 @@
-"""SIGTERM with streams in flight: `python -m bench.shutdown_check [--streams 100] [--shutdown-timeout 5]`.
+"""SIGTERM with streams in flight: `python -m bench.shutdown_check [--streams 100]
+[--shutdown-timeout 5]`.
 
-Starts `ppd serve` (the demo), opens N streaming chats (half of 40 tokens, which finish within the timeout, half of
-3000, which cannot), sends SIGTERM, and reports how each stream ended (whole with [DONE], or an error event then
-[DONE], or cut), how long the server took to exit, and whether it left anything in /tmp or /dev/shm.
+Starts `ppd serve` (the demo), opens N streaming chats (half of 40 tokens, which finish within the
+timeout, half of 3000, which cannot), sends SIGTERM, and reports how each stream ended (whole with
+[DONE], or an error event then [DONE], or cut), how long the server took to exit, and whether it
+left anything in /tmp or /dev/shm.
 """
 
 from __future__ import annotations
@@ -21,24 +23,39 @@ from bench.servers import start_server
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.shutdown_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=100, help="streams in flight at SIGTERM (default: 100)")
-    parser.add_argument("--shutdown-timeout", type=float, default=5.0, help="the server's (default: 5)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.shutdown_check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--streams", type=int, default=100, help="streams in flight at SIGTERM (default: 100)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=5.0, help="the server's (default: 5)"
+    )
     args = parser.parse_args()
     log = Path(tempfile.mkdtemp(prefix="ppd-shutdown-check-")) / "serve.log"
     proc, url = start_server(["--shutdown-timeout", str(args.shutdown_timeout)], log)
     endings: list[str] = []
 
     def stream(i: int) -> None:
-        body = {"model": "demo", "messages": [{"role": "user", "content": f"stream {i}"}], "stream": True,
-                "max_tokens": 40 if i % 2 else 3000, "ignore_eos": True}
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": f"stream {i}"}],
+            "stream": True,
+            "max_tokens": 40 if i % 2 else 3000,
+            "ignore_eos": True,
+        }
         try:
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
                 events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
             if events[-1:] != ["[DONE]"]:
                 endings.append("cut")
             else:
-                endings.append("error event, [DONE]" if len(events) > 1 and '"error"' in events[-2] else "whole, [DONE]")
+                endings.append(
+                    "error event, [DONE]"
+                    if len(events) > 1 and '"error"' in events[-2]
+                    else "whole, [DONE]"
+                )
         except httpx.HTTPError as exc:
             endings.append(f"failed: {type(exc).__name__}")
 
@@ -51,10 +68,16 @@ def main() -> None:
     for t in threads:
         t.join(120)
     proc.wait(120)
-    left = [*Path(tempfile.gettempdir()).glob(f"ppd-{proc.pid}-*"), *Path("/dev/shm").glob(f"ppd-{proc.pid}-*")]
-    print(f"{args.streams} streams at SIGTERM, --shutdown-timeout {args.shutdown_timeout:g}: "
-          f"{dict(Counter(endings))}; the server exited {time.monotonic() - started:.1f} s after SIGTERM "
-          f"(exit status {proc.returncode}); left behind: {[str(p) for p in left] or 'nothing'}")
+    left = [
+        *Path(tempfile.gettempdir()).glob(f"ppd-{proc.pid}-*"),
+        *Path("/dev/shm").glob(f"ppd-{proc.pid}-*"),
+    ]
+    print(
+        f"{args.streams} streams at SIGTERM, --shutdown-timeout {args.shutdown_timeout:g}: "
+        f"{dict(Counter(endings))}; the server exited {time.monotonic() - started:.1f} s after "
+        "SIGTERM "
+        f"(exit status {proc.returncode}); left behind: {[str(p) for p in left] or 'nothing'}"
+    )
 
 
 if __name__ == "__main__":

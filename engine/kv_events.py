@@ -1,4 +1,5 @@
-"""KV-cache events in vLLM's format: block hashes as vLLM computes them, the event structs, the ZeroMQ publisher.
+"""KV-cache events in vLLM's format: block hashes as vLLM computes them, the event structs, the
+ZeroMQ publisher.
 
 A router that places requests by where their KV blocks are (vllm-router's
 kv_aware, llm-d's precise prefix scorer, Dynamo) subscribes to each node's
@@ -37,14 +38,18 @@ import zmq
 log = logging.getLogger("ppd.kv_events")
 
 HASH_ALGOS = ("sha256", "sha256_cbor")
-DEFAULT_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's seed for cryptographic hashes when PYTHONHASHSEED is unset
-MEDIUM_GPU = "GPU"  # vLLM's medium for the device cache, whatever the device: consumers filter on it
+DEFAULT_NONE_HASH_SEED = (
+    "vllm-none-hash"  # vLLM's seed for cryptographic hashes when PYTHONHASHSEED is unset
+)
+MEDIUM_GPU = (
+    "GPU"  # vLLM's medium for the device cache, whatever the device: consumers filter on it
+)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay socket's end-of-replay marker
 
 ExternalBlockHash = bytes | int
 
 
-# ---- hashes ----------------------------------------------------------------------------------------
+# ---- hashes --------------------------------------------------------------------------------------
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -55,16 +60,24 @@ def _sha256_cbor(obj: Any) -> bytes:
     try:
         import cbor2
     except ImportError as exc:  # an optional dependency, as in vLLM
-        raise KVEventsError("--prefix-caching-hash-algo sha256_cbor needs cbor2: pip install cbor2") from exc
+        raise KVEventsError(
+            "--prefix-caching-hash-algo sha256_cbor needs cbor2: pip install cbor2"
+        ) from exc
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
 class BlockHasher:
-    """vLLM's chained block hash (`hash_block_tokens`) with its NONE_HASH seed, and the form events carry."""
+    """vLLM's chained block hash (`hash_block_tokens`) with its NONE_HASH seed, and the form events
+    carry."""
 
-    def __init__(self, algo: str = "sha256", seed: str | None = None, int_hashes: bool | None = None) -> None:
+    def __init__(
+        self, algo: str = "sha256", seed: str | None = None, int_hashes: bool | None = None
+    ) -> None:
         if algo not in HASH_ALGOS:
-            raise KVEventsError(f"unknown --prefix-caching-hash-algo {algo!r}; choose one of {', '.join(HASH_ALGOS)}")
+            raise KVEventsError(
+                f"unknown --prefix-caching-hash-algo {algo!r}; choose one of "
+                f"{', '.join(HASH_ALGOS)}"
+            )
         self.algo = algo
         self._fn: Callable[[Any], bytes] = _sha256_pickle if algo == "sha256" else _sha256_cbor
         if seed is None:
@@ -75,11 +88,13 @@ class BlockHasher:
         self.int_hashes = int_hashes
 
     def block(self, parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-        """The hash of a full block given its parent's (None for a sequence's first block); no extra keys."""
+        """The hash of a full block given its parent's (None for a sequence's first block); no extra
+        keys."""
         return self._fn((parent or self.none_hash, token_ids, None))
 
     def chain(self, token_ids: list[int], block_size: int) -> list[bytes]:
-        """One hash per full block of token_ids, chained from the start (vLLM's request block hasher)."""
+        """One hash per full block of token_ids, chained from the start (vLLM's request block
+        hasher)."""
         hashes: list[bytes] = []
         parent = None
         for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -88,11 +103,16 @@ class BlockHasher:
         return hashes
 
     def external(self, block_hash: bytes) -> ExternalBlockHash:
-        """What an event carries (vLLM's maybe_convert_block_hash): the low 64 bits as an int, or the bytes."""
-        return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF if self.int_hashes else block_hash
+        """What an event carries (vLLM's maybe_convert_block_hash): the low 64 bits as an int, or
+        the bytes."""
+        return (
+            int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF
+            if self.int_hashes
+            else block_hash
+        )
 
 
-# ---- the events (vllm/distributed/kv_events.py, field for field) -------------------------------------
+# ---- the events (vllm/distributed/kv_events.py, field for field) ---------------------------------
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -101,10 +121,13 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 class BlockStored(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None  # the block before the first one here; None: they start a sequence
+    parent_block_hash: (
+        ExternalBlockHash | None
+    )  # the block before the first one here; None: they start a sequence
     token_ids: list[int]  # every block's tokens, in order
     block_size: int
-    # No defaults, as in vLLM: omit_defaults would drop a field equal to its default, and consumers require these.
+    # No defaults, as in vLLM: omit_defaults would drop a field equal to its default, and consumers
+    # require these.
     lora_id: int | None
     medium: str | None
     lora_name: str | None
@@ -128,9 +151,14 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def stored(hashes: list[ExternalBlockHash], parent: ExternalBlockHash | None, token_ids: list[int],
-           block_size: int) -> BlockStored:
-    """Blocks of one sequence cached, as vLLM reports them (no LoRA, the device cache, KV cache group 0)."""
+def stored(
+    hashes: list[ExternalBlockHash],
+    parent: ExternalBlockHash | None,
+    token_ids: list[int],
+    block_size: int,
+) -> BlockStored:
+    """Blocks of one sequence cached, as vLLM reports them (no LoRA, the device cache, KV cache
+    group 0)."""
     return BlockStored(hashes, parent, token_ids, block_size, None, MEDIUM_GPU, None, group_idx=0)
 
 
@@ -139,7 +167,7 @@ def removed(hashes: list[ExternalBlockHash]) -> BlockRemoved:
     return BlockRemoved(hashes, MEDIUM_GPU, group_idx=0)
 
 
-# ---- configuration (vLLM's KVEventsConfig, as --kv-events-config JSON) ----------------------------------
+# ---- configuration (vLLM's KVEventsConfig, as --kv-events-config JSON) ---------------------------
 
 
 class KVEventsError(ValueError):
@@ -167,24 +195,39 @@ class KVEventsConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise KVEventsError(f"--kv-events-config is not JSON ({exc}); e.g. "
-                                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'') from None
+            raise KVEventsError(
+                f"--kv-events-config is not JSON ({exc}); e.g. "
+                '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\''
+            ) from None
         if not isinstance(raw, dict):
             raise KVEventsError("--kv-events-config must be a JSON object")
         known = {f.name: f for f in fields(cls)}
         if unknown := sorted(set(raw) - set(known)):
-            raise KVEventsError(f"--kv-events-config: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        kinds = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int}
+            raise KVEventsError(
+                f"--kv-events-config: unknown key(s) {', '.join(unknown)}; known: "
+                f"{', '.join(known)}"
+            )
+        kinds = {
+            "enable_kv_cache_events": bool,
+            "buffer_steps": int,
+            "hwm": int,
+            "max_queue_size": int,
+        }
         words = {bool: "true or false", int: "an integer", str: "a string"}
         for key, value in raw.items():
             want = kinds.get(key, str)
             ok = (isinstance(value, want) and (want is bool or not isinstance(value, bool))) or (
-                value is None and key in ("publisher", "replay_endpoint"))
+                value is None and key in ("publisher", "replay_endpoint")
+            )
             if not ok:
-                raise KVEventsError(f"--kv-events-config: {key} must be {words[want]}, not {json.dumps(value)}")
+                raise KVEventsError(
+                    f"--kv-events-config: {key} must be {words[want]}, not {json.dumps(value)}"
+                )
         cfg = cls(**raw)
         if cfg.publisher not in (None, "zmq", "null"):
-            raise KVEventsError(f"--kv-events-config: publisher {cfg.publisher!r} is not one of zmq, null")
+            raise KVEventsError(
+                f"--kv-events-config: publisher {cfg.publisher!r} is not one of zmq, null"
+            )
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if getattr(cfg, name) < 1:
                 raise KVEventsError(f"--kv-events-config: {name} must be at least 1")
@@ -195,31 +238,39 @@ class KVEventsConfig:
 
 
 def offset_endpoint(endpoint: str, rank: int) -> str:
-    """Unit `rank`'s endpoint, as vLLM offsets a data-parallel rank's: tcp port + rank, or an ipc/inproc suffix."""
+    """Unit `rank`'s endpoint, as vLLM offsets a data-parallel rank's: tcp port + rank, or an
+    ipc/inproc suffix."""
     if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        host, sep, port = endpoint[len("tcp://") :].rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise KVEventsError(f"--kv-events-config: endpoint {endpoint!r} needs a port, e.g. tcp://*:5557")
+            raise KVEventsError(
+                f"--kv-events-config: endpoint {endpoint!r} needs a port, e.g. tcp://*:5557"
+            )
         return f"tcp://{host}:{int(port) + rank}" if rank else endpoint
     if endpoint.startswith(("ipc://", "inproc://")):
         return f"{endpoint}_dp{rank}" if rank else endpoint
-    raise KVEventsError(f"--kv-events-config: endpoint {endpoint!r} must start with tcp://, ipc:// or inproc://")
+    raise KVEventsError(
+        f"--kv-events-config: endpoint {endpoint!r} must start with tcp://, ipc:// or inproc://"
+    )
 
 
 def _binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to a named host (a broker's)."""
+    """vLLM's rule: bind a wildcard, ipc or inproc endpoint; connect to a named host (a
+    broker's)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-# ---- the publisher ------------------------------------------------------------------------------------
+# ---- the publisher -------------------------------------------------------------------------------
 
 
 class KVEventPublisher:
-    """Sends event batches on a PUB socket from a thread, keeping the last buffer_steps for the replay socket.
+    """Sends event batches on a PUB socket from a thread, keeping the last buffer_steps for the
+    replay socket.
 
-    publish() numbers the batch and queues it (the decode worker's step loop must not wait on a subscriber); the
-    thread encodes and sends it. A full queue drops the batch (where vLLM's bounded queue would block the
-    scheduler), its number unused: a subscriber sees the gap and knows its view of the cache is incomplete.
+    publish() numbers the batch and queues it (the decode worker's step loop must not wait on a
+    subscriber); the thread encodes and sends it. A full queue drops the batch (where vLLM's bounded
+    queue would block the scheduler), its number unused: a subscriber sees the gap and knows its
+    view of the cache is incomplete.
     """
 
     def __init__(self, cfg: KVEventsConfig, rank: int = 0, ctx: zmq.Context | None = None) -> None:
@@ -240,7 +291,9 @@ class KVEventPublisher:
             self._pub.bind(self.endpoint)
         else:
             self._pub.connect(self.endpoint)
-        self.replay_endpoint = offset_endpoint(cfg.replay_endpoint, rank) if cfg.replay_endpoint else None
+        self.replay_endpoint = (
+            offset_endpoint(cfg.replay_endpoint, rank) if cfg.replay_endpoint else None
+        )
         self._replay = None
         if self.replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
@@ -253,8 +306,10 @@ class KVEventPublisher:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         if len(self._queue) >= self._max_queue:
             if self.dropped == 0:
-                log.warning("kv events: the queue is full (%d batches): dropping batches until it drains",
-                            self._max_queue)
+                log.warning(
+                    "kv events: the queue is full (%d batches): dropping batches until it drains",
+                    self._max_queue,
+                )
             self.dropped += 1
             return
         self._queue.append((seq, KVEventBatch(time.time(), events, self.rank)))
@@ -284,8 +339,14 @@ class KVEventPublisher:
                 seq, batch = item
                 try:
                     payload = encode(batch)
-                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-                except (zmq.ZMQError, TypeError, ValueError) as exc:  # one batch lost, not the publisher
+                    self._pub.send_multipart(
+                        (self._topic, seq.to_bytes(8, "big"), payload), copy=False
+                    )
+                except (
+                    zmq.ZMQError,
+                    TypeError,
+                    ValueError,
+                ) as exc:  # one batch lost, not the publisher
                     log.error("kv events: batch %d not sent: %s", seq, exc)
                     continue
                 self._buffer.append((seq, payload))
@@ -297,8 +358,11 @@ class KVEventPublisher:
             except zmq.Again:
                 return
             if len(frames) != 3:
-                log.warning("kv events: a replay request of %d frames (want identity, empty, start sequence)",
-                            len(frames))
+                log.warning(
+                    "kv events: a replay request of %d frames (want identity, empty, start "
+                    "sequence)",
+                    len(frames),
+                )
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
@@ -313,5 +377,7 @@ def describe(cfg: KVEventsConfig, units: int) -> str:
     pubs = ", ".join(offset_endpoint(cfg.endpoint, u) for u in range(units))
     text = f"KV events on {pubs}"
     if cfg.replay_endpoint:
-        text += f" (replay: {', '.join(offset_endpoint(cfg.replay_endpoint, u) for u in range(units))})"
+        text += (
+            f" (replay: {', '.join(offset_endpoint(cfg.replay_endpoint, u) for u in range(units))})"
+        )
     return text

@@ -1,10 +1,12 @@
-"""Weights in one flat byte arena, so a second process can map the same memory and bind its own Model to it.
+"""Weights in one flat byte arena, so a second process can map the same memory and bind its own
+Model to it.
 
-The layout is a pure function of the parameter order (fixed by the config), so binding the same arena in two
-processes yields the same weights without any message describing the layout.
+The layout is a pure function of the parameter order (fixed by the config), so binding the same
+arena in two processes yields the same weights without any message describing the layout.
 
-A tensor-parallel rank's arena holds its shard only, and it reads only that from the checkpoint (safetensors'
-slices: the rest of a tensor is never in its memory); rank_slice says which part of each tensor is whose.
+A tensor-parallel rank's arena holds its shard only, and it reads only that from the checkpoint
+(safetensors' slices: the rest of a tensor is never in its memory); rank_slice says which part of
+each tensor is whose.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ ALIGN = 64  # bytes; covers every dtype's alignment and a cache line
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype) -> Model:
-    """Model whose parameters are not yet backed by memory (meta device); bind_arena gives them storage."""
+    """Model whose parameters are not yet backed by memory (meta device); bind_arena gives them
+    storage."""
     with torch.device("meta"):
         return Model(cfg, dtype)
 
 
 def _fused_groups(model: Model) -> list[tuple[nn.Module, str, list[str]]]:
-    """(module, attribute, full parameter names) for every group of parameters the model reads as one tensor."""
+    """(module, attribute, full parameter names) for every group of parameters the model reads as
+    one tensor."""
     groups = []
     for module_name, module in model.named_modules():
         if hasattr(module, "fused_groups"):
@@ -54,12 +58,14 @@ def _padded(nbytes: int) -> int:
 
 
 def _layout(model: Model) -> list[tuple[str, nn.Parameter, int]]:
-    """(name, parameter, byte offset) for every parameter: registration order, 64-byte aligned, except that the
-    members of a fused group (q/k/v, gate/up) follow each other with no gap, so one view spans them."""
+    """(name, parameter, byte offset) for every parameter: registration order, 64-byte aligned,
+    except that the members of a fused group (q/k/v, gate/up) follow each other with no gap, so
+    one view spans them."""
     params = dict(model.named_parameters())
     follows: dict[str, list[str]] = {}  # first member of a group -> the rest, placed right after it
     for _, _, names in _fused_groups(model):
-        # Adjacent members keep every parameter 64-byte aligned only if the leading ones are whole multiples.
+        # Adjacent members keep every parameter 64-byte aligned only if the leading ones are whole
+        # multiples.
         if all(_nbytes(params[n]) % ALIGN == 0 for n in names[:-1]):
             follows[names[0]] = names[1:]
     placed: set[str] = set()
@@ -82,9 +88,10 @@ def arena_nbytes(model: Model) -> int:
 
 
 def bind_arena(model: Model, arena: Tensor) -> None:
-    """Make every parameter a view into arena (1-D uint8 tensor of arena_nbytes(model) bytes, on the model's target
-    device), at deterministic offsets from the parameter order, so two processes binding the same arena see the
-    same weights; then give each fused group its one view (or None where the layout could not make it adjacent)."""
+    """Make every parameter a view into arena (1-D uint8 tensor of arena_nbytes(model) bytes, on the
+    model's target device), at deterministic offsets from the parameter order, so two processes
+    binding the same arena see the same weights; then give each fused group its one view (or None
+    where the layout could not make it adjacent)."""
     assert arena.dtype == torch.uint8 and arena.dim() == 1, "arena must be a 1-D uint8 tensor"
     assert arena.numel() >= arena_nbytes(model), "arena smaller than arena_nbytes(model)"
     assert arena.data_ptr() % ALIGN == 0, "arena must start 64-byte aligned"
@@ -108,8 +115,9 @@ def bind_arena(model: Model, arena: Tensor) -> None:
 
 
 def rank_slice(cfg: ModelConfig, rank: int, name: str) -> tuple[int, int, int, int] | None:
-    """(dimension, start, end, the whole tensor's size there) of the checkpoint tensor `name` that tensor-parallel
-    rank `rank` of a sharded config (ModelConfig.sharded) holds; None where every rank holds all of it."""
+    """(dimension, start, end, the whole tensor's size there) of the checkpoint tensor `name` that
+    tensor-parallel rank `rank` of a sharded config (ModelConfig.sharded) holds; None where every
+    rank holds all of it."""
     if cfg.tp_size == 1:
         return None
     n, d = cfg.tp_size, cfg.head_dim
@@ -128,20 +136,29 @@ def rank_slice(cfg: ModelConfig, rank: int, name: str) -> tuple[int, int, int, i
         return (1 if kind == "down_proj" else 0), rank * w, (rank + 1) * w, n * w
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         rows = cfg.vocab_rows
-        return 0, min(rank * rows, cfg.vocab_size), min((rank + 1) * rows, cfg.vocab_size), cfg.vocab_size
+        return (
+            0,
+            min(rank * rows, cfg.vocab_size),
+            min((rank + 1) * rows, cfg.vocab_size),
+            cfg.vocab_size,
+        )
     return None
 
 
 @torch.no_grad()
-def load_weights(model: Model, folder: str | Path, load_format: str = "auto", seed: int = 0) -> None:
-    """Fill the bound parameters from the folder's *.safetensors (cast to the model dtype), or for load_format
-    'dummy' with deterministic random values (normal, std 0.02; norms all ones; each tensor-parallel rank's its
-    own). A sharded model (model.cfg from ModelConfig.sharded) reads its rank's slices (rank_slice). Missing
-    tensors -> ModelError."""
+def load_weights(
+    model: Model, folder: str | Path, load_format: str = "auto", seed: int = 0
+) -> None:
+    """Fill the bound parameters from the folder's *.safetensors (cast to the model dtype), or for
+    load_format 'dummy' with deterministic random values (normal, std 0.02; norms all ones; each
+    tensor-parallel rank's its own). A sharded model (model.cfg from ModelConfig.sharded) reads its
+    rank's slices (rank_slice). Missing tensors -> ModelError."""
     params = dict(model.named_parameters())
     cfg, rank = model.cfg, model.tp.rank
     if load_format == "dummy":
-        gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(seed + 1000 * rank)
+        gen = torch.Generator(device=next(iter(params.values())).device).manual_seed(
+            seed + 1000 * rank
+        )
         for name, p in params.items():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -149,7 +166,9 @@ def load_weights(model: Model, folder: str | Path, load_format: str = "auto", se
                 p.normal_(0.0, 0.02, generator=gen)
         return
     if load_format not in ("auto", "safetensors"):
-        raise ModelError(f"unknown load format {load_format!r}; use one of: auto, safetensors, dummy")
+        raise ModelError(
+            f"unknown load format {load_format!r}; use one of: auto, safetensors, dummy"
+        )
     index = safetensors_index(folder)
     missing = [name for name in params if name not in index]
     if missing:
@@ -166,7 +185,8 @@ def load_weights(model: Model, folder: str | Path, load_format: str = "auto", se
                     expected[part[0]] = part[3]
                 if tuple(source.get_shape()) != tuple(expected):
                     raise ModelError(
-                        f"tensor {name} in {file} has shape {tuple(source.get_shape())}, expected {tuple(expected)} "
+                        f"tensor {name} in {file} has shape {tuple(source.get_shape())}, expected "
+                        f"{tuple(expected)} "
                         "(config.json does not match the weights)"
                     )
                 if part is None:
@@ -176,8 +196,8 @@ def load_weights(model: Model, folder: str | Path, load_format: str = "auto", se
                     tensor = source[start:end] if dim == 0 else source[:, start:end]
                 target = params[name]
                 if tensor.shape[0] < target.shape[0]:  # the last rank's rows of a padded vocabulary
-                    target[tensor.shape[0]:].zero_()
-                    target = target[:tensor.shape[0]]
+                    target[tensor.shape[0] :].zero_()
+                    target = target[: tensor.shape[0]]
                 target.copy_(tensor)
 
 
@@ -189,8 +209,8 @@ def load_model(
     arena: Tensor | None = None,
     tp: TensorParallel = SINGLE,
 ) -> tuple[Model, ModelConfig]:
-    """Convenience for single-process use and tests: config (tp's shard of it), build, allocate the arena (or use the
-    given one), bind, load."""
+    """Convenience for single-process use and tests: config (tp's shard of it), build, allocate the
+    arena (or use the given one), bind, load."""
     cfg = check_model_folder(folder, load_format).sharded(tp.size)
     model = build_model(cfg, resolve_dtype(dtype_name, cfg))
     model.tp = tp

@@ -1,12 +1,15 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch, with Hugging Face parameter names.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch, with Hugging Face parameter
+names.
 
-One code path covers the four architectures; they differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), tied embeddings and the RoPE frequencies (Llama 3 scaling). Attention reads and writes a paged KV pool.
+One code path covers the four architectures; they differ only in q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), tied embeddings and the RoPE frequencies (Llama 3 scaling). Attention reads and
+writes a paged KV pool.
 
-Under tensor parallelism (a config from ModelConfig.sharded, and Model.tp) each rank holds Megatron's shard: its
-heads of q/k/v and the matching columns of o_proj, its part of gate/up and the matching columns of down_proj, its
-part of the vocabulary's rows of the embedding and lm_head; o_proj's and down_proj's partial sums and the embedding
-are all-reduced, the logits all-gathered, so every rank ends a step with the same hidden states and logits.
+Under tensor parallelism (a config from ModelConfig.sharded, and Model.tp) each rank holds
+Megatron's shard: its heads of q/k/v and the matching columns of o_proj, its part of gate/up and the
+matching columns of down_proj, its part of the vocabulary's rows of the embedding and lm_head;
+o_proj's and down_proj's partial sums and the embedding are all-reduced, the logits all-gathered, so
+every rank ends a step with the same hidden states and logits.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from engine.parallel import SINGLE, TensorParallel
 
 
 def kv_pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the KV pool: (num_layers, 2 for K and V, num_blocks, block_size, num_kv_heads, head_dim)."""
+    """Shape of the KV pool: (num_layers, 2 for K and V, num_blocks, block_size, num_kv_heads,
+    head_dim)."""
     return (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
 
 
@@ -33,37 +37,59 @@ def kv_block_nbytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device) -> Tensor:
-    """RoPE inverse frequencies theta^(-2i/d), with Llama 3's frequency-dependent scaling when configured."""
+    """RoPE inverse frequencies theta^(-2i/d), with Llama 3's frequency-dependent scaling when
+    configured."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    inv_freq = 1.0 / (
+        cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)
+    )
     return inv_freq if cfg.rope_scaling is None else llama3_scaled(inv_freq, cfg.rope_scaling)
 
 
 def llama3_scaled(inv_freq: Tensor, s: dict) -> Tensor:
-    """Llama 3.1's scaling of RoPE inverse frequencies: keep high frequencies, divide low ones by `factor`,
-    interpolate smoothly in between."""
+    """Llama 3.1's scaling of RoPE inverse frequencies: keep high frequencies, divide low ones by
+    `factor`, interpolate smoothly in between."""
     old_len = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_len / s["low_freq_factor"], inv_freq / s["factor"], inv_freq)
-    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (
+        s["high_freq_factor"] - s["low_freq_factor"]
+    )
     smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
-    is_medium = (wavelen >= old_len / s["high_freq_factor"]) & (wavelen <= old_len / s["low_freq_factor"])
+    is_medium = (wavelen >= old_len / s["high_freq_factor"]) & (
+        wavelen <= old_len / s["low_freq_factor"]
+    )
     return torch.where(is_medium, smoothed, scaled)
 
 
 class StepContext:
-    """What every layer of one forward pass shares: the attention backend, its metadata for this step, positions,
-    and the rank's communicator."""
+    """What every layer of one forward pass shares: the attention backend, its metadata for this
+    step, positions, and the rank's communicator."""
 
     __slots__ = ("backend", "meta", "positions", "cos", "sin", "tp")
 
-    def __init__(self, backend: AttentionBackend, meta: Any, positions: Tensor, cos: Tensor, sin: Tensor,
-                 tp: TensorParallel = SINGLE) -> None:
-        self.backend, self.meta, self.positions, self.cos, self.sin, self.tp = backend, meta, positions, cos, sin, tp
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        meta: Any,
+        positions: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self.backend, self.meta, self.positions, self.cos, self.sin, self.tp = (
+            backend,
+            meta,
+            positions,
+            cos,
+            sin,
+            tp,
+        )
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight over the last dimension; given a residual, adds it first and returns the sum too."""
+    """x / rms(x) * weight over the last dimension; given a residual, adds it first and returns the
+    sum too."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -81,8 +107,16 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        h, q_dim, kv_dim = (
+            cfg.hidden_size,
+            cfg.num_heads * cfg.head_dim,
+            cfg.num_kv_heads * cfg.head_dim,
+        )
         self.q_proj = nn.Linear(h, q_dim, bias=cfg.attention_bias, dtype=dtype)
         self.k_proj = nn.Linear(h, kv_dim, bias=cfg.attention_bias, dtype=dtype)
         self.v_proj = nn.Linear(h, kv_dim, bias=cfg.attention_bias, dtype=dtype)
@@ -91,35 +125,55 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.split = [q_dim, kv_dim, kv_dim]
-        # One GEMM for q, k and v: views over the three checkpoint tensors, which the arena lays out adjacent.
+        # One GEMM for q, k and v: views over the three checkpoint tensors, which the arena lays out
+        # adjacent.
         self.qkv_weight: Tensor | None = None
         self.qkv_bias: Tensor | None = None
-        self.k_cache: Tensor | None = None  # [num_blocks * block_size, Hkv, D], a view of the shared pool
+        self.k_cache: Tensor | None = (
+            None  # [num_blocks * block_size, Hkv, D], a view of the shared pool
+        )
         self.v_cache: Tensor | None = None
 
     def fused_groups(self) -> dict[str, list[str]]:
-        """Attributes that bind_arena sets to one view over several adjacent parameters (names relative to self)."""
+        """Attributes that bind_arena sets to one view over several adjacent parameters (names
+        relative to self)."""
         groups = {"qkv_weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"]}
         if self.q_proj.bias is not None:
             groups["qkv_bias"] = ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
         return groups
 
     def forward(self, x: Tensor, step: StepContext) -> Tensor:
-        assert self.k_cache is not None and self.v_cache is not None, "call Model.bind_kv_cache first"
+        assert self.k_cache is not None and self.v_cache is not None, (
+            "call Model.bind_kv_cache first"
+        )
         ops = step.backend.ops
         t = x.shape[0]
         if self.qkv_weight is not None:
             q, k, v = ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
         else:
-            q, k, v = (ops.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
+            q, k, v = (
+                ops.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # per head, over the last dimension
             q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
-        o = step.backend.rope_and_attend(q, k, v, self.k_cache, self.v_cache, step.meta, self.scale, step.positions,
-                                         step.cos, step.sin)
-        return step.tp.all_reduce(ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight))
+        o = step.backend.rope_and_attend(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            step.meta,
+            self.scale,
+            step.positions,
+            step.cos,
+            step.sin,
+        )
+        return step.tp.all_reduce(
+            ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
+        )
 
 
 class MLP(nn.Module):
@@ -130,7 +184,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
-        self.gate_up_weight: Tensor | None = None  # one GEMM for gate and up, as for Attention.qkv_weight
+        self.gate_up_weight: Tensor | None = (
+            None  # one GEMM for gate and up, as for Attention.qkv_weight
+        )
 
     def fused_groups(self) -> dict[str, list[str]]:
         return {"gate_up_weight": ["gate_proj.weight", "up_proj.weight"]}
@@ -139,13 +195,16 @@ class MLP(nn.Module):
         if self.gate_up_weight is not None:
             gate_up = ops.linear(x, self.gate_up_weight)
         else:
-            gate_up = torch.cat((ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)), dim=-1)
+            gate_up = torch.cat(
+                (ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)), dim=-1
+            )
         return tp.all_reduce(ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block. The residual stream travels beside the hidden state, so that each
-    residual add fuses with the RMSNorm that follows it: (h, residual) -> (next sublayer input, new residual)."""
+    residual add fuses with the RMSNorm that follows it: (h, residual) -> (next sublayer input, new
+    residual)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -154,7 +213,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, h: Tensor, residual: Tensor | None, step: StepContext) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, h: Tensor, residual: Tensor | None, step: StepContext
+    ) -> tuple[Tensor, Tensor]:
         ops = step.backend.ops
         x, residual = self.input_layernorm(h, ops, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, step), ops, residual)
@@ -166,13 +227,16 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_rows, cfg.hidden_size, dtype=dtype)  # this rank's rows
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_rows, cfg.hidden_size, dtype=dtype
+        )  # this rank's rows
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 
 class Model(nn.Module):
-    """Causal LM over concatenated (unpadded) sequences; parameter names equal the checkpoint's tensor names."""
+    """Causal LM over concatenated (unpadded) sequences; parameter names equal the checkpoint's
+    tensor names."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -184,22 +248,30 @@ class Model(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_rows, bias=False, dtype=self.dtype)
         self.requires_grad_(False)
-        self.tp = SINGLE  # the rank's communicator when cfg is a tensor-parallel shard (set before the first step)
+        # the rank's communicator when cfg is a tensor-parallel shard (set before the first step)
+        self.tp = SINGLE
         self.rope_cos: Tensor
         self.rope_sin: Tensor
         self.init_rope(torch.get_default_device())
 
     def init_rope(self, device: torch.device) -> None:
-        """(Re)compute the per-process float32 cos/sin tables [max_position_embeddings, head_dim/2] on device."""
-        positions = torch.arange(self.cfg.max_position_embeddings, dtype=torch.float32, device=device)
+        """(Re)compute the per-process float32 cos/sin tables [max_position_embeddings, head_dim/2]
+        on device."""
+        positions = torch.arange(
+            self.cfg.max_position_embeddings, dtype=torch.float32, device=device
+        )
         freqs = positions[:, None] * rope_inv_freq(self.cfg, device)[None, :]
         self.register_buffer("rope_cos", freqs.cos(), persistent=False)
         self.register_buffer("rope_sin", freqs.sin(), persistent=False)
 
     def bind_kv_cache(self, kv_pool: Tensor) -> None:
         """kv_pool has shape kv_pool_shape(cfg, num_blocks, block_size); layer i uses kv_pool[i]."""
-        assert kv_pool.dim() == 6 and kv_pool.shape[:2] == (self.cfg.num_layers, 2), "not a kv_pool_shape tensor"
-        assert kv_pool.shape[4:] == (self.cfg.num_kv_heads, self.cfg.head_dim), "KV pool built for another model"
+        assert kv_pool.dim() == 6 and kv_pool.shape[:2] == (self.cfg.num_layers, 2), (
+            "not a kv_pool_shape tensor"
+        )
+        assert kv_pool.shape[4:] == (self.cfg.num_kv_heads, self.cfg.head_dim), (
+            "KV pool built for another model"
+        )
         attentions = [m for m in self.modules() if isinstance(m, Attention)]  # in layer order
         for i, attn in enumerate(attentions):
             attn.k_cache = kv_pool[i, 0].flatten(0, 1)
@@ -210,8 +282,11 @@ class Model(nn.Module):
         for attn in (m for m in self.modules() if isinstance(m, Attention)):
             attn.k_cache = attn.v_cache = None
 
-    def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend, meta: Any) -> Tensor:
-        """input_ids, positions [T] int64; meta from backend.prepare for this step -> final-norm hidden states [T, hidden]."""
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend, meta: Any
+    ) -> Tensor:
+        """input_ids, positions [T] int64; meta from backend.prepare for this step -> final-norm
+        hidden states [T, hidden]."""
         assert self.tp.size == self.cfg.tp_size, "a sharded model needs its communicator (Model.tp)"
         step = StepContext(backend, meta, positions, self.rope_cos, self.rope_sin, self.tp)
         h, residual = self.embed(input_ids), None
@@ -220,8 +295,8 @@ class Model(nn.Module):
         return self.model.norm(h, backend.ops, residual)[0]
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        """The input embeddings; a rank holding part of the vocabulary looks up its own ids, zeros the others' and
-        sums over the ranks."""
+        """The input embeddings; a rank holding part of the vocabulary looks up its own ids, zeros
+        the others' and sums over the ranks."""
         if self.tp.size == 1:
             return self.model.embed_tokens(input_ids)
         start = self.tp.rank * self.cfg.vocab_rows
@@ -231,10 +306,11 @@ class Model(nn.Module):
         return self.tp.all_reduce(h.masked_fill(outside[:, None], 0))
 
     def compute_logits(self, hidden: Tensor, ops: Ops, out: Tensor | None = None) -> Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops); into out if given.
-        Under tensor parallelism each rank computes its part of the vocabulary and every rank gets all of it."""
+        """hidden [N, hidden] -> float32 logits [N, vocab], through the backend's linear (ops); into
+        out if given. Under tensor parallelism each rank computes its part of the vocabulary and
+        every rank gets all of it."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = ops.linear(hidden, weight)
         if self.tp.size > 1:
-            logits = self.tp.all_gather_last(logits)[:, :self.cfg.vocab_size]
+            logits = self.tp.all_gather_last(logits)[:, : self.cfg.vocab_size]
         return logits.float() if out is None else out.copy_(logits)

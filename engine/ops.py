@@ -1,4 +1,5 @@
-"""The model's elementwise operations in plain PyTorch: the CPU path, and the reference the fused kernels match.
+"""The model's elementwise operations in plain PyTorch: the CPU path, and the reference the fused
+kernels match.
 
 An attention backend carries an `ops` object with these methods; the Triton
 backend's (engine/kernels/) fuse each elementwise one into one kernel on the GPU,
@@ -13,25 +14,32 @@ from torch import Tensor
 
 
 class TorchOps:
-    """RMSNorm (with the residual add), RoPE and SiLU-and-multiply, as Hugging Face's Llama computes them."""
+    """RMSNorm (with the residual add), RoPE and SiLU-and-multiply, as Hugging Face's Llama computes
+    them."""
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """x / rms(x) * weight over the last dimension, normalised in float32 as the reference does."""
+        """x / rms(x) * weight over the last dimension, normalised in float32 as the reference
+        does."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype)
 
     @classmethod
-    def add_rms_norm(cls, x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        """(rms_norm(x + residual), x + residual): the pre-norm block's residual stream and the next sublayer's input."""
+    def add_rms_norm(
+        cls, x: Tensor, residual: Tensor, weight: Tensor, eps: float
+    ) -> tuple[Tensor, Tensor]:
+        """(rms_norm(x + residual), x + residual): the pre-norm block's residual stream and the next
+        sublayer's input."""
         s = x + residual
         return cls.rms_norm(s, weight, eps), s
 
     @staticmethod
-    def apply_rope(q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """Rotate q [T, H, D] and k [T, Hkv, D] by position; cos/sin [max_positions, D/2] float32 tables.
-        Dimension i pairs with i + D/2 (Hugging Face's rotate_half layout)."""
+    def apply_rope(
+        q: Tensor, k: Tensor, positions: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D] by position; cos/sin [max_positions, D/2] float32
+        tables. Dimension i pairs with i + D/2 (Hugging Face's rotate_half layout)."""
         c, s = cos[positions][:, None, :].to(q.dtype), sin[positions][:, None, :].to(q.dtype)
 
         def rotate(x: Tensor) -> Tensor:

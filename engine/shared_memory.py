@@ -35,11 +35,13 @@ class ShmHandle(msgspec.Struct, frozen=True, tag="shm"):
 
 
 class CudaIpcHandle(msgspec.Struct, frozen=True, tag="cuda"):
-    """A CUDA tensor's IPC handle: its segment's cudaIpcMemHandle plus where the tensor sits in it (torch's fields)."""
+    """A CUDA tensor's IPC handle: its segment's cudaIpcMemHandle plus where the tensor sits in it
+    (torch's fields)."""
 
     shape: tuple[int, ...]
     dtype: str
-    device: int  # the device index in the creating process (both workers of a unit see the same single GPU)
+    # the device index in the creating process (both workers of a unit see the same single GPU)
+    device: int
     storage_handle: bytes
     storage_size_bytes: int
     storage_offset_bytes: int
@@ -62,11 +64,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def create_shared(name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, SharedHandle]:
+def create_shared(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, SharedHandle]:
     """A new zero-filled tensor another process can map, and its handle.
 
-    On the CPU it is backed by /dev/shm/<name> (an existing file of that name is replaced); on CUDA name is unused.
+    On the CPU it is backed by /dev/shm/<name> (an existing file of that name is replaced); on CUDA
+    name is unused.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -82,34 +86,52 @@ def open_shared(handle: SharedHandle) -> torch.Tensor:
     if isinstance(handle, CudaIpcHandle):
         return _open_cuda(handle)
     if not os.path.exists(handle.path):
-        raise FileNotFoundError(f"shared tensor {handle.path} is gone (its owner exited or unlinked it)")
+        raise FileNotFoundError(
+            f"shared tensor {handle.path} is gone (its owner exited or unlinked it)"
+        )
     numel = math.prod(handle.shape)
-    return torch.from_file(handle.path, shared=True, size=numel, dtype=torch_dtype(handle.dtype)).view(handle.shape)
+    return torch.from_file(
+        handle.path, shared=True, size=numel, dtype=torch_dtype(handle.dtype)
+    ).view(handle.shape)
 
 
 def release_name(handle: SharedHandle) -> None:
-    """Once every process has mapped the memory, drop its name, so it lives exactly as long as its users.
-    (A CUDA IPC handle has no name: the memory lives as long as the creating process.)"""
+    """Once every process has mapped the memory, drop its name, so it lives exactly as long as its
+    users. (A CUDA IPC handle has no name: the memory lives as long as the creating process.)"""
     if isinstance(handle, ShmHandle):
         Path(handle.path).unlink(missing_ok=True)
 
 
 def remove_leftover(name: str) -> None:
-    """Remove what create_shared(name, ...) may have left on the host after its processes were killed."""
+    """Remove what create_shared(name, ...) may have left on the host after its processes were
+    killed."""
     (SHM_DIR / name).unlink(missing_ok=True)
 
 
-def _create_cuda(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, CudaIpcHandle]:
+def _create_cuda(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, CudaIpcHandle]:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
-    assert "expandable_segments:True" not in conf, "CUDA IPC export needs expandable segments off in this process"
+    assert "expandable_segments:True" not in conf, (
+        "CUDA IPC export needs expandable segments off in this process"
+    )
     tensor = torch.zeros(shape, dtype=dtype, device=device)
     storage = tensor.untyped_storage()
-    (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    (dev, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+        storage._share_cuda_()
+    )
     return tensor, CudaIpcHandle(
-        shape=tuple(shape), dtype=dtype_name(dtype), device=int(dev), storage_handle=bytes(handle),
-        storage_size_bytes=int(size_bytes), storage_offset_bytes=int(offset_bytes),
-        ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
-        event_handle=bytes(event_handle) if event_handle is not None else None, event_sync_required=bool(event_sync))
+        shape=tuple(shape),
+        dtype=dtype_name(dtype),
+        device=int(dev),
+        storage_handle=bytes(handle),
+        storage_size_bytes=int(size_bytes),
+        storage_offset_bytes=int(offset_bytes),
+        ref_counter_handle=bytes(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle) if event_handle is not None else None,
+        event_sync_required=bool(event_sync),
+    )
 
 
 def _open_cuda(h: CudaIpcHandle) -> torch.Tensor:
@@ -118,6 +140,19 @@ def _open_cuda(h: CudaIpcHandle) -> torch.Tensor:
     dtype = torch_dtype(h.dtype)
     stride = torch.empty(h.shape, device="meta").stride()
     return rebuild_cuda_tensor(
-        torch.Tensor, torch.Size(h.shape), stride, 0, torch.UntypedStorage, dtype, h.device,
-        h.storage_handle, h.storage_size_bytes, h.storage_offset_bytes, False,
-        h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required)
+        torch.Tensor,
+        torch.Size(h.shape),
+        stride,
+        0,
+        torch.UntypedStorage,
+        dtype,
+        h.device,
+        h.storage_handle,
+        h.storage_size_bytes,
+        h.storage_offset_bytes,
+        False,
+        h.ref_counter_handle,
+        h.ref_counter_offset,
+        h.event_handle,
+        h.event_sync_required,
+    )

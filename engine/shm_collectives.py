@@ -1,4 +1,5 @@
-"""All-reduce and all-gather between the CPU ranks of one host through shared memory (the CPU's stand-in for NCCL).
+"""All-reduce and all-gather between the CPU ranks of one host through shared memory (the CPU's
+stand-in for NCCL).
 
 gloo's collectives go through the loopback TCP stack, slow for a decode step's many small ones
 (docs/cpu-engine.md#measurements-behind-the-code). Here each rank copies its tensor into its slot of
@@ -10,7 +11,8 @@ between calls: a rank writes set p again only two calls later, after every rank 
 call between, which each does only once it finished reading set p. A tensor larger than a slot goes
 in slot-sized pieces.
 
-Waiting blocks in the kernel (sem_timedwait), so ranks that share a core take turns rather than spin.
+Waiting blocks in the kernel (sem_timedwait), so ranks that share a core take turns rather than
+spin.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import torch
 from torch import Tensor
 
 SLOT_BYTES = 8 * 2**20  # one rank's piece of one call
-HEADER = 4096  # the semaphores, one per (receiver, sender), each on its own 64-byte line: up to 8 ranks
+HEADER = (
+    4096  # the semaphores, one per (receiver, sender), each on its own 64-byte line: up to 8 ranks
+)
 SEM_STRIDE = 64
 WAIT_S = 30 * 60  # a rank that has not signalled in this long is gone: raise rather than hang
 
@@ -44,7 +48,9 @@ _libc.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
 class ShmCollectives:
     """One role's ranks on one host: create() on rank 0 before the others open() the same path."""
 
-    def __init__(self, path: str, size: int, rank: int, create: bool, slot_bytes: int = SLOT_BYTES) -> None:
+    def __init__(
+        self, path: str, size: int, rank: int, create: bool, slot_bytes: int = SLOT_BYTES
+    ) -> None:
         assert size * size * SEM_STRIDE <= HEADER, "too many ranks for the header"
         self.size, self.rank, self.path, self.slot_bytes = size, rank, path, slot_bytes
         nbytes = HEADER + 2 * size * slot_bytes
@@ -60,21 +66,25 @@ class ShmCollectives:
             for r in range(size * size):
                 if _libc.sem_init(self.base + r * SEM_STRIDE, 1, 0) != 0:
                     raise OSError(ctypes.get_errno(), "sem_init in shared memory failed")
-        whole = torch.frombuffer(self.map, dtype=torch.uint8, offset=HEADER, count=2 * size * slot_bytes)
+        whole = torch.frombuffer(
+            self.map, dtype=torch.uint8, offset=HEADER, count=2 * size * slot_bytes
+        )
         self.slots = whole.view(2, size, slot_bytes)
         self.calls = 0
 
     @staticmethod
     def unlink(path: str) -> None:
-        """Drop the file's name once every rank mapped it: the memory then lives as long as the ranks."""
+        """Drop the file's name once every rank mapped it: the memory then lives as long as the
+        ranks."""
         Path(path).unlink(missing_ok=True)
 
     def all_reduce(self, x: Tensor) -> None:
-        """x = the sum of every rank's x, in place, summed in rank order (the same bits on every rank)."""
+        """x = the sum of every rank's x, in place, summed in rank order (the same bits on every
+        rank)."""
         flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
         step = self.slot_bytes // x.element_size()
         for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
+            piece = flat[start : start + step]
             slots = self._exchange(piece)
             n = piece.numel()
             piece.copy_(slots[0][:n])
@@ -84,19 +94,20 @@ class ShmCollectives:
             x.copy_(flat.view(x.shape))
 
     def all_gather(self, out: Tensor, x: Tensor) -> None:
-        """out [size * x.shape[0], ...] = every rank's x stacked along the first dimension, in rank order."""
+        """out [size * x.shape[0], ...] = every rank's x stacked along the first dimension, in rank
+        order."""
         flat = x.reshape(-1)
         rows = out.view(self.size, -1)
         step = self.slot_bytes // x.element_size()
         for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
+            piece = flat[start : start + step]
             slots = self._exchange(piece)
             for r in range(self.size):
-                rows[r, start:start + piece.numel()].copy_(slots[r][:piece.numel()])
+                rows[r, start : start + piece.numel()].copy_(slots[r][: piece.numel()])
 
     def _exchange(self, piece: Tensor) -> list[Tensor]:
-        """Put piece in this rank's slot of this call's set, signal every other rank, wait for each of theirs; every
-        rank's slot of the set, viewed as piece's dtype."""
+        """Put piece in this rank's slot of this call's set, signal every other rank, wait for each
+        of theirs; every rank's slot of the set, viewed as piece's dtype."""
         parity = self.calls % 2
         self.calls += 1
         nbytes = piece.numel() * piece.element_size()
@@ -121,5 +132,7 @@ class ShmCollectives:
             if err == errno.EINTR:
                 continue
             if err == errno.ETIMEDOUT:
-                raise RuntimeError(f"tensor-parallel rank {self.rank}: no word from the other ranks in {WAIT_S} s")
+                raise RuntimeError(
+                    f"tensor-parallel rank {self.rank}: no word from the other ranks in {WAIT_S} s"
+                )
             raise OSError(err, "sem_timedwait failed")

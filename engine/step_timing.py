@@ -1,6 +1,7 @@
-"""Timing the engine's steps outside a server, for the tools that measure the engine alone (`ppd bench engine`,
-`ppd bench sampling`, `ppd profile partition`): block tables for made-up sequences, one greedy step, the median of
-timed calls, random KV, the engine's shared memory released, and the --model/--device/--dtype flags they share.
+"""Timing the engine's steps outside a server, for the tools that measure the engine alone (`ppd
+bench engine`, `ppd bench sampling`, `ppd profile partition`): block tables for made-up
+sequences, one greedy step, the median of timed calls, random KV, the engine's shared memory
+released, and the --model/--device/--dtype flags they share.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from engine.sampler import Row
 from engine.sampling_params import SamplingParams
 from engine.shared_memory import release_name
 
-# Llama-3.1-8B's configuration (no weights: they are random), kept with the benchmarks' other model folders.
+# Llama-3.1-8B's configuration (no weights: they are random), kept with the benchmarks' other model
+# folders.
 LLAMA_8B = Path(__file__).resolve().parents[1] / "bench" / "models" / "llama-3.1-8b"
 GREEDY = SamplingParams(temperature=0.0)
 
 
 class Blocks:
-    """Hands out consecutive blocks of a pool of `num_blocks` to made-up sequences, from the start again when the
-    pool runs out (a timing never reads what another sequence wrote)."""
+    """Hands out consecutive blocks of a pool of `num_blocks` to made-up sequences, from the start
+    again when the pool runs out (a timing never reads what another sequence wrote)."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks, self.block_size, self.next = num_blocks, block_size, 0
@@ -49,8 +51,8 @@ class Blocks:
 
 
 def greedy_step(engine: Engine, inputs: list[StepInput]) -> float:
-    """Run one step with greedy sampling, returning once its tokens are on the host; the host time until the step
-    was queued on the device (ms)."""
+    """Run one step with greedy sampling, returning once its tokens are on the host; the host time
+    until the step was queued on the device (ms)."""
     start = time.perf_counter()
     logits = engine.runner.forward(inputs)
     queued = time.perf_counter()
@@ -58,10 +60,11 @@ def greedy_step(engine: Engine, inputs: list[StepInput]) -> float:
     return (queued - start) * 1000
 
 
-def time_step(engine: Engine, inputs: list[StepInput], repeat: int, warmup: int = 3,
-              graphs: bool = True) -> tuple[float, float]:
-    """(median wall ms, median host ms) of the greedy step over `repeat` runs, after `warmup` runs; with the
-    runner's CUDA graphs as they are, or turned off for the while (graphs=False: eager)."""
+def time_step(
+    engine: Engine, inputs: list[StepInput], repeat: int, warmup: int = 3, graphs: bool = True
+) -> tuple[float, float]:
+    """(median wall ms, median host ms) of the greedy step over `repeat` runs, after `warmup` runs;
+    with the runner's CUDA graphs as they are, or turned off for the while (graphs=False: eager)."""
     runner = engine.runner
     saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
     try:
@@ -77,11 +80,13 @@ def time_step(engine: Engine, inputs: list[StepInput], repeat: int, warmup: int 
         runner.graphs = saved
 
 
-def device_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True,
-              host_ms: float = 10.0) -> float | None:
-    """The median time the greedy step keeps the device busy, host time out: the step is queued behind a sleeping
-    kernel long enough for the host to queue all of it before the device starts it (twice host_ms, the step's host
-    time, and a millisecond), and timed by CUDA events from the sleep's end to the tokens' copy. None off CUDA."""
+def device_ms(
+    engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True, host_ms: float = 10.0
+) -> float | None:
+    """The median time the greedy step keeps the device busy, host time out: the step is queued
+    behind a sleeping kernel long enough for the host to queue all of it before the device starts
+    it (twice host_ms, the step's host time, and a millisecond), and timed by CUDA events from
+    the sleep's end to the tokens' copy. None off CUDA."""
     if engine.device.type != "cuda":
         return None
     runner = engine.runner
@@ -115,10 +120,12 @@ def _sleep_cycles_per_ms() -> float:
     return 10**7 / start.elapsed_time(end)
 
 
-def pipelined_ms(engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True) -> float:
-    """The median wall time a step takes when each is launched before the one before is taken, as async scheduling
-    runs them (Engine.launch): every input of one token takes its token from the step before. The host's work then
-    overlaps the device's: a step costs the larger of the two."""
+def pipelined_ms(
+    engine: Engine, inputs: list[StepInput], repeat: int, graphs: bool = True
+) -> float:
+    """The median wall time a step takes when each is launched before the one before is taken, as
+    async scheduling runs them (Engine.launch): every input of one token takes its token from the
+    step before. The host's work then overlaps the device's: a step costs the larger of the two."""
     runner = engine.runner
     saved, runner.graphs = runner.graphs, runner.graphs if graphs else None
     ahead, k = [], 0
@@ -153,8 +160,11 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, repeat: int, warmup: int = 2) -> float:
-    """The median wall time (ms) of fn() over `repeat` calls after `warmup`, each call's work finished on device."""
+def median_ms(
+    fn: Callable[[], object], device: torch.device, repeat: int, warmup: int = 2
+) -> float:
+    """The median wall time (ms) of fn() over `repeat` calls after `warmup`, each call's work
+    finished on device."""
     for _ in range(warmup):
         fn()
     sync_device(device)
@@ -174,18 +184,33 @@ def fill_random_kv(engine: Engine) -> None:
 
 
 def release_engine(engine: Engine) -> None:
-    """Unlink the shared memory of the engine's weights and KV pool (Engine.create made it under its names)."""
+    """Unlink the shared memory of the engine's weights and KV pool (Engine.create made it under its
+    names)."""
     release_name(engine.weights_handle)
     release_name(engine.kv_handle)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --device and --dtype of the tools that time the engine alone (bench engine, profile partition)."""
-    p.add_argument("--model", default=None,
-                   help=f"model folder (default: {LLAMA_8B} with random weights on a GPU, the demo model on the CPU)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: CUDA when there is a GPU")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (auto: bfloat16 on a GPU for a float32 checkpoint)")
+    """--model, --device and --dtype of the tools that time the engine alone (bench engine, profile
+    partition)."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model folder (default: {LLAMA_8B} with random weights on a GPU, the demo model on "
+        "the CPU)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="auto: CUDA when there is a GPU",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV dtype (auto: bfloat16 on a GPU for a float32 checkpoint)",
+    )
 
 
 def chosen_device(args: argparse.Namespace) -> torch.device:
@@ -196,5 +221,6 @@ def chosen_device(args: argparse.Namespace) -> torch.device:
 
 
 def chosen_model(args: argparse.Namespace, device: torch.device) -> str:
-    """--model: by default Llama-3.1-8B's configuration (random weights) on a GPU, the demo model on the CPU."""
+    """--model: by default Llama-3.1-8B's configuration (random weights) on a GPU, the demo model on
+    the CPU."""
     return args.model or (str(LLAMA_8B) if device.type == "cuda" else DEMO_MODEL)

@@ -11,15 +11,18 @@ def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def split_cores(cores: list[int], num_units: int, with_prefill: bool) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(decode cores, prefill cores) for each unit. Units get disjoint slices when there are enough cores;
-    with fewer cores than workers, workers share cores round-robin (pinning then only spreads the load)."""
+def split_cores(
+    cores: list[int], num_units: int, with_prefill: bool
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(decode cores, prefill cores) for each unit. Units get disjoint slices when there are enough
+    cores; with fewer cores than workers, workers share cores round-robin (pinning then only spreads
+    the load)."""
     per_unit = len(cores) // num_units
     need = 2 if with_prefill else 1
     shares = []
     for unit in range(num_units):
         if per_unit >= need:
-            mine = cores[unit * per_unit:(unit + 1) * per_unit]
+            mine = cores[unit * per_unit : (unit + 1) * per_unit]
         else:
             mine = [cores[(unit * need + i) % len(cores)] for i in range(need)]
         if not with_prefill:
@@ -31,16 +34,17 @@ def split_cores(cores: list[int], num_units: int, with_prefill: bool) -> list[tu
 
 
 def rank_cores(cores: tuple[int, ...], rank: int, size: int) -> tuple[int, ...]:
-    """A tensor-parallel rank's part of its role's cores: an equal slice each when there are enough, else all of them
-    (the ranks then take turns on them)."""
+    """A tensor-parallel rank's part of its role's cores: an equal slice each when there are enough,
+    else all of them (the ranks then take turns on them)."""
     if len(cores) < size:
         return cores
     per = len(cores) // size
-    return cores[rank * per:(rank + 1) * per]
+    return cores[rank * per : (rank + 1) * per]
 
 
 def pin_to_cores(cores: tuple[int, ...]) -> None:
-    """Run this process (and torch's intra-op pool) on exactly these cores; no-op for an empty share."""
+    """Run this process (and torch's intra-op pool) on exactly these cores; no-op for an empty
+    share."""
     if not cores:
         return
     os.sched_setaffinity(0, cores)
@@ -48,8 +52,9 @@ def pin_to_cores(cores: tuple[int, ...]) -> None:
 
 
 def repin(cores: tuple[int, ...]) -> None:
-    """Move this running process to exactly these cores: every thread it has (sched_setaffinity(0) would move only
-    the caller; torch's pool threads keep the affinity they were started with), then torch's pool size."""
+    """Move this running process to exactly these cores: every thread it has (sched_setaffinity(0)
+    would move only the caller; torch's pool threads keep the affinity they were started with), then
+    torch's pool size."""
     if not cores:
         return
     for tid in os.listdir("/proc/self/task"):

@@ -1,5 +1,5 @@
-"""What the running server asks the NVIDIA driver (cuda-bindings' driver API, and NVML), imported only when called:
-the partitions' runtime (MPS, green contexts) and `ppd probe` both use these."""
+"""What the running server asks the NVIDIA driver (cuda-bindings' driver API, and NVML), imported
+only when called: the partitions' runtime (MPS, green contexts) and `ppd probe` both use these."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 from partition.child import error_text
 
-# What an NVIDIA driver leaves on a host: its kernel module's file, its control device, or (under WSL) the GPU device
-# the Windows driver exposes. None of them: NVML and CUDA have nothing to find.
+# What an NVIDIA driver leaves on a host: its kernel module's file, its control device, or (under
+# WSL) the GPU device the Windows driver exposes. None of them: NVML and CUDA have nothing to find.
 NVIDIA_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg")
 NO_DRIVER = "no NVIDIA driver on this host"
 
@@ -29,7 +29,8 @@ def cuda_driver() -> Any:
 
 
 def driver_call(drv: Any, name: str, *args: Any) -> Any:
-    """drv.<name>(*args) with its CUresult checked: the returned values (one, a tuple, or None), or RuntimeError."""
+    """drv.<name>(*args) with its CUresult checked: the returned values (one, a tuple, or None), or
+    RuntimeError."""
     result = getattr(drv, name)(*args)
     status, values = result[0], result[1:]
     if status != drv.CUresult.CUDA_SUCCESS:
@@ -41,8 +42,9 @@ def driver_call(drv: Any, name: str, *args: Any) -> Any:
 
 
 def mps_enabled(device: int) -> bool | None:
-    """Whether this process's contexts on device go through MPS (CU_DEVICE_ATTRIBUTE_MPS_ENABLED); None if the
-    driver or cuda-bindings cannot say. A client that cannot reach a daemon silently runs without MPS: this tells."""
+    """Whether this process's contexts on device go through MPS (CU_DEVICE_ATTRIBUTE_MPS_ENABLED);
+    None if the driver or cuda-bindings cannot say. A client that cannot reach a daemon silently
+    runs without MPS: this tells."""
     try:
         drv = cuda_driver()
         driver_call(drv, "cuInit", 0)
@@ -54,8 +56,8 @@ def mps_enabled(device: int) -> bool | None:
 
 
 def nvml_processes(nvml_index: int | None, mps: bool = False) -> list[dict[str, Any]] | str:
-    """[{pid, used_bytes}] of the compute processes on a GPU (MPS clients if mps), or why NVML could not say.
-    Under MPS, NVML charges clients' memory to the MPS server."""
+    """[{pid, used_bytes}] of the compute processes on a GPU (MPS clients if mps), or why NVML could
+    not say. Under MPS, NVML charges clients' memory to the MPS server."""
     if nvml_index is None:
         return "unknown NVML index"
     try:

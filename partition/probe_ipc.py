@@ -1,10 +1,12 @@
-"""CUDA IPC of one big tensor between two processes, round trip verified, through the project's own path
-(engine/shared_memory.py: create_shared, a msgspec CudaIpcHandle sent as msgpack bytes, open_shared).
+"""CUDA IPC of one big tensor between two processes, round trip verified, through the project's own
+path (engine/shared_memory.py: create_shared, a msgspec CudaIpcHandle sent as msgpack bytes,
+open_shared).
 
-ipc_round_trip runs in a probe child (the exporter): it creates the tensor, fills pattern A and starts an
-importer, which maps the tensor from the handle, checks pattern A on the device, writes pattern B, synchronises
-and signals; the exporter then checks pattern B while the importer still holds the mapping. The importer's
-allocator and free-memory deltas around open_shared show a mapping (about 0) rather than a copy (the size).
+ipc_round_trip runs in a probe child (the exporter): it creates the tensor, fills pattern A and
+starts an importer, which maps the tensor from the handle, checks pattern A on the device, writes
+pattern B, synchronises and signals; the exporter then checks pattern B while the importer still
+holds the mapping. The importer's allocator and free-memory deltas around open_shared show a mapping
+(about 0) rather than a copy (the size).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from partition.driver import mps_enabled, nvml_processes
 
 SEED_A = 0x2545F491
 SEED_B = 0x5BD1E995
-CHUNK_WORDS = 1 << 24  # int32 words per pattern chunk (64 MiB): bounds the temporaries on both sides
+CHUNK_WORDS = (
+    1 << 24
+)  # int32 words per pattern chunk (64 MiB): bounds the temporaries on both sides
 
 
 def pattern(start: int, count: int, seed: int, device: Any) -> Any:
-    """Words start..start+count of a pseudo-random int32 pattern (a multiplicative hash of the word index)."""
+    """Words start..start+count of a pseudo-random int32 pattern (a multiplicative hash of the word
+    index)."""
     import torch
 
     index = torch.arange(start, start + count, device=device, dtype=torch.int64)
@@ -32,7 +37,7 @@ def pattern(start: int, count: int, seed: int, device: Any) -> Any:
 def fill(words: Any, seed: int) -> None:
     for start in range(0, words.numel(), CHUNK_WORDS):
         count = min(CHUNK_WORDS, words.numel() - start)
-        words[start:start + count].copy_(pattern(start, count, seed, words.device))
+        words[start : start + count].copy_(pattern(start, count, seed, words.device))
 
 
 def matches(words: Any, seed: int) -> bool:
@@ -41,7 +46,7 @@ def matches(words: Any, seed: int) -> bool:
 
     for start in range(0, words.numel(), CHUNK_WORDS):
         count = min(CHUNK_WORDS, words.numel() - start)
-        if not torch.equal(words[start:start + count], pattern(start, count, seed, words.device)):
+        if not torch.equal(words[start : start + count], pattern(start, count, seed, words.device)):
             return False
     return True
 
@@ -63,7 +68,9 @@ def ipc_round_trip(device: int, nbytes: int, nvml_index: int | None, timeout: fl
     torch.cuda.synchronize()
 
     written, release = SPAWN.Event(), SPAWN.Event()
-    importer = start_child(import_and_rewrite, (encoded, device, written, release, timeout), name="ipc-importer")
+    importer = start_child(
+        import_and_rewrite, (encoded, device, written, release, timeout), name="ipc-importer"
+    )
     try:
         signalled = written.wait(timeout)
         start = time.perf_counter()
@@ -96,22 +103,29 @@ def ipc_round_trip(device: int, nbytes: int, nvml_index: int | None, timeout: fl
     }
 
 
-def import_and_rewrite(encoded: bytes, device: int, written: Any, release: Any, timeout: float) -> Finding:
-    """The importer side (runs in the exporter's child). Always signals written, so the exporter never waits in vain."""
+def import_and_rewrite(
+    encoded: bytes, device: int, written: Any, release: Any, timeout: float
+) -> Finding:
+    """The importer side (runs in the exporter's child). Always signals written, so the exporter
+    never waits in vain."""
     try:
         return _import_and_rewrite(encoded, device, written, release, timeout)
     finally:
         written.set()
 
 
-def _import_and_rewrite(encoded: bytes, device: int, written: Any, release: Any, timeout: float) -> Finding:
+def _import_and_rewrite(
+    encoded: bytes, device: int, written: Any, release: Any, timeout: float
+) -> Finding:
     import msgspec
     import torch
 
     from engine.shared_memory import CudaIpcHandle, open_shared
 
     torch.cuda.set_device(device)
-    free_before, _ = torch.cuda.mem_get_info(device)  # creates the context first, so the deltas are the mapping alone
+    free_before, _ = torch.cuda.mem_get_info(
+        device
+    )  # creates the context first, so the deltas are the mapping alone
     allocated_before = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
     tensor = open_shared(msgspec.msgpack.decode(encoded, type=CudaIpcHandle))
@@ -132,8 +146,12 @@ def _import_and_rewrite(encoded: bytes, device: int, written: Any, release: Any,
     released = release.wait(timeout)
     del words, tensor
     return {
-        "pid": os.getpid(), "open_s": open_s, "verify_a_s": verify_a_s, "write_b_s": write_b_s,
-        "verified_a": verified_a, "allocated_delta_bytes": allocated_delta,
+        "pid": os.getpid(),
+        "open_s": open_s,
+        "verify_a_s": verify_a_s,
+        "write_b_s": write_b_s,
+        "verified_a": verified_a,
+        "allocated_delta_bytes": allocated_delta,
         "free_delta_bytes": free_before - free_after,
         "released_in_time": released,
     }
@@ -150,7 +168,8 @@ def _ipc_error(side: Finding, signalled: bool) -> str:
 
 
 def _mapped_not_copied(side: Finding, nbytes: int) -> bool | None:
-    """True when neither the importer's allocator nor the device's free memory grew by anything near the size."""
+    """True when neither the importer's allocator nor the device's free memory grew by anything near
+    the size."""
     deltas = [side.get("allocated_delta_bytes"), side.get("free_delta_bytes")]
     if any(d is None for d in deltas):
         return None

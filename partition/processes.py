@@ -1,4 +1,5 @@
-"""Is a process running? For cleaning up after processes that are gone (a dead server's files, an MPS daemon)."""
+"""Is a process running? For cleaning up after processes that are gone (a dead server's files, an
+MPS daemon)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def process_state(pid: int) -> str:
 
 
 def process_alive(pid: int) -> bool:
-    """True while pid runs (another user's process counts); False once it has exited, zombies included."""
+    """True while pid runs (another user's process counts); False once it has exited, zombies
+    included."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -1,12 +1,13 @@
 """The partition profile (`ppd profile partition`): what a share of the device buys each worker.
 
-A share is a number of cores on the CPU and of SMs on a GPU. The profile holds, for one device and model:
+A share is a number of cores on the CPU and of SMs on a GPU. The profile holds, for one device and
+model:
 - decode: step time by share x batch x context (the decode worker alone);
 - prefill: throughput by share x prompt length (the prefill worker alone);
-- interference: decode TPOT at a batch and context while 0, 1 or 4 prefills run beside it (full prompts, or
-  append-prefills of new tokens over a cached context), each worker on its share (the PPD paper's Figures 2, 6, 7).
-The share manager (partition/manager.py) reads decode step times from it to give decode the smallest share that
-keeps its step under the inter-token SLO.
+- interference: decode TPOT at a batch and context while 0, 1 or 4 prefills run beside it (full
+  prompts, or append-prefills of new tokens over a cached context), each worker on its share (the
+  PPD paper's Figures 2, 6, 7). The share manager (partition/manager.py) reads decode step times
+  from it to give decode the smallest share that keeps its step under the inter-token SLO.
 
 File format (JSON), schema "ppd-partition-profile", version 1:
   {"schema": "ppd-partition-profile", "version": 1, "device", "model", "created", "command",
@@ -61,7 +62,8 @@ class InterferencePoint:
     prefill_share: int
     batch: int
     context: int
-    kind: str  # "full": whole prompts of new_tokens; "append": new_tokens over a cached context of `context`
+    # "full": whole prompts of new_tokens; "append": new_tokens over a cached context of `context`
+    kind: str
     concurrent: int  # prefills running beside decode (0: decode alone)
     new_tokens: int
     tpot_ms: float
@@ -91,13 +93,18 @@ class PartitionProfile:
             self._batches[share] = sorted({b for b, _ in points})
             self._contexts[share] = sorted({c for _, c in points})
 
-    # ---- lookups (the share manager's, per step: no allocation beyond a few floats) ----------------------
+    # ---- lookups (the share manager's, per step: no allocation beyond a few floats) --------------
 
     def decode_step_ms(self, share: int, batch: int, context: int) -> float | None:
-        """Predicted decode step time on `share` at `batch` sequences of mean `context` tokens: bilinear in batch
-        and context between measured points, extrapolated linearly past the largest (never below the smallest
-        measured time). None when this share was not measured on a full batch x context grid."""
-        points, batches, contexts = self._decode.get(share), self._batches.get(share), self._contexts.get(share)
+        """Predicted decode step time on `share` at `batch` sequences of mean `context` tokens:
+        bilinear in batch and context between measured points, extrapolated linearly past the
+        largest (never below the smallest measured time). None when this share was not measured on a
+        full batch x context grid."""
+        points, batches, contexts = (
+            self._decode.get(share),
+            self._batches.get(share),
+            self._contexts.get(share),
+        )
         if not points or len(points) != len(batches) * len(contexts):
             return None
         (b0, b1, tb), (c0, c1, tc) = _bracket(batches, batch), _bracket(contexts, context)
@@ -106,7 +113,8 @@ class PartitionProfile:
         return max(min(points.values()), low + tb * (high - low))
 
     def min_decode_share(self, batch: int, context: int, slo_ms: float) -> int | None:
-        """The smallest measured share whose predicted decode step is within slo_ms (None: none is)."""
+        """The smallest measured share whose predicted decode step is within slo_ms (None: none
+        is)."""
         for share in self.shares:
             step = self.decode_step_ms(share, batch, context)
             if step is not None and step <= slo_ms:
@@ -114,19 +122,31 @@ class PartitionProfile:
         return None
 
     def prefill_tokens_per_s(self, share: int, prompt: int) -> float | None:
-        """Measured prefill throughput on `share` at the nearest measured prompt length (None: share not measured)."""
+        """Measured prefill throughput on `share` at the nearest measured prompt length (None: share
+        not measured)."""
         points = [p for p in self.prefill if p.share == share]
         if not points:
             return None
-        return min(points, key=lambda p: abs(math.log(max(p.prompt, 1) / max(prompt, 1)))).tokens_per_s
+        return min(
+            points, key=lambda p: abs(math.log(max(p.prompt, 1) / max(prompt, 1)))
+        ).tokens_per_s
 
-    # ---- file --------------------------------------------------------------------------------------------
+    # ---- file ------------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema": SCHEMA, "version": VERSION, "device": self.device, "model": self.model,
-                "unit": self.unit, "total": self.total, "shares": list(self.shares),
-                "decode": [asdict(p) for p in self.decode], "prefill": [asdict(p) for p in self.prefill],
-                "interference": [asdict(p) for p in self.interference], "meta": self.meta}
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "device": self.device,
+            "model": self.model,
+            "unit": self.unit,
+            "total": self.total,
+            "shares": list(self.shares),
+            "decode": [asdict(p) for p in self.decode],
+            "prefill": [asdict(p) for p in self.prefill],
+            "interference": [asdict(p) for p in self.interference],
+            "meta": self.meta,
+        }
 
     def save(self, path: Path) -> Path:
         return write_json(path, self.to_json())
@@ -134,60 +154,103 @@ class PartitionProfile:
     @classmethod
     def from_json(cls, data: Any, source: str = "profile") -> PartitionProfile:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise ProfileError(f"{source}: not a ppd partition profile (schema {SCHEMA!r}); make one with "
-                               "ppd profile partition")
+            raise ProfileError(
+                f"{source}: not a ppd partition profile (schema {SCHEMA!r}); make one with "
+                "ppd profile partition"
+            )
         if data.get("version") != VERSION:
-            raise ProfileError(f"{source}: partition profile version {data.get('version')!r}, this server reads "
-                               f"{VERSION}; make a new one with ppd profile partition")
+            raise ProfileError(
+                f"{source}: partition profile version {data.get('version')!r}, this server reads "
+                f"{VERSION}; make a new one with ppd profile partition"
+            )
         try:
             unit, total, shares = data["unit"], int(data["total"]), [int(s) for s in data["shares"]]
-            decode = [DecodePoint(int(p["share"]), int(p["batch"]), int(p["context"]), float(p["step_ms"]),
-                                  float(p["step_p90_ms"])) for p in data["decode"]]
-            prefill = [PrefillPoint(int(p["share"]), int(p["prompt"]), float(p["tokens_per_s"]))
-                       for p in data.get("prefill", [])]
-            interference = [InterferencePoint(int(p["decode_share"]), int(p["prefill_share"]), int(p["batch"]),
-                                              int(p["context"]), str(p["kind"]), int(p["concurrent"]),
-                                              int(p["new_tokens"]), float(p["tpot_ms"]), float(p["tpot_alone_ms"]))
-                            for p in data.get("interference", [])]
+            decode = [
+                DecodePoint(
+                    int(p["share"]),
+                    int(p["batch"]),
+                    int(p["context"]),
+                    float(p["step_ms"]),
+                    float(p["step_p90_ms"]),
+                )
+                for p in data["decode"]
+            ]
+            prefill = [
+                PrefillPoint(int(p["share"]), int(p["prompt"]), float(p["tokens_per_s"]))
+                for p in data.get("prefill", [])
+            ]
+            interference = [
+                InterferencePoint(
+                    int(p["decode_share"]),
+                    int(p["prefill_share"]),
+                    int(p["batch"]),
+                    int(p["context"]),
+                    str(p["kind"]),
+                    int(p["concurrent"]),
+                    int(p["new_tokens"]),
+                    float(p["tpot_ms"]),
+                    float(p["tpot_alone_ms"]),
+                )
+                for p in data.get("interference", [])
+            ]
         except (KeyError, TypeError, ValueError) as exc:
-            raise ProfileError(f"{source}: malformed partition profile ({type(exc).__name__}: {exc}); make a new one "
-                               "with ppd profile partition") from exc
+            raise ProfileError(
+                f"{source}: malformed partition profile ({type(exc).__name__}: {exc}); make a new "
+                "one "
+                "with ppd profile partition"
+            ) from exc
         if unit not in UNITS:
             raise ProfileError(f"{source}: unit {unit!r} is not one of {', '.join(UNITS)}")
         if not shares or shares != sorted(set(shares)) or shares[0] < 1 or shares[-1] > total:
-            raise ProfileError(f"{source}: shares {shares} must be distinct, ascending, from 1 to total {total}")
+            raise ProfileError(
+                f"{source}: shares {shares} must be distinct, ascending, from 1 to total {total}"
+            )
         if any(p.share not in shares for p in decode) or any(p.step_ms <= 0 for p in decode):
-            raise ProfileError(f"{source}: every decode point needs a listed share and a positive step time")
-        return cls(str(data.get("device", "")), str(data.get("model", "")), unit, total, shares, decode, prefill,
-                   interference, dict(data.get("meta", {})))
+            raise ProfileError(
+                f"{source}: every decode point needs a listed share and a positive step time"
+            )
+        return cls(
+            str(data.get("device", "")),
+            str(data.get("model", "")),
+            unit,
+            total,
+            shares,
+            decode,
+            prefill,
+            interference,
+            dict(data.get("meta", {})),
+        )
 
     @classmethod
     def load(cls, path: Path) -> PartitionProfile:
         try:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
-            raise ProfileError(f"{path}: cannot read the partition profile ({exc.strerror})") from exc
+            raise ProfileError(
+                f"{path}: cannot read the partition profile ({exc.strerror})"
+            ) from exc
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not JSON ({exc})") from exc
         return cls.from_json(data, str(path))
 
 
 def profile_path(device: str, model: str, folder: Path | None = None) -> Path:
-    """<device>__<model>.json (model: profiles.model_name's) in `folder`; without one, the profile the server reads:
-    the user's ($PPD_CACHE_DIR/profiles) before the shipped one (profiles.profile_file)."""
+    """<device>__<model>.json (model: profiles.model_name's) in `folder`; without one, the profile
+    the server reads: the user's ($PPD_CACHE_DIR/profiles) before the shipped one
+    (profiles.profile_file)."""
     return profile_file(f"{slug(device)}__{slug(model)}.json", folder)
 
 
 def shipped_profile(device: str, model_folder: str) -> str | None:
-    """The partition profile of this device and the model in model_folder, the user's before the shipped one, if
-    there is one."""
+    """The partition profile of this device and the model in model_folder, the user's before the
+    shipped one, if there is one."""
     path = profile_path(device, model_name(model_folder))
     return str(path) if path.is_file() else None
 
 
 def _bracket(values: list[int], x: float) -> tuple[int, int, float]:
-    """(low, high, t): the measured values around x and x's position between them (t past 1 beyond the last,
-    0 before the first); a single value gives (v, v, 0)."""
+    """(low, high, t): the measured values around x and x's position between them (t past 1 beyond
+    the last, 0 before the first); a single value gives (v, v, 0)."""
     if len(values) == 1:
         return values[0], values[0], 0.0
     i = min(max(bisect_left(values, x), 1), len(values) - 1)

@@ -1,15 +1,16 @@
-"""`ppd profile partition` on a GPU: each share a green-context stream of one process, and decode timed through the
-CUDA graphs the decode worker would replay there.
+"""`ppd profile partition` on a GPU: each share a green-context stream of one process, and decode
+timed through the CUDA graphs the decode worker would replay there.
 
-Share s is a green context of s SMs (the whole device: an ordinary stream). Its decode steps replay a graph set
-captured on its stream with split-KV counts sized for its s SMs, as a green unit's decode worker captures one set per
-split: timed eagerly, a step would measure the host's launch time, not what the share's SMs buy. An interference
-pair is the two groups of one split, decode (its own graph set) and prefill enqueued from two threads; the prefill
-side runs on a sibling engine (its own runner, eager), as the prefill thread of a green unit does. Where torch
-has cuBLAS's SM target (`torch._C._set_sm_carveout_experimental`), a prefill-sized GEMM is also timed on each share
-with and without the SMs outside the share carved out, for the profile's meta: a GPU run tells whether telling
-cuBLAS the share's size helps (before CUDA 13.3 its heuristics pick configurations for the whole device inside a
-green context).
+Share s is a green context of s SMs (the whole device: an ordinary stream). Its decode steps replay
+a graph set captured on its stream with split-KV counts sized for its s SMs, as a green unit's
+decode worker captures one set per split: timed eagerly, a step would measure the host's launch
+time, not what the share's SMs buy. An interference pair is the two groups of one split, decode (its
+own graph set) and prefill enqueued from two threads; the prefill side runs on a sibling engine (its
+own runner, eager), as the prefill thread of a green unit does. Where torch has cuBLAS's SM target
+(`torch._C._set_sm_carveout_experimental`), a prefill-sized GEMM is also timed on each share with
+and without the SMs outside the share carved out, for the profile's meta: a GPU run tells whether
+telling cuBLAS the share's size helps (before CUDA 13.3 its heuristics pick configurations for the
+whole device inside a green context).
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from partition.share_timer import Timer
 
 
 def sm_carveout_available() -> bool:
-    """Whether this torch can tell cuBLAS(Lt) to leave SMs free (an experimental knob, present since torch 2.6)."""
+    """Whether this torch can tell cuBLAS(Lt) to leave SMs free (an experimental knob, present since
+    torch 2.6)."""
     return hasattr(torch._C, "_set_sm_carveout_experimental")
 
 
 class GpuBench:
-    """Measures on SM shares of one GPU (see the module docstring); `profile` asks it for each point."""
+    """Measures on SM shares of one GPU (see the module docstring); `profile` asks it for each
+    point."""
 
     unit = "sms"
 
@@ -47,9 +50,13 @@ class GpuBench:
         try:
             driver = cuda_driver()
         except ImportError as exc:
-            raise ProfilerError(f"SM shares are green contexts made with cuda-python's driver API ({exc}); "
-                                "pip install cuda-python") from exc
-        self.engine = Engine.create(cfg, (f"ppd-partition-{os.getpid()}-weights", f"ppd-partition-{os.getpid()}-kv"))
+            raise ProfilerError(
+                f"SM shares are green contexts made with cuda-python's driver API ({exc}); "
+                "pip install cuda-python"
+            ) from exc
+        self.engine = Engine.create(
+            cfg, (f"ppd-partition-{os.getpid()}-weights", f"ppd-partition-{os.getpid()}-kv")
+        )
         fill_random_kv(self.engine)
         self.sibling = Engine.sibling(self.engine)
         self.decode_graphs = self.engine.runner.backend.supports_cuda_graphs
@@ -68,15 +75,27 @@ class GpuBench:
         with self._point():
             return self._timer(share).prefill(prompt, total, repeat)
 
-    def interference(self, decode_share: int, prefill_share: int, batch: int, context: int, kind: str,
-                     concurrent: int, new_tokens: int, steps: int) -> list[float]:
+    def interference(
+        self,
+        decode_share: int,
+        prefill_share: int,
+        batch: int,
+        context: int,
+        kind: str,
+        concurrent: int,
+        new_tokens: int,
+        steps: int,
+    ) -> list[float]:
         with self._point():
-            return self._interference(decode_share, prefill_share, batch, context, kind, concurrent, new_tokens, steps)
+            return self._interference(
+                decode_share, prefill_share, batch, context, kind, concurrent, new_tokens, steps
+            )
 
     def gemm(self, share: int, tokens: int, repeat: int) -> dict:
-        """A prefill's MLP GEMM (tokens x hidden by hidden x intermediate) on share's stream: its time (ms), and its
-        time with cuBLAS's SM carveout set to the SMs outside the share (the same call where the share is the whole
-        device). Serving does not set the carveout: only a profile showing that it helps may make it do so."""
+        """A prefill's MLP GEMM (tokens x hidden by hidden x intermediate) on share's stream: its
+        time (ms), and its time with cuBLAS's SM carveout set to the SMs outside the share (the
+        same call where the share is the whole device). Serving does not set the carveout: only a
+        profile showing that it helps may make it do so."""
         mcfg, device = self.engine.mcfg, self.engine.device
         dtype = self.engine.runner.kv_pool.dtype
         x = torch.randn(tokens, mcfg.hidden_size, dtype=dtype, device=device)
@@ -94,16 +113,28 @@ class GpuBench:
                     torch._C._set_sm_carveout_experimental(None)
         return {"ms": ms, "carveout": carveout, "carveout_ms": carved}
 
-    def _interference(self, decode_share: int, prefill_share: int, batch: int, context: int, kind: str,
-                      concurrent: int, new_tokens: int, steps: int) -> list[float]:
+    def _interference(
+        self,
+        decode_share: int,
+        prefill_share: int,
+        batch: int,
+        context: int,
+        kind: str,
+        concurrent: int,
+        new_tokens: int,
+        steps: int,
+    ) -> list[float]:
         decode, prefill = self._pair(decode_share, prefill_share)
         if concurrent == 0:
             return decode.decode(batch, context, steps)
-        # unverified on a GPU: that the GIL leaves both streams fed. A prefill that raises prints its traceback and
-        # breaks the barrier, so decode raises too.
+        # unverified on a GPU: that the GIL leaves both streams fed. A prefill that raises prints
+        # its traceback and breaks the barrier, so decode raises too.
         start, stop = threading.Barrier(2), threading.Event()
-        thread = threading.Thread(target=prefill.prefill_until, daemon=True,
-                                  args=(kind, concurrent, new_tokens, context, start, stop))
+        thread = threading.Thread(
+            target=prefill.prefill_until,
+            daemon=True,
+            args=(kind, concurrent, new_tokens, context, start, stop),
+        )
         thread.start()
         try:
             return decode.decode(batch, context, steps, start, stop)
@@ -112,7 +143,8 @@ class GpuBench:
 
     def close(self) -> None:
         release_engine(self.engine)
-        # The graphs captured on green streams must be gone before their contexts are (destroy collects them).
+        # The graphs captured on green streams must be gone before their contexts are (destroy
+        # collects them).
         self.timers, self.pairs, self.engine, self.sibling = {}, {}, None, None
         errors = self.greens.destroy()
         if errors:
@@ -123,8 +155,8 @@ class GpuBench:
         try:
             yield
         finally:
-            # The allocator caches activations per stream: with one stream per share, what each kept would pile up
-            # beside the KV pool (about 53 GB for the default grid).
+            # The allocator caches activations per stream: with one stream per share, what each kept
+            # would pile up beside the KV pool (about 53 GB for the default grid).
             torch.cuda.empty_cache()
 
     def _timer(self, share: int) -> Timer:
@@ -134,35 +166,52 @@ class GpuBench:
             else:
                 group, _ = self.greens.split(self.whole, share)
                 stream, sms = self._create(group, share), share
-            self.timers[share] = Timer(self.engine, self.decode_blocks, stream, self._capture(("share", share), stream,
-                                                                                                sms))
+            self.timers[share] = Timer(
+                self.engine,
+                self.decode_blocks,
+                stream,
+                self._capture(("share", share), stream, sms),
+            )
         return self.timers[share]
 
     def _pair(self, decode_share: int, prefill_share: int) -> tuple[Timer, Timer]:
         if decode_share not in self.pairs:
             group, rest = self.greens.split(self.whole, decode_share)
-            # unverified on a GPU: that the rest of a split holds exactly total - share SMs (68 of 132 for 64).
+            # unverified on a GPU: that the rest of a split holds exactly total - share SMs (68 of
+            # 132 for 64).
             decode, prefill = self._create(group, decode_share), self._create(rest, prefill_share)
             self.pairs[decode_share] = (
-                Timer(self.engine, self.decode_blocks, decode, self._capture(("pair", decode_share), decode,
-                                                                              decode_share)),
-                Timer(self.sibling, self.decode_blocks, prefill))
+                Timer(
+                    self.engine,
+                    self.decode_blocks,
+                    decode,
+                    self._capture(("pair", decode_share), decode, decode_share),
+                ),
+                Timer(self.sibling, self.decode_blocks, prefill),
+            )
         return self.pairs[decode_share]
 
     def _capture(self, key: Any, stream: Any, sms: int | None) -> Any:
-        """Capture a decode graph set on stream, sized for sms SMs (None: the whole device); the key that replays it,
-        None where the attention backend cannot be captured (the steps then run eagerly). Every set stays, in one
-        memory pool, until the bench closes."""
+        """Capture a decode graph set on stream, sized for sms SMs (None: the whole device); the key
+        that replays it, None where the attention backend cannot be captured (the steps then run
+        eagerly). Every set stays, in one memory pool, until the bench closes."""
         if not self.decode_graphs:
             return None
-        # Decode buckets only: the profile's prefills batch prompts up to prefill_tokens, beyond any token bucket.
-        self.engine.runner.capture_graphs(self.engine.cfg.max_num_seqs, {key: stream},
-                                          sms=None if sms is None else {key: sms}, max_tokens=0)
+        # Decode buckets only: the profile's prefills batch prompts up to prefill_tokens, beyond any
+        # token bucket.
+        self.engine.runner.capture_graphs(
+            self.engine.cfg.max_num_seqs,
+            {key: stream},
+            sms=None if sms is None else {key: sms},
+            max_tokens=0,
+        )
         return key
 
     def _create(self, resource: Any, sms: int) -> Any:
         stream, granted = self.greens.create(resource)
         if granted != sms:
-            raise ProfilerError(f"asked for {sms} SMs, the driver granted {granted}: give --shares in multiples "
-                                f"of {SM_GRANULARITY}")
+            raise ProfilerError(
+                f"asked for {sms} SMs, the driver granted {granted}: give --shares in multiples "
+                f"of {SM_GRANULARITY}"
+            )
         return stream

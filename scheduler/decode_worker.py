@@ -1,4 +1,5 @@
-"""The decode worker process: owns the weights, the KV pool and its blocks; decodes in continuous batches.
+"""The decode worker process: owns the weights, the KV pool and its blocks; decodes in continuous
+batches.
 
 Its loop is the request lifecycle of docs/design.md: take requests and prefill
 notifications, schedule (admit, hand prefills off, preempt), run one step of
@@ -29,7 +30,13 @@ from engine.engine import Engine, Launched, device_info
 from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, offset_endpoint
 from engine.memory_plan import StartupError
 from engine.model_runner import StepInput
-from engine.parallel import SINGLE, FollowerLink, TensorParallel, follower_socket, init_tensor_parallel
+from engine.parallel import (
+    SINGLE,
+    FollowerLink,
+    TensorParallel,
+    follower_socket,
+    init_tensor_parallel,
+)
 from engine.shared_memory import release_name
 from partition.backends import backend_of, check_in_worker
 from partition.cpu import repin
@@ -39,22 +46,46 @@ from partition.profile import PartitionProfile, ProfileError, shipped_profile
 from profiles import unit_device_name
 from scheduler.config import UnitConfig
 from scheduler.decode_scheduler import DecodeScheduler, Step
-from scheduler.messages import (ITERATION_TOKEN_BUCKETS, AbortPrefill, AbortRequest, FromPrefill, GenerateRequest,
-                                Hello, PrefillDone, PrefillReady, RequestOutput, SetShare, ToDecode, UnitSetup,
-                                WorkerOutput, WorkerReady)
+from scheduler.messages import (
+    ITERATION_TOKEN_BUCKETS,
+    AbortPrefill,
+    AbortRequest,
+    FromPrefill,
+    GenerateRequest,
+    Hello,
+    PrefillDone,
+    PrefillReady,
+    RequestOutput,
+    SetShare,
+    ToDecode,
+    UnitSetup,
+    WorkerOutput,
+    WorkerReady,
+)
 from scheduler.prefill_worker import start_prefill_follower_thread, start_prefill_thread
-from scheduler.worker_setup import (ApiServers, ema, init_worker_process, recv_nowait, requests_socket, run_or_report,
-                                    zmq_socket)
+from scheduler.worker_setup import (
+    ApiServers,
+    ema,
+    init_worker_process,
+    recv_nowait,
+    requests_socket,
+    run_or_report,
+    zmq_socket,
+)
 
 STATS_INTERVAL_S = 0.25
-# Debug builds (tests set it): the scheduler and block manager prove their books whenever the worker goes idle.
+# Debug builds (tests set it): the scheduler and block manager prove their books whenever the worker
+# goes idle.
 CHECK_INVARIANTS = os.environ.get("PPD_CHECK_INVARIANTS") == "1"
-THREAD_SWITCH_INTERVAL_S = 0.001  # a one-process unit: how long one worker's thread may hold the GIL (default 5 ms)
+THREAD_SWITCH_INTERVAL_S = (
+    0.001  # a one-process unit: how long one worker's thread may hold the GIL (default 5 ms)
+)
 log = logging.getLogger("ppd.decode")
 
 
 class StepTimes:
-    """Recent step times, split into what a decode step costs and what an inline prefill token adds to one."""
+    """Recent step times, split into what a decode step costs and what an inline prefill token adds
+    to one."""
 
     def __init__(self) -> None:
         self.decode_step_ms = 0.0
@@ -62,11 +93,14 @@ class StepTimes:
         self.steps = 0
         self.step_seconds = 0.0  # in the engine's steps
         self.loop_seconds = 0.0  # in the worker's loop around them
-        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)  # steps by their token count (WorkerStats)
+        self.iteration_tokens = [0] * (
+            len(ITERATION_TOKEN_BUCKETS) + 1
+        )  # steps by their token count (WorkerStats)
         self.iteration_tokens_sum = 0
 
     def loop(self, step_s: float, iteration_s: float) -> None:
-        """One turn of the worker's loop that ran a step of step_s seconds took iteration_s in all."""
+        """One turn of the worker's loop that ran a step of step_s seconds took iteration_s in
+        all."""
         self.steps += 1
         self.step_seconds += step_s
         self.loop_seconds += max(0.0, iteration_s - step_s)
@@ -75,12 +109,16 @@ class StepTimes:
         tokens = sum(len(i.token_ids) for i in inputs)
         self.iteration_tokens[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
         self.iteration_tokens_sum += tokens
-        prefill_tokens = sum(len(i.token_ids) for i in inputs if len(i.token_ids) > 1 or not i.sample)
+        prefill_tokens = sum(
+            len(i.token_ids) for i in inputs if len(i.token_ids) > 1 or not i.sample
+        )
         ms = 1000.0 * seconds
         if prefill_tokens == 0:
             self.decode_step_ms = ema(self.decode_step_ms, ms)
         elif 0.0 < self.decode_step_ms < ms:
-            self.inline_tokens_per_s = ema(self.inline_tokens_per_s, prefill_tokens / ((ms - self.decode_step_ms) / 1000))
+            self.inline_tokens_per_s = ema(
+                self.inline_tokens_per_s, prefill_tokens / ((ms - self.decode_step_ms) / 1000)
+            )
 
 
 @dataclass
@@ -93,28 +131,43 @@ class InFlight:
 
 
 class DecodeWorker:
-    def __init__(self, cfg: UnitConfig, out: ApiServers, ctx: zmq.Context, tp: TensorParallel = SINGLE,
-                 prefill_tp: TensorParallel = SINGLE) -> None:
-        """tp: rank 0's communicator under tensor parallelism (its followers run DecodeFollower); prefill_tp: in a
-        one-process unit, the prefill thread's."""
+    def __init__(
+        self,
+        cfg: UnitConfig,
+        out: ApiServers,
+        ctx: zmq.Context,
+        tp: TensorParallel = SINGLE,
+        prefill_tp: TensorParallel = SINGLE,
+    ) -> None:
+        """tp: rank 0's communicator under tensor parallelism (its followers run DecodeFollower);
+        prefill_tp: in a one-process unit, the prefill thread's."""
         self.cfg, self.out, self.ctx = cfg, out, ctx
-        # A one-process unit on a GPU: each worker's stream per split, made before the engine, whose decode graphs
-        # are captured on them.
+        # A one-process unit on a GPU: each worker's stream per split, made before the engine, whose
+        # decode graphs are captured on them.
         self.streams, self.partition_problem = unit_streams(cfg)
         self.key = WHOLE  # the split the workers run on now
-        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights"), cfg.shm_name("kv")),
-                                    *graph_targets(self.streams, "decode"), tp)
+        self.engine = Engine.create(
+            cfg.engine,
+            (cfg.shm_name("weights"), cfg.shm_name("kv")),
+            *graph_targets(self.streams, "decode"),
+            tp,
+        )
         follower_handles = exchange_handles(self.engine, tp)
         if tp.enabled:
             self.engine.lead(FollowerLink(ctx, cfg.follower_addresses("decode")))
         plan = self.engine.plan
         self.kv_events = kv_event_publisher(cfg, ctx)
         hasher = BlockHasher(cfg.hash_algo) if self.kv_events is not None else None
-        self.scheduler = DecodeScheduler(BlockManager(plan.num_blocks, plan.block_size, hasher),
-                                         self.engine.mcfg.eos_token_ids,
-                                         plan.max_model_len, cfg.engine.max_num_seqs, cfg.engine.max_num_batched_tokens,
-                                         cfg.prefill_worker == "none", self.engine.mcfg.vocab_size,
-                                         cfg.prefill_batch_tokens)
+        self.scheduler = DecodeScheduler(
+            BlockManager(plan.num_blocks, plan.block_size, hasher),
+            self.engine.mcfg.eos_token_ids,
+            plan.max_model_len,
+            cfg.engine.max_num_seqs,
+            cfg.engine.max_num_batched_tokens,
+            cfg.prefill_worker == "none",
+            self.engine.mcfg.vocab_size,
+            cfg.prefill_batch_tokens,
+        )
         self.requests = requests_socket(ctx, cfg)
         self.poller = zmq.Poller()
         self.poller.register(self.requests, zmq.POLLIN)
@@ -128,25 +181,51 @@ class DecodeWorker:
             self.notify = zmq_socket(ctx, zmq.PULL, cfg.notify_address, bind=True)
             self.poller.register(self.notify, zmq.POLLIN)
         self.pending: list[RequestOutput] = []
-        self.prefill_ready: WorkerReady | None = None  # what the prefill worker told the API servers (Hello)
-        self.recount = False  # a dead API server's requests were stopped: the next output says what is left
-        self.shares = None if cfg.prefill_worker == "none" else share_manager(cfg, self.streams, self.engine)
+        self.prefill_ready: WorkerReady | None = (
+            None  # what the prefill worker told the API servers (Hello)
+        )
+        self.recount = (
+            False  # a dead API server's requests were stopped: the next output says what is left
+        )
+        self.shares = (
+            None if cfg.prefill_worker == "none" else share_manager(cfg, self.streams, self.engine)
+        )
         if self.streams is not None and self.shares is not None:
             self.use_split(self.shares.current)
-        elif self.streams is not None and self.streams.decode_counts():  # a static split: the middle one
+        elif (
+            self.streams is not None and self.streams.decode_counts()
+        ):  # a static split: the middle one
             self.use_split(Split(tuple(range(self.streams.middle_decode_sms())), ()))
         if cfg.prefill_worker == "thread":
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
-            start_prefill_thread(cfg, ctx, self.engine, self.streams, self.key,  # before UnitSetup: PUSH waits for it
-                                 prefill_tp)
+            start_prefill_thread(
+                cfg,
+                ctx,
+                self.engine,
+                self.streams,
+                self.key,  # before UnitSetup: PUSH waits for it
+                prefill_tp,
+            )
         if cfg.prefill_worker != "none":
-            self.jobs.send(self.encode(UnitSetup(self.engine.weights_handle, self.engine.kv_handle,
-                                                 plan.num_blocks, plan.max_model_len, follower_handles)))
-        self.partition_problem = self.partition_problem or check_in_worker(cfg.partition, str(self.engine.device))
+            self.jobs.send(
+                self.encode(
+                    UnitSetup(
+                        self.engine.weights_handle,
+                        self.engine.kv_handle,
+                        plan.num_blocks,
+                        plan.max_model_len,
+                        follower_handles,
+                    )
+                )
+            )
+        self.partition_problem = self.partition_problem or check_in_worker(
+            cfg.partition, str(self.engine.device)
+        )
         if self.partition_problem:
             log.error("partition %s: %s", cfg.partition.backend, self.partition_problem)
         self.times = StepTimes()
-        # Async scheduling: the step on the device whose results are not taken yet, and the one launched after it.
+        # Async scheduling: the step on the device whose results are not taken yet, and the one
+        # launched after it.
         self.async_scheduling = cfg.async_scheduling and not tp.enabled
         if self.async_scheduling:
             log.info("async scheduling on: each step is built while the one before runs")
@@ -156,8 +235,9 @@ class DecodeWorker:
         self.last_stats = self.memory_read = 0.0
         self.memory_used = 0
         info = device_info(self.engine.device)
-        self.ready = WorkerReady("decode", os.getpid(), info.name, info.total_memory, plan.num_blocks,
-                                 plan.max_model_len)
+        self.ready = WorkerReady(
+            "decode", os.getpid(), info.name, info.total_memory, plan.num_blocks, plan.max_model_len
+        )
         self.send(ready=self.ready)
 
     def run(self) -> None:
@@ -171,8 +251,8 @@ class DecodeWorker:
             self.receive(block=not busy)
             if not busy:  # the wait for work is no part of the loop's cost
                 began = time.perf_counter()
-            # Async scheduling: the next step is built while the one before runs on the device, unless it needs that
-            # one's tokens on the host first (DecodeScheduler.schedule).
+            # Async scheduling: the next step is built while the one before runs on the device,
+            # unless it needs that one's tokens on the host first (DecodeScheduler.schedule).
             step = self.scheduler.schedule(ahead=True) if self.in_flight is not None else None
             if step is None:
                 self.complete()
@@ -192,9 +272,10 @@ class DecodeWorker:
                 self.times.loop(engine_s, time.perf_counter() - began)
 
     def launch(self, step: Step) -> float:
-        """Launch step on the device behind the one in flight (async scheduling), or run it whole; returns the seconds
-        spent in the engine. A launch that raises runs the step again the synchronous way, input by input where
-        needed (Engine.step_each), after the step in flight is done."""
+        """Launch step on the device behind the one in flight (async scheduling), or run it whole;
+        returns the seconds spent in the engine. A launch that raises runs the step again the
+        synchronous way, input by input where needed (Engine.step_each), after the step in flight is
+        done."""
         started = time.perf_counter()
         if self.async_scheduling:
             previous = self.in_flight.launched if self.in_flight is not None else None
@@ -202,8 +283,13 @@ class DecodeWorker:
                 with self.on_stream():
                     launched = self.engine.launch(step.inputs, step.sampling_seqs, previous)
             except Exception as exc:  # noqa: BLE001 - the synchronous path below sorts it out, input by input
-                log.warning("launching a step of %d input(s) failed (%s: %s); running it again synchronously",
-                            len(step.inputs), type(exc).__name__, exc)
+                log.warning(
+                    "launching a step of %d input(s) failed (%s: %s); running it again "
+                    "synchronously",
+                    len(step.inputs),
+                    type(exc).__name__,
+                    exc,
+                )
                 self.complete()
                 # Not committed: scheduling again gives the same step, its tokens now on the host.
                 step = self.scheduler.schedule()
@@ -216,31 +302,36 @@ class DecodeWorker:
         seconds = time.perf_counter() - started
         if not failed:
             self.times.record(step.inputs, seconds)
-        self.pending += self.scheduler.postprocess(step, sampled.tokens, failed, sampled.logprobs,
-                                                  sampled.prompt_logprobs)
+        self.pending += self.scheduler.postprocess(
+            step, sampled.tokens, failed, sampled.logprobs, sampled.prompt_logprobs
+        )
         return seconds
 
     def complete(self, keep_latest: bool = False) -> float:
-        """Take the results of the step in flight (waiting for the device) for the outputs, and free what the steps
-        before held; keep_latest: the step launched last becomes the one in flight (else none is). Returns the
-        seconds spent waiting."""
+        """Take the results of the step in flight (waiting for the device) for the outputs, and free
+        what the steps before held; keep_latest: the step launched last becomes the one in flight
+        (else none is). Returns the seconds spent waiting."""
         waited = 0.0
         if (flight := self.in_flight) is not None:
             started = time.perf_counter()
-            sampled = flight.launched.result()  # a device fault raises here: the unit restarts (run_or_report)
+            sampled = (
+                flight.launched.result()
+            )  # a device fault raises here: the unit restarts (run_or_report)
             done = time.perf_counter()
             waited = done - started
-            # Its step time: from its launch, or from the end of the step before it when it was queued behind one.
+            # Its step time: from its launch, or from the end of the step before it when it was
+            # queued behind one.
             self.times.record(flight.step.inputs, done - max(flight.started, self.last_done))
             self.last_done = done
-            self.pending += self.scheduler.postprocess(flight.step, sampled.tokens, {}, sampled.logprobs,
-                                                      sampled.prompt_logprobs)
+            self.pending += self.scheduler.postprocess(
+                flight.step, sampled.tokens, {}, sampled.logprobs, sampled.prompt_logprobs
+            )
         self.in_flight, self.latest = (self.latest if keep_latest else None), None
         return waited
 
     def flush(self) -> None:
-        """Each turn of the loop: forget the sampling state of ended requests, stream the outputs (and the stats, now
-        and then), publish the KV events."""
+        """Each turn of the loop: forget the sampling state of ended requests, stream the outputs
+        (and the stats, now and then), publish the KV events."""
         for request_id in self.scheduler.finished:
             self.engine.release(request_id)
         self.scheduler.finished.clear()
@@ -249,7 +340,8 @@ class DecodeWorker:
             self.kv_events.publish(events)
 
     def receive(self, block: bool) -> None:
-        """Take every message waiting; when idle, wait for one (waking up now and then to report stats)."""
+        """Take every message waiting; when idle, wait for one (waking up now and then to report
+        stats)."""
         events = dict(self.poller.poll(STATS_INTERVAL_S * 1000 if block else 0))
         if self.requests in events:
             while (raw := recv_nowait(self.requests)) is not None:
@@ -267,8 +359,10 @@ class DecodeWorker:
         if isinstance(msg, Hello):
             for ready in (self.ready, self.prefill_ready):
                 if ready is not None:
-                    self.out.send_to(msg.api_server, WorkerOutput(self.cfg.unit, stats=self.scheduler.stats(),
-                                                                  ready=ready))
+                    self.out.send_to(
+                        msg.api_server,
+                        WorkerOutput(self.cfg.unit, stats=self.scheduler.stats(), ready=ready),
+                    )
         elif isinstance(msg, GenerateRequest):
             if (error := self.scheduler.add(msg)) is not None:
                 self.pending.append(error)
@@ -277,19 +371,27 @@ class DecodeWorker:
         elif isinstance(msg, AbortRequest):
             self.abort(msg.request_id)
         else:
-            lost = [request_id for request_id in self.scheduler.by_id if request_id.startswith(msg.prefix)]
+            lost = [
+                request_id
+                for request_id in self.scheduler.by_id
+                if request_id.startswith(msg.prefix)
+            ]
             for request_id in lost:
                 self.abort(request_id)
             self.recount = True
-            log.warning("stopped the %d request(s) of an API server that died (ids %s...)", len(lost), msg.prefix)
+            log.warning(
+                "stopped the %d request(s) of an API server that died (ids %s...)",
+                len(lost),
+                msg.prefix,
+            )
 
     def abort(self, request_id: str) -> None:
         if self.scheduler.abort(request_id):
             self.jobs.send(self.encode(AbortPrefill(request_id)))
 
     def rebalance(self) -> None:
-        """The share manager's decision for this step: repin ourselves, and tell the prefill worker its cores
-        (in order with its jobs, so it takes them before its next forward pass)."""
+        """The share manager's decision for this step: repin ourselves, and tell the prefill worker
+        its cores (in order with its jobs, so it takes them before its next forward pass)."""
         running = self.scheduler.running
         context = sum(len(s.token_ids) for s in running) / len(running) if running else 0.0
         split = self.shares.decide(len(running), context, self.scheduler.prefill_queue_tokens)
@@ -298,18 +400,30 @@ class DecodeWorker:
         if self.streams is not None:
             self.use_split(split)
             self.jobs.send(self.encode(SetShare([], split=self.key)))
-            log.debug("shares: decode %d SMs, prefill %d (%s; batch %d, context %.0f)", self.streams.sms("decode", self.key),
-                      self.streams.sms("prefill", self.key), self.shares.reason, len(running), context)
+            log.debug(
+                "shares: decode %d SMs, prefill %d (%s; batch %d, context %.0f)",
+                self.streams.sms("decode", self.key),
+                self.streams.sms("prefill", self.key),
+                self.shares.reason,
+                len(running),
+                context,
+            )
         else:
             repin(split.decode)
             self.jobs.send(self.encode(SetShare(list(split.prefill))))
-            log.debug("shares: decode cores %s, prefill cores %s (%s; batch %d, context %.0f)", split.decode,
-                      split.prefill, self.shares.reason, len(running), context)
+            log.debug(
+                "shares: decode cores %s, prefill cores %s (%s; batch %d, context %.0f)",
+                split.decode,
+                split.prefill,
+                self.shares.reason,
+                len(running),
+                context,
+            )
 
     def use_split(self, split: Split) -> None:
-        """Run the next decode steps on split's decode stream (WHOLE when the split overlaps), replaying the graphs
-        captured there; that stream first waits for what the old one has queued (a step in flight, whose tokens and
-        KV the next step reads)."""
+        """Run the next decode steps on split's decode stream (WHOLE when the split overlaps),
+        replaying the graphs captured there; that stream first waits for what the old one has queued
+        (a step in flight, whose tokens and KV the next step reads)."""
         key = self.streams.key_for(None if split.shared else len(split.decode))
         if key != self.key and self.in_flight is not None:
             self.streams.stream("decode", key).wait_stream(self.streams.stream("decode", self.key))
@@ -317,45 +431,66 @@ class DecodeWorker:
         self.engine.runner.use_graphs(self.key)
 
     def on_stream(self) -> Any:
-        """The context a step runs in: this worker's stream of the current split, in a one-process unit on a GPU."""
+        """The context a step runs in: this worker's stream of the current split, in a one-process
+        unit on a GPU."""
         return on_stream(self.streams, "decode", self.key)
 
     def send(self, ready: WorkerReady | None = None) -> None:
-        """Stream this step's outputs to the API server, with the stats, at most every STATS_INTERVAL_S when idle."""
+        """Stream this step's outputs to the API server, with the stats, at most every
+        STATS_INTERVAL_S when idle."""
         now = time.monotonic()
-        if not self.pending and ready is None and not self.recount and now - self.last_stats < STATS_INTERVAL_S:
+        if (
+            not self.pending
+            and ready is None
+            and not self.recount
+            and now - self.last_stats < STATS_INTERVAL_S
+        ):
             return
         self.last_stats = now
         stats = self.scheduler.stats()
-        stats.decode_step_ms, stats.inline_tokens_per_s = self.times.decode_step_ms, self.times.inline_tokens_per_s
-        stats.steps, stats.step_seconds, stats.loop_seconds = (self.times.steps, self.times.step_seconds,
-                                                               self.times.loop_seconds)
+        stats.decode_step_ms, stats.inline_tokens_per_s = (
+            self.times.decode_step_ms,
+            self.times.inline_tokens_per_s,
+        )
+        stats.steps, stats.step_seconds, stats.loop_seconds = (
+            self.times.steps,
+            self.times.step_seconds,
+            self.times.loop_seconds,
+        )
         stats.iteration_tokens = list(self.times.iteration_tokens)
         stats.iteration_tokens_sum = self.times.iteration_tokens_sum
         stats.partition_problem = self.partition_problem
         if self.streams is not None:
-            stats.decode_share, stats.prefill_share = self.streams.sms("decode", self.key), self.streams.sms("prefill", self.key)
+            stats.decode_share, stats.prefill_share = (
+                self.streams.sms("decode", self.key),
+                self.streams.sms("prefill", self.key),
+            )
             stats.share_switches = self.shares.switches if self.shares is not None else 0
         elif self.shares is not None:
             split = self.shares.current
             stats.decode_share, stats.prefill_share = len(split.decode), len(split.prefill)
             stats.share_switches = self.shares.switches
         elif self.cfg.partition.decode.cores:
-            stats.decode_share, stats.prefill_share = (len(self.cfg.partition.decode.cores),
-                                                       len(self.cfg.partition.prefill.cores))
+            stats.decode_share, stats.prefill_share = (
+                len(self.cfg.partition.decode.cores),
+                len(self.cfg.partition.prefill.cores),
+            )
         if self.engine.device.type == "cuda":
             if now - self.memory_read >= STATS_INTERVAL_S:  # a driver call: not on every step
                 free, total = torch.cuda.mem_get_info()
                 self.memory_used, self.memory_read = total - free, now
             stats.device_memory_used = self.memory_used
-        # A remote prefill that was stopped stays until the prefill worker lets its blocks go; no router counts it.
-        held = sum(not seq.aborted for seq in self.scheduler.by_id.values()) if self.recount else None
+        # A remote prefill that was stopped stays until the prefill worker lets its blocks go; no
+        # router counts it.
+        held = (
+            sum(not seq.aborted for seq in self.scheduler.by_id.values()) if self.recount else None
+        )
         self.out.send(WorkerOutput(self.cfg.unit, self.pending, stats, ready, held=held))
         self.pending, self.recount = [], False
 
     def _release_names(self) -> None:
-        """Once every process has mapped the shared memory, drop its names: it then lives exactly as long as the
-        workers (every tensor-parallel rank's)."""
+        """Once every process has mapped the shared memory, drop its names: it then lives exactly as
+        long as the workers (every tensor-parallel rank's)."""
         release_name(self.engine.weights_handle)
         release_name(self.engine.kv_handle)
         if self.engine.followers is not None:
@@ -363,8 +498,8 @@ class DecodeWorker:
 
 
 def unit_streams(cfg: UnitConfig) -> tuple[StreamSplits | None, str | None]:
-    """A one-process unit on a GPU: its workers' streams of each split (partition/green.py) and why the partition
-    does not hold, if it does not; (None, None) elsewhere."""
+    """A one-process unit on a GPU: its workers' streams of each split (partition/green.py) and why
+    the partition does not hold, if it does not; (None, None) elsewhere."""
     if cfg.prefill_worker != "thread" or not cfg.engine.device.startswith("cuda"):
         return None, None
     torch.zeros(1, device="cuda")  # torch's primary context is current before any driver call
@@ -372,28 +507,42 @@ def unit_streams(cfg: UnitConfig) -> tuple[StreamSplits | None, str | None]:
 
 
 def exchange_handles(engine: Engine, tp: TensorParallel) -> list[tuple[Any, Any]]:
-    """Every decode rank's shared memory, gathered on each (rank 0 sends ranks 1..N-1's to the prefill worker)."""
+    """Every decode rank's shared memory, gathered on each (rank 0 sends ranks 1..N-1's to the
+    prefill worker)."""
     if not tp.enabled:
         return []
     return tp.all_gather_object((engine.weights_handle, engine.kv_handle))[1:]
 
 
 class DecodeFollower:
-    """Decode rank 1..N-1 of a tensor-parallel unit: its device's shard of the weights and KV pool, the steps rank 0
-    runs (Engine.follow); no scheduler, socket to the API server or sampling of its own. In a one-process unit it
-    starts the prefill rank of its device as a thread, over the same shard (prefill_tp: its communicator)."""
+    """Decode rank 1..N-1 of a tensor-parallel unit: its device's shard of the weights and KV pool,
+    the steps rank 0 runs (Engine.follow); no scheduler, socket to the API server or sampling of
+    its own. In a one-process unit it starts the prefill rank of its device as a thread, over the
+    same shard (prefill_tp: its communicator)."""
 
-    def __init__(self, cfg: UnitConfig, ctx: zmq.Context, tp: TensorParallel,
-                 prefill_tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        cfg: UnitConfig,
+        ctx: zmq.Context,
+        tp: TensorParallel,
+        prefill_tp: TensorParallel = SINGLE,
+    ) -> None:
         self.cfg = cfg
-        # Bound before the engine starts: rank 0 may send its first step as soon as the pools are sized.
+        # Bound before the engine starts: rank 0 may send its first step as soon as the pools are
+        # sized.
         self.sock = follower_socket(ctx, cfg.follower_address("decode", tp.rank))
         self.streams, problem = unit_streams(cfg)
         if problem:
             log.error("partition %s: %s", cfg.partition.backend, problem)
-        self.engine = Engine.create(cfg.engine, (cfg.shm_name("weights", tp.rank), cfg.shm_name("kv", tp.rank)),
-                                    *graph_targets(self.streams, "decode"), tp)
-        exchange_handles(self.engine, tp)  # rank 0 says when every process has mapped them: "release"
+        self.engine = Engine.create(
+            cfg.engine,
+            (cfg.shm_name("weights", tp.rank), cfg.shm_name("kv", tp.rank)),
+            *graph_targets(self.streams, "decode"),
+            tp,
+        )
+        exchange_handles(
+            self.engine, tp
+        )  # rank 0 says when every process has mapped them: "release"
         if cfg.prefill_worker == "thread":
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
             start_prefill_follower_thread(cfg, ctx, self.engine, self.streams, prefill_tp)
@@ -403,59 +552,92 @@ class DecodeFollower:
         release_name(self.engine.kv_handle)
 
     def run(self) -> None:
-        self.engine.follow(self.sock, lambda kind, _: self.release() if kind == "release" else None,
-                           lambda key: on_stream(self.streams, "decode", key))
+        self.engine.follow(
+            self.sock,
+            lambda kind, _: self.release() if kind == "release" else None,
+            lambda key: on_stream(self.streams, "decode", key),
+        )
 
 
 def kv_event_publisher(cfg: UnitConfig, ctx: zmq.Context) -> KVEventPublisher | None:
-    """The unit's KV-event publisher (--kv-events-config), its first event clearing what a subscriber knew of the
-    unit: a restarted worker starts with an empty cache."""
+    """The unit's KV-event publisher (--kv-events-config), its first event clearing what a
+    subscriber knew of the unit: a restarted worker starts with an empty cache."""
     if not cfg.publishes_kv_events:
         return None
     try:
         publisher = KVEventPublisher(cfg.kv_events, cfg.unit, ctx)
     except zmq.ZMQError as exc:
-        raise StartupError(f"--kv-events-config: unit {cfg.unit} cannot open "
-                            f"{offset_endpoint(cfg.kv_events.endpoint, cfg.unit)}: {exc}; is another server (or "
-                            "another unit's endpoint) on that port?") from exc
+        raise StartupError(
+            f"--kv-events-config: unit {cfg.unit} cannot open "
+            f"{offset_endpoint(cfg.kv_events.endpoint, cfg.unit)}: {exc}; is another server (or "
+            "another unit's endpoint) on that port?"
+        ) from exc
     publisher.publish([AllBlocksCleared()])
-    log.info("KV events: publishing on %s%s", publisher.endpoint,
-             f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+    log.info(
+        "KV events: publishing on %s%s",
+        publisher.endpoint,
+        f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "",
+    )
     return publisher
 
 
-def share_manager(cfg: UnitConfig, streams: StreamSplits | None = None, engine: Engine | None = None) -> ShareManager | None:
-    """The adaptive share manager, where shares can change at run time: what the partition's backend says a manager
-    may split (partition/backends.py: the cpu backend's cores, green-context splits' SMs)."""
+def share_manager(
+    cfg: UnitConfig, streams: StreamSplits | None = None, engine: Engine | None = None
+) -> ShareManager | None:
+    """The adaptive share manager, where shares can change at run time: what the partition's backend
+    says a manager may split (partition/backends.py: the cpu backend's cores, green-context splits'
+    SMs)."""
     space = backend_of(cfg.partition).shares(cfg.partition, streams) if cfg.share_manager else None
     if space is None:
         return None
     what = space.what
     profile_file = cfg.partition_profile
     if profile_file is None and streams is not None and engine is not None:
-        # A tensor-parallel rank's step is its shard's: only a profile made for the unit's shape stands for it.
-        profile_file = shipped_profile(unit_device_name(device_info(engine.device).name, cfg.tensor_parallel_size),
-                                       cfg.engine.model)
+        # A tensor-parallel rank's step is its shard's: only a profile made for the unit's shape
+        # stands for it.
+        profile_file = shipped_profile(
+            unit_device_name(device_info(engine.device).name, cfg.tensor_parallel_size),
+            cfg.engine.model,
+        )
     profile = None
     if profile_file is not None:
         try:
             profile = PartitionProfile.load(profile_file)
         except ProfileError as exc:
-            log.warning("share manager: %s; an even split stands in when both workers are busy", exc)
-    manager = ShareManager(space.units, Split(*space.start), profile, cfg.itl_slo_ms, sizes=space.sizes,
-                           free_switches=space.free_switches)
+            log.warning(
+                "share manager: %s; an even split stands in when both workers are busy", exc
+            )
+    manager = ShareManager(
+        space.units,
+        Split(*space.start),
+        profile,
+        cfg.itl_slo_ms,
+        sizes=space.sizes,
+        free_switches=space.free_switches,
+    )
     if profile is None:
-        log.info("share manager: no partition profile (make one with `ppd profile partition`), so the workers keep "
-                 "the %s they started on%s", what,
-                 ", except that a side alone gets the whole device" if manager.free_switches else "")
+        log.info(
+            "share manager: no partition profile (make one with `ppd profile partition`), so the "
+            "workers keep "
+            "the %s they started on%s",
+            what,
+            ", except that a side alone gets the whole device" if manager.free_switches else "",
+        )
     else:
-        sizing = (f"decode gets the fewest {what} that keep its step within {cfg.itl_slo_ms:g} ms"
-                  if manager.sized_by_slo else "an even split when both workers are busy (no --itl-slo-ms to size "
-                                               "decode by)")
+        sizing = (
+            f"decode gets the fewest {what} that keep its step within {cfg.itl_slo_ms:g} ms"
+            if manager.sized_by_slo
+            else "an even split when both workers are busy (no --itl-slo-ms to size decode by)"
+        )
         alone = "" if manager.free_switches else " where the profile shows that pays"
-        log.info("share manager: %s, except that a queued prefill the whole device ends within about a decode step "
-                 "runs beside decode without a split; a side alone gets the whole device%s (profile %s)", sizing, alone,
-                 profile_file)
+        log.info(
+            "share manager: %s, except that a queued prefill the whole device ends within about a "
+            "decode step "
+            "runs beside decode without a split; a side alone gets the whole device%s (profile %s)",
+            sizing,
+            alone,
+            profile_file,
+        )
     return manager
 
 
@@ -466,9 +648,15 @@ def run_decode_worker(cfg: UnitConfig, rank: int = 0) -> None:
     out = ApiServers(ctx, cfg)
 
     def main() -> None:
-        tp = init_tensor_parallel(cfg.tensor_parallel_size, rank, cfg.tp_store("decode"), cfg.engine.device)
+        tp = init_tensor_parallel(
+            cfg.tensor_parallel_size, rank, cfg.tp_store("decode"), cfg.engine.device
+        )
         # A one-process unit's prefill threads: a communicator of their own over the same ranks.
         prefill_tp = tp.split() if cfg.prefill_worker == "thread" else SINGLE
-        (DecodeWorker(cfg, out, ctx, tp, prefill_tp) if rank == 0 else DecodeFollower(cfg, ctx, tp, prefill_tp)).run()
+        (
+            DecodeWorker(cfg, out, ctx, tp, prefill_tp)
+            if rank == 0
+            else DecodeFollower(cfg, ctx, tp, prefill_tp)
+        ).run()
 
     run_or_report(cfg.unit, out, main)

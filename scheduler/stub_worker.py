@@ -1,10 +1,12 @@
-"""A stand-in for a unit's workers, for measuring the API server alone (`ppd serve --stub-engine MS`).
+"""A stand-in for a unit's workers, for measuring the API server alone (`ppd serve --stub-engine
+MS`).
 
-Behind the same messages as the decode worker, it runs no model: every MS milliseconds (one decode step) it emits
-the next token of every running request, up to the request's max_tokens, then finishes it with "length". The
-tokens are the request's own prompt tokens, in a loop, so that any tokenizer detokenizes them into real text. It
-reports ready with the pool size it was given, stats every STATS_INTERVAL_S, honours aborts and answers logprobs
-(made-up values) when asked. With it, what limits streamed tokens/s is the API server, which is the point.
+Behind the same messages as the decode worker, it runs no model: every MS milliseconds (one decode
+step) it emits the next token of every running request, up to the request's max_tokens, then
+finishes it with "length". The tokens are the request's own prompt tokens, in a loop, so that any
+tokenizer detokenizes them into real text. It reports ready with the pool size it was given, stats
+every STATS_INTERVAL_S, honours aborts and answers logprobs (made-up values) when asked. With it,
+what limits streamed tokens/s is the API server, which is the point.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ import zmq
 from engine.sampling_params import TokenLogprobs
 from scheduler.config import UnitConfig
 from scheduler.decode_worker import STATS_INTERVAL_S
-from scheduler.messages import (AbortRequest, GenerateRequest, Hello, RequestOutput, ToDecode, WorkerOutput,
-                                WorkerReady, WorkerStats)
+from scheduler.messages import (
+    AbortRequest,
+    GenerateRequest,
+    Hello,
+    RequestOutput,
+    ToDecode,
+    WorkerOutput,
+    WorkerReady,
+    WorkerStats,
+)
 from scheduler.worker_setup import ApiServers, init_worker_process, recv_nowait, requests_socket
 
 log = logging.getLogger("ppd.stub")
@@ -45,15 +55,23 @@ class StubWorker:
         blocks = cfg.engine.num_kv_blocks or 0
         max_len = cfg.engine.max_model_len or 0
         # It stands in for both workers.
-        self.readies = ([WorkerReady("prefill", os.getpid(), "stub")] if cfg.prefill_worker != "none" else []) + [
-            WorkerReady("decode", os.getpid(), "stub", 0, blocks, max_len)]
+        self.readies = (
+            [WorkerReady("prefill", os.getpid(), "stub")] if cfg.prefill_worker != "none" else []
+        ) + [WorkerReady("decode", os.getpid(), "stub", 0, blocks, max_len)]
         for ready in self.readies:
             self.out.send(WorkerOutput(cfg.unit, stats=self.stats(), ready=ready))
         log.info("stub engine: a token per running request every %g ms", cfg.stub_step_ms)
 
     def stats(self) -> WorkerStats:
-        return WorkerStats(num_running=len(self.running), num_waiting=0, kv_usage=0.0, prefix_queries=0,
-                           prefix_hits=0, num_preemptions=0, decode_step_ms=self.step_s * 1000)
+        return WorkerStats(
+            num_running=len(self.running),
+            num_waiting=0,
+            kv_usage=0.0,
+            prefix_queries=0,
+            prefix_hits=0,
+            num_preemptions=0,
+            decode_step_ms=self.step_s * 1000,
+        )
 
     def run(self) -> None:
         next_step = time.monotonic()
@@ -65,7 +83,9 @@ class StubWorker:
                 continue
             now = time.monotonic()
             outputs = [self.token(r) for r in list(self.running.values())] if self.running else []
-            next_step = max(next_step + self.step_s, now)  # late: the next step starts now, as a busy engine's
+            next_step = max(
+                next_step + self.step_s, now
+            )  # late: the next step starts now, as a busy engine's
             stats = None
             if now - self.last_stats >= STATS_INTERVAL_S:
                 stats, self.last_stats = self.stats(), now
@@ -75,7 +95,9 @@ class StubWorker:
     def handle(self, msg: ToDecode) -> None:
         if isinstance(msg, Hello):
             for ready in self.readies:
-                self.out.send_to(msg.api_server, WorkerOutput(self.cfg.unit, stats=self.stats(), ready=ready))
+                self.out.send_to(
+                    msg.api_server, WorkerOutput(self.cfg.unit, stats=self.stats(), ready=ready)
+                )
         elif isinstance(msg, GenerateRequest):
             self.running[msg.request_id] = _Running(msg)
         elif isinstance(msg, AbortRequest):

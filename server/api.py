@@ -1,9 +1,10 @@
-"""The HTTP app: the checks every request passes, errors in their API's shape (Anthropic's under /v1/messages, else
-OpenAI's), health, metrics and models, and each API family's routes over the one request path they share
-(server/request_path.py).
+"""The HTTP app: the checks every request passes, errors in their API's shape (Anthropic's under
+/v1/messages, else OpenAI's), health, metrics and models, and each API family's routes over the one
+request path they share (server/request_path.py).
 
-Families: chat and text completions (chat_api), vLLM's token endpoints (tokenize_api), OpenAI's Responses
-(responses_api) and Anthropic's Messages (messages_api). Every response says where its prefill ran (x-ppd-route).
+Families: chat and text completions (chat_api), vLLM's token endpoints (tokenize_api), OpenAI's
+Responses (responses_api) and Anthropic's Messages (messages_api). Every response says where its
+prefill ran (x-ppd-route).
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
     VERSION = "0+unknown"
 
 
-def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dict], lifespan=None,
-              guard: Guard = Guard(), store: ResponseStore | None = None) -> FastAPI:
-    """The FastAPI app. health() returns the units' worker states for GET /health; store keeps the Responses API's
-    stored responses (default: a fresh in-memory one)."""
+def build_app(
+    model: ServedModel,
+    client: EngineClient,
+    health: Callable[[], dict],
+    lifespan=None,
+    guard: Guard = Guard(),
+    store: ResponseStore | None = None,
+) -> FastAPI:
+    """The FastAPI app. health() returns the units' worker states for GET /health; store keeps the
+    Responses API's stored responses (default: a fresh in-memory one)."""
     app = FastAPI(title="ppd-serve", lifespan=lifespan)
     app.add_middleware(GuardMiddleware, guard=guard, refuse=client.refusal)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_error_message(exc)
@@ -66,35 +74,61 @@ def build_app(model: ServedModel, client: EngineClient, health: Callable[[], dic
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         # A bug of ours, not the client's: logged with its traceback, answered in the API's shape.
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error_response(request.url.path, 500, f"internal error ({type(exc).__name__}); the server logged it")
+        return error_response(
+            request.url.path, 500, f"internal error ({type(exc).__name__}); the server logged it"
+        )
 
     @app.get("/health")
     async def get_health() -> JSONResponse:
         units = health()
         problems = list(client.problems.values())  # a background task that carries requests is down
         ok = bool(units) and all(u["ready"] for u in units) and not problems
-        # Overloaded is still healthy (200): a probe that restarted the server now would lose every request.
-        status = "unavailable" if not ok else ("overloaded" if all(u.get("overloaded") for u in units) else "ok")
-        body = {"status": status, "api_server": {"index": client.api_server, "pid": os.getpid()}, "units": units}
-        return JSONResponse(body | ({"problems": problems} if problems else {}), status_code=200 if ok else 503)
+        # Overloaded is still healthy (200): a probe that restarted the server now would lose every
+        # request.
+        status = (
+            "unavailable"
+            if not ok
+            else ("overloaded" if all(u.get("overloaded") for u in units) else "ok")
+        )
+        body = {
+            "status": status,
+            "api_server": {"index": client.api_server, "pid": os.getpid()},
+            "units": units,
+        }
+        return JSONResponse(
+            body | ({"problems": problems} if problems else {}), status_code=200 if ok else 503
+        )
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
-        return Response(client.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            client.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness check: 200 once the units are ready, as /health."""
         units = health()
-        return Response(status_code=200 if units and all(u["ready"] for u in units) and not client.problems else 503)
+        return Response(
+            status_code=200
+            if units and all(u["ready"] for u in units) and not client.problems
+            else 503
+        )
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": VERSION}
 
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": model.created, "owned_by": "ppd-serve", "root": model.name,
-                "parent": None, "max_model_len": model.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": model.created,
+            "owned_by": "ppd-serve",
+            "root": model.name,
+            "parent": None,
+            "max_model_len": model.max_model_len,
+        }
 
     @app.get("/v1/models")
     async def list_models() -> dict:

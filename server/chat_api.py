@@ -1,8 +1,8 @@
 """OpenAI's chat and text completions: POST /v1/chat/completions and /v1/completions.
 
-The body's messages go through the model's chat template (completions: the prompt, as text or token ids), then
-through the shared request path; the choices come back as OpenAI's chat.completion or text_completion, or streamed
-as their chunks (server/chat_bodies.py).
+The body's messages go through the model's chat template (completions: the prompt, as text or token
+ids), then through the shared request path; the choices come back as OpenAI's chat.completion or
+text_completion, or streamed as their chunks (server/chat_bodies.py).
 """
 
 from __future__ import annotations
@@ -32,11 +32,20 @@ def add_chat_routes(app: FastAPI, path: RequestPath) -> None:
         prompt_ids = await path.completion_prompt(body)
         if body.echo:
             model.need_tokenizer("echo")
-            echo = body.prompt if isinstance(body.prompt, str) else await path.off_loop(model.tokenizer.decode,
-                                                                                         prompt_ids)
+            echo = (
+                body.prompt
+                if isinstance(body.prompt, str)
+                else await path.off_loop(model.tokenizer.decode, prompt_ids)
+            )
         return await respond(body, Prompt(prompt_ids, echo), request, chat=False)
 
-    async def respond(body: SamplingRequest, prompt: Prompt, request: Request, chat: bool) -> Response:
-        gen = await path.start(body, prompt, request)  # without a tokenizer, gen.body has return_token_ids set
+    async def respond(
+        body: SamplingRequest, prompt: Prompt, request: Request, chat: bool
+    ) -> Response:
+        gen = await path.start(
+            body, prompt, request
+        )  # without a tokenizer, gen.body has return_token_ids set
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        return await path.respond(gen, request, ChatAnswer(response_id, gen, chat, model.name, token_text))
+        return await path.respond(
+            gen, request, ChatAnswer(response_id, gen, chat, model.name, token_text)
+        )

@@ -25,12 +25,15 @@ _SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDi
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
-    """The ids of a tokenizer's special tokens, read once per tokenizer (transformers rebuilds the added-token table on
-    every read, which per request cost more than a short answer's detokenizing)."""
+    """The ids of a tokenizer's special tokens, read once per tokenizer (transformers rebuilds the
+    added-token table on every read, which per request cost more than a short answer's
+    detokenizing)."""
     if (ids := _SPECIAL_IDS.get(tokenizer)) is None:
         added = getattr(tokenizer, "added_tokens_decoder", {})
-        ids = frozenset({i for i, token in added.items() if getattr(token, "special", False)}
-                        | set(tokenizer.all_special_ids))
+        ids = frozenset(
+            {i for i, token in added.items() if getattr(token, "special", False)}
+            | set(tokenizer.all_special_ids)
+        )
         _SPECIAL_IDS[tokenizer] = ids
     return ids
 
@@ -43,8 +46,13 @@ class IncrementalDetokenizer:
     output (OpenAI semantics). `flush` at the end returns what was held back.
     """
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True,
-                 drop_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+        drop_ids: Sequence[int] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
@@ -57,8 +65,9 @@ class IncrementalDetokenizer:
         self._skipped_ids: frozenset[int] = frozenset(drop_ids)  # ids that never become text
         if skip_special_tokens:
             self._skipped_ids |= special_ids(tokenizer)
-        # A fast tokenizer's Rust decoder, called directly: with clean_up_tokenization_spaces off, transformers'
-        # decode returns exactly what it does, after several Python layers that cost more than the decoding.
+        # A fast tokenizer's Rust decoder, called directly: with clean_up_tokenization_spaces off,
+        # transformers' decode returns exactly what it does, after several Python layers that cost
+        # more than the decoding.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_ids = backend.decode if backend is not None else self._decode_slow
         self._window: list[int] = []  # context tokens, then tokens not yet turned into text
@@ -89,7 +98,9 @@ class IncrementalDetokenizer:
         return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_slow(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def _decode_new(self, token_id: int | None) -> str:
         """Add one token (None: the end of the output) and return the text it completes."""
@@ -150,7 +161,8 @@ class Detokenizer(Protocol):
 
 
 class NoDetokenizer:
-    """Stands in when the server runs without a tokenizer (--skip-tokenizer-init): answers are token ids only."""
+    """Stands in when the server runs without a tokenizer (--skip-tokenizer-init): answers are token
+    ids only."""
 
     stopped = False
     stop_string = None
@@ -163,12 +175,17 @@ class NoDetokenizer:
         return ""
 
 
-def make_detokenizer(tokenizer: Any, stop: Sequence[str] = (), keep_special_except: Sequence[int] | None = None) -> Detokenizer:
-    """The detokenizer of one choice. keep_special_except: keep special tokens in the text (a tool-call parser reads
-    markers such as [TOOL_CALLS]), except these ids (the stop tokens, which end the output and are not part of it);
-    None or empty: skip every special token, as OpenAI's text has none."""
+def make_detokenizer(
+    tokenizer: Any, stop: Sequence[str] = (), keep_special_except: Sequence[int] | None = None
+) -> Detokenizer:
+    """The detokenizer of one choice. keep_special_except: keep special tokens in the text (a
+    tool-call parser reads markers such as [TOOL_CALLS]), except these ids (the stop tokens,
+    which end the output and are not part of it); None or empty: skip every special token, as
+    OpenAI's text has none."""
     if tokenizer is None:
         return NoDetokenizer()
     if not keep_special_except:
         return IncrementalDetokenizer(tokenizer, stop)
-    return IncrementalDetokenizer(tokenizer, stop, skip_special_tokens=False, drop_ids=keep_special_except)
+    return IncrementalDetokenizer(
+        tokenizer, stop, skip_special_tokens=False, drop_ids=keep_special_except
+    )

@@ -1,5 +1,5 @@
-"""Errors of the OpenAI-compatible API: the client's (RequestError), the body OpenAI and vLLM give them, and pydantic's
-validation errors turned into one readable message naming the field."""
+"""Errors of the OpenAI-compatible API: the client's (RequestError), the body OpenAI and vLLM give
+them, and pydantic's validation errors turned into one readable message naming the field."""
 
 from __future__ import annotations
 
@@ -25,13 +25,17 @@ def error_type(status: int) -> str:
 
 
 def escaped(text: str) -> str:
-    """text as valid UTF-8: a client's input may hold lone surrogates (valid JSON, not valid UTF-8), escaped here."""
+    """text as valid UTF-8: a client's input may hold lone surrogates (valid JSON, not valid UTF-8),
+    escaped here."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(message: str, type: str, param: str | None = None, code: int | None = None) -> dict[str, Any]:
-    """The JSON body of an error response, shaped as OpenAI and vLLM shape it. A message may quote the client's
-    input, which may hold lone surrogates (valid JSON, not valid UTF-8): they are escaped, not sent."""
+def error_body(
+    message: str, type: str, param: str | None = None, code: int | None = None
+) -> dict[str, Any]:
+    """The JSON body of an error response, shaped as OpenAI and vLLM shape it. A message may quote
+    the client's input, which may hold lone surrogates (valid JSON, not valid UTF-8): they are
+    escaped, not sent."""
     message = escaped(message)
     if param is not None:
         param = escaped(param)
@@ -39,9 +43,16 @@ def error_body(message: str, type: str, param: str | None = None, code: int | No
 
 
 ANTHROPIC_PATHS = "/v1/messages"  # Anthropic's API: its own error shape
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
-                    529: "overloaded_error"}
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
@@ -51,7 +62,9 @@ def anthropic_error_body(message: str, status: int) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def error_body_for(path: str, message: str, status: int, param: str | None = None) -> dict[str, Any]:
+def error_body_for(
+    path: str, message: str, status: int, param: str | None = None
+) -> dict[str, Any]:
     """The error body for a request to path: Anthropic's shape under /v1/messages, else OpenAI's."""
     if path.startswith(ANTHROPIC_PATHS):
         return anthropic_error_body(message, status)
@@ -74,7 +87,9 @@ class RequestError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def validation_error_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+def validation_error_message(
+    exc: ValidationError | RequestValidationError,
+) -> tuple[str, str | None]:
     """Turn pydantic's (or FastAPI's) errors into one readable message and the first bad field.
 
     The field is a dotted path into the body, e.g. "messages.0.content".
@@ -91,7 +106,9 @@ def validation_error_message(exc: ValidationError | RequestValidationError) -> t
         if error.get("type") == "missing" and not loc:
             return "The request needs a JSON body", None
         if error.get("type") == "value_error" and "error" in error.get("ctx", {}):
-            msg = str(error["ctx"]["error"])  # our own message, without pydantic's "Value error, " prefix
+            msg = str(
+                error["ctx"]["error"]
+            )  # our own message, without pydantic's "Value error, " prefix
         else:
             msg = error.get("msg", "invalid value")
         param = ".".join(loc)

@@ -41,11 +41,15 @@ class Launcher:
     def __init__(self, units: list[UnitConfig], client: EngineClient) -> None:
         self.units = units
         self.client = client
-        self.ctx = mp.get_context("spawn")  # fork would copy the server's threads and event loop into the workers
+        self.ctx = mp.get_context(
+            "spawn"
+        )  # fork would copy the server's threads and event loop into the workers
         self.procs: list[dict[str, BaseProcess]] = [{} for _ in units]
         self.restarts = [0] * len(units)
         self.watcher: asyncio.Task | None = None
-        self.restarting: dict[int, asyncio.Task] = {}  # unit -> its restart, which runs beside the watcher
+        self.restarting: dict[
+            int, asyncio.Task
+        ] = {}  # unit -> its restart, which runs beside the watcher
         self.down: set[int] = set()  # units that reported they cannot start: left stopped
         self.stopping = False
 
@@ -55,12 +59,15 @@ class Launcher:
             self._spawn(unit)
 
     async def start(self) -> None:
-        """Watch the units (spawning them first if spawn_all was not called); returns once all are ready, or
-        raises StartupFailed when a unit reports that it cannot start (the model does not fit, ...)."""
+        """Watch the units (spawning them first if spawn_all was not called); returns once all are
+        ready, or raises StartupFailed when a unit reports that it cannot start (the model does not
+        fit, ...)."""
         if not any(self.procs):
             self.spawn_all()
         self.watcher = supervise("the launcher's watcher", self._watch, self.client.problems)
-        await asyncio.gather(*(self.client.state[u].ready_event.wait() for u in range(len(self.units))))
+        await asyncio.gather(
+            *(self.client.state[u].ready_event.wait() for u in range(len(self.units)))
+        )
         for unit, state in enumerate(self.client.state):
             if state.fatal is not None:
                 self.stopping = True
@@ -84,7 +91,11 @@ class Launcher:
         cfg = self.units[unit]
         # A one-process unit's prefill worker is a thread the decode worker starts.
         one = cfg.prefill_worker != "process"
-        roles = {"decode": run_decode_worker} if one else {"decode": run_decode_worker, "prefill": run_prefill_worker}
+        roles = (
+            {"decode": run_decode_worker}
+            if one
+            else {"decode": run_decode_worker, "prefill": run_prefill_worker}
+        )
         ranks = range(cfg.tensor_parallel_size)
         if cfg.stub_step_ms is not None:
             roles, ranks = {"decode": run_stub_worker}, range(1)
@@ -93,14 +104,17 @@ class Launcher:
             for rank in ranks:
                 name = role if rank == 0 else f"{role}-tp{rank}"
                 args = (cfg,) if rank == 0 else (cfg, rank)
-                proc = self.ctx.Process(target=target, args=args, name=f"ppd-u{unit}-{name}", daemon=True)
+                proc = self.ctx.Process(
+                    target=target, args=args, name=f"ppd-u{unit}-{name}", daemon=True
+                )
                 proc.start()
                 self.procs[unit][name] = proc
 
     def _stop(self, unit: int) -> None:
-        # The prefill worker maps the decode worker's weights and KV pool (CUDA IPC): it is gone before the decode
-        # worker, their exporter, is stopped, as freeing exported memory under an importer is undefined (under MPS,
-        # a fault there would reach every client of the GPU). The same for each tensor-parallel rank's pair.
+        # The prefill worker maps the decode worker's weights and KV pool (CUDA IPC): it is gone
+        # before the decode worker, their exporter, is stopped, as freeing exported memory under an
+        # importer is undefined (under MPS, a fault there would reach every client of the GPU). The
+        # same for each tensor-parallel rank's pair.
         for role in sorted(self.procs[unit], key=lambda role: role.startswith("decode")):
             p = self.procs[unit][role]
             if p.is_alive():
@@ -113,9 +127,10 @@ class Launcher:
                 remove_leftover(cfg.shm_name(kind, rank))
 
     async def _watch(self) -> None:
-        """Notice every unit whose worker died, at once: fail its requests with a 503, stop what is left of it, and
-        start its restart as a task of its own. Supervised and run again where it fails (server/supervise.py): each
-        turn reads the processes afresh, so a new run misses no death."""
+        """Notice every unit whose worker died, at once: fail its requests with a 503, stop what is
+        left of it, and start its restart as a task of its own. Supervised and run again where it
+        fails (server/supervise.py): each turn reads the processes afresh, so a new run misses no
+        death."""
         while not self.stopping:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for unit, procs in enumerate(self.procs):
@@ -124,22 +139,31 @@ class Launcher:
                 if unit in self.restarting or unit in self.down:
                     continue
                 dead = [(role, p.exitcode) for role, p in procs.items() if not p.is_alive()]
-                if dead or not procs:  # none: a restart that failed before it started the processes again
+                if (
+                    dead or not procs
+                ):  # none: a restart that failed before it started the processes again
                     self._fail(unit, dead)
-                    task = asyncio.get_running_loop().create_task(self._restart(unit), name=f"restart unit {unit}")
+                    task = asyncio.get_running_loop().create_task(
+                        self._restart(unit), name=f"restart unit {unit}"
+                    )
                     self.restarting[unit] = task
                     task.add_done_callback(functools.partial(self._restart_ended, unit))
 
     def _fail(self, unit: int, dead: list[tuple[str, int | None]]) -> None:
         """End the unit's requests (in every API server) and stop what is left of its processes."""
-        what = ", ".join(f"{role} worker (exit code {code})" for role, code in dead) or "its workers"
+        what = (
+            ", ".join(f"{role} worker (exit code {code})" for role, code in dead) or "its workers"
+        )
         log.error("unit %d: %s died; failing its requests and restarting the unit", unit, what)
-        self.client.reset_unit(unit, f"the worker serving this request died ({what}); the server is restarting it, retry")
+        self.client.reset_unit(
+            unit,
+            f"the worker serving this request died ({what}); the server is restarting it, retry",
+        )
         self._stop(unit)
 
     async def _restart(self, unit: int) -> None:
-        """Start a failed unit again, until it is ready; one that dies while starting is failed and started again after
-        a longer wait, one that reports it cannot start stays down."""
+        """Start a failed unit again, until it is ready; one that dies while starting is failed and
+        started again after a longer wait, one that reports it cannot start stays down."""
         began = time.monotonic()
         while not self.stopping:
             # Back off when a unit keeps dying at start, instead of spinning.
@@ -153,7 +177,11 @@ class Launcher:
             while not state.ready_event.is_set() and not dead:
                 await asyncio.sleep(WATCH_INTERVAL_S)
                 if state.fatal is None:
-                    dead = [(role, p.exitcode) for role, p in self.procs[unit].items() if not p.is_alive()]
+                    dead = [
+                        (role, p.exitcode)
+                        for role, p in self.procs[unit].items()
+                        if not p.is_alive()
+                    ]
             if not dead:
                 break
             self._fail(unit, dead)

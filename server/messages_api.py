@@ -1,10 +1,12 @@
-"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, for agents written against Claude.
+"""Anthropic's Messages API: POST /v1/messages and /v1/messages/count_tokens, for agents written
+against Claude.
 
-A request runs as the chat completions request it amounts to (system, messages with text, tool_use and tool_result
-blocks, tools, tool_choice, stop_sequences, sampling) through the shared request path; the answer comes back as
-content blocks (text, tool_use), or streamed as Anthropic's events. usage reports the prefix cache's hits as
-cache_read_input_tokens (input_tokens counts the rest, as Anthropic counts it); errors have Anthropic's shape
-(server/errors.py), and x-api-key is taken where --api-key is set (server/guard.py).
+A request runs as the chat completions request it amounts to (system, messages with text, tool_use
+and tool_result blocks, tools, tool_choice, stop_sequences, sampling) through the shared request
+path; the answer comes back as content blocks (text, tool_use), or streamed as Anthropic's events.
+usage reports the prefix cache's hits as cache_read_input_tokens (input_tokens counts the rest, as
+Anthropic counts it); errors have Anthropic's shape (server/errors.py), and x-api-key is taken where
+--api-key is set (server/guard.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,13 @@ from pydantic import Field
 
 from server.errors import RequestError, anthropic_error_body
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
-from server.protocol import INT64_MAX, ChatCompletionRequest, RequestBody, chat_request_as, unsupported
+from server.protocol import (
+    INT64_MAX,
+    ChatCompletionRequest,
+    RequestBody,
+    chat_request_as,
+    unsupported,
+)
 from server.request_path import Generation, RequestPath
 from server.request_types import Event, Prompt
 
@@ -43,14 +51,19 @@ class MessagesRequest(RequestBody):
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
-    thinking: Annotated[Any, unsupported()] = None  # extended thinking: the models served here do not reason
+    thinking: Annotated[Any, unsupported()] = (
+        None  # extended thinking: the models served here do not reason
+    )
     container: Annotated[Any, unsupported()] = None
     mcp_servers: Annotated[Any, unsupported([])] = None
-    output_config: Annotated[Any, unsupported({})] = None  # structured outputs: use a forced tool instead
+    output_config: Annotated[Any, unsupported({})] = (
+        None  # structured outputs: use a forced tool instead
+    )
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        """system and messages as chat messages: a tool_use block becomes a tool call of its assistant message, a
-        tool_result block a tool message; other block types are refused by name."""
+        """system and messages as chat messages: a tool_use block becomes a tool call of its
+        assistant message, a tool_result block a tool message; other block types are refused by
+        name."""
         out: list[dict[str, Any]] = []
         if self.system is not None:
             out.append({"role": "system", "content": _text(self.system, "system")})
@@ -60,15 +73,21 @@ class MessagesRequest(RequestBody):
             where = f"messages[{i}]"
             role = message.get("role") if isinstance(message, dict) else None
             if role not in ("user", "assistant"):
-                raise RequestError(f"{where}.role: {json.dumps(role)} is not user or assistant (the system prompt goes "
-                                   "in system)", param=f"{where}.role")
+                raise RequestError(
+                    f"{where}.role: {json.dumps(role)} is not user or assistant (the system prompt "
+                    "goes "
+                    "in system)",
+                    param=f"{where}.role",
+                )
             content = message.get("content")
             if isinstance(content, str):
                 out.append({"role": role, "content": content})
                 continue
             if not isinstance(content, list):
-                raise RequestError(f"{where}.content must be a string or a list of content blocks",
-                                   param=f"{where}.content")
+                raise RequestError(
+                    f"{where}.content must be a string or a list of content blocks",
+                    param=f"{where}.content",
+                )
             texts, calls = [], []
             for j, block in enumerate(content):
                 at = f"{where}.content[{j}]"
@@ -76,20 +95,43 @@ class MessagesRequest(RequestBody):
                 if kind == "text" and isinstance(block.get("text"), str):
                     texts.append(block["text"])
                 elif kind == "tool_use" and role == "assistant":
-                    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-                        raise RequestError(f"{at}: a tool_use block needs an id and a name", param=at)
-                    calls.append({"id": block["id"], "type": "function", "function": {
-                        "name": block["name"], "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+                    if not isinstance(block.get("id"), str) or not isinstance(
+                        block.get("name"), str
+                    ):
+                        raise RequestError(
+                            f"{at}: a tool_use block needs an id and a name", param=at
+                        )
+                    calls.append(
+                        {
+                            "id": block["id"],
+                            "type": "function",
+                            "function": {
+                                "name": block["name"],
+                                "arguments": json.dumps(block.get("input", {}), ensure_ascii=False),
+                            },
+                        }
+                    )
                 elif kind == "tool_result" and role == "user":
                     if not isinstance(block.get("tool_use_id"), str):
-                        raise RequestError(f"{at}: a tool_result block needs a tool_use_id", param=f"{at}.tool_use_id")
+                        raise RequestError(
+                            f"{at}: a tool_result block needs a tool_use_id",
+                            param=f"{at}.tool_use_id",
+                        )
                     result = block.get("content", "")
-                    out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                                "content": _text(result, f"{at}.content") if result else ""})
+                    out.append(
+                        {
+                            "role": "tool",
+                            "tool_call_id": block["tool_use_id"],
+                            "content": _text(result, f"{at}.content") if result else "",
+                        }
+                    )
                 else:
-                    raise RequestError(f"{at}: content blocks of type {json.dumps(kind)} are not supported in a {role} "
-                                       "message; send text, tool_use (assistant) and tool_result (user) blocks",
-                                       param=f"{at}.type")
+                    raise RequestError(
+                        f"{at}: content blocks of type {json.dumps(kind)} are not supported in a "
+                        f"{role} "
+                        "message; send text, tool_use (assistant) and tool_result (user) blocks",
+                        param=f"{at}.type",
+                    )
             if texts or calls:
                 joined = "\n".join(texts) if texts or not calls else None
                 message_out: dict[str, Any] = {"role": role, "content": joined}
@@ -103,12 +145,32 @@ class MessagesRequest(RequestBody):
             return None
         out = []
         for i, tool in enumerate(self.tools):
-            if not isinstance(tool, dict) or "input_schema" not in tool or tool.get("type", "custom") != "custom":
+            if (
+                not isinstance(tool, dict)
+                or "input_schema" not in tool
+                or tool.get("type", "custom") != "custom"
+            ):
                 kind = tool.get("type") if isinstance(tool, dict) else None
-                raise RequestError(f"tools[{i}]: only custom tools (name, description, input_schema) are supported, "
-                                   f"not {json.dumps(kind)}", param=f"tools[{i}]")
-            out.append({"type": "function", "function": {k2: tool[k1] for k1, k2 in (
-                ("name", "name"), ("description", "description"), ("input_schema", "parameters")) if k1 in tool}})
+                raise RequestError(
+                    f"tools[{i}]: only custom tools (name, description, input_schema) are "
+                    "supported, "
+                    f"not {json.dumps(kind)}",
+                    param=f"tools[{i}]",
+                )
+            out.append(
+                {
+                    "type": "function",
+                    "function": {
+                        k2: tool[k1]
+                        for k1, k2 in (
+                            ("name", "name"),
+                            ("description", "description"),
+                            ("input_schema", "parameters"),
+                        )
+                        if k1 in tool
+                    },
+                }
+            )
         return out
 
     def chat_tool_choice(self) -> tuple[Any, bool | None]:
@@ -122,17 +184,31 @@ class MessagesRequest(RequestBody):
             return {"type": "function", "function": {"name": choice["name"]}}, parallel
         mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
         if mapped is None:
-            raise RequestError(f"tool_choice type {json.dumps(kind)} is not one of auto, any, tool (with a name), none",
-                               param="tool_choice")
+            raise RequestError(
+                f"tool_choice type {json.dumps(kind)} is not one of auto, any, tool (with a name), "
+                "none",
+                param="tool_choice",
+            )
         return mapped, parallel
 
     def chat_request(self) -> ChatCompletionRequest:
         choice, parallel = self.chat_tool_choice()
-        fields = {"model": self.model, "messages": self.chat_messages(), "max_completion_tokens": self.max_tokens,
-                  "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                  "stop": self.stop_sequences or None, "tools": self.chat_tools(), "tool_choice": choice,
-                  "parallel_tool_calls": parallel, "stream": self.stream}
-        return chat_request_as(fields, {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"})
+        fields = {
+            "model": self.model,
+            "messages": self.chat_messages(),
+            "max_completion_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "stop": self.stop_sequences or None,
+            "tools": self.chat_tools(),
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+            "stream": self.stream,
+        }
+        return chat_request_as(
+            fields, {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+        )
 
 
 class CountTokensRequest(MessagesRequest):
@@ -142,7 +218,9 @@ class CountTokensRequest(MessagesRequest):
 def _text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+    if isinstance(content, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" for b in content
+    ):
         return "\n".join(b.get("text", "") for b in content)
     raise RequestError(f"{where} must be a string or a list of text blocks", param=where)
 
@@ -164,10 +242,13 @@ def add_messages_routes(app: FastAPI, path: RequestPath) -> None:
         return await path.respond(gen, request, MessageRun(new_message_id(), model.name, gen))
 
 
-# The request path names tool choices as chat completions does; Anthropic's clients know them by these.
-ANTHROPIC_TOOL_CHOICES = (('tool_choice "auto"', 'tool_choice {"type": "auto"}'),
-                          ('tool_choice "required"', 'tool_choice {"type": "any"}'),
-                          ("a named function", '{"type": "tool", "name": ...}'))
+# The request path names tool choices as chat completions does; Anthropic's clients know them by
+# these.
+ANTHROPIC_TOOL_CHOICES = (
+    ('tool_choice "auto"', 'tool_choice {"type": "auto"}'),
+    ('tool_choice "required"', 'tool_choice {"type": "any"}'),
+    ("a named function", '{"type": "tool", "name": ...}'),
+)
 
 
 def in_anthropic_terms(exc: RequestError) -> RequestError:
@@ -190,8 +271,8 @@ def tool_use_id(call_id: str | None) -> str:
 
 
 class MessageRun:
-    """One message as it is generated (server/answer.py's Answer): its blocks, its body, its stream of events
-    (message_start, each content block's events, message_delta, message_stop)."""
+    """One message as it is generated (server/answer.py's Answer): its blocks, its body, its stream
+    of events (message_start, each content block's events, message_delta, message_stop)."""
 
     def __init__(self, message_id: str, model_name: str, gen: Generation) -> None:
         self.id, self.model_name, self.gen = message_id, model_name, gen
@@ -204,8 +285,12 @@ class MessageRun:
     def block(self, b: Block, done: bool = True) -> dict[str, Any]:
         if b.kind == "text":
             return {"type": "text", "text": b.text if done else ""}
-        return {"type": "tool_use", "id": tool_use_id(b.call_id), "name": b.name,
-                "input": b.arguments() if done else {}}
+        return {
+            "type": "tool_use",
+            "id": tool_use_id(b.call_id),
+            "name": b.name,
+            "input": b.arguments() if done else {},
+        }
 
     def stop(self, blocks: list[Block]) -> tuple[str, str | None]:
         """stop_reason and stop_sequence."""
@@ -220,23 +305,39 @@ class MessageRun:
 
     def usage(self, output_tokens: int) -> dict[str, int]:
         cached = self.choice.num_cached
-        return {"input_tokens": len(self.gen.prompt.token_ids) - cached, "output_tokens": output_tokens,
-                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+        return {
+            "input_tokens": len(self.gen.prompt.token_ids) - cached,
+            "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        }
 
     def message(self, blocks: list[Block], final: bool = True) -> dict[str, Any]:
         reason, sequence = self.stop(blocks) if final else (None, None)
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model_name,
-                "content": [self.block(b) for b in blocks] if final else [], "stop_reason": reason,
-                "stop_sequence": sequence, "usage": self.usage(len(self.choice.token_ids) if final else 0)}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model_name,
+            "content": [self.block(b) for b in blocks] if final else [],
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": self.usage(len(self.choice.token_ids) if final else 0),
+        }
 
     def block_event(self, e: BlockEvent) -> bytes:
         b = e.block
         if e.what == "start":
-            return sse("content_block_start", index=b.index, content_block=self.block(b, done=False))
+            return sse(
+                "content_block_start", index=b.index, content_block=self.block(b, done=False)
+            )
         if e.what == "stop":
             return sse("content_block_stop", index=b.index)
-        delta = {"type": "text_delta", "text": e.delta} if b.kind == "text" else \
-            {"type": "input_json_delta", "partial_json": e.delta}
+        delta = (
+            {"type": "text_delta", "text": e.delta}
+            if b.kind == "text"
+            else {"type": "input_json_delta", "partial_json": e.delta}
+        )
         return sse("content_block_delta", index=b.index, delta=delta)
 
     def opening(self) -> list[bytes]:
@@ -248,14 +349,29 @@ class MessageRun:
 
     async def closing(self) -> AsyncIterator[bytes]:
         reason, sequence = self.stop(self.streamed.blocks)
-        yield sse("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                  usage={"output_tokens": len(self.choice.token_ids)})
+        yield sse(
+            "message_delta",
+            delta={"stop_reason": reason, "stop_sequence": sequence},
+            usage={"output_tokens": len(self.choice.token_ids)},
+        )
         yield sse("message_stop")
 
     def error(self, status: int, message: str) -> list[bytes]:
         return [sse("error", error=anthropic_error_body(message, status)["error"])]
 
 
-def sse(kind: Literal["message_start", "content_block_start", "content_block_delta", "content_block_stop",
-                      "message_delta", "message_stop", "error"], **fields: Any) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + _json.encode({"type": kind, **fields}) + b"\n\n"
+def sse(
+    kind: Literal[
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+        "error",
+    ],
+    **fields: Any,
+) -> bytes:
+    return (
+        b"event: " + kind.encode() + b"\ndata: " + _json.encode({"type": kind, **fields}) + b"\n\n"
+    )

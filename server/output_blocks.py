@@ -1,9 +1,11 @@
-"""A choice's output as the block-structured APIs show it: a sequence of text blocks and tool-call blocks.
+"""A choice's output as the block-structured APIs show it: a sequence of text blocks and tool-call
+blocks.
 
-OpenAI's Responses (output items: message, function_call) and Anthropic's Messages (content blocks: text,
-tool_use) both cut an answer into blocks, each started, grown by deltas and stopped, where chat completions send
-flat deltas. OutputBlocks turns a choice's events (through its ToolOutput, which reads the calls out of the text
-as it streams) into those block events, the same for both APIs; blocks_of gives a finished choice's blocks whole.
+OpenAI's Responses (output items: message, function_call) and Anthropic's Messages (content blocks:
+text, tool_use) both cut an answer into blocks, each started, grown by deltas and stopped, where
+chat completions send flat deltas. OutputBlocks turns a choice's events (through its ToolOutput,
+which reads the calls out of the text as it streams) into those block events, the same for both
+APIs; blocks_of gives a finished choice's blocks whole.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from server.request_types import Choice
 
 @dataclass
 class Block:
-    """One block of an answer. A text block's text, or a tool call's arguments (JSON text) as far as they came."""
+    """One block of an answer. A text block's text, or a tool call's arguments (JSON text) as far as
+    they came."""
 
     kind: Literal["text", "tool_call"]
     index: int  # its place among the answer's blocks
@@ -38,7 +41,8 @@ class BlockEvent:
 
 
 class OutputBlocks:
-    """The block events of one choice, fed its events' text in order (final: the choice's last event)."""
+    """The block events of one choice, fed its events' text in order (final: the choice's last
+    event)."""
 
     def __init__(self, choice: Choice) -> None:
         self.choice = choice
@@ -48,7 +52,9 @@ class OutputBlocks:
 
     def feed(self, text: str, final: bool) -> list[BlockEvent]:
         tools = self.choice.tools
-        delta = tools.delta(text, final) if tools is not None else ({"content": text} if text else {})
+        delta = (
+            tools.delta(text, final) if tools is not None else ({"content": text} if text else {})
+        )
         out: list[BlockEvent] = []
         if content := delta.get("content"):
             if self.open is None or self.open.kind != "text":
@@ -56,7 +62,9 @@ class OutputBlocks:
             out += self._grow(self.open, content)
         for item in delta.get("tool_calls", ()):
             if "id" in item:
-                block = Block("tool_call", len(self.blocks), call_id=item["id"], name=item["function"]["name"])
+                block = Block(
+                    "tool_call", len(self.blocks), call_id=item["id"], name=item["function"]["name"]
+                )
                 self.calls[item["index"]] = block
                 out += self._start(block)
             if arguments := item["function"].get("arguments"):
@@ -90,6 +98,13 @@ def blocks_of(choice: Choice) -> list[Block]:
     content, calls = choice.tools.result(text)
     blocks = [Block("text", 0, content)] if content else []
     for call in calls:
-        blocks.append(Block("tool_call", len(blocks), call["function"]["arguments"], call["id"],
-                            call["function"]["name"]))
+        blocks.append(
+            Block(
+                "tool_call",
+                len(blocks),
+                call["function"]["arguments"],
+                call["id"],
+                call["function"]["name"],
+            )
+        )
     return blocks

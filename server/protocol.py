@@ -1,13 +1,11 @@
 """Request bodies of the OpenAI-compatible API, validated with pydantic.
 
-Follows the OpenAI API plus vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, return_token_ids,
-guided_json/regex/choice/grammar and structured_outputs). A field that would
-change the output in a way we do not implement (beam search, suffix, ...) is
-rejected by name with a 400, never silently ignored; unknown fields are
-ignored, as vLLM does, and named in the log once per field name. Checks that need the model (token ids against the
-vocabulary, prompt + max_tokens against the context length) belong to the API
-server.
+Follows the OpenAI API plus vLLM's sampling extensions (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, return_token_ids, guided_json/regex/choice/grammar and
+structured_outputs). A field that would change the output in a way we do not implement (beam search,
+suffix, ...) is rejected by name with a 400, never silently ignored; unknown fields are ignored, as
+vLLM does, and named in the log once per field name. Checks that need the model (token ids against
+the vocabulary, prompt + max_tokens against the context length) belong to the API server.
 """
 
 from __future__ import annotations
@@ -17,11 +15,25 @@ import logging
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from engine.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SAMPLING_EPS,
-                                    GuidedSpec, SamplingParams)
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    SAMPLING_EPS,
+    GuidedSpec,
+    SamplingParams,
+)
 from server.errors import RequestError, validation_error_message
 from server.tools import NamedToolChoice, Tool, ToolCall, template_messages
 
@@ -76,8 +88,9 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message. "developer" is OpenAI's newer name for "system" and is treated as it. An assistant message
-    may carry tool_calls (its content then may be null); a "tool" message answers one of them by tool_call_id."""
+    """One chat message. "developer" is OpenAI's newer name for "system" and is treated as it. An
+    assistant message may carry tool_calls (its content then may be null); a "tool" message answers
+    one of them by tool_call_id."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(None, validate_default=True)
@@ -87,7 +100,9 @@ class ChatMessage(BaseModel):
 
     @field_validator("tool_calls")
     @classmethod
-    def _assistant_only(cls, calls: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+    def _assistant_only(
+        cls, calls: list[ToolCall] | None, info: ValidationInfo
+    ) -> list[ToolCall] | None:
         if calls and info.data.get("role") != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return calls
@@ -99,7 +114,9 @@ class ChatMessage(BaseModel):
         # of pydantic's report on each member of the union.
         if content is None:
             if info.data.get("role") != "assistant":
-                raise ValueError("is required (only an assistant message with tool_calls may leave it out)")
+                raise ValueError(
+                    "is required (only an assistant message with tool_calls may leave it out)"
+                )
             return content
         if isinstance(content, str):
             return content
@@ -108,22 +125,27 @@ class ChatMessage(BaseModel):
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(f"only text content is supported; part {i} has type {json.dumps(kind)}")
+                raise ValueError(
+                    f"only text content is supported; part {i} has type {json.dumps(kind)}"
+                )
             if not isinstance(part.get("text"), str):
                 raise ValueError(f'part {i} of type "text" needs a string "text" field')
         return content
 
     @property
     def text(self) -> str:
-        """The content as one string; text parts are joined with newlines, as vLLM joins them ("" for none)."""
+        """The content as one string; text parts are joined with newlines, as vLLM joins them (""
+        for none)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "\n".join(part.text for part in self.content)
 
     def openai_dict(self) -> dict[str, Any]:
-        """The message as OpenAI's JSON has it (tools.template_messages readies it for a chat template); a name is
-        kept on a tool message only, the one role templates read it for."""
-        out = self.model_dump(include={"role", "content", "tool_calls", "tool_call_id"}, exclude_none=True)
+        """The message as OpenAI's JSON has it (tools.template_messages readies it for a chat
+        template); a name is kept on a tool message only, the one role templates read it for."""
+        out = self.model_dump(
+            include={"role", "content", "tool_calls", "tool_call_id"}, exclude_none=True
+        )
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
         return out
@@ -139,14 +161,17 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or json_schema."""
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or
+    json_schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
     @field_validator("json_schema")
     @classmethod
-    def _with_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+    def _with_type(
+        cls, value: JsonSchemaFormat | None, info: ValidationInfo
+    ) -> JsonSchemaFormat | None:
         if value is not None and info.data.get("type") != "json_schema":
             raise ValueError('only allowed with "type": "json_schema"')
         return value
@@ -163,9 +188,9 @@ class StructuredOutputs(BaseModel):
 
 
 class RequestBody(BaseModel):
-    """A request's body. A top-level field the server does not know is ignored, as vLLM ignores it, and named in the
-    log once per field name (vLLM names them on every request): a typo (`max_token`) shows there, and a client's
-    newer fields do not fail its requests."""
+    """A request's body. A top-level field the server does not know is ignored, as vLLM ignores it,
+    and named in the log once per field name (vLLM names them on every request): a typo
+    (`max_token`) shows there, and a client's newer fields do not fail its requests."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -174,8 +199,12 @@ class RequestBody(BaseModel):
         for name in self.model_extra or ():
             if name not in IGNORED_FIELDS and len(IGNORED_FIELDS) < MAX_IGNORED_NAMED:
                 IGNORED_FIELDS.add(name)
-                log.warning("a request's field %r is not one this server knows: ignored (said once per field name%s)",
-                            name[:80], "; no more are named" if len(IGNORED_FIELDS) == MAX_IGNORED_NAMED else "")
+                log.warning(
+                    "a request's field %r is not one this server knows: ignored (said once per "
+                    "field name%s)",
+                    name[:80],
+                    "; no more are named" if len(IGNORED_FIELDS) == MAX_IGNORED_NAMED else "",
+                )
         return self
 
 
@@ -184,7 +213,8 @@ MAX_IGNORED_NAMED = 100  # a client inventing names cannot grow the set, or the 
 
 
 class SamplingRequest(RequestBody):
-    """The fields /v1/chat/completions and /v1/completions share, and their mapping to SamplingParams."""
+    """The fields /v1/chat/completions and /v1/completions share, and their mapping to
+    SamplingParams."""
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -204,8 +234,11 @@ class SamplingRequest(RequestBody):
 
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    # Bounded so that dividing a logit by it stays finite in float32 (a tiny penalty made logits infinite).
-    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    # Bounded so that dividing a logit by it stays finite in float32 (a tiny penalty made logits
+    # infinite).
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY
+    )
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     response_format: ResponseFormat | None = None
@@ -215,7 +248,9 @@ class SamplingRequest(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's; its -1 (the whole vocabulary) is not
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS
+    )  # vLLM's; its -1 (the whole vocabulary) is not
 
     # Not implemented: accepted only when absent, null or set to a value that asks for nothing.
     use_beam_search: Annotated[Any, unsupported(False)] = None
@@ -227,12 +262,16 @@ class SamplingRequest(RequestBody):
     @classmethod
     def _cap_n(cls, n: int) -> int:
         if n > MAX_N:
-            raise ValueError(f"at most {MAX_N} choices per request are supported; send several requests for more")
+            raise ValueError(
+                f"at most {MAX_N} choices per request are supported; send several requests for more"
+            )
         return n
 
     @field_validator("stream_options")
     @classmethod
-    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    def _only_when_streaming(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         if options is not None and not info.data.get("stream"):
             raise ValueError("only allowed with stream=true; remove it or set stream to true")
         return options
@@ -256,16 +295,22 @@ class SamplingRequest(RequestBody):
         if any(s == "" for s in strings):
             raise ValueError("must not contain empty strings")
         if len(strings) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}")
+            raise ValueError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(strings)}"
+            )
         if (longest := max(map(len, strings))) > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}")
+            raise ValueError(
+                f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, got {longest}"
+            )
         return stop
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _check_stop_ids(cls, ids: Any) -> Any:
         if isinstance(ids, list) and len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(ids)}")
+            raise ValueError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got {len(ids)}"
+            )
         return ids
 
     @property
@@ -292,26 +337,37 @@ class SamplingRequest(RequestBody):
 
     @property
     def prompt_logprobs_asked(self) -> int | None:
-        """Top alternatives per prompt token the engine computes (None: none); prompt_logprobs, or what echo shows."""
+        """Top alternatives per prompt token the engine computes (None: none); prompt_logprobs, or
+        what echo shows."""
         return self.prompt_logprobs
 
     def guided_spec(self) -> tuple[GuidedSpec, str] | None:
-        """The structured-output constraint the request asks for, and the field that asked (None: none)."""
+        """The structured-output constraint the request asks for, and the field that asked (None:
+        none)."""
         found: list[tuple[GuidedSpec, str]] = []
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             found.append((GuidedSpec("json_object"), "response_format"))
         elif fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
-                raise RequestError('response_format of type "json_schema" needs a "json_schema" object with a '
-                                   '"schema"', param="response_format")
-            found.append((GuidedSpec("json_schema", json.dumps(fmt.json_schema.schema_)), "response_format"))
+                raise RequestError(
+                    'response_format of type "json_schema" needs a "json_schema" object with a '
+                    '"schema"',
+                    param="response_format",
+                )
+            found.append(
+                (GuidedSpec("json_schema", json.dumps(fmt.json_schema.schema_)), "response_format")
+            )
         so = self.structured_outputs
         given = {
-            "guided_json": self.guided_json, "guided_regex": self.guided_regex, "guided_choice": self.guided_choice,
+            "guided_json": self.guided_json,
+            "guided_regex": self.guided_regex,
+            "guided_choice": self.guided_choice,
             "guided_grammar": self.guided_grammar,
-            "structured_outputs.json": so and so.json_, "structured_outputs.regex": so and so.regex,
-            "structured_outputs.choice": so and so.choice, "structured_outputs.grammar": so and so.grammar,
+            "structured_outputs.json": so and so.json_,
+            "structured_outputs.regex": so and so.regex,
+            "structured_outputs.choice": so and so.choice,
+            "structured_outputs.grammar": so and so.grammar,
             "structured_outputs.json_object": so and so.json_object or None,
         }
         for field, value in given.items():
@@ -328,14 +384,21 @@ class SamplingRequest(RequestBody):
             else:
                 found.append((GuidedSpec(kind, value), field))  # type: ignore[arg-type]
         if len(found) > 1:
-            raise RequestError(f"{found[0][1]} and {found[1][1]} both constrain the output; send one of them",
-                               param=found[1][1])
+            raise RequestError(
+                f"{found[0][1]} and {found[1][1]} both constrain the output; send one of them",
+                param=found[1][1],
+            )
         return found[0] if found else None
 
-    def sampling_params(self, max_tokens: int, eos_token_ids: Sequence[int], vocab_size: int,
-                        guided: GuidedSpec | None = None) -> SamplingParams:
-        """The engine's parameters for one choice; `max_tokens` is the budget the server resolved, `guided` the
-        constraint on the output (from guided_spec, or a tool choice).
+    def sampling_params(
+        self,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
+        guided: GuidedSpec | None = None,
+    ) -> SamplingParams:
+        """The engine's parameters for one choice; `max_tokens` is the budget the server resolved,
+        `guided` the constraint on the output (from guided_spec, or a tool choice).
 
         The model's EOS ids join stop_token_ids unless ignore_eos, so the engine
         stops on (and, before min_tokens, suppresses) a single set of ids.
@@ -343,22 +406,33 @@ class SamplingRequest(RequestBody):
         """
         if guided is not None and (self.ignore_eos or self.min_tokens):
             field = "ignore_eos" if self.ignore_eos else "min_tokens"
-            raise RequestError(f"{field} cannot be combined with structured outputs (the grammar decides where the "
-                               f"output ends); remove {field}", param=field)
+            raise RequestError(
+                f"{field} cannot be combined with structured outputs (the grammar decides where "
+                "the "
+                f"output ends); remove {field}",
+                param=field,
+            )
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         if bias and (bad := max(bias)) >= vocab_size:
-            raise RequestError(f"logit_bias token id {bad} is out of range: the model's vocabulary has {vocab_size} "
-                               f"tokens (ids 0..{vocab_size - 1})", param="logit_bias")
+            raise RequestError(
+                f"logit_bias token id {bad} is out of range: the model's vocabulary has "
+                f"{vocab_size} "
+                f"tokens (ids 0..{vocab_size - 1})",
+                param="logit_bias",
+            )
         if self.min_tokens > max_tokens:
             raise RequestError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens}); lower min_tokens",
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({max_tokens}); lower "
+                "min_tokens",
                 param="min_tokens",
             )
         stop_ids = list(self.stop_token_ids or ())
         if not self.ignore_eos:
             stop_ids += eos_token_ids
         temperature = 1.0 if self.temperature is None else self.temperature
-        if temperature < SAMPLING_EPS:  # greedy, as vLLM takes it (dividing by it made the logits infinite)
+        if (
+            temperature < SAMPLING_EPS
+        ):  # greedy, as vLLM takes it (dividing by it made the logits infinite)
             temperature = 0.0
         greedy = temperature == 0.0
         return SamplingParams(
@@ -382,8 +456,8 @@ class SamplingRequest(RequestBody):
 
 
 class ChatTemplateInput:
-    """What a chat template takes from a request body with `messages` (list[ChatMessage]) and `tools`
-    (list[Tool] | None) fields: chat completions, /tokenize."""
+    """What a chat template takes from a request body with `messages` (list[ChatMessage]) and
+    `tools` (list[Tool] | None) fields: chat completions, /tokenize."""
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as dicts for tokenizer.apply_chat_template."""
@@ -407,7 +481,9 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     parallel_tool_calls: bool = True
 
     # Not implemented, as in SamplingRequest.
-    functions: Annotated[Any, unsupported([])] = None  # OpenAI's deprecated form of tools: send tools
+    functions: Annotated[Any, unsupported([])] = (
+        None  # OpenAI's deprecated form of tools: send tools
+    )
     function_call: Annotated[Any, unsupported("none", "auto")] = None
     echo: Annotated[Any, unsupported(False)] = None
     add_generation_prompt: Annotated[Any, unsupported(True)] = None
@@ -426,7 +502,9 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     @classmethod
     def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
         if top and not info.data.get("logprobs"):
-            raise ValueError("needs logprobs set to true; set logprobs to true or remove top_logprobs")
+            raise ValueError(
+                "needs logprobs set to true; set logprobs to true or remove top_logprobs"
+            )
         return top
 
     @field_validator("tool_choice")
@@ -434,9 +512,15 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     def _with_tools(cls, choice: Any, info: ValidationInfo) -> Any:
         tools = info.data.get("tools")
         if choice not in (None, "none") and not tools:
-            raise ValueError("needs tools; send the tools the model may call, or remove tool_choice")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
-            raise ValueError(f"names the function {choice.function.name!r}, which is not among tools")
+            raise ValueError(
+                "needs tools; send the tools the model may call, or remove tool_choice"
+            )
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            t.function.name for t in tools
+        }:
+            raise ValueError(
+                f"names the function {choice.function.name!r}, which is not among tools"
+            )
         return choice
 
     @property
@@ -445,7 +529,8 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
-        """none, auto, required or a named function; OpenAI's default is auto with tools and none without."""
+        """none, auto, required or a named function; OpenAI's default is auto with tools and none
+        without."""
         if self.tool_choice is not None:
             return self.tool_choice
         return "auto" if self.tools else "none"
@@ -453,14 +538,21 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens, else max_tokens (OpenAI's older name); None if neither."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 def chat_request_as(fields: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
-    """The chat completions request another API's body runs as (the Responses and Messages APIs), validated; an
-    error names the field by that API's name (names: chat field -> its name), as its client sent it."""
+    """The chat completions request another API's body runs as (the Responses and Messages APIs),
+    validated; an error names the field by that API's name (names: chat field -> its name), as its
+    client sent it."""
     try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        return ChatCompletionRequest.model_validate(
+            {k: v for k, v in fields.items() if v is not None}
+        )
     except ValidationError as exc:
         message, param = validation_error_message(exc)
         field = (param or "messages").split(".")[0]
@@ -472,10 +564,14 @@ class CompletionRequest(SamplingRequest):
     """Body of POST /v1/completions: one prompt, as text or as token ids."""
 
     prompt: str | list[int]
-    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=0)  # 0 only with echo: score the prompt
+    max_tokens: int | None = Field(
+        DEFAULT_COMPLETION_MAX_TOKENS, ge=0
+    )  # 0 only with echo: score the prompt
 
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, validate_default=True)  # the prompt comes back before the completion, with its logprobs when logprobs is set
+    echo: bool = Field(
+        False, validate_default=True
+    )  # the prompt comes back before the completion, with its logprobs when logprobs is set
 
     # Not implemented, as in SamplingRequest.
     suffix: Annotated[Any, unsupported("")] = None
@@ -506,8 +602,11 @@ class CompletionRequest(SamplingRequest):
     @classmethod
     def _zero_tokens_with_echo(cls, echo: bool, info: ValidationInfo) -> bool:
         if info.data.get("max_tokens") == 0 and not echo:
-            raise ValueError("max_tokens 0 asks for the prompt alone, which needs echo; set echo to true or raise "
-                             "max_tokens to at least 1")
+            raise ValueError(
+                "max_tokens 0 asks for the prompt alone, which needs echo; set echo to true or "
+                "raise "
+                "max_tokens to at least 1"
+            )
         return echo
 
     @property
@@ -516,13 +615,15 @@ class CompletionRequest(SamplingRequest):
 
     @property
     def prompt_logprobs_asked(self) -> int | None:
-        shown = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        shown = [
+            n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None
+        ]
         return max(shown) if shown else None
 
     @property
     def score_only(self) -> bool:
-        """max_tokens 0 with echo: the prompt and its logprobs, no completion (the engine still samples one token,
-        which is dropped)."""
+        """max_tokens 0 with echo: the prompt and its logprobs, no completion (the engine still
+        samples one token, which is dropped)."""
         return self.echo and self.max_tokens == 0
 
     @field_validator("best_of")

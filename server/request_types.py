@@ -1,5 +1,6 @@
-"""The records the request path hands every API family: a request's Prompt, its Choices as they accumulate, and
-the Events they stream (server/request_path.py makes them; each family shapes them into its own responses)."""
+"""The records the request path hands every API family: a request's Prompt, its Choices as they
+accumulate, and the Events they stream (server/request_path.py makes them; each family shapes them
+into its own responses)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ class Choice:
 
     index: int
     detok: Detokenizer
-    tools: ToolOutput | None = None  # how tool calls come out of the text (None: the text is the content)
+    tools: ToolOutput | None = (
+        None  # how tool calls come out of the text (None: the text is the content)
+    )
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first, when asked
+    prompt_logprobs: list[TokenLogprobs] | None = (
+        None  # one per prompt token after the first, when asked
+    )
     finish_reason: str | None = None
     route: str | None = None
     num_cached: int = 0
@@ -27,8 +32,8 @@ class Choice:
 
 @dataclass
 class Prompt:
-    """A request's prompt as its responses show it: the ids, and the text echo puts before each completion (None:
-    not echoed)."""
+    """A request's prompt as its responses show it: the ids, and the text echo puts before each
+    completion (None: not echoed)."""
 
     token_ids: list[int]
     echo: str | None = None

@@ -1,12 +1,15 @@
-"""Stored responses (OpenAI's Responses API, `store: true`): what a later turn's previous_response_id continues.
+"""Stored responses (OpenAI's Responses API, `store: true`): what a later turn's
+previous_response_id continues.
 
-A stored response keeps the response object (GET /v1/responses/{id}) and the conversation as token ids: the exact
-prompt ids it ran and the output ids it generated, with the messages they stand for, so that the next turn appends
-only its new input's tokens (server/conversation.py) and its prefix is the previous turn's KV, block for block.
+A stored response keeps the response object (GET /v1/responses/{id}) and the conversation as token
+ids: the exact prompt ids it ran and the output ids it generated, with the messages they stand for,
+so that the next turn appends only its new input's tokens (server/conversation.py) and its prefix is
+the previous turn's KV, block for block.
 
-The store is bounded in bytes (--response-store-max-bytes) and drops the oldest first. In memory by default; in an
-SQLite file with --response-store PATH, which survives a restart and is shared by every API-server process
-(`--api-server-count`: without a path, their store is a file in the server's runtime folder, gone at exit).
+The store is bounded in bytes (--response-store-max-bytes) and drops the oldest first. In memory by
+default; in an SQLite file with --response-store PATH, which survives a restart and is shared by
+every API-server process (`--api-server-count`: without a path, their store is a file in the
+server's runtime folder, gone at exit).
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ class StoredResponse:
 
     id: str
     response: dict[str, Any]  # the response object as returned
-    instructions: str | None  # its instructions (a system message before history, not carried to the next turn)
-    history: list[dict[str, Any]]  # the prompt's messages after the instructions, as OpenAI chat messages
+    instructions: (
+        str | None
+    )  # its instructions (a system message before history, not carried to the next turn)
+    history: list[
+        dict[str, Any]
+    ]  # the prompt's messages after the instructions, as OpenAI chat messages
     tools: list[dict[str, Any]] | None  # the tools as the chat template got them
     prompt_ids: list[int]
     output_ids: list[int]
@@ -96,7 +103,8 @@ class ResponseStore:
 
 
 class SqliteResponseStore(ResponseStore):
-    """The store in an SQLite file: kept across restarts, shared by processes (WAL), oldest dropped first."""
+    """The store in an SQLite file: kept across restarts, shared by processes (WAL), oldest dropped
+    first."""
 
     def __init__(self, path: str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         super().__init__(max_bytes)
@@ -104,8 +112,11 @@ class SqliteResponseStore(ResponseStore):
         self._db = sqlite3.connect(path, timeout=30, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                         "id TEXT UNIQUE NOT NULL, created REAL NOT NULL, size INTEGER NOT NULL, data BLOB NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+            "id TEXT UNIQUE NOT NULL, created REAL NOT NULL, size INTEGER NOT NULL, data BLOB NOT "
+            "NULL)"
+        )
 
     def put(self, stored: StoredResponse) -> None:
         data = stored.to_bytes()
@@ -113,14 +124,20 @@ class SqliteResponseStore(ResponseStore):
             return
         with self._lock:
             db = self._db
-            db.execute("BEGIN IMMEDIATE")  # one writer at a time across processes: the size sum stays true
+            db.execute(
+                "BEGIN IMMEDIATE"
+            )  # one writer at a time across processes: the size sum stays true
             try:
                 db.execute("DELETE FROM responses WHERE id = ?", (stored.id,))
-                db.execute("INSERT INTO responses (id, created, size, data) VALUES (?, ?, ?, ?)",
-                           (stored.id, time.time(), len(data), data))
+                db.execute(
+                    "INSERT INTO responses (id, created, size, data) VALUES (?, ?, ?, ?)",
+                    (stored.id, time.time(), len(data), data),
+                )
                 total = db.execute("SELECT COALESCE(SUM(size), 0) FROM responses").fetchone()[0]
                 while total > self.max_bytes:  # the oldest go first, a few at a time
-                    for seq, size in db.execute("SELECT seq, size FROM responses ORDER BY seq LIMIT 16").fetchall():
+                    for seq, size in db.execute(
+                        "SELECT seq, size FROM responses ORDER BY seq LIMIT 16"
+                    ).fetchall():
                         if total <= self.max_bytes:
                             break
                         db.execute("DELETE FROM responses WHERE seq = ?", (seq,))
@@ -132,12 +149,16 @@ class SqliteResponseStore(ResponseStore):
 
     def get(self, response_id: str) -> StoredResponse | None:
         with self._lock:
-            row = self._db.execute("SELECT data FROM responses WHERE id = ?", (response_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT data FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
         return None if row is None else StoredResponse.from_bytes(row[0])
 
     def delete(self, response_id: str) -> bool:
         with self._lock:
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            return (
+                self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            )
 
     @property
     def num_bytes(self) -> int:

@@ -1,9 +1,11 @@
-"""The body of OpenAI's POST /v1/responses, validated, and its input items turned into chat messages.
+"""The body of OpenAI's POST /v1/responses, validated, and its input items turned into chat
+messages.
 
-Function tools, text and JSON-schema output, stored conversations (previous_response_id) and streaming are
-served; what is not (built-in tools such as web search, reasoning, background runs, images and files in the input)
-is refused with a 400 naming the field, never ignored. vLLM's sampling extensions (top_k, min_p, seed,
-repetition_penalty, ignore_eos) are taken as on chat completions.
+Function tools, text and JSON-schema output, stored conversations (previous_response_id) and
+streaming are served; what is not (built-in tools such as web search, reasoning, background runs,
+images and files in the input) is refused with a 400 naming the field, never ignored. vLLM's
+sampling extensions (top_k, min_p, seed, repetition_penalty, ignore_eos) are taken as on chat
+completions.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ class ResponsesRequest(RequestBody):
     text: TextConfig | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = None  # accepted and ignored, as are service_tier, safety_identifier, prompt_cache_key
+    user: str | None = (
+        None  # accepted and ignored, as are service_tier, safety_identifier, prompt_cache_key
+    )
     # vLLM's sampling extensions
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -95,14 +99,22 @@ class ResponsesRequest(RequestBody):
         for i, tool in enumerate(self.tools):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
-                raise RequestError(f"tools[{i}]: tools of type {json.dumps(kind)} (built-in tools) are not supported "
-                                   'by this server; send function tools ({"type": "function", "name", "parameters"})',
-                                   param=f"tools[{i}].type")
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+                raise RequestError(
+                    f"tools[{i}]: tools of type {json.dumps(kind)} (built-in tools) are not "
+                    "supported "
+                    "by this server; send function tools "
+                    '({"type": "function", "name", "parameters"})',
+                    param=f"tools[{i}].type",
+                )
+            function = {
+                k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool
+            }
             try:
                 FunctionDefinition.model_validate(function)
             except ValueError as exc:
-                raise RequestError(f"tools[{i}]: {_first_error(exc)}", param=f"tools[{i}]") from None
+                raise RequestError(
+                    f"tools[{i}]: {_first_error(exc)}", param=f"tools[{i}]"
+                ) from None
             out.append({"type": "function", "function": function})
         return out
 
@@ -110,10 +122,17 @@ class ResponsesRequest(RequestBody):
         choice = self.tool_choice
         if choice is None or choice in ("none", "auto", "required"):
             return choice
-        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        if (
+            isinstance(choice, dict)
+            and choice.get("type") == "function"
+            and isinstance(choice.get("name"), str)
+        ):
             return {"type": "function", "function": {"name": choice["name"]}}
-        raise RequestError(f"tool_choice {json.dumps(choice)} is not supported: use \"none\", \"auto\", \"required\" "
-                           'or {"type": "function", "name": ...}', param="tool_choice")
+        raise RequestError(
+            f'tool_choice {json.dumps(choice)} is not supported: use "none", "auto", "required" '
+            'or {"type": "function", "name": ...}',
+            param="tool_choice",
+        )
 
     def response_format(self) -> dict[str, Any] | None:
         fmt = self.text.format if self.text is not None else None
@@ -122,17 +141,36 @@ class ResponsesRequest(RequestBody):
         if fmt.type == "json_object":
             return {"type": "json_object"}
         if fmt.schema_ is None:
-            raise RequestError('text.format of type "json_schema" needs a "schema"', param="text.format.schema")
-        return {"type": "json_schema", "json_schema": {"name": fmt.name or "response", "schema": fmt.schema_,
-                                                       "strict": fmt.strict}}
+            raise RequestError(
+                'text.format of type "json_schema" needs a "schema"', param="text.format.schema"
+            )
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.name or "response",
+                "schema": fmt.schema_,
+                "strict": fmt.strict,
+            },
+        }
 
     def chat_fields(self) -> dict[str, Any]:
-        """The sampling and output fields of the chat completions request this runs as (messages apart)."""
-        fields = {"model": self.model, "stream": self.stream, "max_completion_tokens": self.max_output_tokens,
-                  "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                  "seed": self.seed, "repetition_penalty": self.repetition_penalty, "ignore_eos": self.ignore_eos,
-                  "tools": self.chat_tools(),
-                  "tool_choice": self.chat_tool_choice(), "response_format": self.response_format()}
+        """The sampling and output fields of the chat completions request this runs as (messages
+        apart)."""
+        fields = {
+            "model": self.model,
+            "stream": self.stream,
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "repetition_penalty": self.repetition_penalty,
+            "ignore_eos": self.ignore_eos,
+            "tools": self.chat_tools(),
+            "tool_choice": self.chat_tool_choice(),
+            "response_format": self.response_format(),
+        }
         if self.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
         return {k: v for k, v in fields.items() if v is not None}
@@ -147,8 +185,9 @@ def _first_error(exc: ValueError) -> str:
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input as chat messages (OpenAI's shape): messages, function calls (joined into one assistant message
-    when consecutive) and their outputs. An item type this server cannot take is refused by name."""
+    """The input as chat messages (OpenAI's shape): messages, function calls (joined into one
+    assistant message when consecutive) and their outputs. An item type this server cannot take
+    is refused by name."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -161,40 +200,70 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise RequestError(f"{where}: role {json.dumps(role)} is not one of user, assistant, system, "
-                                   "developer", param=f"{where}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+                raise RequestError(
+                    f"{where}: role {json.dumps(role)} is not one of user, assistant, system, "
+                    "developer",
+                    param=f"{where}.role",
+                )
+            messages.append(
+                {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+            )
         elif kind == "function_call":
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
-                raise RequestError(f"{where}: a function_call item needs call_id, name and arguments (strings)",
-                                   param=where)
+                raise RequestError(
+                    f"{where}: a function_call item needs call_id, name and arguments (strings)",
+                    param=where,
+                )
             try:
                 json.loads(arguments)
             except ValueError:
-                raise RequestError(f"{where}.arguments is not JSON text; send the arguments the model returned",
-                                   param=f"{where}.arguments") from None
+                raise RequestError(
+                    f"{where}.arguments is not JSON text; send the arguments the model returned",
+                    param=f"{where}.arguments",
+                ) from None
             names[call_id] = name
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            call = {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
+            if (
+                last is not None
+                and last["role"] == "assistant"
+                and (last.get("tool_calls") or not last["content"])
+            ):
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
-                raise RequestError(f"{where}: a function_call_output item needs a call_id", param=f"{where}.call_id")
-            message = {"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output")}
+                raise RequestError(
+                    f"{where}: a function_call_output item needs a call_id",
+                    param=f"{where}.call_id",
+                )
+            message = {
+                "role": "tool",
+                "tool_call_id": call_id,
+                "content": _text(output, f"{where}.output"),
+            }
             if call_id in names:
                 message["name"] = names[call_id]
             messages.append(message)
         elif kind == "reasoning":
-            raise RequestError(f"{where}: reasoning items are not supported (this server's models do not reason); "
-                               "leave them out of the input", param=f"{where}.type")
+            raise RequestError(
+                f"{where}: reasoning items are not supported (this server's models do not reason); "
+                "leave them out of the input",
+                param=f"{where}.type",
+            )
         else:
-            raise RequestError(f"{where}: input items of type {json.dumps(kind)} are not supported; send message, "
-                               "function_call and function_call_output items", param=f"{where}.type")
+            raise RequestError(
+                f"{where}: input items of type {json.dumps(kind)} are not supported; send message, "
+                "function_call and function_call_output items",
+                param=f"{where}.type",
+            )
     return messages
 
 
@@ -207,8 +276,13 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}[{j}]: content of type {json.dumps(kind)} is not supported; only text "
-                               "(input_text, output_text) is", param=f"{where}[{j}].type")
+        if kind not in ("input_text", "output_text", "text") or not isinstance(
+            part.get("text"), str
+        ):
+            raise RequestError(
+                f"{where}[{j}]: content of type {json.dumps(kind)} is not supported; only text "
+                "(input_text, output_text) is",
+                param=f"{where}[{j}].type",
+            )
         texts.append(part["text"])
     return "\n".join(texts)

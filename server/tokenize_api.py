@@ -1,4 +1,5 @@
-"""vLLM's token endpoints: /tokenize, /detokenize, and the render endpoints that turn a request into its token ids.
+"""vLLM's token endpoints: /tokenize, /detokenize, and the render endpoints that turn a request into
+its token ids.
 
 Routers that place requests by their token blocks ask the node for these:
 vllm-router's kv_aware and cache_aware policies POST a chat request to
@@ -18,8 +19,15 @@ import msgspec
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from server.protocol import (INT64_MAX, ChatCompletionRequest, ChatMessage, ChatTemplateInput, CompletionRequest, Tool,
-                             unsupported)
+from server.protocol import (
+    INT64_MAX,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTemplateInput,
+    CompletionRequest,
+    Tool,
+    unsupported,
+)
 from server.request_path import RequestPath
 
 
@@ -46,7 +54,8 @@ class TokenizeChatRequest(ChatTemplateInput, BaseModel):
     add_special_tokens: bool = False
     return_token_strs: bool = False
     tools: list[Tool] | None = None
-    # As on /v1/chat/completions: a template other than the model's would tokenize what the node never runs.
+    # As on /v1/chat/completions: a template other than the model's would tokenize what the node
+    # never runs.
     chat_template: Annotated[Any, unsupported()] = None
     chat_template_kwargs: Annotated[Any, unsupported({})] = None
 
@@ -65,8 +74,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def add_token_routes(app: FastAPI, path: RequestPath) -> None:
-    """Add the routes; the render endpoints run path's chat_prompt and completion_prompt, what /v1/chat/completions
-    and /v1/completions run."""
+    """Add the routes; the render endpoints run path's chat_prompt and completion_prompt, what
+    /v1/chat/completions and /v1/completions run."""
     model, off_loop = path.model, path.off_loop
 
     @app.post("/tokenize")
@@ -74,14 +83,32 @@ def add_token_routes(app: FastAPI, path: RequestPath) -> None:
         model.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             model.need_chat_template()
-            ids = await off_loop(model.chat_prompt_ids, body.template_messages(), body.template_tools(),
-                                 body.add_generation_prompt, body.continue_final_message, body.add_special_tokens)
+            ids = await off_loop(
+                model.chat_prompt_ids,
+                body.template_messages(),
+                body.template_tools(),
+                body.add_generation_prompt,
+                body.continue_final_message,
+                body.add_special_tokens,
+            )
         else:
             model.need_tokenizer("prompt")
-            ids = await off_loop(functools.partial(model.encode, add_special_tokens=body.add_special_tokens),
-                                 body.prompt, "prompt")
-        strs = await off_loop(model.tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
+            ids = await off_loop(
+                functools.partial(model.encode, add_special_tokens=body.add_special_tokens),
+                body.prompt,
+                "prompt",
+            )
+        strs = (
+            await off_loop(model.tokenizer.convert_ids_to_tokens, ids)
+            if body.return_token_strs
+            else None
+        )
+        return {
+            "count": len(ids),
+            "max_model_len": model.max_model_len,
+            "tokens": ids,
+            "token_strs": strs,
+        }
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -96,12 +123,23 @@ def add_token_routes(app: FastAPI, path: RequestPath) -> None:
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict]:
-        return [render(body, await path.completion_prompt(body), "cmpl")]  # vLLM's answers one per prompt
+        return [
+            render(body, await path.completion_prompt(body), "cmpl")
+        ]  # vLLM's answers one per prompt
 
-    def render(body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], kind: str) -> dict:
-        """vLLM's GenerateRequest for the prompt: its token ids and the sampling parameters it would run with."""
+    def render(
+        body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], kind: str
+    ) -> dict:
+        """vLLM's GenerateRequest for the prompt: its token ids and the sampling parameters it would
+        run with."""
         max_tokens = max(1, model.resolve_max_tokens(body, len(prompt_ids)))
         sampling = body.sampling_params(max_tokens, model.eos_token_ids, model.vocab_size)
-        return {"request_id": f"{kind}-{uuid.uuid4().hex}", "token_ids": prompt_ids, "model": body.model,
-                "sampling_params": msgspec.to_builtins(sampling), "stream": body.stream,
-                "return_token_ids": body.return_token_ids, "cache_salt": None}
+        return {
+            "request_id": f"{kind}-{uuid.uuid4().hex}",
+            "token_ids": prompt_ids,
+            "model": body.model,
+            "sampling_params": msgspec.to_builtins(sampling),
+            "stream": body.stream,
+            "return_token_ids": body.return_token_ids,
+            "cache_salt": None,
+        }

@@ -1,9 +1,9 @@
 """How a chat choice's text becomes content and tool calls, for the request's tool_choice.
 
-auto: the model's own format, read by the family's parser (server/tools.py) as the text streams. required and a
-named function: structured outputs force the text to match forced_tool_schema, and the text is then the calls (a
-named function's arguments stream as they come; required's calls go out as their names are complete, then their
-arguments as they come).
+auto: the model's own format, read by the family's parser (server/tools.py) as the text streams.
+required and a named function: structured outputs force the text to match forced_tool_schema, and
+the text is then the calls (a named function's arguments stream as they come; required's calls go
+out as their names are complete, then their arguments as they come).
 """
 
 from __future__ import annotations
@@ -15,8 +15,17 @@ from typing import Any
 from engine.sampling_params import GuidedSpec
 from server.errors import RequestError
 from server.protocol import ChatCompletionRequest, NamedToolChoice
-from server.tools import DeltaItem, ForcedCallStream, Tool, ToolParser, ToolStream, calls_from_forced, \
-    forced_tool_schema, new_call_id, parser_for
+from server.tools import (
+    DeltaItem,
+    ForcedCallStream,
+    Tool,
+    ToolParser,
+    ToolStream,
+    calls_from_forced,
+    forced_tool_schema,
+    new_call_id,
+    parser_for,
+)
 
 
 @dataclass
@@ -38,13 +47,16 @@ class ToolOutput:
         return ToolOutput(self.mode, self.tools, self.parser, self.name, self.spec)
 
     def result(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
-        """A whole output's content (None when it was only calls) and its tool calls in OpenAI's shape."""
+        """A whole output's content (None when it was only calls) and its tool calls in OpenAI's
+        shape."""
         if self.mode == "auto":
             content, calls = self.parser.parse(text)  # type: ignore[union-attr]
         else:
             try:
                 content, calls = None, calls_from_forced(text, self.tools, self.name)
-            except ValueError:  # cut off (max_tokens): the calls begun, with their arguments as far as they got
+            except (
+                ValueError
+            ):  # cut off (max_tokens): the calls begun, with their arguments as far as they got
                 partial = self._cut_off_calls(text)
                 self.called = bool(partial)
                 return (None if partial else text), partial
@@ -52,11 +64,17 @@ class ToolOutput:
         return content, [call.model_dump() for call in calls]
 
     def _cut_off_calls(self, text: str) -> list[dict[str, Any]]:
-        """A forced output cut off before it was whole, as what agents expect of a call cut by max_tokens (OpenAI's
-        shape, the arguments' text as far as it was generated): a named function's call, or required's calls whose
-        names were complete (the ids the stream gave them, where it ran)."""
+        """A forced output cut off before it was whole, as what agents expect of a call cut by
+        max_tokens (OpenAI's shape, the arguments' text as far as it was generated): a named
+        function's call, or required's calls whose names were complete (the ids the stream gave
+        them, where it ran)."""
+
         def call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-            return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            return {
+                "id": call_id,
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
 
         if self.mode == "named":
             return [call(self._call_id, self.name, text)] if text else []  # type: ignore[arg-type]
@@ -64,7 +82,9 @@ class ToolOutput:
         if forced is None:
             forced = ForcedCallStream()
             forced.feed(text)
-        return [call(c["id"], c["name"], c["arguments"]) for c in forced.calls if c["name"] is not None]
+        return [
+            call(c["id"], c["name"], c["arguments"]) for c in forced.calls if c["name"] is not None
+        ]
 
     def delta(self, text: str, final: bool) -> dict[str, Any]:
         """The chat delta for the next piece of text ({} when nothing is decided yet)."""
@@ -93,8 +113,14 @@ class ToolOutput:
     def _named(self, text: str) -> list[DeltaItem]:
         items: list[DeltaItem] = []
         if text and not self._text:
-            items.append({"index": 0, "id": self._call_id, "type": "function",
-                          "function": {"name": self.name, "arguments": ""}})
+            items.append(
+                {
+                    "index": 0,
+                    "id": self._call_id,
+                    "type": "function",
+                    "function": {"name": self.name, "arguments": ""},
+                }
+            )
         self._text += text
         if text:
             items.append({"index": 0, "function": {"arguments": text}})
@@ -106,21 +132,29 @@ class ToolOutput:
         self._text += text
         items = self._forced.feed(text)
         if final and not self._forced.calls_sent:
-            return [self._text] if self._text else []  # cut off before a call had its name: the text is all there is
+            return (
+                [self._text] if self._text else []
+            )  # cut off before a call had its name: the text is all there is
         return items
 
 
-def tool_output_for(body: ChatCompletionRequest, tokenizer: Any, parser_name: str) -> ToolOutput | None:
-    """How this request's choices read tool calls (None: the text is the content, tool_choice none or no tools)."""
+def tool_output_for(
+    body: ChatCompletionRequest, tokenizer: Any, parser_name: str
+) -> ToolOutput | None:
+    """How this request's choices read tool calls (None: the text is the content, tool_choice none
+    or no tools)."""
     choice = body.effective_tool_choice
     if choice == "none" or not body.tools:
         return None
     if choice == "auto":
         parser = parser_for(parser_name, getattr(tokenizer, "chat_template", None))
         if parser is None:
-            raise RequestError('tool_choice "auto": this server reads no tool calls out of the model\'s text '
-                               "(--tool-call-parser none); send tool_choice \"required\" or a named function, or "
-                               "start it with another --tool-call-parser", param="tool_choice")
+            raise RequestError(
+                'tool_choice "auto": this server reads no tool calls out of the model\'s text '
+                '(--tool-call-parser none); send tool_choice "required" or a named function, or '
+                "start it with another --tool-call-parser",
+                param="tool_choice",
+            )
         return ToolOutput("auto", body.tools, parser=parser)
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     try:

@@ -1,10 +1,12 @@
-"""OpenAI tool calling: the request models, the schemas that force a call, and per-family parsers of calls in text.
+"""OpenAI tool calling: the request models, the schemas that force a call, and per-family parsers of
+calls in text.
 
 tool_choice "required" or a named function is enforced by structured outputs: the output must match
-forced_tool_schema, and calls_from_forced turns it into calls. tool_choice "auto" lets the model write calls in its
-own format, which a ToolParser finds in the generated text (decoded with special tokens kept). A parser reads text
-whole (parse) or in pieces (stream); parse is the stream fed the whole text, and the stream's state machine decides
-nothing before the text that decides it has arrived, so every split of a text gives the same content and calls.
+forced_tool_schema, and calls_from_forced turns it into calls. tool_choice "auto" lets the model
+write calls in its own format, which a ToolParser finds in the generated text (decoded with special
+tokens kept). A parser reads text whole (parse) or in pieces (stream); parse is the stream fed the
+whole text, and the stream's state machine decides nothing before the text that decides it has
+arrived, so every split of a text gives the same content and calls.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 from pydantic import BaseModel, ValidationInfo, field_validator
 
-NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}  # the schema of a function without parameters
+NO_ARGUMENTS: dict[str, Any] = {
+    "type": "object",
+    "properties": {},
+}  # the schema of a function without parameters
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 class FunctionDefinition(BaseModel):
-    """A function the model may call. parameters: the JSON schema of its arguments object (None: no arguments)."""
+    """A function the model may call. parameters: the JSON schema of its arguments object (None: no
+    arguments)."""
 
     name: str
     description: str | None = None
@@ -36,7 +42,9 @@ class FunctionDefinition(BaseModel):
     @classmethod
     def _check_name(cls, name: str) -> str:
         if not _NAME.fullmatch(name):
-            raise ValueError(f"function name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_' and '-'")
+            raise ValueError(
+                f"function name {name!r} must be 1-64 characters of a-z, A-Z, 0-9, '_' and '-'"
+            )
         return name
 
     @field_validator("parameters", mode="before")
@@ -46,22 +54,32 @@ class FunctionDefinition(BaseModel):
         if schema is None:
             return None
         if not isinstance(schema, dict):
-            raise ValueError(f"tool {name!r}: parameters must be a JSON schema object such as "
-                             f'{{"type": "object", "properties": {{...}}}}, not a {type(schema).__name__}')
+            raise ValueError(
+                f"tool {name!r}: parameters must be a JSON schema object such as "
+                f'{{"type": "object", "properties": {{...}}}}, not a {type(schema).__name__}'
+            )
         try:
             validator_for(schema).check_schema(schema)
         except SchemaError as exc:
-            raise ValueError(f"tool {name!r}: parameters is not a valid JSON schema: {exc.message} "
-                             f"(at {exc.json_path})") from None
+            raise ValueError(
+                f"tool {name!r}: parameters is not a valid JSON schema: {exc.message} "
+                f"(at {exc.json_path})"
+            ) from None
         if schema.get("type", "object") != "object":
             # The arguments are sent as a JSON object (OpenAI refuses other types the same way).
-            raise ValueError(f'tool {name!r}: parameters must describe an object ("type": "object"), '
-                             f"not {json.dumps(schema['type'])}")
+            raise ValueError(
+                f'tool {name!r}: parameters must describe an object ("type": "object"), '
+                f"not {json.dumps(schema['type'])}"
+            )
         return schema
 
     def arguments_schema(self) -> dict[str, Any]:
         """The schema an arguments object must match; an untyped schema is made an object schema."""
-        return {"type": "object", **self.parameters} if self.parameters is not None else dict(NO_ARGUMENTS)
+        return (
+            {"type": "object", **self.parameters}
+            if self.parameters is not None
+            else dict(NO_ARGUMENTS)
+        )
 
 
 class Tool(BaseModel):
@@ -78,7 +96,8 @@ class FunctionName(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    """tool_choice {"type": "function", "function": {"name": ...}}: the model must call that function."""
+    """tool_choice {"type": "function", "function": {"name": ...}}: the model must call that
+    function."""
 
     type: Literal["function"] = "function"
     function: FunctionName
@@ -99,7 +118,9 @@ class ToolCallFunction(BaseModel):
         try:
             json.loads(arguments)
         except ValueError as exc:
-            raise ValueError(f'arguments must be JSON text such as "{{\\"city\\": \\"Paris\\"}}" ({exc})') from None
+            raise ValueError(
+                f'arguments must be JSON text such as "{{\\"city\\": \\"Paris\\"}}" ({exc})'
+            ) from None
         return arguments
 
 
@@ -126,14 +147,17 @@ def _find(tools: list[Tool], name: str) -> FunctionDefinition:
         if tool.function.name == name:
             return tool.function
     names = ", ".join(repr(t.function.name) for t in tools) or "none"
-    raise ValueError(f"tool_choice names the function {name!r}, which is not in tools (they are: {names}); "
-                     "add it to tools or name one of those")
+    raise ValueError(
+        f"tool_choice names the function {name!r}, which is not in tools (they are: {names}); "
+        "add it to tools or name one of those"
+    )
 
 
 def forced_tool_schema(tools: list[Tool], choice: str | None, parallel: bool) -> dict[str, Any]:
-    """The JSON schema the output must match when a call is forced. choice: a function name (the output is that
-    function's arguments object, as vLLM does) or None for "required" (the output is a list of {"name",
-    "parameters"} objects, one at most unless parallel). Raises ValueError, for the client, on a bad choice."""
+    """The JSON schema the output must match when a call is forced. choice: a function name (the
+    output is that function's arguments object, as vLLM does) or None for "required" (the output
+    is a list of {"name", "parameters"} objects, one at most unless parallel). Raises ValueError,
+    for the client, on a bad choice."""
     if choice is not None:
         return copy.deepcopy(_find(tools, choice).arguments_schema())
     if not tools:
@@ -141,13 +165,22 @@ def forced_tool_schema(tools: list[Tool], choice: str | None, parallel: bool) ->
     variants, defs = [], {}
     for tool in tools:
         schema = tool.function.arguments_schema()
-        # References point at the root (#/$defs/...): the definitions move there, as vLLM moves them.
+        # References point at the root (#/$defs/...): the definitions move there, as vLLM moves
+        # them.
         for key in ("$defs", "definitions"):
             for ref, sub in schema.pop(key, {}).items():
                 if defs.setdefault(key, {}).setdefault(ref, sub) != sub:
-                    raise ValueError(f"tools define {key}/{ref} differently; give the definitions distinct names")
-        variants.append({"type": "object", "properties": {"name": {"const": tool.function.name}, "parameters": schema},
-                         "required": ["name", "parameters"], "additionalProperties": False})
+                    raise ValueError(
+                        f"tools define {key}/{ref} differently; give the definitions distinct names"
+                    )
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.function.name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     forced: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
     if not parallel:
         forced["maxItems"] = 1
@@ -155,8 +188,9 @@ def forced_tool_schema(tools: list[Tool], choice: str | None, parallel: bool) ->
 
 
 def calls_from_forced(text: str, tools: list[Tool], choice: str | None) -> list[ToolCall]:
-    """The tool calls in output that matched forced_tool_schema(tools, choice, ...). Raises ValueError when the
-    text is not a complete match, i.e. generation was cut off (max_tokens): answer with the text as content."""
+    """The tool calls in output that matched forced_tool_schema(tools, choice, ...). Raises
+    ValueError when the text is not a complete match, i.e. generation was cut off (max_tokens):
+    answer with the text as content."""
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -166,19 +200,27 @@ def calls_from_forced(text: str, tools: list[Tool], choice: str | None) -> list[
             raise ValueError("the forced tool call's arguments are not a JSON object")
         return [_new_call(choice, value)]
     names = {tool.function.name for tool in tools}
-    if not isinstance(value, list) or not value or not all(
-        isinstance(c, dict) and c.get("name") in names and isinstance(c.get("parameters"), dict) for c in value
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(
+            isinstance(c, dict) and c.get("name") in names and isinstance(c.get("parameters"), dict)
+            for c in value
+        )
     ):
-        raise ValueError('the forced tool calls are not a list of {"name", "parameters"} objects naming tools')
+        raise ValueError(
+            'the forced tool calls are not a list of {"name", "parameters"} objects naming tools'
+        )
     return [_new_call(c["name"], c["parameters"]) for c in value]
 
 
 class ForcedCallStream:
-    """Reads tool_choice "required"'s output, [{"name": ..., "parameters": {...}}, ...], as it is generated: a call's
-    header (its id and name) goes out once its name is complete, then its arguments as they come, the parameters'
-    text exactly as generated, as OpenAI and vLLM stream them. The grammar has already made the text match
-    forced_tool_schema, so a plain JSON scanner suffices: it follows strings and nesting, and at the depth of a call
-    object reads which key a value belongs to. Parameters generated before the name wait for it."""
+    """Reads tool_choice "required"'s output, [{"name": ..., "parameters": {...}}, ...], as it is
+    generated: a call's header (its id and name) goes out once its name is complete, then its
+    arguments as they come, the parameters' text exactly as generated, as OpenAI and vLLM stream
+    them. The grammar has already made the text match forced_tool_schema, so a plain JSON scanner
+    suffices: it follows strings and nesting, and at the depth of a call object reads which key a
+    value belongs to. Parameters generated before the name wait for it."""
 
     def __init__(self) -> None:
         self.stack: list[str] = []  # open containers, "[" or "{"
@@ -187,7 +229,9 @@ class ForcedCallStream:
         self.expect_key = False  # at call-object depth: the next string is a key
         self.token: list[str] = []  # the string being read at call-object depth (a key or the name)
         self.in_args = False
-        self.calls: list[dict[str, Any]] = []  # {"id", "name", "arguments", "sent": chars of arguments sent}
+        self.calls: list[
+            dict[str, Any]
+        ] = []  # {"id", "name", "arguments", "sent": chars of arguments sent}
 
     def feed(self, text: str) -> list[DeltaItem]:
         for ch in text:
@@ -197,11 +241,19 @@ class ForcedCallStream:
             if call["name"] is None:
                 continue
             if call["sent"] < 0:
-                items.append({"index": index, "id": call["id"], "type": "function",
-                              "function": {"name": call["name"], "arguments": ""}})
+                items.append(
+                    {
+                        "index": index,
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": ""},
+                    }
+                )
                 call["sent"] = 0
             if len(call["arguments"]) > call["sent"]:
-                items.append({"index": index, "function": {"arguments": call["arguments"][call["sent"]:]}})
+                items.append(
+                    {"index": index, "function": {"arguments": call["arguments"][call["sent"] :]}}
+                )
                 call["sent"] = len(call["arguments"])
         return items
 
@@ -255,17 +307,20 @@ class ForcedCallStream:
             self.calls[-1]["name"] = value
 
 
-# A streamed item: content text, or a tool-call delta in OpenAI's shape ({"index", "id", "type", "function":
-# {"name", "arguments": ""}} for a call's first delta, {"index", "function": {"arguments"}} for the next ones).
+# A streamed item: content text, or a tool-call delta in OpenAI's shape ({"index", "id", "type",
+# "function": {"name", "arguments": ""}} for a call's first delta, {"index", "function":
+# {"arguments"}} for the next ones).
 DeltaItem = str | dict[str, Any]
-# A family's format after its marker: state -> ({literal: next state}, whether the text may end here). The literal
-# "{" is a call object (read whole) rather than a single character.
+# A family's format after its marker: state -> ({literal: next state}, whether the text may end
+# here). The literal "{" is a call object (read whole) rather than a single character.
 Grammar = dict[str, tuple[dict[str, str], bool]]
 _PASS = "content"  # the state after a failure: the rest of the text is content
 
 
 def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # Python reads NaN and Infinity; clients' JSON parsers do not
+    raise ValueError(
+        f"{name} is not JSON"
+    )  # Python reads NaN and Infinity; clients' JSON parsers do not
 
 
 _JSON = json.JSONDecoder(parse_constant=_no_constants)
@@ -273,24 +328,28 @@ _JSON = json.JSONDecoder(parse_constant=_no_constants)
 
 @dataclass(frozen=True)
 class ToolParser:
-    """One model family's tool-call format. Text before `marker` is content (its trailing whitespace dropped); from
-    the marker on, the text follows `grammar` from state `start`, each "{" a call object {"name", arguments under one
-    of argument_keys}. Where the text stops following it, the rest is content; when no call was read before, all of
-    the text is (a malformed call is never an error). Without a marker the grammar must match from the start."""
+    """One model family's tool-call format. Text before `marker` is content (its trailing whitespace
+    dropped); from the marker on, the text follows `grammar` from state `start`, each "{" a call
+    object {"name", arguments under one of argument_keys}. Where the text stops following it, the
+    rest is content; when no call was read before, all of the text is (a malformed call is never an
+    error). Without a marker the grammar must match from the start."""
 
     name: str
     grammar: Grammar
     start: str
     marker: str | None = None
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
-    arguments_required: bool = False  # llama3_json: a bare {"name": ...} is an ordinary JSON answer, not a call
+    arguments_required: bool = (
+        False  # llama3_json: a bare {"name": ...} is an ordinary JSON answer, not a call
+    )
 
     def stream(self) -> ToolStream:
         """A parser for one output that arrives in pieces."""
         return ToolStream(self)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole output; content is None when the output was only tool calls."""
+        """(content, calls) of a whole output; content is None when the output was only tool
+        calls."""
         stream = self.stream()
         return merge_deltas(stream.feed(text) + stream.finish())
 
@@ -305,15 +364,18 @@ def merge_deltas(items: list[DeltaItem]) -> tuple[str | None, list[ToolCall]]:
             calls.append({"id": item["id"], "name": item["function"]["name"], "arguments": ""})
         else:
             calls[item["index"]]["arguments"] += item["function"]["arguments"]
-    tool_calls = [ToolCall(id=c["id"], function=ToolCallFunction(name=c["name"], arguments=c["arguments"]))
-                  for c in calls]
+    tool_calls = [
+        ToolCall(id=c["id"], function=ToolCallFunction(name=c["name"], arguments=c["arguments"]))
+        for c in calls
+    ]
     return (content if content or not tool_calls else None), tool_calls
 
 
 class ToolStream:
-    """The incremental reader behind ToolParser: feed(delta) and finish() return the items now decided. Content is
-    held back only while it may be the start of the marker or trailing whitespace before it; a call goes out (its
-    header, then its arguments) once its JSON object is complete."""
+    """The incremental reader behind ToolParser: feed(delta) and finish() return the items now
+    decided. Content is held back only while it may be the start of the marker or trailing
+    whitespace before it; a call goes out (its header, then its arguments) once its JSON object
+    is complete."""
 
     def __init__(self, parser: ToolParser) -> None:
         self.parser = parser
@@ -321,7 +383,8 @@ class ToolStream:
         self.state = "before" if parser.marker else parser.start
         self.pos = 0  # text[:pos] is decided: sent as content or read as calls
         self.at = 0  # how far the grammar has read
-        self.resume = 0  # where content resumes if the grammar fails after a call: after the last complete element
+        # where content resumes if the grammar fails after a call: after the last complete element
+        self.resume = 0
         self.calls = 0
         self._tried = 0  # a call object can only complete at a "}" after here
         self._out: list[DeltaItem] = []
@@ -332,7 +395,8 @@ class ToolStream:
         return self._run(final=False)
 
     def finish(self) -> list[DeltaItem]:
-        """The items the end of the output decides (held-back content, an unterminated call's fate)."""
+        """The items the end of the output decides (held-back content, an unterminated call's
+        fate)."""
         return self._run(final=True)
 
     def _run(self, final: bool) -> list[DeltaItem]:
@@ -374,49 +438,68 @@ class ToolStream:
                 self._content(len(self.text))
             else:
                 end = len(self.text) - _partial_suffix(self.text, marker, self.pos)
-                self._content(self.pos + len(self.text[self.pos:end].rstrip()))
+                self._content(self.pos + len(self.text[self.pos : end].rstrip()))
             return False
-        self._content(self.pos + len(self.text[self.pos:found].rstrip()))
+        self._content(self.pos + len(self.text[self.pos : found].rstrip()))
         self.at, self.state = found + len(marker), self.parser.start
         return True
 
     def _peek(self, literals: dict[str, str], final: bool) -> tuple[int, str | None]:
-        """(q, literal): q is the first non-space at or after `at`; literal is the one text[q:] starts with, "" at
-        the end of the text or (until final) inside a literal, None when text[q:] can start none of them."""
+        """(q, literal): q is the first non-space at or after `at`; literal is the one text[q:]
+        starts with, "" at the end of the text or (until final) inside a literal, None when
+        text[q:] can start none of them."""
         q = self.at
         while q < len(self.text) and self.text[q].isspace():
             q += 1
         for literal in literals:
             if self.text.startswith(literal, q):
                 return q, literal
-        rest = self.text[q:q + max(map(len, literals), default=0)]
-        if q == len(self.text) or (not final and any(literal.startswith(rest) for literal in literals)):
+        rest = self.text[q : q + max(map(len, literals), default=0)]
+        if q == len(self.text) or (
+            not final and any(literal.startswith(rest) for literal in literals)
+        ):
             return q, ""
         return q, None
 
     def _read_call(self, start: int, final: bool) -> bool | None:
-        """Read the call object at `start`: True (sent), False (not a call), None (may still complete)."""
+        """Read the call object at `start`: True (sent), False (not a call), None (may still
+        complete)."""
         if self.text.find("}", self._tried) < 0:
             return False if final else None
         try:
             value, end = _JSON.raw_decode(self.text, start)
         except ValueError:
-            # A prefix of an object never decodes, so only the end of the text can tell malformed from unfinished.
+            # A prefix of an object never decodes, so only the end of the text can tell malformed
+            # from unfinished.
             self._tried = len(self.text)
             return False if final else None
         call = self._call(value)
         if call is None:
             return False
         index, self.calls, self.at = self.calls, self.calls + 1, end
-        self._out.append({"index": index, "id": new_call_id(), "type": "function",
-                          "function": {"name": call[0], "arguments": ""}})
-        self._out.append({"index": index, "function": {"arguments": json.dumps(call[1], ensure_ascii=False)}})
+        self._out.append(
+            {
+                "index": index,
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": call[0], "arguments": ""},
+            }
+        )
+        self._out.append(
+            {"index": index, "function": {"arguments": json.dumps(call[1], ensure_ascii=False)}}
+        )
         return True
 
     def _call(self, value: Any) -> tuple[str, dict[str, Any]] | None:
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        if (
+            not isinstance(value, dict)
+            or not isinstance(value.get("name"), str)
+            or not value["name"]
+        ):
             return None
-        arguments = next((value[k] for k in self.parser.argument_keys if value.get(k) is not None), None)
+        arguments = next(
+            (value[k] for k in self.parser.argument_keys if value.get(k) is not None), None
+        )
         if arguments is None:
             return None if self.parser.arguments_required else (value["name"], {})
         if isinstance(arguments, str):  # some models write the arguments as JSON text
@@ -428,14 +511,14 @@ class ToolStream:
 
     def _fail(self) -> bool:
         if self.calls:
-            tail = self.text[self.resume:]
+            tail = self.text[self.resume :]
             self.pos = self.resume + len(tail) - len(tail.lstrip())
         self.state = _PASS
         return False
 
     def _content(self, end: int) -> None:
         if end > self.pos:
-            self._out.append(self.text[self.pos:end])
+            self._out.append(self.text[self.pos : end])
             self.pos = end
 
 
@@ -448,41 +531,66 @@ def _partial_suffix(text: str, marker: str, start: int) -> int:
 
 
 # Qwen2.5/Qwen3/Hermes: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, repeated.
-HERMES = ToolParser("hermes", marker="<tool_call>", start="call", grammar={
-    "call": ({"{": "close"}, False),
-    "close": ({"</tool_call>": "next"}, True),  # a call cut off before its closing tag still counts
-    "next": ({"<tool_call>": "call"}, True),
-})
-# Llama 3.1/3.2/3.3: the whole output is {"name": ..., "parameters": {...}}, or several joined by ";".
-LLAMA3_JSON = ToolParser("llama3_json", start="start", argument_keys=("parameters", "arguments"),
-                         arguments_required=True, grammar={
-    "start": ({"<|python_tag|>": "call", "{": "next"}, False),
-    "call": ({"{": "next"}, False),
-    "next": ({";": "call"}, True),
-})
+HERMES = ToolParser(
+    "hermes",
+    marker="<tool_call>",
+    start="call",
+    grammar={
+        "call": ({"{": "close"}, False),
+        "close": (
+            {"</tool_call>": "next"},
+            True,
+        ),  # a call cut off before its closing tag still counts
+        "next": ({"<tool_call>": "call"}, True),
+    },
+)
+# Llama 3.1/3.2/3.3: the whole output is {"name": ..., "parameters": {...}}, or several joined by
+# ";".
+LLAMA3_JSON = ToolParser(
+    "llama3_json",
+    start="start",
+    argument_keys=("parameters", "arguments"),
+    arguments_required=True,
+    grammar={
+        "start": ({"<|python_tag|>": "call", "{": "next"}, False),
+        "call": ({"{": "next"}, False),
+        "next": ({";": "call"}, True),
+    },
+)
 # Mistral v0.3: [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...] (a lone object is taken too).
-MISTRAL = ToolParser("mistral", marker="[TOOL_CALLS]", start="open", grammar={
-    "open": ({"[": "item", "{": "done"}, False),
-    "item": ({"{": "after"}, False),
-    "after": ({",": "item", "]": "done"}, True),
-    "done": ({}, True),
-})
+MISTRAL = ToolParser(
+    "mistral",
+    marker="[TOOL_CALLS]",
+    start="open",
+    grammar={
+        "open": ({"[": "item", "{": "done"}, False),
+        "item": ({"{": "after"}, False),
+        "after": ({",": "item", "]": "done"}, True),
+        "done": ({}, True),
+    },
+)
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HERMES, LLAMA3_JSON, MISTRAL)}
 # What in a chat template shows its tool-call format, checked in this order.
-_SIGNS = ((HERMES, ("<tool_call>",)), (MISTRAL, ("[TOOL_CALLS]",)),
-          (LLAMA3_JSON, ("<|python_tag|>", '"parameters"', "ipython")))
+_SIGNS = (
+    (HERMES, ("<tool_call>",)),
+    (MISTRAL, ("[TOOL_CALLS]",)),
+    (LLAMA3_JSON, ("<|python_tag|>", '"parameters"', "ipython")),
+)
 
 
 def parser_for(name: str, chat_template: str | None) -> ToolParser | None:
-    """The parser named (auto, hermes, llama3_json, mistral or none; None for none). auto reads the format off the
-    chat template, and where it shows none takes Hermes's, the one most open chat models were tuned on (Qwen2.5 and
-    3, Hermes, SmolLM2's tool data): an agent's later turns send tool_choice auto with every tool result, and a 400
-    on each would stop it on its second turn. Raises ValueError on an unknown name."""
+    """The parser named (auto, hermes, llama3_json, mistral or none; None for none). auto reads the
+    format off the chat template, and where it shows none takes Hermes's, the one most open chat
+    models were tuned on (Qwen2.5 and 3, Hermes, SmolLM2's tool data): an agent's later turns send
+    tool_choice auto with every tool result, and a 400 on each would stop it on its second turn.
+    Raises ValueError on an unknown name."""
     if name == "none":
         return None
     if name != "auto":
         if name not in PARSERS:
-            raise ValueError(f"unknown tool parser {name!r}; use one of auto, none, {', '.join(PARSERS)}")
+            raise ValueError(
+                f"unknown tool parser {name!r}; use one of auto, none, {', '.join(PARSERS)}"
+            )
         return PARSERS[name]
     return template_format(chat_template) or HERMES
 
@@ -496,28 +604,40 @@ def template_format(chat_template: str | None) -> ToolParser | None:
 
 
 def renders_tools(chat_template: str | None) -> bool:
-    """Whether a chat template writes the request's tools into the prompt (it reads its `tools` variable)."""
+    """Whether a chat template writes the request's tools into the prompt (it reads its `tools`
+    variable)."""
     return bool(chat_template) and "tools" in chat_template
 
 
-def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """messages with the tools described in their system message, in Hermes's format, for a chat template that
-    writes no tools itself: the model learns what it may call and how to call it (what the Hermes parser reads)."""
+def with_tool_prompt(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """messages with the tools described in their system message, in Hermes's format, for a chat
+    template that writes no tools itself: the model learns what it may call and how to call it (what
+    the Hermes parser reads)."""
     listed = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
-    prompt = ("# Tools\n\nYou may call one or more of the functions below to help answer the user. Their signatures "
-              f"are within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nTo call one, answer with a JSON "
-              "object of its name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-              '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    prompt = (
+        "# Tools\n\nYou may call one or more of the functions below to help answer the user. Their "
+        "signatures "
+        f"are within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nTo call one, answer "
+        "with a JSON "
+        "object of its name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
     if messages and messages[0].get("role") == "system":
-        return [{**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{prompt}".lstrip()}, *messages[1:]]
+        return [
+            {**messages[0], "content": f"{messages[0].get('content') or ''}\n\n{prompt}".lstrip()},
+            *messages[1:],
+        ]
     return [{"role": "system", "content": prompt}, *messages]
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages made ready for a Hugging Face chat template, as vLLM makes them: a tool call's arguments
-    parsed from JSON text to a dict (templates write them with tojson), None content as "" and text parts joined
-    with "\\n", "developer" as "system", and keys holding None dropped (templates test `is defined`). The input is
-    not changed. Raises ValueError, for the client, when a call's arguments are not JSON."""
+    """OpenAI messages made ready for a Hugging Face chat template, as vLLM makes them: a tool
+    call's arguments parsed from JSON text to a dict (templates write them with tojson), None
+    content as "" and text parts joined with "\\n", "developer" as "system", and keys holding
+    None dropped (templates test `is defined`). The input is not changed. Raises ValueError, for
+    the client, when a call's arguments are not JSON."""
     prepared = []
     for i, message in enumerate(messages):
         out = {k: v for k, v in message.items() if v is not None and k != "tool_calls"}
@@ -528,8 +648,10 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             content = "\n".join(part["text"] for part in content if part.get("type") == "text")
         out["content"] = content or ""
         if message.get("tool_calls"):
-            out["tool_calls"] = [_template_call(call, f"messages[{i}].tool_calls[{j}]")
-                                 for j, call in enumerate(message["tool_calls"])]
+            out["tool_calls"] = [
+                _template_call(call, f"messages[{i}].tool_calls[{j}]")
+                for j, call in enumerate(message["tool_calls"])
+            ]
         prepared.append(out)
     return prepared
 
@@ -540,6 +662,9 @@ def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
         try:
             function["arguments"] = json.loads(function["arguments"])
         except ValueError as exc:
-            raise ValueError(f"{where}.function.arguments is not JSON text ({exc}); send the arguments the model "
-                             "returned, such as '{\"city\": \"Paris\"}'") from None
+            raise ValueError(
+                f"{where}.function.arguments is not JSON text ({exc}); send the arguments the "
+                "model "
+                'returned, such as \'{"city": "Paris"}\''
+            ) from None
     return {**{k: v for k, v in call.items() if v is not None}, "function": function}

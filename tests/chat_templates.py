@@ -1,10 +1,11 @@
 """Tool-calling chat templates of three model families, for tests with the byte-level tokenizer.
 
-Each follows the structure of the family's real template (where the tools go, how an assistant's calls and the
-tools' results are written) with the family's markers as plain text, since the byte tokenizer has no tokens for
-them. Each renders an assistant's calls exactly as the model writes them, so that turn 2's prompt starts with turn
-1's prompt plus the model's output and the prefix cache reuses turn 1. The real Llama 3.1 and Qwen2.5 templates
-do so already; the real Mistral v0.3 template adds 9-character call ids the model never writes, so here it does not.
+Each follows the structure of the family's real template (where the tools go, how an assistant's
+calls and the tools' results are written) with the family's markers as plain text, since the byte
+tokenizer has no tokens for them. Each renders an assistant's calls exactly as the model writes
+them, so that turn 2's prompt starts with turn 1's prompt plus the model's output and the prefix
+cache reuses turn 1. The real Llama 3.1 and Qwen2.5 templates do so already; the real Mistral v0.3
+template adds 9-character call ids the model never writes, so here it does not.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Llama 3.1 (meta-llama/Llama-3.1-8B-Instruct): tools in the first user message, a call is the whole assistant
-# turn ({"name", "parameters"}), results come back in the ipython role; built-in tools use <|python_tag|>.
+# Llama 3.1 (meta-llama/Llama-3.1-8B-Instruct): tools in the first user message, a call is the whole
+# assistant turn ({"name", "parameters"}), results come back in the ipython role; built-in tools use
+# <|python_tag|>.
 LLAMA_3_1 = """\
 {{- bos_token }}
 {%- if not tools is defined %}{%- set tools = none %}{%- endif %}
@@ -77,8 +79,8 @@ LLAMA_3_1 = """\
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
 """
 
-# Qwen2.5 (Qwen/Qwen2.5-7B-Instruct): tools in the system turn, calls as Hermes <tool_call> blocks, results as
-# <tool_response> blocks in one user turn.
+# Qwen2.5 (Qwen/Qwen2.5-7B-Instruct): tools in the system turn, calls as Hermes <tool_call> blocks,
+# results as <tool_response> blocks in one user turn.
 QWEN_2_5 = """\
 {%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -120,9 +122,10 @@ QWEN_2_5 = """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
-# Mistral v0.3 (mistralai/Mistral-7B-Instruct-v0.3): [AVAILABLE_TOOLS] before the last user message, calls as
-# [TOOL_CALLS] and a JSON list, results as [TOOL_RESULTS]. The system message joins the LAST user message, so a
-# conversation with one renders it elsewhere in turn 2 than in turn 1 (the real template's behaviour).
+# Mistral v0.3 (mistralai/Mistral-7B-Instruct-v0.3): [AVAILABLE_TOOLS] before the last user message,
+# calls as [TOOL_CALLS] and a JSON list, results as [TOOL_RESULTS]. The system message joins the
+# LAST user message, so a conversation with one renders it elsewhere in turn 2 than in turn 1 (the
+# real template's behaviour).
 MISTRAL_V0_3 = """\
 {%- if messages[0]["role"] == "system" %}
     {%- set system_message = messages[0]["content"] %}
@@ -188,12 +191,17 @@ MISTRAL_V0_3 = """\
 """
 
 TEMPLATES = {"llama3.1": LLAMA_3_1, "qwen2.5": QWEN_2_5, "mistral-v0.3": MISTRAL_V0_3}
-PARSER_OF = {"llama3.1": "llama3_json", "qwen2.5": "hermes", "mistral-v0.3": "mistral"}  # vLLM's parser names
+PARSER_OF = {
+    "llama3.1": "llama3_json",
+    "qwen2.5": "hermes",
+    "mistral-v0.3": "mistral",
+}  # vLLM's parser names
 
 
 def write_template(folder: str | Path, family: str) -> None:
-    """Make `family`'s template (a TEMPLATES key) the chat template of the tokenizer in `folder`, which
-    engine.demo.write_byte_tokenizer wrote: both places transformers reads it from are overwritten."""
+    """Make `family`'s template (a TEMPLATES key) the chat template of the tokenizer in `folder`,
+    which engine.demo.write_byte_tokenizer wrote: both places transformers reads it from are
+    overwritten."""
     folder = Path(folder)
     template = TEMPLATES[family]
     config_path = folder / "tokenizer_config.json"

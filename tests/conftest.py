@@ -6,15 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-# triton.jit reads TRITON_INTERPRET when a kernel is decorated (at import): set it before any kernel module loads.
+# triton.jit reads TRITON_INTERPRET when a kernel is decorated (at import): set it before any kernel
+# module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The test process runs tiny models (the transformers oracle, engine units) next to the servers' workers;
-# on a 2-core machine extra intra-op threads only spin-wait, which made those tests several times slower.
+# The test process runs tiny models (the transformers oracle, engine units) next to the servers'
+# workers; on a 2-core machine extra intra-op threads only spin-wait, which made those tests several
+# times slower.
 torch.set_num_threads(1)
 
-from tests.server_process import ServerProcess
+from tests.server_process import ServerProcess  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +38,8 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def weights_only(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model's config and weights without its tokenizer files (as a configuration with dummy weights, such
-    as bench/models/llama-3.1-8b, has none)."""
+    """The demo model's config and weights without its tokenizer files (as a configuration with
+    dummy weights, such as bench/models/llama-3.1-8b, has none)."""
     import shutil
 
     from engine.demo import demo_model_path
@@ -55,7 +57,9 @@ def start_server(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     servers: list[ServerProcess] = []
 
     def start(*args: str) -> ServerProcess:
-        server = ServerProcess(*args, cache_dir=cache_dir, log_path=tmp_path_factory.mktemp("serve") / "serve.log")
+        server = ServerProcess(
+            *args, cache_dir=cache_dir, log_path=tmp_path_factory.mktemp("serve") / "serve.log"
+        )
         servers.append(server)
         return server
 

@@ -12,19 +12,38 @@ from bench.servers import start_server, stop_server
 from bench.soak import gauges
 
 
-def greedy_completion(server: "ServerProcess", model: str, prompt: list[int], max_tokens: int,
-                      route: str | None = None, timeout: float = 120, **fields) -> httpx.Response:
-    """/v1/completions of token ids, greedy past any end of turn, with the answer's ids; route asks for one for an
-    append-prefill (x-ppd-route). Asserts a 200."""
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=timeout, headers={"x-ppd-route": route} if route else {},
-                      json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "return_token_ids": True, **fields})
+def greedy_completion(
+    server: "ServerProcess",
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    route: str | None = None,
+    timeout: float = 120,
+    **fields,
+) -> httpx.Response:
+    """/v1/completions of token ids, greedy past any end of turn, with the answer's ids; route asks
+    for one for an append-prefill (x-ppd-route). Asserts a 200."""
+    resp = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=timeout,
+        headers={"x-ppd-route": route} if route else {},
+        json={
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **fields,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
-    """Return once predicate() holds (polled every 0.1 s); fail naming `what` after timeout seconds."""
+    """Return once predicate() holds (polled every 0.1 s); fail naming `what` after timeout
+    seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -34,13 +53,21 @@ def wait_until(predicate, timeout: float, what: str) -> None:
 
 
 class ServerProcess:
-    """`ppd serve <args>` on a free port, ready; `stop()` sends SIGTERM and returns the exit status."""
+    """`ppd serve <args>` on a free port, ready; `stop()` sends SIGTERM and returns the exit
+    status."""
 
     def __init__(self, *args: str, cache_dir: Path, log_path: Path) -> None:
         self.log_path = log_path
         # PPD_CHECK_INVARIANTS: each decode worker checks its books whenever it goes idle.
-        env = {**os.environ, "PPD_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1", "PPD_CHECK_INVARIANTS": "1"}
-        if "--policy" not in args:  # the two-worker path these tests exercise; on the CPU auto picks it only on 4+ cores
+        env = {
+            **os.environ,
+            "PPD_CACHE_DIR": str(cache_dir),
+            "PYTHONUNBUFFERED": "1",
+            "PPD_CHECK_INVARIANTS": "1",
+        }
+        if (
+            "--policy" not in args
+        ):  # the two-worker path these tests exercise; on the CPU auto picks it only on 4+ cores
             args = ("--policy", "ppd", *args)
         self.proc, self.url = start_server(list(args), log_path, env=env, timeout=120)
 

@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -22,7 +29,8 @@ _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
             "num_key_value_heads": 2,
             "tie_word_embeddings": True,
             "rope_theta": 50000.0,
-            # original_max_position_embeddings 128 puts this head_dim's frequencies in all three llama3 bands.
+            # original_max_position_embeddings 128 puts this head_dim's frequencies in all three
+            # llama3 bands.
             "rope_scaling": {
                 "rope_type": "llama3",
                 "factor": 8.0,
@@ -34,18 +42,34 @@ _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
     ),
     "mistral": (
         MistralConfig,
-        {"num_attention_heads": 4, "num_key_value_heads": 1, "tie_word_embeddings": False, "sliding_window": 160},
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": False,
+            "sliding_window": 160,
+        },
     ),
-    "qwen2": (Qwen2Config, {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}),
+    "qwen2": (
+        Qwen2Config,
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False},
+    ),
     "qwen3": (
         Qwen3Config,
-        {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "tie_word_embeddings": False},
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "tie_word_embeddings": False,
+        },
     ),
 }
 
 
-def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, vocab_size: int = 320, **overrides: Any) -> Path:
-    """Save a tiny random float32 `arch` model to folder (config.json, generation_config.json, model.safetensors)."""
+def write_tiny_model(
+    folder: str | Path, arch: str, seed: int = 0, vocab_size: int = 320, **overrides: Any
+) -> Path:
+    """Save a tiny random float32 `arch` model to folder (config.json, generation_config.json,
+    model.safetensors)."""
     config_cls, arch_kwargs = _CONFIGS[arch]
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -65,7 +89,8 @@ def write_tiny_model(folder: str | Path, arch: str, seed: int = 0, vocab_size: i
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        # transformers initialises norms to ones and biases to zeros; randomise them so loading them is tested.
+        # transformers initialises norms to ones and biases to zeros; randomise them so loading them
+        # is tested.
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
@@ -83,7 +108,9 @@ def hf_model(folder: str | Path) -> PreTrainedModel:
     """The folder's model loaded by transformers in float32 (eager attention), cached per folder."""
     key = str(Path(folder).resolve())
     if key not in _HF_MODELS:
-        model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(
+            key, dtype=torch.float32, attn_implementation="eager"
+        )
         _HF_MODELS[key] = model.eval()
     return _HF_MODELS[key]
 
@@ -95,39 +122,57 @@ def hf_logits(folder: str | Path, ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(folder: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """The oracle: Hugging Face greedy decoding without a KV cache (full recompute each step); new ids only."""
+    """The oracle: Hugging Face greedy decoding without a KV cache (full recompute each step); new
+    ids only."""
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         ids.append(int(hf_logits(folder, ids)[-1].argmax()))
     return ids[len(prompt_ids) :]
 
 
-def assert_prompt_logprobs(folder: str | Path, prompt_ids: list[int], shown: list, top: int) -> None:
-    """shown (vLLM's prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}} per prompt token) equals
-    transformers' log-softmax at the position before each token (float32, 1e-4): the token's own logprob and rank,
-    then the top alternatives."""
+def assert_prompt_logprobs(
+    folder: str | Path, prompt_ids: list[int], shown: list, top: int
+) -> None:
+    """shown (vLLM's prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}} per
+    prompt token) equals transformers' log-softmax at the position before each token (float32,
+    1e-4): the token's own logprob and rank, then the top alternatives."""
     assert len(shown) == len(prompt_ids) and shown[0] is None
     ref = hf_logits(folder, prompt_ids)[:-1].log_softmax(-1)
     for i, token in enumerate(prompt_ids[1:]):
         entry, row = shown[i + 1], ref[i]
         own = entry[str(token)]
         assert own["logprob"] == pytest.approx(float(row[token]), abs=1e-4)
-        assert int((row > row[token] + 1e-4).sum()) + 1 <= own["rank"] <= int((row > row[token] - 1e-4).sum()) + 1
-        alternatives = sorted((v["logprob"] for v in entry.values() if v["rank"] <= top), reverse=True)
+        assert (
+            int((row > row[token] + 1e-4).sum()) + 1
+            <= own["rank"]
+            <= int((row > row[token] - 1e-4).sum()) + 1
+        )
+        alternatives = sorted(
+            (v["logprob"] for v in entry.values() if v["rank"] <= top), reverse=True
+        )
         assert alternatives == pytest.approx(row.topk(top).values.tolist(), abs=1e-4)
 
 
 _GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-               "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def llama_cpp_rope_divisors(cfg: dict[str, Any]) -> list[float] | None:
-    """The rope_freqs tensor llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes for a Llama 3
-    rope_scaling: a divisor per RoPE frequency, 1 above orig / high_freq_factor cycles a token, `factor` below
-    orig / low_freq_factor, smoothly between. None without llama3 scaling."""
+    """The rope_freqs tensor llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes for a
+    Llama 3 rope_scaling: a divisor per RoPE frequency, 1 above orig / high_freq_factor cycles a
+    token, `factor` below orig / low_freq_factor, smoothly between. None without llama3 scaling."""
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type") != "llama3":
         return None
@@ -148,15 +193,18 @@ def llama_cpp_rope_divisors(cfg: dict[str, Any]) -> list[float] | None:
     return divisors
 
 
-# Where each K-quant block (256 weights) keeps its float16 scales (ggml-common.h: block_q2_K ... block_q6_K); every
-# other byte (sub-block scales, quants, high bits) is valid whatever its value.
+# Where each K-quant block (256 weights) keeps its float16 scales (ggml-common.h: block_q2_K ...
+# block_q6_K); every other byte (sub-block scales, quants, high bits) is valid whatever its value.
 _K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
-def k_quant_blocks(rows: int, cols: int, quant: str, rng: np.random.Generator, std: float = 0.1) -> np.ndarray:
-    """A rows x cols weight in K-quant `quant` as the raw blocks a GGUF holds (the gguf package reads K-quants but
-    cannot write them): random bytes, each block's float16 scales drawn and then scaled (the weights are linear in
-    them) to give the weights a standard deviation of `std`, a trained layer's spread."""
+def k_quant_blocks(
+    rows: int, cols: int, quant: str, rng: np.random.Generator, std: float = 0.1
+) -> np.ndarray:
+    """A rows x cols weight in K-quant `quant` as the raw blocks a GGUF holds (the gguf package
+    reads K-quants but cannot write them): random bytes, each block's float16 scales drawn and
+    then scaled (the weights are linear in them) to give the weights a standard deviation of
+    `std`, a trained layer's spread."""
     import gguf
     from gguf.quants import dequantize
 
@@ -164,33 +212,43 @@ def k_quant_blocks(rows: int, cols: int, quant: str, rng: np.random.Generator, s
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     assert cols % block == 0, f"a K-quant row holds whole blocks of {block}"
     raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-    scales = {offset: rng.uniform(0.5, 1.5, size=(rows, cols // block)) for offset in _K_QUANT_SCALES[quant]}
+    scales = {
+        offset: rng.uniform(0.5, 1.5, size=(rows, cols // block))
+        for offset in _K_QUANT_SCALES[quant]
+    }
 
     def write(spread: float) -> np.ndarray:
         for offset, scale in scales.items():
-            raw[:, :, offset:offset + 2] = (scale * spread).astype(np.float16)[..., None].view(np.uint8)
+            raw[:, :, offset : offset + 2] = (
+                (scale * spread).astype(np.float16)[..., None].view(np.uint8)
+            )
         return raw.reshape(rows, -1)
 
     return write(std / float(dequantize(write(1.0), qtype).std()))
 
 
 def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides: Any) -> Path:
-    """A tiny random `arch` model as a GGUF file, as llama.cpp's converter writes one: its metadata, a byte-level
-    gpt2 tokenizer (the demo's) with a chat template, tensors under llama.cpp's names, Llama's q and k rows permuted,
-    Llama 3's RoPE scaling as the rope_freqs tensor, 2-D weights in `quant` (F32, F16, Q8_0, or K-quants: a
-    comma-separated list is cycled over the weights, as a Q4_K_M file mixes Q4_K and Q6_K; norms and biases stay
-    F32). K-quant weights are random blocks, not the model's (see k_quant_blocks), and need widths that are
-    multiples of 256 (`overrides` of the model's config). Qwen3's head_dim is 128, as in every Qwen3: transformers'
-    GGUF reader takes no other."""
+    """A tiny random `arch` model as a GGUF file, as llama.cpp's converter writes one: its metadata,
+    a byte-level gpt2 tokenizer (the demo's) with a chat template, tensors under llama.cpp's
+    names, Llama's q and k rows permuted, Llama 3's RoPE scaling as the rope_freqs tensor, 2-D
+    weights in `quant` (F32, F16, Q8_0, or K-quants: a comma-separated list is cycled over the
+    weights, as a Q4_K_M file mixes Q4_K and Q6_K; norms and biases stay F32). K-quant weights
+    are random blocks, not the model's (see k_quant_blocks), and need widths that are multiples
+    of 256 (`overrides` of the model's config). Qwen3's head_dim is 128, as in every Qwen3:
+    transformers' GGUF reader takes no other."""
     import gguf
     from gguf.quants import quantize
     from safetensors.torch import load_file
 
-    from engine.demo import _bytes_to_unicode, _special_tokens, CHAT_TEMPLATE, NUM_BYTES
+    from engine.demo import CHAT_TEMPLATE, NUM_BYTES, _bytes_to_unicode, _special_tokens
 
     path = Path(path)
-    folder = write_tiny_model(path.parent / f"{path.stem}-hf", arch,
-                              **({"head_dim": 128} if arch == "qwen3" else {}), **overrides)
+    folder = write_tiny_model(
+        path.parent / f"{path.stem}-hf",
+        arch,
+        **({"head_dim": 128} if arch == "qwen3" else {}),
+        **overrides,
+    )
     cfg = __import__("json").loads((folder / "config.json").read_text())
     state = load_file(folder / "model.safetensors")
     name = _GGUF_ARCH[arch]
@@ -202,7 +260,9 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta")))
+    writer.add_rope_freq_base(
+        float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta"))
+    )
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_key_length(cfg.get("head_dim") or cfg["hidden_size"] // heads)
@@ -213,7 +273,9 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
     writer.add_token_list(tokens)
     writer.add_token_types([1] * NUM_BYTES + [3] * (len(tokens) - NUM_BYTES))
     writer.add_token_merges([])
-    writer.add_token_scores([0.0] * len(tokens))  # transformers reads merges from scores when there are none
+    writer.add_token_scores(
+        [0.0] * len(tokens)
+    )  # transformers reads merges from scores when there are none
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_chat_template(CHAT_TEMPLATE)
@@ -233,17 +295,30 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
             layer, rest = key.removeprefix("model.layers.").split(".", 1)
             module, kind = rest.rsplit(".", 1)
             gname = f"blk.{layer}.{_GGUF_NAMES[module]}.{kind}"
-            if name == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):  # llama.cpp's permute
+            if name == "llama" and module in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+            ):  # llama.cpp's permute
                 n = heads if module == "self_attn.q_proj" else kv_heads
-                data = data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+                data = (
+                    data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:])
+                    .swapaxes(1, 2)
+                    .reshape(data.shape)
+                )
         if data.ndim == 2 and quants[0] in _K_QUANT_SCALES:
             kind = quants[weights % len(quants)]
             weights += 1
-            writer.add_tensor(gname, k_quant_blocks(*data.shape, kind, rng),
-                              raw_dtype=gguf.GGMLQuantizationType[kind])
+            writer.add_tensor(
+                gname,
+                k_quant_blocks(*data.shape, kind, rng),
+                raw_dtype=gguf.GGMLQuantizationType[kind],
+            )
         elif data.ndim == 2 and quant != "F32":
-            writer.add_tensor(gname, quantize(data.astype("float16" if quant == "F16" else "float32"), qtype),
-                              raw_dtype=qtype)
+            writer.add_tensor(
+                gname,
+                quantize(data.astype("float16" if quant == "F16" else "float32"), qtype),
+                raw_dtype=qtype,
+            )
         else:
             writer.add_tensor(gname, data.astype("float32"))
     writer.write_header_to_file()
@@ -254,17 +329,21 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
 
 
 def hf_gguf_model(path: str | Path) -> PreTrainedModel:
-    """transformers' own reading of a GGUF file (float32, eager attention), cached per file, with the file's RoPE
-    divisors (rope_freqs) applied as llama.cpp applies them: transformers' GGUF reader drops them."""
+    """transformers' own reading of a GGUF file (float32, eager attention), cached per file, with
+    the file's RoPE divisors (rope_freqs) applied as llama.cpp applies them: transformers' GGUF
+    reader drops them."""
     import gguf
 
     path = Path(path)
     key = str(path.resolve())
     if key not in _HF_MODELS:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
-                                                     attn_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+        )
         divisors = [t for t in gguf.GGUFReader(path).tensors if t.name == "rope_freqs.weight"]
         if divisors:
-            model.model.rotary_emb.inv_freq /= torch.from_numpy(divisors[0].data.astype("float32").reshape(-1))
+            model.model.rotary_emb.inv_freq /= torch.from_numpy(
+                divisors[0].data.astype("float32").reshape(-1)
+            )
         _HF_MODELS[key] = model.eval()
     return _HF_MODELS[key]

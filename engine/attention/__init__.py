@@ -1,4 +1,5 @@
-"""Attention backends: an interface (base.py) and a registry; a new backend is a new file and one line here.
+"""Attention backends: an interface (base.py) and a registry; a new backend is a new file and one
+line here.
 
 `torch` (plain PyTorch, runs anywhere) is the reference; `cpu` (our C decode
 kernel beside PyTorch's SDPA) is the CPU default; `triton` (our Triton kernels)
@@ -14,7 +15,14 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionShape, StepBatch
 
-__all__ = ["BACKENDS", "AttentionBackend", "AttentionShape", "StepBatch", "create_backend", "default_backend"]
+__all__ = [
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionShape",
+    "StepBatch",
+    "create_backend",
+    "default_backend",
+]
 
 # name -> module:class, imported on use so the CPU path never imports Triton.
 BACKENDS = {
@@ -33,11 +41,19 @@ def create_backend(name: str, shape: AttentionShape, device: torch.device) -> At
     if name == "auto":
         name = default_backend(device)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}"
+        )
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the triton attention backend needs a CUDA device (on the CPU it runs only in Triton's "
-                         "interpreter, TRITON_INTERPRET=1, which the tests use); use the torch backend on the CPU")
+        raise ValueError(
+            "the triton attention backend needs a CUDA device (on the CPU it runs only in Triton's "
+            "interpreter, TRITON_INTERPRET=1, which the tests use); use the torch backend on the "
+            "CPU"
+        )
     if name == "cpu" and device.type != "cpu":
-        raise ValueError(f"the cpu attention backend runs on the CPU, not on {device.type}; use auto or triton there")
+        raise ValueError(
+            f"the cpu attention backend runs on the CPU, not on {device.type}; use auto or triton "
+            "there"
+        )
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(shape, device)

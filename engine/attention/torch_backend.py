@@ -1,4 +1,5 @@
-"""Paged attention in plain PyTorch: the CPU path, and the reference every fused kernel is tested against."""
+"""Paged attention in plain PyTorch: the CPU path, and the reference every fused kernel is tested
+against."""
 
 from __future__ import annotations
 
@@ -16,8 +17,12 @@ from engine.ops import TorchOps
 class AttentionMetadata:
     """Per-step attention inputs for a batch of sequences whose new tokens are concatenated."""
 
-    slot_mapping: Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) of each new token
-    query_start: list[int]  # B+1 cumulative offsets of each sequence's new tokens in the T dimension
+    slot_mapping: (
+        Tensor  # [T] int64: flat KV slot (block_id * block_size + offset) of each new token
+    )
+    query_start: list[
+        int
+    ]  # B+1 cumulative offsets of each sequence's new tokens in the T dimension
     context_lens: list[int]  # B: each sequence's KV length after this step (cached + new tokens)
     block_tables: list[list[int]]  # B: block ids of each sequence, in order
     block_size: int
@@ -25,7 +30,8 @@ class AttentionMetadata:
     _gather: _KVGather | None = field(default=None, init=False, repr=False, compare=False)
 
     def kv_gather(self, device: torch.device) -> _KVGather:
-        """The blocks holding every sequence's context, and its causal masks; built once per step."""
+        """The blocks holding every sequence's context, and its causal masks; built once per
+        step."""
         if self._gather is None:
             self._gather = _KVGather.build(self, device)
         return self._gather
@@ -35,7 +41,9 @@ class AttentionMetadata:
 class _KVGather:
     blocks: Tensor  # the blocks covering each sequence's context, sequences concatenated
     kv_start: list[int]  # B: row of each sequence's first key among the gathered blocks' slots
-    masks: list[Tensor | None]  # None: no mask needed (decode, or full prefill which uses is_causal)
+    masks: list[
+        Tensor | None
+    ]  # None: no mask needed (decode, or full prefill which uses is_causal)
 
     @staticmethod
     def build(meta: AttentionMetadata, device: torch.device) -> _KVGather:
@@ -59,12 +67,18 @@ class _KVGather:
 
 
 def reference_attention(
-    q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
 ) -> Tensor:
-    """q [T,H,D], k/v [T,Hkv,D]; k_cache/v_cache [num_blocks*block_size, Hkv, D] (flat-slot views of one layer's pool).
-    Writes k, v at meta.slot_mapping, then for each sequence attends its new queries over all its KV
-    (gathered through its block table up to context_len) with a causal mask: the query at absolute position p
-    sees keys 0..p. GQA by head groups. Returns [T, H, D]."""
+    """q [T,H,D], k/v [T,Hkv,D]; k_cache/v_cache [num_blocks*block_size, Hkv, D] (flat-slot views of
+    one layer's pool). Writes k, v at meta.slot_mapping, then for each sequence attends its new
+    queries over all its KV (gathered through its block table up to context_len) with a causal mask:
+    the query at absolute position p sees keys 0..p. GQA by head groups. Returns [T, H, D]."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     return sdpa_attention(q, k_cache, v_cache, meta, scale)
 
@@ -75,14 +89,27 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mappin
     v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float) -> Tensor:
+def sdpa_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+) -> Tensor:
     """reference_attention after the store: PyTorch's SDPA per sequence over its gathered blocks."""
     gather = meta.kv_gather(q.device)
-    # One gather of whole blocks per layer for all sequences (a few large row copies), then per-sequence views.
+    # One gather of whole blocks per layer for all sequences (a few large row copies), then
+    # per-sequence views.
     num_slots, hkv, d = k_cache.shape
     bs = meta.block_size
-    keys = k_cache.view(num_slots // bs, -1).index_select(0, gather.blocks).view(-1, hkv, d).to(q.dtype)
-    values = v_cache.view(num_slots // bs, -1).index_select(0, gather.blocks).view(-1, hkv, d).to(q.dtype)
+    keys = (
+        k_cache.view(num_slots // bs, -1)
+        .index_select(0, gather.blocks)
+        .view(-1, hkv, d)
+        .to(q.dtype)
+    )
+    values = (
+        v_cache.view(num_slots // bs, -1)
+        .index_select(0, gather.blocks)
+        .view(-1, hkv, d)
+        .to(q.dtype)
+    )
     out = []
     for i, mask in enumerate(gather.masks):
         qs, qe = meta.query_start[i], meta.query_start[i + 1]
@@ -102,7 +129,8 @@ def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionM
 
 
 class TorchBackend(AttentionBackend):
-    """Gathers each sequence's blocks and runs PyTorch's SDPA per sequence; runs anywhere, captures no graphs."""
+    """Gathers each sequence's blocks and runs PyTorch's SDPA per sequence; runs anywhere, captures
+    no graphs."""
 
     name = "torch"
     ops = TorchOps()
@@ -116,6 +144,14 @@ class TorchBackend(AttentionBackend):
             block_size=batch.block_size,
         )
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                scale: float) -> Tensor:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> Tensor:
         return reference_attention(q, k, v, k_cache, v_cache, meta, scale)

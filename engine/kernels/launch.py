@@ -1,5 +1,5 @@
-"""What it costs the host to launch a kernel: integer helpers for launch parameters, and Launches, which relaunches
-a step's kernels without the JIT's argument binding.
+"""What it costs the host to launch a kernel: integer helpers for launch parameters, and Launches,
+which relaunches a step's kernels without the JIT's argument binding.
 
 triton.next_power_of_2 and triton.cdiv are constexpr functions in recent Triton: a call from host
 code costs many times the arithmetic itself (docs/gpu.md#measurements-behind-the-code), and an eager
@@ -26,8 +26,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class Consts:
-    """A launch's constexprs and options (num_warps, num_stages), made once per shape: Launches tells launches apart
-    by this object's identity."""
+    """A launch's constexprs and options (num_warps, num_stages), made once per shape: Launches
+    tells launches apart by this object's identity."""
 
     __slots__ = ("kwargs", "_values")
 
@@ -36,11 +36,13 @@ class Consts:
         self._values: dict[int, tuple] = {}
 
     def values(self, kernel: Any) -> tuple:
-        """The constexprs' values in the kernel's signature order (the launcher takes every argument, constexprs
-        included; options are not arguments)."""
+        """The constexprs' values in the kernel's signature order (the launcher takes every
+        argument, constexprs included; options are not arguments)."""
         values = self._values.get(id(kernel))  # by id: a JITFunction hashes its source
         if values is None:
-            values = self._values[id(kernel)] = tuple(self.kwargs[n] for n in kernel.arg_names if n in self.kwargs)
+            values = self._values[id(kernel)] = tuple(
+                self.kwargs[n] for n in kernel.arg_names if n in self.kwargs
+            )
         return values
 
 
@@ -60,18 +62,35 @@ class Launches:
 
     def __init__(self) -> None:
         self.compiled: dict[tuple, Any] = {}
-        self.stream: int | bool | None = None  # the step's stream, read at its first relaunch (False: relaunch none)
+        self.stream: int | bool | None = (
+            None  # the step's stream, read at its first relaunch (False: relaunch none)
+        )
 
-    def __call__(self, kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, consts: Consts) -> None:
+    def __call__(
+        self, kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, consts: Consts
+    ) -> None:
         key = (id(kernel), grid, scalars, consts)  # by id: a JITFunction hashes its source
         compiled = self.compiled.get(key)
         if compiled is not None and _aligned(tensors):
             if self.stream is None:
                 device = driver.active.get_current_device()
-                self.stream = driver.active.get_current_stream(device) if _no_launch_hook() else False
+                self.stream = (
+                    driver.active.get_current_stream(device) if _no_launch_hook() else False
+                )
             if self.stream is not False:
-                compiled.run(*grid, *(1,) * (3 - len(grid)), self.stream, compiled.function, compiled.packed_metadata,
-                             None, None, knobs.runtime.launch_exit_hook, *tensors, *scalars, *consts.values(kernel))
+                compiled.run(
+                    *grid,
+                    *(1,) * (3 - len(grid)),
+                    self.stream,
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,
+                    None,
+                    knobs.runtime.launch_exit_hook,
+                    *tensors,
+                    *scalars,
+                    *consts.values(kernel),
+                )
                 return
         launched = kernel[grid](*tensors, *scalars, **consts.kwargs)
         if compiled is None and hasattr(launched, "packed_metadata") and _aligned(tensors):
@@ -79,7 +98,8 @@ class Launches:
 
 
 def _no_launch_hook() -> bool:
-    """No profiler asks for launch metadata (Triton 3.6 keeps an empty HookChain where 3.9 keeps None)."""
+    """No profiler asks for launch metadata (Triton 3.6 keeps an empty HookChain where 3.9 keeps
+    None)."""
     hook = knobs.runtime.launch_enter_hook
     return hook is None or not getattr(hook, "calls", True)
 

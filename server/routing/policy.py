@@ -1,31 +1,38 @@
 """Where a request's prefill runs: the prefill worker, or inline in the decode worker.
 
-A prompt with no cached prefix (turn 1, or a miss) always goes to the prefill worker; only an append-prefill
-over a cached prefix has a choice. Static policies: `pd` (always the prefill worker), `dlocal` (always the
-decode worker), `aggregated` (one worker does everything). `ppd` decides per request:
+A prompt with no cached prefix (turn 1, or a miss) always goes to the prefill worker; only an
+append-prefill over a cached prefix has a choice. Static policies: `pd` (always the prefill worker),
+`dlocal` (always the decode worker), `aggregated` (one worker does everything). `ppd` decides per
+request:
 
-1. With a profiled table (server/routing/policy_table.py), the request's cell gives each route's expected turn-2+
-   TTFT and TPOT at this load. The prefill route's TTFT is corrected by the live state: by how much the
-   prefill worker's queue delay now (queued uncached tokens over its measured rate) exceeds its mean when the
-   cell was profiled. Only an excess counts: a queue shorter than the profile's does not make the prefill
-   route faster by as much, since its TTFT also waits for the pass under way and the hand-off, which the
-   queue does not show (docs/policy.md#measurements-behind-the-code).
-   The decode route's TPOT is the table's measured slowdown at this load.
+1. With a profiled table (server/routing/policy_table.py), the request's cell gives each route's
+   expected turn-2+ TTFT and TPOT at this load. The prefill route's TTFT is corrected by the live
+   state: by how much the prefill worker's queue delay now (queued uncached tokens over its measured
+   rate) exceeds its mean when the cell was profiled. Only an excess counts: a queue shorter than
+   the profile's does not make the prefill route faster by as much, since its TTFT also waits for
+   the pass under way and the hand-off, which the queue does not show
+   (docs/policy.md#measurements-behind-the-code). The decode route's TPOT is the table's measured
+   slowdown at this load.
 2. Without a table (none for this device and model), a cost model stands in, from live rates only:
-     TTFT(prefill) = queue delay + new / prefill rate   (the prefill worker samples the first token itself)
-     TTFT(decode)  = 1.5 decode steps + new / inline rate   (the rest of the step under way, then the step
-                                                             that carries the append)
-     TPOT(prefill) = decode step;  TPOT(decode) = decode step + (new / inline rate) / output tokens
-   i.e. an inline append delays one step of every running sequence, spread over this request's output length
-   (the router's estimate of it, server/routing/answer_length.py: max_tokens is only a cap).
-3. Route to decode when w_ttft * (TTFT(prefill) - TTFT(decode)) > w_tpot * (TPOT(decode) - TPOT(prefill)).
-4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the prefill route
-   meets --ttft-slo-ms; never send to the prefill worker a request that would miss --ttft-slo-ms there while
-   the decode route meets both.
-Observed TTFT and TPOT of each routed append update the estimates of the route it took (which the unit decides:
-one that no longer holds the prefix the router guessed prefills it cold) in the cell of what it was (the cached
-length the unit found, the tokens it computed, the answer it gave), a bounded moving average: one observation moves
-an estimate by at most OBSERVATION_WEIGHT of itself, so one outlier cannot flip a cell.
+     TTFT(prefill) = queue delay + new / prefill rate
+                     (the prefill worker samples the first token itself)
+     TTFT(decode)  = 1.5 decode steps + new / inline rate
+                     (the rest of the step under way, then the step that carries the append)
+     TPOT(prefill) = decode step
+     TPOT(decode)  = decode step + (new / inline rate) / output tokens
+   i.e. an inline append delays one step of every running sequence, spread over this request's
+   output length (the router's estimate of it, server/routing/answer_length.py: max_tokens is only
+   a cap).
+3. Route to decode when
+     w_ttft * (TTFT(prefill) - TTFT(decode)) > w_tpot * (TPOT(decode) - TPOT(prefill)).
+4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the
+   prefill route meets --ttft-slo-ms; never send to the prefill worker a request that would miss
+   --ttft-slo-ms there while the decode route meets both.
+Observed TTFT and TPOT of each routed append update the estimates of the route it took (which the
+unit decides: one that no longer holds the prefix the router guessed prefills it cold) in the cell
+of what it was (the cached length the unit found, the tokens it computed, the answer it gave), a
+bounded moving average: one observation moves an estimate by at most OBSERVATION_WEIGHT of itself,
+so one outlier cannot flip a cell.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ DEFAULT_W_TPOT = 10.0  # a millisecond of TPOT, paid on every output token, weig
 
 @dataclass(frozen=True)
 class Objective:
-    """What the operator values: w_ttft * TTFT + w_tpot * TPOT (milliseconds), and optional hard SLOs."""
+    """What the operator values: w_ttft * TTFT + w_tpot * TPOT (milliseconds), and optional hard
+    SLOs."""
 
     w_ttft: float = DEFAULT_W_TTFT
     w_tpot: float = DEFAULT_W_TPOT
@@ -55,28 +63,28 @@ class Objective:
 class UnitLive:
     """A unit's live state as its workers last reported it (rates are 0 until measured)."""
 
-    prefill_queue_tokens: int = 0      # uncached tokens waiting on or running in the prefill worker
+    prefill_queue_tokens: int = 0  # uncached tokens waiting on or running in the prefill worker
     prefill_tokens_per_s: float = 0.0  # the prefill worker's measured speed
-    decode_step_ms: float = 0.0        # the decode worker's recent decode-only step time
-    inline_tokens_per_s: float = 0.0   # the decode worker's speed on inline prefill tokens
+    decode_step_ms: float = 0.0  # the decode worker's recent decode-only step time
+    inline_tokens_per_s: float = 0.0  # the decode worker's speed on inline prefill tokens
 
 
 @dataclass(frozen=True)
 class Decision:
-    """A route and why. Every decision, the table's or not, carries the load it was made at: the policy files
-    what the request did under that load."""
+    """A route and why. Every decision, the table's or not, carries the load it was made at: the
+    policy files what the request did under that load."""
 
     route: Route
-    reason: str                                 # miss | static | table | queue | model | itl_slo | ttft_slo | client
-    load: int                                   # requests in flight on the unit, this one included
-    cell: tuple[int, int, int] | None = None    # the table cell it was decided in
-    queue_correction_ms: float = 0.0            # added to the table's prefill TTFT by the live state
+    reason: str  # miss | static | table | queue | model | itl_slo | ttft_slo | client
+    load: int  # requests in flight on the unit, this one included
+    cell: tuple[int, int, int] | None = None  # the table cell it was decided in
+    queue_correction_ms: float = 0.0  # added to the table's prefill TTFT by the live state
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a routed request did: the route its unit ran its prefill on, the cached length the unit found, the
-    tokens it computed, the answer's length, and the latencies the client saw."""
+    """What a routed request did: the route its unit ran its prefill on, the cached length the unit
+    found, the tokens it computed, the answer's length, and the latencies the client saw."""
 
     route: Route
     cached: int
@@ -94,8 +102,8 @@ class Policy:
         self.uses_prefill_worker = has_prefill_worker(name)
 
     def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
-        """Where the prefill of a request with `cached` tokens cached, `new` to compute and `output` to generate
-        runs, with `load` requests in flight on its unit (this one included)."""
+        """Where the prefill of a request with `cached` tokens cached, `new` to compute and `output`
+        to generate runs, with `load` requests in flight on its unit (this one included)."""
         if not self.uses_prefill_worker:
             return Decision("decode", "static", load)
         if cached == 0:
@@ -107,7 +115,8 @@ class Policy:
 
 
 class PPDPolicy(Policy):
-    """Per-request routing from a profiled table (or a cost model), the live state and the operator's weights."""
+    """Per-request routing from a profiled table (or a cost model), the live state and the
+    operator's weights."""
 
     def __init__(self, table: PolicyTable | None, objective: Objective) -> None:
         super().__init__("ppd")
@@ -120,8 +129,11 @@ class PPDPolicy(Policy):
     def use_table(self, table: PolicyTable) -> None:
         self.table = table.with_weights(self.objective.w_ttft, self.objective.w_tpot)
         # Working copies of each measured (TTFT, TPOT) median, which observations move.
-        self.estimates = {key: {r: [s.ttft_p50_ms, s.tpot_p50_ms] for r, s in cell.routes.items()}
-                          for key, cell in table.cells.items() if all(r in cell.routes for r in ROUTES)}
+        self.estimates = {
+            key: {r: [s.ttft_p50_ms, s.tpot_p50_ms] for r, s in cell.routes.items()}
+            for key, cell in table.cells.items()
+            if all(r in cell.routes for r in ROUTES)
+        }
 
     def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
         if cached == 0:
@@ -135,7 +147,11 @@ class PPDPolicy(Policy):
         est = self.estimates.get(key) if key is not None else None
         correction = 0.0
         if est is not None:
-            correction = max(0.0, queue_ms - self.table.cells[key].routes["prefill"].queue_delay_ms) if rate > 0 else 0.0
+            correction = (
+                max(0.0, queue_ms - self.table.cells[key].routes["prefill"].queue_delay_ms)
+                if rate > 0
+                else 0.0
+            )
             ttft_p, tpot_p = est["prefill"][0] + correction, est["prefill"][1]
             ttft_d, tpot_d = est["decode"]
             reason = "table"
@@ -147,25 +163,40 @@ class PPDPolicy(Policy):
         tpot_cost = obj.w_tpot * (tpot_d - tpot_p)
         decode = obj.w_ttft * (ttft_p - ttft_d) > tpot_cost
         if correction and decode != (obj.w_ttft * (ttft_p - correction - ttft_d) > tpot_cost):
-            reason = "queue"  # the live queue overturned what the cell's estimates alone would choose
-        if obj.itl_slo_ms is not None and decode and step + inline_ms > obj.itl_slo_ms and not (
-                obj.ttft_slo_ms is not None and ttft_p > obj.ttft_slo_ms):
+            reason = (
+                "queue"  # the live queue overturned what the cell's estimates alone would choose
+            )
+        if (
+            obj.itl_slo_ms is not None
+            and decode
+            and step + inline_ms > obj.itl_slo_ms
+            and not (obj.ttft_slo_ms is not None and ttft_p > obj.ttft_slo_ms)
+        ):
             decode, reason = False, "itl_slo"
-        elif obj.ttft_slo_ms is not None and not decode and ttft_p > obj.ttft_slo_ms >= ttft_d and not (
-                obj.itl_slo_ms is not None and step + inline_ms > obj.itl_slo_ms):
+        elif (
+            obj.ttft_slo_ms is not None
+            and not decode
+            and ttft_p > obj.ttft_slo_ms >= ttft_d
+            and not (obj.itl_slo_ms is not None and step + inline_ms > obj.itl_slo_ms)
+        ):
             decode, reason = True, "ttft_slo"
         return Decision("decode" if decode else "prefill", reason, load, key, correction)
 
     def observe(self, decision: Decision, outcome: Outcome) -> None:
         if self.table is None or outcome.cached == 0:  # a cold prefill: no append, no cell
             return
-        est = self.estimates.get(self.table.key(outcome.cached, outcome.new, outcome.output, decision.load))
+        est = self.estimates.get(
+            self.table.key(outcome.cached, outcome.new, outcome.output, decision.load)
+        )
         if est is None:
             return
         route = est[outcome.route]
-        # The estimate is the cell's typical latency: remove what the live queue added at decision time.
-        route[0] = _blend(route[0], outcome.ttft_ms - (decision.queue_correction_ms if outcome.route == "prefill"
-                                                       else 0.0))
+        # The estimate is the cell's typical latency: remove what the live queue added at decision
+        # time.
+        route[0] = _blend(
+            route[0],
+            outcome.ttft_ms - (decision.queue_correction_ms if outcome.route == "prefill" else 0.0),
+        )
         if outcome.tpot_ms is not None:
             route[1] = _blend(route[1], outcome.tpot_ms)
 
@@ -176,6 +207,8 @@ def _blend(old: float, observed: float) -> float:
     return old + max(-bound, min(bound, OBSERVATION_WEIGHT * (observed - old)))
 
 
-def make_policy(name: str, table: PolicyTable | None = None, objective: Objective | None = None) -> Policy:
+def make_policy(
+    name: str, table: PolicyTable | None = None, objective: Objective | None = None
+) -> Policy:
     """The policy called name (one of scheduler.config.POLICIES)."""
     return PPDPolicy(table, objective or Objective()) if name == "ppd" else Policy(name)

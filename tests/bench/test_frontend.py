@@ -1,4 +1,5 @@
-"""`ppd bench frontend` over `ppd serve --stub-engine`: every stream gets all its tokens, and the report says so."""
+"""`ppd bench frontend` over `ppd serve --stub-engine`: every stream gets all its tokens, and the
+report says so."""
 
 from __future__ import annotations
 
@@ -13,9 +14,22 @@ from bench.frontend import add_frontend_args, main
 def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_frontend_args(parser)
-    # Enough tokens that the server's CPU time spans several clock ticks (12 tokens at 8 streams once read 0).
-    args = parser.parse_args(["--streams", "3,8", "--tokens", "48", "--step-ms", "5", "--rounds", "1",
-                              "--out", str(tmp_path)])
+    # Enough tokens that the server's CPU time spans several clock ticks (12 tokens at 8 streams
+    # once read 0).
+    args = parser.parse_args(
+        [
+            "--streams",
+            "3,8",
+            "--tokens",
+            "48",
+            "--step-ms",
+            "5",
+            "--rounds",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     result = main(args)
     assert [r["streams"] for r in result["rows"]] == [3, 8]
     for row in result["rows"]:
@@ -30,8 +44,24 @@ def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) ->
 def test_frontend_bench_over_two_api_servers_and_two_client_processes(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_frontend_args(parser)
-    args = parser.parse_args(["--streams", "16", "--tokens", "12", "--step-ms", "5", "--rounds", "1",
-                              "--serve-args", "--api-server-count 2", "--client-procs", "2", "--out", str(tmp_path)])
+    args = parser.parse_args(
+        [
+            "--streams",
+            "16",
+            "--tokens",
+            "12",
+            "--step-ms",
+            "5",
+            "--rounds",
+            "1",
+            "--serve-args",
+            "--api-server-count 2",
+            "--client-procs",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     (row,) = main(args)["rows"]
     assert row["errors"] == row["short_streams"] == 0, row["first_error"]
     assert row["api_servers"] == 2  # both processes' CPU is counted

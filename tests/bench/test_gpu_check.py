@@ -1,6 +1,7 @@
-"""bench/gpu_check: what a device call relies on: every step's command for the GPU host and for the CPU rehearsal,
-time limits that stop a step with all it started, verdicts for steps that measured nothing, an archive under the
-device's 16 MiB that is written whatever happens, and resuming from an earlier call's results."""
+"""bench/gpu_check: what a device call relies on: every step's command for the GPU host and for the
+CPU rehearsal, time limits that stop a step with all it started, verdicts for steps that measured
+nothing, an archive under the device's 16 MiB that is written whatever happens, and resuming from
+an earlier call's results."""
 
 from __future__ import annotations
 
@@ -17,19 +18,47 @@ from pathlib import Path
 import pytest
 
 from bench import gpu_check
-from bench.gpu_check import (LLAMA, STANDIN, Mode, Step, describe, main, pack, plan, resume_from, run_call,
-                             run_step)
+from bench.gpu_check import (
+    LLAMA,
+    STANDIN,
+    Mode,
+    Step,
+    main,
+    pack,
+    plan,
+    resume_from,
+    run_call,
+    run_step,
+)
 from bench.interference import GPU_CONFIGS
 
-ALL_STEPS = ["host", "probe", "tests", "engine", "engine-host", "engine-tp", "sampling", "compare", "kernels",
-             "gemm-shares", "policy",
-             "policy-eval:balanced", "policy-verdict", "partition", "partition-compare", "interference", "frontend",
-             "frontend:2"]
+ALL_STEPS = [
+    "host",
+    "probe",
+    "tests",
+    "engine",
+    "engine-host",
+    "engine-tp",
+    "sampling",
+    "compare",
+    "kernels",
+    "gemm-shares",
+    "policy",
+    "policy-eval:balanced",
+    "policy-verdict",
+    "partition",
+    "partition-compare",
+    "interference",
+    "frontend",
+    "frontend:2",
+]
 PY = sys.executable
 
 
 @pytest.mark.parametrize("rehearse", [False, True])
-def test_every_step_plans_a_command_that_writes_inside_outdir(tmp_path: Path, rehearse: bool) -> None:
+def test_every_step_plans_a_command_that_writes_inside_outdir(
+    tmp_path: Path, rehearse: bool
+) -> None:
     steps = [s for name in ALL_STEPS for s in plan(name, tmp_path, Mode(rehearse))]
     names = [s.name for s in steps]
     assert len(names) == len(set(names)), "two steps would write the same log"
@@ -58,11 +87,19 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
     (some,) = plan("interference:aggregated,green", tmp_path, Mode(False))
     assert some.argv[-2:] == ("--only", "aggregated,green")
     compares = plan("partition-compare", tmp_path, Mode(False))
-    assert [s.name for s in compares] == ["partition-compare-none", "partition-compare-mps", "partition-compare-green"]
-    # aggregated runs one worker per unit: nothing to partition, and `ppd serve` refuses it with green
+    assert [s.name for s in compares] == [
+        "partition-compare-none",
+        "partition-compare-mps",
+        "partition-compare-green",
+    ]
+    # aggregated runs one worker per unit: nothing to partition, and `ppd serve` refuses it with
+    # green
     policies = [s.argv[s.argv.index("--policies") + 1] for s in compares]
     assert policies == ["pd,aggregated", "pd", "pd"]
-    assert [s.name for s in plan("frontend:1,8", tmp_path, Mode(False))] == ["frontend-1", "frontend-8"]
+    assert [s.name for s in plan("frontend:1,8", tmp_path, Mode(False))] == [
+        "frontend-1",
+        "frontend-8",
+    ]
     both = plan("tests", tmp_path, Mode(False))
     assert [s.name for s in both] == ["tests-gpu", "tests-kernels"]
     assert plan("tests-gpu", tmp_path, Mode(False)) == both[:1]
@@ -70,11 +107,14 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
 
 
 def test_gemm_shares_is_a_step_of_its_own_that_rehearses_as_a_start(tmp_path: Path, capsys) -> None:
-    """On the GPU it must write its JSON; on the CPU it only reads the shapes and says there is no CUDA (as `kernels`),
-    so the rehearsal checks that it starts and exits 0, and asks for no output."""
+    """On the GPU it must write its JSON; on the CPU it only reads the shapes and says there is no
+    CUDA (as `kernels`), so the rehearsal checks that it starts and exits 0, and asks for no
+    output."""
     (gpu,) = plan("gemm-shares", tmp_path, Mode(False), PY)
     (cpu,) = plan("gemm-shares", tmp_path, Mode(True), PY)
-    assert gpu.argv == cpu.argv == (PY, "-m", "bench.gemm_shares", "--out", f"{tmp_path}/gemm-shares")
+    assert (
+        gpu.argv == cpu.argv == (PY, "-m", "bench.gemm_shares", "--out", f"{tmp_path}/gemm-shares")
+    )
     assert gpu.outputs == ("gemm-shares/gemm-shares.json",) and cpu.outputs == ()
     assert gpu.expected_s == 40 and gpu.expected_s < gpu.limit_s < 600
     assert "gemm-shares" in gpu_check.STEP_NAMES
@@ -85,8 +125,19 @@ def test_gemm_shares_is_a_step_of_its_own_that_rehearses_as_a_start(tmp_path: Pa
     assert "needs a CUDA GPU" in (tmp_path / "gemm-shares.log").read_text()
 
 
-@pytest.mark.parametrize("name", ["bogus", "policy-eval", "partition-compare:mps,warp", "frontend:0", "frontend:x",
-                                  "tests-gpu:test_cli.py", "tests-gpu:tests/engine/nope.py", "interference:warp"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "bogus",
+        "policy-eval",
+        "partition-compare:mps,warp",
+        "frontend:0",
+        "frontend:x",
+        "tests-gpu:test_cli.py",
+        "tests-gpu:tests/engine/nope.py",
+        "interference:warp",
+    ],
+)
 def test_a_bad_step_is_refused_before_anything_runs(tmp_path: Path, name: str, capsys) -> None:
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
@@ -104,9 +155,11 @@ def _step(name: str, code: str, limit_s: int = 60, outputs: tuple[str, ...] = ()
 def test_verdicts_ok_failed_and_a_step_that_wrote_nothing(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    steps = [_step("writes", f"open({str(out / 'r.json')!r}, 'w').write('{{}}')", outputs=("r.json",)),
-             _step("fails", "raise SystemExit(3)", outputs=("f.json",)),
-             _step("silent", "print('nothing to measure')", outputs=("s/*.json",))]
+    steps = [
+        _step("writes", f"open({str(out / 'r.json')!r}, 'w').write('{{}}')", outputs=("r.json",)),
+        _step("fails", "raise SystemExit(3)", outputs=("f.json",)),
+        _step("silent", "print('nothing to measure')", outputs=("s/*.json",)),
+    ]
     outcomes = run_call(steps, out, budget_s=300)
     assert [(o.verdict, o.rc) for o in outcomes] == [("ok", 0), ("failed", 3), ("no-output", 0)]
     assert outcomes[2].missing == ["s/*.json"]
@@ -129,8 +182,9 @@ def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) -
     out = tmp_path / "out"
     out.mkdir()
     pid_file = tmp_path / "server.pid"
-    # The step starts a "server" in a session of its own (out of the step's process group) that ignores SIGTERM,
-    # then hangs: both must be gone when the call goes on, and the archive must still be written.
+    # The step starts a "server" in a session of its own (out of the step's process group) that
+    # ignores SIGTERM, then hangs: both must be gone when the call goes on, and the archive must
+    # still be written.
     code = f"""
         import subprocess, sys, time
         server = subprocess.Popen([sys.executable, "-c",
@@ -141,8 +195,12 @@ def test_a_step_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) -
     """
     started = time.monotonic()
     archive = tmp_path / "call.tar.gz"
-    outcomes = run_call([_step("hangs", code, limit_s=3), _step("after", "print('next')")], out, budget_s=300,
-                        archive=archive)
+    outcomes = run_call(
+        [_step("hangs", code, limit_s=3), _step("after", "print('next')")],
+        out,
+        budget_s=300,
+        archive=archive,
+    )
     assert time.monotonic() - started < 60
     assert [o.verdict for o in outcomes] == ["timeout", "ok"]
     server = int(pid_file.read_text())
@@ -158,8 +216,11 @@ def test_steps_past_the_budget_are_skipped_not_started(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     budget = gpu_check.MIN_STEP_S + gpu_check.STOP_RESERVE_S + 0.5  # room for one step, not two
-    outcomes = run_call([_step("first", "import time; time.sleep(1)"), _step("second", "print('ran')")], out,
-                        budget_s=budget)
+    outcomes = run_call(
+        [_step("first", "import time; time.sleep(1)"), _step("second", "print('ran')")],
+        out,
+        budget_s=budget,
+    )
     assert [o.verdict for o in outcomes] == ["ok", "skipped"]
     assert not (out / "second.log").exists()
 
@@ -185,7 +246,9 @@ def test_resuming_copies_results_but_not_the_earlier_calls_logs(tmp_path: Path) 
     (earlier / "policy-eval" / "balanced").mkdir(parents=True)
     (earlier / "policy.json").write_text("old table")
     (earlier / "policy-eval" / "balanced" / "summary.json").write_text("[]")
-    (earlier / "policy-eval" / "balanced" / "serve.log").write_text("kept: a server's log inside a result")
+    (earlier / "policy-eval" / "balanced" / "serve.log").write_text(
+        "kept: a server's log inside a result"
+    )
     for name in ("policy.log", "steps.json", "status.txt", "host.txt", "command.txt", "stdout.txt"):
         (earlier / name).write_text("the earlier call's")
     out.mkdir()
@@ -193,7 +256,9 @@ def test_resuming_copies_results_but_not_the_earlier_calls_logs(tmp_path: Path) 
     copied = resume_from(earlier, out)
     assert sorted(copied) == ["policy-eval/balanced/serve.log", "policy-eval/balanced/summary.json"]
     assert (out / "policy.json").read_text() == "newer table"
-    assert not any((out / name).exists() for name in ("steps.json", "policy.log", "command.txt", "stdout.txt"))
+    assert not any(
+        (out / name).exists() for name in ("steps.json", "policy.log", "command.txt", "stdout.txt")
+    )
 
 
 def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
@@ -203,10 +268,13 @@ def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
         import sys
         from pathlib import Path
         from bench.gpu_check import Step, run_call
-        run_call([Step("long", (sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"),
-                       300)], Path({str(out)!r}), 300, Path({str(archive)!r}))
+        code = "import time; print('started', flush=True); time.sleep(600)"
+        run_call([Step("long", (sys.executable, "-c", code), 300)], Path({str(out)!r}), 300,
+                 Path({str(archive)!r}))
     """)
-    proc = subprocess.Popen([PY, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    proc = subprocess.Popen(
+        [PY, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+    )
     for line in proc.stdout:
         if line.startswith("started"):
             break
@@ -218,10 +286,12 @@ def test_sigterm_during_a_step_still_writes_the_archive(tmp_path: Path) -> None:
     assert [o["verdict"] for o in json.loads((out / "steps.json").read_text())] == ["stopped"]
 
 
-def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(tmp_path: Path,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each (serve arguments, policy) a GPU step starts is one `ppd serve` accepts on a GPU host with MPS installed
-    and cuda-python: a combination it refuses would cost a device call to find out (aggregated under green did)."""
+def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each (serve arguments, policy) a GPU step starts is one `ppd serve` accepts on a GPU host
+    with MPS installed and cuda-python: a combination it refuses would cost a device call to find
+    out (aggregated under green did)."""
     import argparse
     import shlex
 
@@ -240,47 +310,76 @@ def test_every_server_the_gpu_plan_starts_passes_the_servers_partition_planning(
                 continue
             serve = shlex.split(step.argv[step.argv.index("--serve-args") + 1])
             if "--policies" in step.argv:
-                extras = [["--policy", p] for p in step.argv[step.argv.index("--policies") + 1].split(",")]
+                extras = [
+                    ["--policy", p] for p in step.argv[step.argv.index("--policies") + 1].split(",")
+                ]
             else:  # interference: its configurations on a GPU
                 extras = [shlex.split(config.args) for config in GPU_CONFIGS.values()]
             for extra in extras:
                 args = parser.parse_args([*serve, *extra])
                 with_prefill = args.policy != "aggregated"
-                backends.plan_partitions(args.partition, "cuda", 1, with_prefill, [0], tmp_path,
-                                         prefill_worker=args.prefill_worker, green_sms=args.green_decode_sms or (),
-                                         cublas_sm_target=args.cublas_sm_target)
+                backends.plan_partitions(
+                    args.partition,
+                    "cuda",
+                    1,
+                    with_prefill,
+                    [0],
+                    tmp_path,
+                    prefill_worker=args.prefill_worker,
+                    green_sms=args.green_decode_sms or (),
+                    cublas_sm_target=args.cublas_sm_target,
+                )
                 started += 1
     assert started >= 10
 
 
 def test_tests_gpu_can_be_narrowed_to_named_files(tmp_path: Path) -> None:
-    (step,) = plan("tests-gpu:test_engine.py,tests/server/test_gpu_serve.py,test_green", tmp_path, Mode(False))
+    (step,) = plan(
+        "tests-gpu:test_engine.py,tests/server/test_gpu_serve.py,test_green", tmp_path, Mode(False)
+    )
     script = step.argv[2]
     # test_engine.py is also tests/bench/'s, which has no gpu test: the name means the one that has
-    assert "echo tests/engine/test_engine.py tests/server/test_gpu_serve.py tests/partition/test_green.py" in script
-    assert "--collect-only" not in script and step.name == "tests-gpu" and step.outputs == ("tests-gpu/*.xml",)
-    assert step.expected_s == sum(gpu_check.GPU_TEST_S[f] + gpu_check.GPU_TEST_PROCESS_S for f in
-                                  ("tests/engine/test_engine.py", "tests/server/test_gpu_serve.py",
-                                   "tests/partition/test_green.py"))
+    assert (
+        "echo tests/engine/test_engine.py tests/server/test_gpu_serve.py "
+        "tests/partition/test_green.py" in script
+    )
+    assert (
+        "--collect-only" not in script
+        and step.name == "tests-gpu"
+        and step.outputs == ("tests-gpu/*.xml",)
+    )
+    assert step.expected_s == sum(
+        gpu_check.GPU_TEST_S[f] + gpu_check.GPU_TEST_PROCESS_S
+        for f in (
+            "tests/engine/test_engine.py",
+            "tests/server/test_gpu_serve.py",
+            "tests/partition/test_green.py",
+        )
+    )
     assert step.expected_s < step.limit_s < 600
 
 
 def test_a_narrowed_tests_gpu_step_runs_each_file_in_its_own_process(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    steps = plan("tests-gpu:test_backends", out, Mode(True), PY)  # one gpu test: it skips without CUDA
+    steps = plan(
+        "tests-gpu:test_backends", out, Mode(True), PY
+    )  # one gpu test: it skips without CUDA
     (outcome,) = run_call(steps, out, budget_s=300)
     assert outcome.verdict == "ok", (out / "tests-gpu.log").read_text()[-2000:]
     assert [p.name for p in (out / "tests-gpu").iterdir()] == ["test_backends.xml"]
     assert "== tests/partition/test_backends.py" in (out / "tests-gpu.log").read_text()
 
 
-# bench/interference.py's configurations in both the forms it has had: strings, and records made from them.
+# bench/interference.py's configurations in both the forms it has had: strings, and records made
+# from them.
 STATIC_CONFIGS = """
 CPU_CONFIGS = {"aggregated": "--policy aggregated", "none": "--policy pd --partition none",
-               "cpu": "--policy pd --partition cpu", "thread": "--policy pd --partition none --prefill-worker thread"}
+               "cpu": "--policy pd --partition cpu",
+               "thread": "--policy pd --partition none --prefill-worker thread"}
 GPU_CONFIGS: dict[str, Config] = {
-    "none": Config("--policy pd --partition none", "every SM"), "mps": Config("--policy pd --partition mps"),
+    "none": Config("--policy pd --partition none", "every SM"),
+    "mps": Config("--policy pd --partition mps"),
     "green-static-64": Config("--policy pd --partition green --green-decode-sms 64", "64 SMs"),
     "green-static-96": Config("--policy pd --partition green --green-decode-sms 96", "96 SMs"),
     "mps-40": Config("--policy pd --partition mps --mps-prefill-percent 40", "every SM")}
@@ -289,7 +388,8 @@ GPU_DEFAULT = ("none", "mps")
 
 
 def test_interference_takes_any_gpu_configuration_and_rehearses_each_as_its_partitions_cpu_standin(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     source = tmp_path / "interference.py"
     source.write_text(STATIC_CONFIGS)
     monkeypatch.setattr(gpu_check, "INTERFERENCE", source)
@@ -298,11 +398,18 @@ def test_interference_takes_any_gpu_configuration_and_rehearses_each_as_its_part
     assert gpu.argv[-2:] == ("--only", names) and gpu.expected_s == 4 * gpu_check.INTERFERENCE_S
     (cpu,) = plan(f"interference:{names}", tmp_path, Mode(True))
     assert cpu.argv[-2:] == ("--only", "none,thread,cpu")  # green's stand-in once
-    (same,) = plan("interference:cpu,aggregated", tmp_path, Mode(True))  # the CPU's own names as they are
+    (same,) = plan(
+        "interference:cpu,aggregated", tmp_path, Mode(True)
+    )  # the CPU's own names as they are
     assert same.argv[-2:] == ("--only", "cpu,aggregated")
-    with pytest.raises(ValueError, match="no GPU configuration green-static-128 .*there are none, mps, green-static"):
+    with pytest.raises(
+        ValueError,
+        match="no GPU configuration green-static-128 .*there are none, mps, green-static",
+    ):
         plan("interference:none,green-static-128", tmp_path, Mode(False))
-    with pytest.raises(ValueError, match="no configuration 'warp' to rehearse on the CPU .*CPU: aggregated, none"):
+    with pytest.raises(
+        ValueError, match="no configuration 'warp' to rehearse on the CPU .*CPU: aggregated, none"
+    ):
         plan("interference:none,warp", tmp_path, Mode(True))
     (default,) = plan("interference", tmp_path, Mode(False))  # GPU_DEFAULT's
     assert "--only" not in default.argv and default.expected_s == 2 * gpu_check.INTERFERENCE_S
@@ -310,24 +417,37 @@ def test_interference_takes_any_gpu_configuration_and_rehearses_each_as_its_part
 
 def test_the_default_budget_leaves_room_for_the_wheels_inside_a_device_command() -> None:
     assert gpu_check.DEFAULT_BUDGET_S + gpu_check.WHEELS_S <= gpu_check.DEVICE_COMMAND_S
-    # What the H200's calls spent outside their steps (wheel install, host facts, packing): wall less steps.
+    # What the H200's calls spent outside their steps (wheel install, host facts, packing): wall
+    # less steps.
     for call, wall in (("call1", 371.6), ("call4", 535.6)):
-        steps = json.loads((Path(__file__).parents[2] / "bench/results/nvidia-h200" / call / "steps.json").read_text())
+        steps = json.loads(
+            (
+                Path(__file__).parents[2] / "bench/results/nvidia-h200" / call / "steps.json"
+            ).read_text()
+        )
         assert wall - sum(s["seconds"] for s in steps) < gpu_check.WHEELS_S
 
 
-def test_a_call_whose_last_step_overruns_still_ends_packed_within_its_budget(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The last step ignores SIGTERM and never ends: it is stopped at what is left less the time to stop it, so
-    the kill's grace and the packing both fit the budget."""
-    for name, value in (("MIN_STEP_S", 1), ("KILL_GRACE_S", 2), ("COPIER_JOIN_S", 1), ("STOP_RESERVE_S", 3),
-                        ("PACK_RESERVE_S", 2)):
+def test_a_call_whose_last_step_overruns_still_ends_packed_within_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step ignores SIGTERM and never ends: it is stopped at what is left less the time to
+    stop it, so the kill's grace and the packing both fit the budget."""
+    for name, value in (
+        ("MIN_STEP_S", 1),
+        ("KILL_GRACE_S", 2),
+        ("COPIER_JOIN_S", 1),
+        ("STOP_RESERVE_S", 3),
+        ("PACK_RESERVE_S", 2),
+    ):
         monkeypatch.setattr(gpu_check, name, value)
     out, archive = tmp_path / "out", tmp_path / "call.tar.gz"
     out.mkdir()
     stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
     started = time.monotonic()
-    outcomes = run_call([_step("stubborn", stubborn, limit_s=500)], out, budget_s=9, archive=archive)
+    outcomes = run_call(
+        [_step("stubborn", stubborn, limit_s=500)], out, budget_s=9, archive=archive
+    )
     assert time.monotonic() - started <= 9
     assert [o.verdict for o in outcomes] == ["timeout"] and outcomes[0].limit_s <= 9 - 3 - 2
     assert archive.exists()
@@ -338,24 +458,53 @@ def planned_calls() -> list[list[str]]:
     import shlex
 
     text = (Path(__file__).parents[2] / "docs" / "gpu.md").read_text()
-    section = text[text.index("**Next on a GPU.**"):text.index("### Tensor parallelism")]
-    return [shlex.split(line)[1:] for line in section.splitlines() if line.startswith("bench/gpu_check.sh")]
+    section = text[text.index("**Next on a GPU.**") : text.index("### Tensor parallelism")]
+    return [
+        shlex.split(line)[1:]
+        for line in section.splitlines()
+        if line.startswith("bench/gpu_check.sh")
+    ]
 
 
 def test_the_planned_calls_fit_the_window(tmp_path: Path, capsys) -> None:
-    """The next window's two commands, as docs/gpu.md writes them: each fits its budget; the first's fixed steps
-    leave `policy` (resumable, last) at least 250 s, the second (the same OUTDIR on the warm machine) checks greedy
-    ids first; with a machine start of 2 minutes both fit 15 minutes of device time."""
+    """The next window's two commands, as docs/gpu.md writes them: each fits its budget; the first's
+    fixed steps leave `policy` (resumable, last) at least 250 s, the second (the same OUTDIR on the
+    warm machine) checks greedy ids first; with a machine start of 2 minutes both fit 15 minutes of
+    device time."""
     first, second = planned_calls()
     device_s = 120
     for argv in (first, second):
         assert main(["--plan", *[a.replace("$OUT", str(tmp_path)) for a in argv]]) == 0
         assert ": fits" in capsys.readouterr().out
-        budget = float(argv[argv.index("--budget") + 1]) if "--budget" in argv else gpu_check.DEFAULT_BUDGET_S
+        budget = (
+            float(argv[argv.index("--budget") + 1])
+            if "--budget" in argv
+            else gpu_check.DEFAULT_BUDGET_S
+        )
         device_s += budget + gpu_check.WHEELS_S
     assert device_s <= 15 * 60
-    steps = [s for name in first[first.index("/tmp/gc") + 1:-1] for s in plan(name, tmp_path, Mode(False))]
-    assert sum(s.expected_s for s in steps) + 250 <= gpu_check.steps_room_s(gpu_check.DEFAULT_BUDGET_S)
-    assert first[-1] == second[-1] == "policy" and second[second.index("/tmp/gc") + 1] == "tests-gpu:test_engine.py"
+    steps = [
+        s
+        for name in first[first.index("/tmp/gc") + 1 : -1]
+        for s in plan(name, tmp_path, Mode(False))
+    ]
+    assert sum(s.expected_s for s in steps) + 250 <= gpu_check.steps_room_s(
+        gpu_check.DEFAULT_BUDGET_S
+    )
+    assert (
+        first[-1] == second[-1] == "policy"
+        and second[second.index("/tmp/gc") + 1] == "tests-gpu:test_engine.py"
+    )
     # A budget the fixed steps do not fit is refused by --plan.
-    assert main(["--plan", "--budget", "120", str(tmp_path / "out"), *first[first.index("/tmp/gc") + 1:]]) == 1
+    assert (
+        main(
+            [
+                "--plan",
+                "--budget",
+                "120",
+                str(tmp_path / "out"),
+                *first[first.index("/tmp/gc") + 1 :],
+            ]
+        )
+        == 1
+    )

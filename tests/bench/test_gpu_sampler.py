@@ -1,5 +1,5 @@
-"""bench/gpu_sampler: NVML readings summarized per window, against a stand-in of nvidia-ml-py (the GPU's readings
-are gpu_check's interference step), and the benchmark going on without NVML."""
+"""bench/gpu_sampler: NVML readings summarized per window, against a stand-in of nvidia-ml-py (the
+GPU's readings are gpu_check's interference step), and the benchmark going on without NVML."""
 
 from __future__ import annotations
 
@@ -72,10 +72,14 @@ class FakeNvml:
         self.calls.append("free")
 
     def c_nvmlGpmMetricsGet_t(self) -> SimpleNamespace:
-        return SimpleNamespace(metrics=[SimpleNamespace(metricId=0, value=0.0, nvmlReturn=0) for _ in range(4)])
+        return SimpleNamespace(
+            metrics=[SimpleNamespace(metricId=0, value=0.0, nvmlReturn=0) for _ in range(4)]
+        )
 
     def nvmlGpmMetricsGet(self, ask: SimpleNamespace) -> None:
-        assert ask.version == 1 and ask.numMetrics == 2 and ask.sample1[0] + 1 == ask.sample2[0], "earlier, later"
+        assert ask.version == 1 and ask.numMetrics == 2 and ask.sample1[0] + 1 == ask.sample2[0], (
+            "earlier, later"
+        )
         values = {self.NVML_GPM_METRIC_DRAM_BW_UTIL: 48.5, self.NVML_GPM_METRIC_SM_UTIL: 88.0}
         for m in ask.metrics[:2]:
             m.value = values[m.metricId]
@@ -90,7 +94,9 @@ def sampled(monkeypatch: pytest.MonkeyPatch, nvml: FakeNvml, count: int = 6) -> 
     return sampler
 
 
-def test_each_window_has_the_median_and_extremes_of_the_readings_taken_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_window_has_the_median_and_extremes_of_the_readings_taken_in_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     nvml = FakeNvml()
     sampler = sampled(monkeypatch, nvml)
     assert sampler.error is None and sampler.name == "NVIDIA H200"
@@ -104,7 +110,9 @@ def test_each_window_has_the_median_and_extremes_of_the_readings_taken_in_it(mon
     first, second = sampler.samples[0][0], sampler.samples[1][0]
     early = sampler.window([(first, second)])
     assert early["samples"] == 1 and early["sm_clock_mhz"]["median"] == 1980
-    assert sampler.window([(first, second), (second, second + 1e-9)])["samples"] == 2  # several spans: one window
+    assert (
+        sampler.window([(first, second), (second, second + 1e-9)])["samples"] == 2
+    )  # several spans: one window
     assert nvml.calls[0] == "init" and nvml.calls[-3:] == ["free", "free", "shutdown"]
     found = readings(sampler, {"beside": [(0.0, float("inf"))]})
     assert found["device"] == "NVIDIA H200" and found["windows"]["beside"] == whole
@@ -117,8 +125,12 @@ def test_a_reading_the_device_does_not_give_is_left_out(monkeypatch: pytest.Monk
     assert window["sm_clock_mhz"]["max"] == 1980 and window["mem_busy_pct"]["median"] == 61
 
 
-def test_without_nvml_the_sampler_reads_nothing_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError, as on this CPU
+def test_without_nvml_the_sampler_reads_nothing_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(
+        sys.modules, "pynvml", None
+    )  # import pynvml raises ImportError, as on this CPU
     sampler = GpuSampler("0")
     sampler.close()
     assert sampler.error.startswith("no NVML: ModuleNotFoundError") and sampler.samples == []
@@ -126,7 +138,9 @@ def test_without_nvml_the_sampler_reads_nothing_and_says_why(monkeypatch: pytest
     assert readings(None, {}) == {"error": "no GPU: the server runs on the CPU"}
 
 
-def test_the_served_gpu_is_the_gpus_index_into_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_served_gpu_is_the_gpus_index_into_the_visible_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert served_gpu(["--policy", "pd"]) == "0" and served_gpu(["--gpus", "1"]) == "1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,GPU-abc")

@@ -1,4 +1,5 @@
-"""The bench report: statistics on hand-made records, goodput, SLO parsing, the table and the written files."""
+"""The bench report: statistics on hand-made records, goodput, SLO parsing, the table and the
+written files."""
 
 from __future__ import annotations
 
@@ -8,18 +9,48 @@ from pathlib import Path
 import pytest
 
 from bench.client import RequestRecord
-from bench.report import (HOST_COUNTERS, add_ratios, read_records, host_cost_table, host_costs, markdown_table, parse_goodput,
-                          plot_latency_vs_qps, ratio_table, summarize, write_report)
+from bench.report import (
+    HOST_COUNTERS,
+    add_ratios,
+    host_cost_table,
+    host_costs,
+    markdown_table,
+    parse_goodput,
+    plot_latency_vs_qps,
+    ratio_table,
+    read_records,
+    summarize,
+    write_report,
+)
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def rec(conversation: str = "c0", turn: int = 0, ttft: float | None = 0.1, latency: float | None = 1.0,
-        output_tokens: int = 10, prompt_tokens: int = 100, itl: list[float] | None = None,
-        cached_tokens: int | None = None, route: str | None = None, error: str | None = None) -> RequestRecord:
-    return RequestRecord(conversation=conversation, turn=turn, start=0.0, ttft=ttft, itl=itl or [], latency=latency,
-                         prompt_tokens=prompt_tokens, output_tokens=output_tokens, cached_tokens=cached_tokens,
-                         route=route, error=error)
+def rec(
+    conversation: str = "c0",
+    turn: int = 0,
+    ttft: float | None = 0.1,
+    latency: float | None = 1.0,
+    output_tokens: int = 10,
+    prompt_tokens: int = 100,
+    itl: list[float] | None = None,
+    cached_tokens: int | None = None,
+    route: str | None = None,
+    error: str | None = None,
+) -> RequestRecord:
+    return RequestRecord(
+        conversation=conversation,
+        turn=turn,
+        start=0.0,
+        ttft=ttft,
+        itl=itl or [],
+        latency=latency,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        cached_tokens=cached_tokens,
+        route=route,
+        error=error,
+    )
 
 
 def linear_percentile(values: list[float], q: float) -> float:
@@ -32,26 +63,38 @@ def linear_percentile(values: list[float], q: float) -> float:
 
 
 def test_ttft_percentiles_split_turn1_from_later_turns() -> None:
-    # Turn 1: TTFTs 0, 1, ..., 100 ms, so the p-th percentile is p ms. Turns 2+: 200, 202, ..., 400 ms.
+    # Turn 1: TTFTs 0, 1, ..., 100 ms, so the p-th percentile is p ms. Turns 2+: 200, 202, ..., 400
+    # ms.
     records = [rec(f"c{i}", 0, ttft=i / 1000) for i in range(101)]
     records += [rec(f"c{i}", 1 + i % 3, ttft=(200 + 2 * i) / 1000) for i in range(101)]
     s = summarize(records, duration_s=10.0)
-    assert (s["ttft_turn1_ms_p50"], s["ttft_turn1_ms_p90"], s["ttft_turn1_ms_p99"]) == pytest.approx((50, 90, 99))
-    assert (s["ttft_turn2plus_ms_p50"], s["ttft_turn2plus_ms_p90"], s["ttft_turn2plus_ms_p99"]) == \
-        pytest.approx((300, 380, 398))
+    assert (
+        s["ttft_turn1_ms_p50"],
+        s["ttft_turn1_ms_p90"],
+        s["ttft_turn1_ms_p99"],
+    ) == pytest.approx((50, 90, 99))
+    assert (
+        s["ttft_turn2plus_ms_p50"],
+        s["ttft_turn2plus_ms_p90"],
+        s["ttft_turn2plus_ms_p99"],
+    ) == pytest.approx((300, 380, 398))
     assert s["requests"] == 202 and s["conversations"] == 101
 
 
 def test_tpot_itl_and_latency_percentiles() -> None:
     # TPOT = (latency - ttft) / (output - 1): 11 tokens after a 0.1 s TTFT, 10 gaps of t each.
     tpots = [0.01 * (i + 1) for i in range(20)]
-    records = [rec(f"c{i}", 0, ttft=0.1, latency=0.1 + 10 * t, output_tokens=11) for i, t in enumerate(tpots)]
+    records = [
+        rec(f"c{i}", 0, ttft=0.1, latency=0.1 + 10 * t, output_tokens=11)
+        for i, t in enumerate(tpots)
+    ]
     records[0].itl = [0.001] * 99
     records[1].itl = [1.0]
     s = summarize(records, duration_s=10.0)
     assert s["tpot_ms_p50"] == pytest.approx(1000 * linear_percentile(tpots, 50))
     assert s["tpot_ms_p99"] == pytest.approx(1000 * linear_percentile(tpots, 99))
-    # 100 gaps over two requests: 99 of 1 ms, one of 1000 ms; rank 98.01 lies 1% of the way to the big one.
+    # 100 gaps over two requests: 99 of 1 ms, one of 1000 ms; rank 98.01 lies 1% of the way to the
+    # big one.
     assert s["itl_ms_p99"] == pytest.approx(1 + 0.01 * 999)
     latencies = [0.1 + 10 * t for t in tpots]
     assert s["e2e_ms_p50"] == pytest.approx(1000 * linear_percentile(latencies, 50))
@@ -59,14 +102,18 @@ def test_tpot_itl_and_latency_percentiles() -> None:
 
 
 def test_failed_requests_count_in_success_rate_but_not_in_latencies() -> None:
-    records = [rec("a", 0, ttft=0.1, output_tokens=20, prompt_tokens=100),
-               rec("a", 1, ttft=0.3, output_tokens=30, prompt_tokens=200),
-               rec("b", 0, ttft=50.0, latency=60.0, output_tokens=5, prompt_tokens=100, error="timeout"),
-               rec("c", 0, ttft=None, latency=0.01, output_tokens=0, error="HTTP 503")]
+    records = [
+        rec("a", 0, ttft=0.1, output_tokens=20, prompt_tokens=100),
+        rec("a", 1, ttft=0.3, output_tokens=30, prompt_tokens=200),
+        rec("b", 0, ttft=50.0, latency=60.0, output_tokens=5, prompt_tokens=100, error="timeout"),
+        rec("c", 0, ttft=None, latency=0.01, output_tokens=0, error="HTTP 503"),
+    ]
     s = summarize(records, duration_s=5.0)
     assert (s["requests"], s["succeeded"], s["failed"], s["conversations"]) == (4, 2, 2, 3)
     assert s["success_rate"] == pytest.approx(0.5)
-    assert s["ttft_turn1_ms_p99"] == pytest.approx(100) and s["ttft_turn2plus_ms_p50"] == pytest.approx(300)
+    assert s["ttft_turn1_ms_p99"] == pytest.approx(100) and s[
+        "ttft_turn2plus_ms_p50"
+    ] == pytest.approx(300)
     assert s["e2e_ms_p99"] == pytest.approx(1000)
     assert s["output_tokens_per_s"] == pytest.approx((20 + 30) / 5)
     assert s["total_tokens_per_s"] == pytest.approx((20 + 30 + 100 + 200) / 5)
@@ -75,11 +122,13 @@ def test_failed_requests_count_in_success_rate_but_not_in_latencies() -> None:
 
 
 def test_goodput_counts_only_requests_meeting_every_slo() -> None:
-    records = [rec("ok", ttft=0.1, latency=0.1 + 9 * 0.01, output_tokens=10),     # TTFT 100 ms, TPOT 10 ms
-               rec("slow-first", ttft=0.6, latency=0.7, output_tokens=10),        # TTFT misses
-               rec("slow-decode", ttft=0.1, latency=0.1 + 9 * 0.1, output_tokens=10),  # TPOT 100 ms misses
-               rec("failed", ttft=0.1, latency=0.2, error="boom"),
-               rec("one-token", ttft=0.2, latency=0.2, output_tokens=1)]          # no TPOT to miss
+    records = [
+        rec("ok", ttft=0.1, latency=0.1 + 9 * 0.01, output_tokens=10),  # TTFT 100 ms, TPOT 10 ms
+        rec("slow-first", ttft=0.6, latency=0.7, output_tokens=10),  # TTFT misses
+        rec("slow-decode", ttft=0.1, latency=0.1 + 9 * 0.1, output_tokens=10),  # TPOT 100 ms misses
+        rec("failed", ttft=0.1, latency=0.2, error="boom"),
+        rec("one-token", ttft=0.2, latency=0.2, output_tokens=1),
+    ]  # no TPOT to miss
     s = summarize(records, duration_s=4.0, goodput={"ttft": 0.5, "tpot": 0.05})
     assert s["goodput_fraction"] == pytest.approx(2 / 5)
     assert s["goodput_requests_per_s"] == pytest.approx(2 / 4)
@@ -90,11 +139,13 @@ def test_goodput_counts_only_requests_meeting_every_slo() -> None:
 
 
 def test_prefix_cache_hits_and_routes() -> None:
-    records = [rec("a", 0, prompt_tokens=100, cached_tokens=0, route="prefill"),
-               rec("a", 1, prompt_tokens=200, cached_tokens=150, route="decode"),
-               rec("b", 1, prompt_tokens=100, cached_tokens=50, route="decode"),
-               rec("c", 0, prompt_tokens=999, cached_tokens=None),  # a server that does not report it
-               rec("d", 1, prompt_tokens=100, cached_tokens=100, route="prefill", error="x")]
+    records = [
+        rec("a", 0, prompt_tokens=100, cached_tokens=0, route="prefill"),
+        rec("a", 1, prompt_tokens=200, cached_tokens=150, route="decode"),
+        rec("b", 1, prompt_tokens=100, cached_tokens=50, route="decode"),
+        rec("c", 0, prompt_tokens=999, cached_tokens=None),  # a server that does not report it
+        rec("d", 1, prompt_tokens=100, cached_tokens=100, route="prefill", error="x"),
+    ]
     s = summarize(records, duration_s=1.0)
     assert s["prefix_cache_hit_fraction"] == pytest.approx(200 / 400)
     assert s["prefix_cache_hit_fraction_turn2plus"] == pytest.approx(200 / 300)
@@ -120,7 +171,9 @@ def test_summary_is_json_serializable() -> None:
 
 
 def test_parse_goodput() -> None:
-    assert parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == pytest.approx({"ttft": 0.5, "tpot": 0.05, "e2e": 2.0})
+    assert parse_goodput(["ttft:500", "tpot:50", "e2e:2000"]) == pytest.approx(
+        {"ttft": 0.5, "tpot": 0.05, "e2e": 2.0}
+    )
     assert parse_goodput([]) == {}
     for bad in ["ttft500", "ttfb:500", "ttft:abc", "ttft:-1", "ttft:0", "ttft:inf", "ttft:"]:
         with pytest.raises(ValueError, match="KEY:MS") as info:
@@ -134,12 +187,29 @@ def sweep() -> tuple[list[dict], dict[str, list[RequestRecord]]]:
     summaries, runs = [], {}
     for server in ("ppd:pd", "ppd:ppd"):
         for qps in (1.0, 2.0, 4.0):
-            records = [rec(f"c{i}", t, ttft=0.05 * qps * (1 + t), latency=0.5 * qps, output_tokens=20,
-                           itl=[0.02] * 19, cached_tokens=50 * t, route="decode" if t else "prefill")
-                       for i in range(5) for t in range(2)]
+            records = [
+                rec(
+                    f"c{i}",
+                    t,
+                    ttft=0.05 * qps * (1 + t),
+                    latency=0.5 * qps,
+                    output_tokens=20,
+                    itl=[0.02] * 19,
+                    cached_tokens=50 * t,
+                    route="decode" if t else "prefill",
+                )
+                for i in range(5)
+                for t in range(2)
+            ]
             runs[f"{server}-{qps}"] = records
-            summaries.append(summarize(records, 10.0, {"ttft": 0.2}, {"server": server, "qps": qps,
-                                                                      "concurrency": None}))
+            summaries.append(
+                summarize(
+                    records,
+                    10.0,
+                    {"ttft": 0.2},
+                    {"server": server, "qps": qps, "concurrency": None},
+                )
+            )
     return summaries, runs
 
 
@@ -152,22 +222,34 @@ def test_markdown_table_has_one_row_per_run() -> None:
     assert "TTFT turn 2+ p50 / p99 (ms)" in header
     assert all(line.count("|") == lines[0].count("|") for line in lines)
     assert lines[2].startswith("| ppd:pd | 1.0 |") and lines[-1].startswith("| ppd:ppd | 4.0 |")
-    assert markdown_table([summarize([], 0.0, label={"server": "a|b"})]).splitlines()[2].startswith("| a\\|b |")
+    assert (
+        markdown_table([summarize([], 0.0, label={"server": "a|b"})])
+        .splitlines()[2]
+        .startswith("| a\\|b |")
+    )
 
 
 def test_ratios_divide_ours_by_the_peers_at_the_same_load() -> None:
     def run(server: str, qps: float, ttft: float) -> dict:
-        return summarize([rec(ttft=ttft), rec(turn=1, ttft=ttft)], 2.0, label={"server": server, "qps": qps})
+        return summarize(
+            [rec(ttft=ttft), rec(turn=1, ttft=ttft)], 2.0, label={"server": server, "qps": qps}
+        )
 
     ours, ours_alone, theirs = run("ppd:ppd", 1, 0.05), run("ppd:ppd", 2, 0.1), run("vllm", 1, 0.1)
     assert ratio_table([ours, theirs]) == ""
     add_ratios([ours, ours_alone, theirs], "vllm")
     ratio = ours["ratio_to"]
     assert ratio["server"] == "vllm" and ratio["ttft_turn2plus_ms_p50"] == pytest.approx(0.5)
-    assert ratio["tpot_ms_p50"] == pytest.approx(0.95 / 0.9) and ratio["output_tokens_per_s"] == pytest.approx(1.0)
-    assert "ratio_to" not in ours_alone and "ratio_to" not in theirs  # no vllm run at qps 2; the peer has none
+    assert ratio["tpot_ms_p50"] == pytest.approx(0.95 / 0.9) and ratio[
+        "output_tokens_per_s"
+    ] == pytest.approx(1.0)
+    assert (
+        "ratio_to" not in ours_alone and "ratio_to" not in theirs
+    )  # no vllm run at qps 2; the peer has none
     table = ratio_table([ours, ours_alone, theirs]).splitlines()
-    assert len(table) == 3 and table[2].startswith("| ppd:ppd | 1 | vllm | 0.50 | 0.50 | 0.50 | 1.06 |")
+    assert len(table) == 3 and table[2].startswith(
+        "| ppd:ppd | 1 | vllm | 0.50 | 0.50 | 0.50 | 1.06 |"
+    )
 
 
 def test_write_report_writes_summary_table_plots_and_records(tmp_path: Path) -> None:
@@ -194,21 +276,40 @@ def test_plots_without_a_load_in_the_labels_still_write_a_png(tmp_path: Path) ->
     pytest.importorskip("matplotlib")
     plot_latency_vs_qps([summarize([], 0.0, label={"server": "x"})], tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
-    closed_loop = [summarize([rec(turn=1)], 1.0, label={"server": "x", "qps": None, "concurrency": c}) for c in (1, 2)]
+    closed_loop = [
+        summarize([rec(turn=1)], 1.0, label={"server": "x", "qps": None, "concurrency": c})
+        for c in (1, 2)
+    ]
     paths = write_report(closed_loop, tmp_path / "closed")
     assert all(p.exists() for p in paths)
 
 
 def test_host_costs_come_from_the_servers_counters_over_the_run() -> None:
     before = dict(zip(HOST_COUNTERS, (100, 2.0, 0.1, 5.0, 1_000)))
-    after = dict(zip(HOST_COUNTERS, (300, 6.0, 0.3, 5.5, 11_000)))  # 200 steps, 4 s in them, 0.2 s around them
+    after = dict(
+        zip(HOST_COUNTERS, (300, 6.0, 0.3, 5.5, 11_000))
+    )  # 200 steps, 4 s in them, 0.2 s around them
     costs = host_costs(before, after)
-    assert costs == pytest.approx({"engine_step_ms": 20.0, "worker_loop_ms_per_step": 1.0,
-                                   "worker_loop_share": 0.2 / 4.2, "api_cpu_us_per_token": 50.0})
-    assert host_costs({}, after) == {} and host_costs(before, {"vllm:generation_tokens_total": 1}) == {}  # a peer
-    fresh = {"ppd:api_server_cpu_seconds_total": 5.0, "vllm:generation_tokens_total": 1_000}  # no step yet
+    assert costs == pytest.approx(
+        {
+            "engine_step_ms": 20.0,
+            "worker_loop_ms_per_step": 1.0,
+            "worker_loop_share": 0.2 / 4.2,
+            "api_cpu_us_per_token": 50.0,
+        }
+    )
+    assert (
+        host_costs({}, after) == {}
+        and host_costs(before, {"vllm:generation_tokens_total": 1}) == {}
+    )  # a peer
+    fresh = {
+        "ppd:api_server_cpu_seconds_total": 5.0,
+        "vllm:generation_tokens_total": 1_000,
+    }  # no step yet
     assert host_costs(fresh, after)["engine_step_ms"] == pytest.approx(20.0)  # 300 steps in 6 s
     assert host_costs(before, before) == {}  # no step ran
-    table = host_cost_table([{"label": {"server": "ppd:aggregated"}, **costs}, {"label": {"server": "vllm"}}])
+    table = host_cost_table(
+        [{"label": {"server": "ppd:aggregated"}, **costs}, {"label": {"server": "vllm"}}]
+    )
     assert "ppd:aggregated | 20.00 | 1.000 | 4.8% | 50 |" in table and "vllm" not in table
     assert host_cost_table([{"label": {"server": "vllm"}}]) == ""

@@ -1,5 +1,6 @@
-"""`ppd bench --url` without a local tokenizer folder: prompt tokens counted by the server's /tokenize (ppd serve's
-own token routes, in-process on a thread), exact lengths as with the tokenizer at hand."""
+"""`ppd bench --url` without a local tokenizer folder: prompt tokens counted by the server's
+/tokenize (ppd serve's own token routes, in-process on a thread), exact lengths as with the
+tokenizer at hand."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from engine.demo import demo_model_path
 from server.request_path import RequestPath, ServedModel
 from server.tokenize_api import add_token_routes
 
-SERVED = {"id": "remote-model", "root": "remote-model"}  # a name, no folder here: the tokenizer is the server's
+SERVED = {
+    "id": "remote-model",
+    "root": "remote-model",
+}  # a name, no folder here: the tokenizer is the server's
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,9 @@ def local_tokenizer(cache_dir: Path):
 @pytest.fixture(scope="module")
 def server(local_tokenizer) -> str:
     """ppd serve's /tokenize and /detokenize for the demo's tokenizer, served as remote-model."""
-    model = ServedModel("remote-model", "/not/here", local_tokenizer, 512, len(local_tokenizer), (0,))
+    model = ServedModel(
+        "remote-model", "/not/here", local_tokenizer, 512, len(local_tokenizer), (0,)
+    )
     app = FastAPI()
     add_token_routes(app, RequestPath(model, client=None))
     port = free_port()
@@ -50,17 +56,29 @@ def server(local_tokenizer) -> str:
 
 
 def _args(**given) -> argparse.Namespace:
-    return argparse.Namespace(**{"tokenizer": None, "serve_args": "", "workload": "synthetic", "api": "chat",
-                                 "api_key": None, **given})
+    return argparse.Namespace(
+        **{
+            "tokenizer": None,
+            "serve_args": "",
+            "workload": "synthetic",
+            "api": "chat",
+            "api_key": None,
+            **given,
+        }
+    )
 
 
-def test_chat_prompts_get_exact_lengths_through_the_servers_tokenize(server: str, local_tokenizer,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_chat_prompts_get_exact_lengths_through_the_servers_tokenize(
+    server: str, local_tokenizer, capsys: pytest.CaptureFixture
+) -> None:
     tokenizer = _tokenizer(_args(), SERVED, server, server)
     assert isinstance(tokenizer, ServerTokenizer) and "/tokenize" in capsys.readouterr().err
     lengths = [(37, 4), (120, 4), (5, 4)]
     (conversation,) = shaped([lengths], 1, random.Random(0), tokenizer, "chat")
-    counted = [len(local_tokenizer.encode(turn.user, add_special_tokens=False)) for turn in conversation.turns]
+    counted = [
+        len(local_tokenizer.encode(turn.user, add_special_tokens=False))
+        for turn in conversation.turns
+    ]
     assert counted == [n for n, _ in lengths]
     assert tokenizer.model_max_length == 512  # the server's context, as /tokenize reports it
     ids = tokenizer.encode("hello world", add_special_tokens=False)

@@ -1,4 +1,5 @@
-"""BlockManager: accounting, prefix hits, collision safety, LRU eviction, and a randomized invariant check."""
+"""BlockManager: accounting, prefix hits, collision safety, LRU eviction, and a randomized invariant
+check."""
 
 from __future__ import annotations
 
@@ -19,14 +20,19 @@ from engine.prefix_hash import block_hashes, chain_hash
 
 
 def check_invariants(bm: BlockManager) -> None:
-    """Every block in exactly one state; ref counts match the live tables; the hash index is consistent."""
+    """Every block in exactly one state; ref counts match the live tables; the hash index is
+    consistent."""
     holders = Counter(b for seq in bm._seqs.values() for b in seq.table)
     for seq in bm._seqs.values():
         assert len(set(seq.table)) == len(seq.table), "a block twice in one table"
     free, evictable = list(bm._free), list(bm._evictable)
     assert len(set(free)) == len(free)
     referenced = {b.block_id for b in bm._blocks if b.ref_count > 0}
-    assert not set(free) & set(evictable) and not set(free) & referenced and not set(evictable) & referenced
+    assert (
+        not set(free) & set(evictable)
+        and not set(free) & referenced
+        and not set(evictable) & referenced
+    )
     assert len(free) + len(evictable) + len(referenced) == bm.num_blocks
     for block in bm._blocks:
         assert block.ref_count == holders[block.block_id]
@@ -52,8 +58,10 @@ def test_prefix_hash_chains_over_whole_prefix() -> None:
 
 
 def test_prefix_hash_is_sha256_of_the_parent_and_the_block_the_same_in_every_process() -> None:
-    """sha256 over the parent's 8 bytes and the block's little-endian int32 ids, its first 8 bytes a signed int: a
-    client choosing token ids cannot collide it (Python's tuple hash it could), and no PYTHONHASHSEED changes it."""
+    """sha256 over the parent's 8 bytes and the block's little-endian int32 ids, its first 8 bytes a
+    signed int: a client choosing token ids cannot collide it (Python's tuple hash it could), and no
+    PYTHONHASHSEED changes it."""
+
     def expected(parent: bytes, block: tuple[int, ...]) -> int:
         digest = hashlib.sha256(parent + struct.pack(f"<{len(block)}i", *block)).digest()[:8]
         return int.from_bytes(digest, "big", signed=True)
@@ -64,8 +72,13 @@ def test_prefix_hash_is_sha256_of_the_parent_and_the_block_the_same_in_every_pro
     assert chain_hash(None, (1, 70000)) == first and chain_hash(first, (3, 4)) == second
     code = "from engine.prefix_hash import block_hashes; print(block_hashes(list(range(40)), 16))"
     for seed in ("0", "12345"):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
         assert out.strip() == str(block_hashes(list(range(40)), 16))
 
 
@@ -73,7 +86,9 @@ def test_allocate_and_free_accounting() -> None:
     bm = BlockManager(num_blocks=10, block_size=4)
     assert bm.allocate("a", list(range(10))) == 0
     assert "a" in bm and "b" not in bm
-    assert len(bm.block_table("a")) == 3 and bm.num_free_blocks == 7 and bm.usage == pytest.approx(0.3)
+    assert (
+        len(bm.block_table("a")) == 3 and bm.num_free_blocks == 7 and bm.usage == pytest.approx(0.3)
+    )
     assert bm.allocate("b", list(range(8)), num_extra_slots=1) == 0
     assert len(bm.block_table("b")) == 3
     assert not set(bm.block_table("a")) & set(bm.block_table("b"))
@@ -184,7 +199,9 @@ def test_pinning_refreshes_lru_position() -> None:
     assert bm.allocate("c", a + [9]) == 2  # pins a's block: it leaves the evictable set
     assert bm.num_free_blocks == 2
     bm.free("c")  # a's block is now the most recently freed
-    assert bm.allocate("x", [7, 7, 7, 7, 7, 7]) == 0  # 2 free blocks + c's private block + 1 eviction
+    assert (
+        bm.allocate("x", [7, 7, 7, 7, 7, 7]) == 0
+    )  # 2 free blocks + c's private block + 1 eviction
     assert bm.peek_cached_tokens(b + [0]) == 0 and bm.peek_cached_tokens(a + [0]) == 2
     check_invariants(bm)
 
@@ -219,7 +236,11 @@ def test_cache_blocks_idempotent_and_incremental(monkeypatch: pytest.MonkeyPatch
         tokens.append(t)
     bm.cache_blocks("a", tokens, len(tokens))
     bm.cache_blocks("a", tokens, len(tokens))
-    assert calls == [tuple(range(4)), tuple(range(4, 8)), tuple(range(8, 12))]  # each block hashed once
+    assert calls == [
+        tuple(range(4)),
+        tuple(range(4, 8)),
+        tuple(range(8, 12)),
+    ]  # each block hashed once
     assert len(bm._hash_to_block) == 3
     assert bm.peek_cached_tokens(tokens) == 12
     check_invariants(bm)
@@ -297,13 +318,18 @@ def test_ensure_capacity() -> None:
 
 @pytest.mark.parametrize("weak_hash", [False, True])
 def test_randomized_stress(weak_hash: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if weak_hash:  # constant collisions, blind to the prefix: correctness must not depend on the hash
+    if (
+        weak_hash
+    ):  # constant collisions, blind to the prefix: correctness must not depend on the hash
         monkeypatch.setattr(bm_module, "chain_hash", lambda parent, block: hash(block) % 7)
     rng = random.Random(0)
     bs = 4
     bm = BlockManager(num_blocks=48, block_size=bs)
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 24))] for _ in range(4)]
-    prefixes += [[1, 2, 3, 4] * 4, [9, 9, 9, 9] + prefixes[0][4:]]  # equal blocks after different prefixes
+    prefixes += [
+        [1, 2, 3, 4] * 4,
+        [9, 9, 9, 9] + prefixes[0][4:],
+    ]  # equal blocks after different prefixes
     finished: list[list[int]] = []
     kv: dict[int, tuple[int, ...]] = {}  # block id -> the token prefix its KV was computed for
     live: dict[str, tuple[list[int], int]] = {}  # seq id -> (token ids, num computed)
@@ -325,7 +351,9 @@ def test_randomized_stress(weak_hash: bool, monkeypatch: pytest.MonkeyPatch) -> 
                 tokens = list(rng.choice(finished))
             else:  # a conversation's next turn, or a new one on a shared system prompt
                 base = rng.choice(finished) if kind < 0.4 and finished else rng.choice(prefixes)
-                tokens = base[: rng.randrange(len(base) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(1, 10))]
+                tokens = base[: rng.randrange(len(base) + 1)] + [
+                    rng.randrange(50) for _ in range(rng.randrange(1, 10))
+                ]
             peek = bm.peek_cached_tokens(tokens)
             pool_full += not bm._free
             cached = bm.allocate(seq_id, tokens, num_extra_slots=rng.randrange(3))
@@ -358,16 +386,23 @@ def test_randomized_stress(weak_hash: bool, monkeypatch: pytest.MonkeyPatch) -> 
     assert bm.num_free_blocks == bm.num_blocks and bm.usage == 0.0
 
 
-def test_the_routers_hashes_match_and_cache_as_the_tokens_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request that brings its prompt's block hashes (the router's) is matched and cached under them without
-    hashing its prompt again, and the cache is the same as if it had hashed them: a later request without hashes
-    finds those blocks. Forged hashes only miss: the blocks' tokens are compared too."""
+def test_the_routers_hashes_match_and_cache_as_the_tokens_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request that brings its prompt's block hashes (the router's) is matched and cached under
+    them without hashing its prompt again, and the cache is the same as if it had hashed them: a
+    later request without hashes finds those blocks. Forged hashes only miss: the blocks' tokens
+    are compared too."""
     bs = 4
     prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
     hashes = block_hashes(prompt, bs)
     m = BlockManager(num_blocks=16, block_size=bs)
     calls = []
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, block: calls.append(block) or chain_hash(parent, block))
+    monkeypatch.setattr(
+        bm_module,
+        "chain_hash",
+        lambda parent, block: calls.append(block) or chain_hash(parent, block),
+    )
     assert m.allocate("a", prompt, num_extra_slots=1, hashes=hashes) == 0
     m.cache_blocks("a", prompt, len(prompt))
     assert calls == [], "the prompt's blocks were hashed again"
@@ -381,16 +416,22 @@ def test_the_routers_hashes_match_and_cache_as_the_tokens_own(monkeypatch: pytes
     assert m.allocate("c", prompt, num_extra_slots=1, hashes=forged) == 0
     m.free("c")
     other = [5] * 12
-    assert m.allocate("d", other, num_extra_slots=1, hashes=hashes) == 0, "another prompt's hashes serve nothing"
+    assert m.allocate("d", other, num_extra_slots=1, hashes=hashes) == 0, (
+        "another prompt's hashes serve nothing"
+    )
 
 
 def test_check_finds_every_kind_of_broken_book() -> None:
-    """BlockManager.check proves the counts the rest relies on; each corruption below is one it must report."""
+    """BlockManager.check proves the counts the rest relies on; each corruption below is one it must
+    report."""
+
     def fresh() -> BlockManager:
         bm = BlockManager(8, 4)
         bm.allocate("a", list(range(12)))
         bm.cache_blocks("a", list(range(12)), 12)
-        bm.allocate("b", list(range(8)) + [99])  # shares a's first two cached blocks; a's third becomes evictable
+        bm.allocate(
+            "b", list(range(8)) + [99]
+        )  # shares a's first two cached blocks; a's third becomes evictable
         bm.free("a")
         bm.check()
         assert bm._evictable and bm._free

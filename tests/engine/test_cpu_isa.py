@@ -1,5 +1,5 @@
-"""What the CPU allows (engine/cpu_isa.py): native bfloat16 from the flags, and PPD_CPU_ISA=avx2 standing in for a
-CPU without AVX-512."""
+"""What the CPU allows (engine/cpu_isa.py): native bfloat16 from the flags, and PPD_CPU_ISA=avx2
+standing in for a CPU without AVX-512."""
 
 from __future__ import annotations
 
@@ -12,15 +12,17 @@ from engine.attention import cpu_kernel
 def test_native_bfloat16_is_avx512_bf16_or_amx_bf16() -> None:
     avx2_only = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # an EPYC of Zen 2 or 3
     assert not cpu_isa.has_native_bf16(avx2_only)
-    assert not cpu_isa.has_native_bf16(avx2_only | {"avx512f", "avx512bw", "avx512_vnni"})  # Skylake, Cascade Lake
+    assert not cpu_isa.has_native_bf16(
+        avx2_only | {"avx512f", "avx512bw", "avx512_vnni"}
+    )  # Skylake, Cascade Lake
     assert cpu_isa.has_native_bf16(avx2_only | {"avx512f", "avx512_bf16"})  # Zen 4, Cooper Lake
     assert cpu_isa.has_native_bf16(avx2_only | {"amx_bf16"})
     assert not cpu_isa.has_native_bf16(set())  # a CPU whose flags cannot be read
 
 
 def test_ppd_cpu_isa_avx2_hides_avx512_and_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The override hides the flags every decision reads and names the build; a value it does not know is an error
-    that lists the choices."""
+    """The override hides the flags every decision reads and names the build; a value it does not
+    know is an error that lists the choices."""
     monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
     native = cpu_isa.cpu_flags()
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
@@ -35,18 +37,28 @@ def test_ppd_cpu_isa_avx2_hides_avx512_and_amx(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_the_two_builds_are_two_files(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX2 build lies beside this CPU's in the cache, under its own name, built with -mno-avx512f, so that both
-    can be loaded; PPD_CPU_ISA picks it. (A stand-in compiler records its flags and writes empty files.)"""
+    """The AVX2 build lies beside this CPU's in the cache, under its own name, built with
+    -mno-avx512f, so that both can be loaded; PPD_CPU_ISA picks it. (A stand-in compiler records
+    its flags and writes empty files.)"""
     cc, calls = tmp_path / "cc", tmp_path / "calls"
-    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cc.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; '
+        "shift; done\n"
+    )
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
     native, avx2 = cpu_kernel.build(), cpu_kernel.build(build_isa="avx2")
     assert native != avx2 and native.exists() and avx2.exists()
-    assert avx2.name.startswith("cpu_attention-avx2-") and not native.name.startswith("cpu_attention-avx2-")
+    assert avx2.name.startswith("cpu_attention-avx2-") and not native.name.startswith(
+        "cpu_attention-avx2-"
+    )
     compiled = [line for line in calls.read_text().splitlines() if " -c " in line]
-    assert sum("-mno-avx512f" in line for line in compiled) == len(compiled) // 2 == len(cpu_kernel.SOURCES)
+    assert (
+        sum("-mno-avx512f" in line for line in compiled)
+        == len(compiled) // 2
+        == len(cpu_kernel.SOURCES)
+    )
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
     assert cpu_kernel.build() == avx2

@@ -16,7 +16,14 @@ from transformers import AutoTokenizer
 from engine import demo
 from engine.demo import DEMO_MODEL, demo_model_path, write_byte_tokenizer
 
-SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
 TEXTS = [
     "Hello, world!",
     "héllo wörld — ñ",
@@ -38,8 +45,11 @@ def tokenizer(model_dir: Path) -> transformers.PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
-def test_builds_the_expected_folder_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The demo is built from engine/demo.py alone, so `ppd serve` runs on a machine without network access."""
+def test_builds_the_expected_folder_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The demo is built from engine/demo.py alone, so `ppd serve` runs on a machine without network
+    access."""
 
     def no_network(*args: object, **kwargs: object) -> None:
         raise AssertionError(f"the demo build reached for the network: {args}")
@@ -51,16 +61,28 @@ def test_builds_the_expected_folder_offline(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.undo()
     assert folder == tmp_path / "demo-v2"
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "README.md",
+    } <= names
     assert "random" in (folder / "README.md").read_text().lower()
     assert [p.name for p in tmp_path.iterdir()] == ["demo-v2"], "no temporary folder is left behind"
     assert DEMO_MODEL == "demo"
 
 
-def test_config_describes_a_small_llama(model_dir: Path, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_config_describes_a_small_llama(
+    model_dir: Path, tokenizer: transformers.PreTrainedTokenizerBase
+) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
-    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (256, 4, 768)
+    assert (config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]) == (
+        256,
+        4,
+        768,
+    )
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 4)
     assert config["vocab_size"] == 320 and config["max_position_embeddings"] == 4096
     assert config["tie_word_embeddings"] is False
@@ -82,12 +104,16 @@ def test_second_call_reuses_the_folder(tmp_path: Path, monkeypatch: pytest.Monke
     assert demo_model_path(tmp_path) == folder
 
 
-def test_cache_dir_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_dir_comes_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "env-cache"))
     assert demo_model_path() == tmp_path / "env-cache" / "demo-v2"
 
 
-def test_losing_the_build_race_uses_the_winners_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_losing_the_build_race_uses_the_winners_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real_write = demo._write_demo_model
     winner: list[Path] = []
 
@@ -127,7 +153,9 @@ def test_concurrent_builds_are_safe(tmp_path: Path) -> None:
 
 def test_weights_are_deterministic(tmp_path: Path, model_dir: Path) -> None:
     other = demo_model_path(tmp_path)
-    assert (other / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
+    assert (other / "model.safetensors").read_bytes() == (
+        model_dir / "model.safetensors"
+    ).read_bytes()
 
 
 def test_transformers_loads_every_weight(model_dir: Path) -> None:
@@ -144,7 +172,9 @@ def test_transformers_loads_every_weight(model_dir: Path) -> None:
     assert len(set(logits[0].argmax(-1).tolist())) > 1
 
 
-def test_vocabulary_is_bytes_then_special_tokens(tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_vocabulary_is_bytes_then_special_tokens(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
     assert len(tokenizer) == 320
     assert tokenizer.convert_tokens_to_ids(SPECIAL) == list(range(256, 262))
     assert tokenizer.convert_tokens_to_ids("<|reserved_0|>") == 262
@@ -153,14 +183,18 @@ def test_vocabulary_is_bytes_then_special_tokens(tokenizer: transformers.PreTrai
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_text_round_trips_as_one_token_per_byte(tokenizer: transformers.PreTrainedTokenizerBase, text: str) -> None:
+def test_text_round_trips_as_one_token_per_byte(
+    tokenizer: transformers.PreTrainedTokenizerBase, text: str
+) -> None:
     ids = tokenizer.encode(text)
     assert ids == list(text.encode("utf-8"))
     assert tokenizer.encode(text, add_special_tokens=True) == ids, "no BOS is added"
     assert tokenizer.decode(ids) == text
 
 
-def test_tokenization_is_stable_under_concatenation(tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_tokenization_is_stable_under_concatenation(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
     for a in TEXTS:
         for b in TEXTS:
             assert tokenizer.encode(a + b) == tokenizer.encode(a) + tokenizer.encode(b)
@@ -175,10 +209,15 @@ def test_every_id_decodes(tokenizer: transformers.PreTrainedTokenizerBase) -> No
             assert tokenizer.decode([token_id], skip_special_tokens=False).startswith("<|")
 
 
-def test_chat_template_renders_roles_and_generation_prompt(tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+def test_chat_template_renders_roles_and_generation_prompt(
+    tokenizer: transformers.PreTrainedTokenizerBase,
+) -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+        },
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Bye"},
     ]
@@ -200,7 +239,9 @@ def test_chat_template_renders_roles_and_generation_prompt(tokenizer: transforme
 def test_chat_template_maps_developer_to_system_and_rejects_other_roles(
     tokenizer: transformers.PreTrainedTokenizerBase,
 ) -> None:
-    rendered = tokenizer.apply_chat_template([{"role": "developer", "content": "x"}], tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "developer", "content": "x"}], tokenize=False
+    )
     assert rendered == "<|system|>\nx<|end|>\n"
     with pytest.raises(TemplateError, match="roles"):
         tokenizer.apply_chat_template([{"role": "function", "content": "x"}], tokenize=False)

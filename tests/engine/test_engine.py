@@ -1,5 +1,6 @@
-"""The engine object: a device's start-up (create, attach), and greedy output equal to transformers on every path
-the GPU adds (Triton kernels, CUDA graphs for decode and for prefill, append and mixed steps, split-KV, padding)."""
+"""The engine object: a device's start-up (create, attach), and greedy output equal to transformers
+on every path the GPU adds (Triton kernels, CUDA graphs for decode and for prefill, append and
+mixed steps, split-KV, padding)."""
 
 from __future__ import annotations
 
@@ -30,16 +31,23 @@ def random_ids(n: int, seed: int, vocab_size: int = 320) -> list[int]:
 
 
 class Conversation:
-    """One sequence driven through an engine: its tokens and its block table (blocks handed out from a shuffled list)."""
+    """One sequence driven through an engine: its tokens and its block table (blocks handed out from
+    a shuffled list)."""
 
     def __init__(self, engine: Engine, free: list[int], prompt: list[int]) -> None:
-        self.engine, self.free, self.tokens, self.cached, self.table = engine, free, list(prompt), 0, []
+        self.engine, self.free, self.tokens, self.cached, self.table = (
+            engine,
+            free,
+            list(prompt),
+            0,
+            [],
+        )
 
     def next_input(self) -> StepInput:
         end = len(self.tokens)
         while len(self.table) * self.engine.plan.block_size < end + 1:
             self.table.append(self.free.pop())
-        inp = StepInput(self.tokens[self.cached:end], self.cached, list(self.table))
+        inp = StepInput(self.tokens[self.cached : end], self.cached, list(self.table))
         self.cached = end
         return inp
 
@@ -54,12 +62,15 @@ def run_together(engine: Engine, convs: list[Conversation], steps: int) -> None:
 
 
 def run_ahead(engine: Engine, convs: list[Conversation], steps: int) -> None:
-    """run_together with async scheduling: each step after the first is launched before the one before is taken,
-    its inputs' tokens taken on the device from that step's samples (StepInput.previous)."""
+    """run_together with async scheduling: each step after the first is launched before the one
+    before is taken, its inputs' tokens taken on the device from that step's samples
+    (StepInput.previous)."""
     in_flight = None
     for step in range(steps):
         inputs = [c.next_input() for c in convs]
-        if step:  # every conversation's new token is the one the step in flight samples, in conversation order
+        # every conversation's new token is the one the step in flight samples, in conversation
+        # order
+        if step:
             inputs = [replace(inp, token_ids=[0], previous=k) for k, inp in enumerate(inputs)]
         launched = engine.launch(inputs, [Row(GREEDY)] * len(convs), in_flight)
         if in_flight is not None:
@@ -84,9 +95,13 @@ def names(tag: str) -> tuple[str, str]:
 
 def test_cpu_engine_and_an_attached_peer_share_memory_and_agree(tmp_path: Path) -> None:
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(
+        model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64
+    )
     owner = Engine.create(cfg, names("cpu"))
-    peer = Engine.attach(cfg, owner.weights_handle, owner.kv_handle, owner.num_kv_blocks, owner.max_model_len)
+    peer = Engine.attach(
+        cfg, owner.weights_handle, owner.kv_handle, owner.num_kv_blocks, owner.max_model_len
+    )
     try:
         assert owner.plan.num_blocks == 32 and peer.max_model_len == owner.max_model_len
         prompt = random_ids(21, seed=1)
@@ -94,7 +109,7 @@ def test_cpu_engine_and_an_attached_peer_share_memory_and_agree(tmp_path: Path) 
         conv = Conversation(owner, free_blocks(owner), prompt)
         conv.tokens.append(peer.step([conv.next_input()], [Row(GREEDY)]).tokens[0])
         run_together(owner, [conv], NEW_TOKENS - 1)
-        assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
+        assert conv.tokens[len(prompt) :] == hf_greedy(folder, prompt, NEW_TOKENS)
     finally:
         release_name(owner.weights_handle)
         release_name(owner.kv_handle)
@@ -102,7 +117,9 @@ def test_cpu_engine_and_an_attached_peer_share_memory_and_agree(tmp_path: Path) 
 
 def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> None:
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(
+        model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64
+    )
     engine = Engine.create(cfg, names("fail"))
     try:
         prompts = [random_ids(9, seed=2), random_ids(13, seed=3)]
@@ -110,7 +127,9 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         convs = [Conversation(engine, free, p) for p in prompts]
         run = engine.runner.run
 
-        def poisoned(inputs: list[StepInput], previous=None):  # a fault only the second conversation's inputs trigger
+        def poisoned(
+            inputs: list[StepInput], previous=None
+        ):  # a fault only the second conversation's inputs trigger
             if any(i.block_table == convs[1].table for i in inputs):
                 raise ValueError("poisoned input")
             return run(inputs, previous)
@@ -118,18 +137,29 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         engine.runner.run = poisoned
         sampled, failed = engine.step_each([c.next_input() for c in convs], [Row(GREEDY)] * 2)
         tokens = sampled.tokens
-        assert failed == {1: "ValueError: poisoned input"} and tokens[1] is None and failed[1].status == 500
+        assert (
+            failed == {1: "ValueError: poisoned input"}
+            and tokens[1] is None
+            and failed[1].status == 500
+        )
         convs[0].tokens.append(tokens[0])
         run_together(engine, convs[:1], NEW_TOKENS - 1)
-        assert convs[0].tokens[len(prompts[0]):] == hf_greedy(folder, prompts[0], NEW_TOKENS)
-        # Steps in which every input fails for a reason of its own request (a grammar the output left) say nothing
-        # of the engine: it goes on.
-        engine.runner.run = lambda inputs, previous=None: (_ for _ in ()).throw(GuidedError("output left the grammar"))
+        assert convs[0].tokens[len(prompts[0]) :] == hf_greedy(folder, prompts[0], NEW_TOKENS)
+        # Steps in which every input fails for a reason of its own request (a grammar the output
+        # left) say nothing of the engine: it goes on.
+        engine.runner.run = lambda inputs, previous=None: (_ for _ in ()).throw(
+            GuidedError("output left the grammar")
+        )
         inp = convs[0].next_input()
         for _ in range(MAX_FAILED_STEPS + 1):
-            assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "GuidedError: output left the grammar"}
-        # An engine on which everything fails is broken: after a few such steps it gives up (the worker restarts).
-        engine.runner.run = lambda inputs, previous=None: (_ for _ in ()).throw(RuntimeError("device lost"))
+            assert engine.step_each([inp], [Row(GREEDY)])[1] == {
+                0: "GuidedError: output left the grammar"
+            }
+        # An engine on which everything fails is broken: after a few such steps it gives up (the
+        # worker restarts).
+        engine.runner.run = lambda inputs, previous=None: (_ for _ in ()).throw(
+            RuntimeError("device lost")
+        )
         for _ in range(2):
             assert engine.step_each([inp], [Row(GREEDY)])[1] == {0: "RuntimeError: device lost"}
         with pytest.raises(RuntimeError, match="steps in a row failed"):
@@ -139,35 +169,50 @@ def test_a_failing_input_ends_alone_and_the_others_match_hf(tmp_path: Path) -> N
         release_name(engine.kv_handle)
 
 
-def test_a_guided_request_on_an_engine_without_a_tokenizer_ends_alone_naming_the_fix(tmp_path: Path) -> None:
-    """A worker without a tokenizer (--skip-tokenizer-init) that is sent a guided request anyway (the API server
-    refuses it first; a worker never trusts a message) takes it without raising, and its first step ends it alone
-    with an error that says what to do; the other request of the step gets its token."""
+def test_a_guided_request_on_an_engine_without_a_tokenizer_ends_alone_naming_the_fix(
+    tmp_path: Path,
+) -> None:
+    """A worker without a tokenizer (--skip-tokenizer-init) that is sent a guided request anyway
+    (the API server refuses it first; a worker never trusts a message) takes it without raising,
+    and its first step ends it alone with an error that says what to do; the other request of the
+    step gets its token."""
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(
+        model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64
+    )
     engine = Engine.create(cfg, names("guided"))
     try:
         guided = msgspec.structs.replace(GREEDY, guided=GuidedSpec("regex", "[0-9]+"))
         engine.prepare("g", guided)
         free = free_blocks(engine)
         convs = [Conversation(engine, free, random_ids(n, seed=n)) for n in (6, 9)]
-        rows = [Row(guided, convs[0].tokens, len(convs[0].tokens), "g"), Row(GREEDY, convs[1].tokens,
-                                                                               len(convs[1].tokens), "plain")]
+        rows = [
+            Row(guided, convs[0].tokens, len(convs[0].tokens), "g"),
+            Row(GREEDY, convs[1].tokens, len(convs[1].tokens), "plain"),
+        ]
         sampled, failed = engine.step_each([c.next_input() for c in convs], rows)
         assert list(failed) == [0] and failed[0].startswith("GuidedError: request g: ")
         assert "need a tokenizer" in failed[0] and "start the server with a tokenizer" in failed[0]
-        assert failed[0].status == 400  # the request's own reason: the client is answered 400, not 500
-        assert sampled.tokens[0] is None and sampled.tokens[1] == hf_greedy(folder, convs[1].tokens, 1)[0]
+        assert (
+            failed[0].status == 400
+        )  # the request's own reason: the client is answered 400, not 500
+        assert (
+            sampled.tokens[0] is None
+            and sampled.tokens[1] == hf_greedy(folder, convs[1].tokens, 1)[0]
+        )
     finally:
         release_name(engine.weights_handle)
         release_name(engine.kv_handle)
 
 
 def test_a_failed_step_is_waited_for_before_the_next_step_and_the_return(tmp_path: Path) -> None:
-    """A step may raise after it launched device work (a grammar fails after the forward pass): step_each waits for
-    that work before it runs anything else or hands the failures back (which frees the failed inputs' blocks)."""
+    """A step may raise after it launched device work (a grammar fails after the forward pass):
+    step_each waits for that work before it runs anything else or hands the failures back (which
+    frees the failed inputs' blocks)."""
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(
+        model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64
+    )
     engine = Engine.create(cfg, names("wait"))
     try:
         free = free_blocks(engine)
@@ -193,9 +238,9 @@ def test_a_failed_step_is_waited_for_before_the_next_step_and_the_return(tmp_pat
 
 
 def check_prompt_logprobs_beside_decodes(engine: Engine, folder: Path) -> None:
-    """A prompt in two chunks that ask for prompt logprobs, each in a step beside decoding conversations (with more
-    asked rows than the engine's slice of max_num_seqs rows): the logprobs equal transformers' log-softmax, and the
-    decodes are undisturbed."""
+    """A prompt in two chunks that ask for prompt logprobs, each in a step beside decoding
+    conversations (with more asked rows than the engine's slice of max_num_seqs rows): the logprobs
+    equal transformers' log-softmax, and the decodes are undisturbed."""
     free = free_blocks(engine)
     decoding = [Conversation(engine, free, random_ids(n, seed=n)) for n in (6, 11)]
     run_together(engine, decoding, 1)
@@ -223,7 +268,9 @@ def check_prompt_logprobs_beside_decodes(engine: Engine, folder: Path) -> None:
 
 def test_prompt_logprobs_in_slices_beside_decodes_match_hf(tmp_path: Path) -> None:
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(
+        model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64
+    )
     engine = Engine.create(cfg, names("plp"))
     try:
         check_prompt_logprobs_beside_decodes(engine, folder)
@@ -233,24 +280,27 @@ def test_prompt_logprobs_in_slices_beside_decodes_match_hf(tmp_path: Path) -> No
 
 
 def check_run_ahead(engine: Engine, folder: Path) -> None:
-    """Steps launched ahead of the one before give the greedy ids of steps run one by one: decodes, then a turn's
-    append-prefill beside the others' decodes (its chunk's last token sampled, then taken on the device)."""
+    """Steps launched ahead of the one before give the greedy ids of steps run one by one: decodes,
+    then a turn's append-prefill beside the others' decodes (its chunk's last token sampled, then
+    taken on the device)."""
     free = free_blocks(engine)
     prompts = [random_ids(n, seed=s) for n, s in ((23, 1), (40, 2), (7, 3))]
     convs = [Conversation(engine, free, p) for p in prompts]
     run_ahead(engine, convs, NEW_TOKENS)
     for conv, prompt in zip(convs, prompts):
-        assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
+        assert conv.tokens[len(prompt) :] == hf_greedy(folder, prompt, NEW_TOKENS)
     first = convs[0]
     first.tokens += random_ids(19, seed=4)
     turn2 = list(first.tokens)
     run_ahead(engine, convs, NEW_TOKENS)
-    assert first.tokens[len(turn2):] == hf_greedy(folder, turn2, NEW_TOKENS)
+    assert first.tokens[len(turn2) :] == hf_greedy(folder, turn2, NEW_TOKENS)
 
 
 def test_steps_launched_ahead_take_their_tokens_on_the_device_and_match_hf(tmp_path: Path) -> None:
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64)
+    cfg = EngineConfig(
+        model=str(folder), num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64
+    )
     engine = Engine.create(cfg, names("ahead"))
     try:
         check_run_ahead(engine, folder)
@@ -259,7 +309,7 @@ def test_steps_launched_ahead_take_their_tokens_on_the_device_and_match_hf(tmp_p
         release_name(engine.kv_handle)
 
 
-# ---- on a GPU: the Triton backend and CUDA graphs against transformers (float32) --------------------------
+# ---- on a GPU: the Triton backend and CUDA graphs against transformers (float32) -----------------
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -270,8 +320,16 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def cuda_engine(folder: Path, eager: bool, block_size: int = 16) -> Engine:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    cfg = EngineConfig(model=str(folder), dtype="float32", device="cuda", block_size=block_size,
-                       num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, enforce_eager=eager)
+    cfg = EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        device="cuda",
+        block_size=block_size,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enforce_eager=eager,
+    )
     return Engine.create(cfg)
 
 
@@ -282,7 +340,9 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
     assert engine.runner.backend.name == "triton"
     assert (engine.runner.graphs is None) == eager
     replayed = []
-    if not eager:  # which buckets the steps replay: prompts, then decodes, then an append beside decodes
+    if (
+        not eager
+    ):  # which buckets the steps replay: prompts, then decodes, then an append beside decodes
         graphs = engine.runner.graphs
         replay = graphs.run
         graphs.run = lambda batch, bucket: (replayed.append(bucket), replay(batch, bucket))[1]
@@ -292,19 +352,25 @@ def test_cuda_turns_and_mixed_batches_match_hf(tiny: Path, eager: bool) -> None:
     convs = [Conversation(engine, free, p) for p in prompts]
     run_together(engine, convs, NEW_TOKENS)
     for conv, prompt in zip(convs, prompts):
-        assert conv.tokens[len(prompt):] == hf_greedy(tiny, prompt, NEW_TOKENS)
-    # Turn 2 of the first conversation (an append-prefill over its cached KV) mixed with the others' decodes.
+        assert conv.tokens[len(prompt) :] == hf_greedy(tiny, prompt, NEW_TOKENS)
+    # Turn 2 of the first conversation (an append-prefill over its cached KV) mixed with the others'
+    # decodes.
     first = convs[0]
     first.tokens += random_ids(19, seed=4)
     turn2 = list(first.tokens)
     run_together(engine, convs, NEW_TOKENS)
-    assert first.tokens[len(turn2):] == hf_greedy(tiny, turn2, NEW_TOKENS)
+    assert first.tokens[len(turn2) :] == hf_greedy(tiny, turn2, NEW_TOKENS)
     for conv, prompt in zip(convs[1:], prompts[1:]):
-        assert conv.tokens[len(prompt):] == hf_greedy(tiny, prompt, 2 * NEW_TOKENS)
+        assert conv.tokens[len(prompt) :] == hf_greedy(tiny, prompt, 2 * NEW_TOKENS)
     if not eager:
-        # The prompts' step (70 tokens), every decode step, and the append beside two decodes (22 tokens).
-        assert [(b.tokens, b.decode) for b in replayed] == ([(96, False)] + [(4, True)] * (NEW_TOKENS - 1)
-                                                            + [(32, False)] + [(4, True)] * (NEW_TOKENS - 1))
+        # The prompts' step (70 tokens), every decode step, and the append beside two decodes (22
+        # tokens).
+        assert [(b.tokens, b.decode) for b in replayed] == (
+            [(96, False)]
+            + [(4, True)] * (NEW_TOKENS - 1)
+            + [(32, False)]
+            + [(4, True)] * (NEW_TOKENS - 1)
+        )
 
 
 @pytest.mark.gpu
@@ -329,7 +395,7 @@ def test_cuda_long_context_decode_with_split_kv_matches_hf(tmp_path: Path) -> No
     decode = engine.runner.make_batch([StepInput([1], len(prompt), conv.table)])
     assert engine.runner.backend.prepare(decode).num_splits > 1
     run_together(engine, [conv], NEW_TOKENS - 1)
-    assert conv.tokens[len(prompt):] == hf_greedy(folder, prompt, NEW_TOKENS)
+    assert conv.tokens[len(prompt) :] == hf_greedy(folder, prompt, NEW_TOKENS)
 
 
 @pytest.mark.gpu
@@ -337,8 +403,14 @@ def test_cuda_pool_is_sized_from_free_memory(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), dtype="float32", device="cuda", gpu_memory_utilization=0.2,
-                       max_num_seqs=8, max_num_batched_tokens=256)
+    cfg = EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        device="cuda",
+        gpu_memory_utilization=0.2,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+    )
     engine = Engine.create(cfg)
     free, total = torch.cuda.mem_get_info()
     pool = engine.runner.kv_pool
@@ -351,13 +423,14 @@ def test_cuda_pool_is_sized_from_free_memory(tmp_path: Path) -> None:
 RACE_SCRIPT = """
 import sys, torch
 from engine.engine import Engine, EngineConfig
-cfg = EngineConfig(model=sys.argv[1], dtype="float32", device="cuda", gpu_memory_utilization=0.05, max_num_seqs=8,
-                   max_num_batched_tokens=256, enforce_eager=True)
+cfg = EngineConfig(model=sys.argv[1], dtype="float32", device="cuda", gpu_memory_utilization=0.05,
+                   max_num_seqs=8, max_num_batched_tokens=256, enforce_eager=True)
 engine = Engine.create(cfg)
 pool = engine.runner.kv_pool
 before = pool.double().abs().sum().item()
-# Leave small blocks full of huge indices in torch's cache, where the graphs' static buffers will be allocated, and
-# keep the current stream busy for about a second, so that those buffers' fills run late.
+# Leave small blocks full of huge indices in torch's cache, where the graphs' static buffers will be
+# allocated, and keep the current stream busy for about a second, so that those buffers' fills run
+# late.
 junk = [torch.full((65536,), 2**40, dtype=torch.int64, device="cuda") for _ in range(256)]
 del junk
 torch.cuda._sleep(2_000_000_000)
@@ -370,16 +443,22 @@ print("ok")
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_waits_for_its_buffers_to_be_filled(tmp_path: Path) -> None:
-    """Capture's warm-up steps run on a side stream: they must wait for the static buffers' fills on the current
-    stream, or the padding rows' slot mapping (-1: write nothing) is whatever the allocator's cache held, and the
-    warm-up stores KV anywhere (an illegal address, seen on an H200 when an earlier test had left such blocks). In
-    a child process, since an illegal address poisons the process's CUDA context for every later test."""
+    """Capture's warm-up steps run on a side stream: they must wait for the static buffers' fills on
+    the current stream, or the padding rows' slot mapping (-1: write nothing) is whatever the
+    allocator's cache held, and the warm-up stores KV anywhere (an illegal address, seen on an H200
+    when an earlier test had left such blocks). In a child process, since an illegal address poisons
+    the process's CUDA context for every later test."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     import subprocess
     import sys
 
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    proc = subprocess.run([sys.executable, "-c", RACE_SCRIPT, str(folder)], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", RACE_SCRIPT, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""Structured outputs: a random model, masked by GuidedDecoding, always writes text that matches the spec."""
+"""Structured outputs: a random model, masked by GuidedDecoding, always writes text that matches the
+spec."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from engine.demo import write_byte_tokenizer
 from engine.guided import GuidedDecoding, GuidedError, spec_problem
 from engine.sampling_params import GuidedSpec
 
-BYTE_EOS, BYTE_VOCAB = 261, 352  # the demo tokenizer has 320 tokens: the model's 32 more must never be allowed
+BYTE_EOS, BYTE_VOCAB = (
+    261,
+    352,
+)  # the demo tokenizer has 320 tokens: the model's 32 more must never be allowed
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -26,9 +30,14 @@ SCHEMA = {
         "role": {"enum": ["admin", "user", "guest"]},
         "active": {"type": "boolean"},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                                     "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+        },
     },
     "required": ["name", "age", "role", "active", "address"],
 }
@@ -58,10 +67,11 @@ class Setup:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.guided = GuidedDecoding(str(folder), vocab_size, [eos])
         self.eos, self.size = eos, len(self.tokenizer)
-        self.specials = set(self.tokenizer.all_special_ids) | {i for i, t in self.tokenizer.added_tokens_decoder.items()
-                                                               if t.special}
-        # json_object: a random model almost never closes a string or an object; favour the tokens that do,
-        # quotes the most, else half of all objects would be {}.
+        self.specials = set(self.tokenizer.all_special_ids) | {
+            i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special
+        }
+        # json_object: a random model almost never closes a string or an object; favour the tokens
+        # that do, quotes the most, else half of all objects would be {}.
         self.closers = torch.zeros(vocab_size)
         for i in range(self.size):
             text = self.tokenizer.decode([i])
@@ -70,20 +80,38 @@ class Setup:
 
 
 def train_bpe(folder: Path) -> None:
-    """A byte-level BPE with a few hundred merges of English and JSON, so tokens span several characters."""
+    """A byte-level BPE with a few hundred merges of English and JSON, so tokens span several
+    characters."""
     english = "The quick brown fox jumps over the lazy dog while the answer stays yes or no. " * 20
-    samples = [json.dumps({"name": f"user{i}", "age": i % 99, "role": ["admin", "user"][i % 2], "active": i % 3 == 0,
-                           "tags": ["ab", "c"][: i % 3], "address": {"city": "Paris", "zip": 10000 + i}})
-               for i in range(300)]
+    samples = [
+        json.dumps(
+            {
+                "name": f"user{i}",
+                "age": i % 99,
+                "role": ["admin", "user"][i % 2],
+                "active": i % 3 == 0,
+                "tags": ["ab", "c"][: i % 3],
+                "address": {"city": "Paris", "zip": 10000 + i},
+            }
+        )
+        for i in range(300)
+    ]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=["<|end|>", "<|user|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=["<|end|>", "<|user|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator([english, *samples], trainer)
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|end|>",
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|end|>",
+        "clean_up_tokenization_spaces": False,
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
@@ -100,7 +128,9 @@ def byte_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 def bpe_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     folder = tmp_path_factory.mktemp("bpe-tokenizer")
     train_bpe(folder)
-    setup = Setup(folder, 704, 0)  # <|end|> is id 0; the model's vocabulary is padded past the tokenizer's
+    setup = Setup(
+        folder, 704, 0
+    )  # <|end|> is id 0; the model's vocabulary is padded past the tokenizer's
     yield setup
     setup.guided.close()
 
@@ -112,8 +142,8 @@ def allowed(bitmask_row: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def simulate(setup: Setup, mode: str, seeds: range, cap: int) -> list[str]:
-    """One random 'model' per seed, all in one batch with an unguided row in front: fill, apply, sample, until
-    each row samples EOS. Checks every mask on the way; returns the texts."""
+    """One random 'model' per seed, all in one batch with an unguided row in front: fill, apply,
+    sample, until each row samples EOS. Checks every mask on the way; returns the texts."""
     guided, vocab = setup.guided, setup.guided.vocab_size
     generators = {s: torch.Generator().manual_seed(s) for s in seeds}
     outputs: dict[int, list[int]] = {s: [] for s in seeds}
@@ -134,21 +164,31 @@ def simulate(setup: Setup, mode: str, seeds: range, cap: int) -> list[str]:
         assert torch.equal(logits[0], before), "the unguided row must be left alone"
         for k, s in enumerate(live):
             ok = allowed(bitmask[k], vocab)
-            assert not ok[setup.size:].any(), "ids past the tokenizer's vocabulary must never be allowed"
-            assert all(not ok[i] for i in setup.specials - {setup.eos}), "special tokens are not text"
+            assert not ok[setup.size :].any(), (
+                "ids past the tokenizer's vocabulary must never be allowed"
+            )
+            assert all(not ok[i] for i in setup.specials - {setup.eos}), (
+                "special tokens are not text"
+            )
             assert torch.equal(torch.isfinite(logits[k + 1]), ok)
-            token = int(torch.multinomial(torch.softmax(logits[k + 1], -1), 1, generator=generators[s]))
+            token = int(
+                torch.multinomial(torch.softmax(logits[k + 1], -1), 1, generator=generators[s])
+            )
             if token == setup.eos:
                 texts[s] = setup.tokenizer.decode(outputs[s])
                 guided.release(f"{mode}-{s}")
             else:
                 outputs[s].append(token)
-    raise AssertionError(f"{mode}: rows {[s for s in seeds if s not in texts]} did not stop within {cap} tokens")
+    raise AssertionError(
+        f"{mode}: rows {[s for s in seeds if s not in texts]} did not stop within {cap} tokens"
+    )
 
 
 @pytest.mark.parametrize("mode", list(SPECS))
 @pytest.mark.parametrize("which", ["byte_setup", "bpe_setup"])
-def test_random_model_output_matches_spec(mode: str, which: str, request: pytest.FixtureRequest) -> None:
+def test_random_model_output_matches_spec(
+    mode: str, which: str, request: pytest.FixtureRequest
+) -> None:
     texts = simulate(request.getfixturevalue(which), mode, range(20), cap=400)
     for text in texts:
         assert CHECKS[mode](text), f"{mode}: {text!r}"
@@ -162,14 +202,23 @@ def test_every_choice_is_reachable_with_its_escapes(byte_setup: Setup) -> None:
         assert allowed(bitmask[0], BYTE_VOCAB)[BYTE_EOS], f"{choice!r} should be complete"
         byte_setup.guided.release(f"reach-{k}")
     with pytest.raises(GuidedError, match="request wrong"):
-        byte_setup.guided.fill([("wrong", SPECS["choice"], list(b'say \\"'))])  # the escape is not the text
+        byte_setup.guided.fill(
+            [("wrong", SPECS["choice"], list(b'say \\"'))]
+        )  # the escape is not the text
 
 
 def test_bounded_strings_hold_no_control_characters(byte_setup: Setup) -> None:
     """xgrammar 0.2.8 lets a maxLength string hold a raw tab: invalid JSON."""
     spec = GuidedSpec("json_schema", json.dumps({"type": "string", "maxLength": 3}))
     ok = allowed(byte_setup.guided.fill([("bounded", spec, list(b'"'))])[0], BYTE_VOCAB)
-    assert ok[ord("a")] and ok[ord('"')] and ok[0xC3] and not ok[ord("\t")] and not ok[0] and not ok[0x1F]
+    assert (
+        ok[ord("a")]
+        and ok[ord('"')]
+        and ok[0xC3]
+        and not ok[ord("\t")]
+        and not ok[0]
+        and not ok[0x1F]
+    )
 
 
 def test_catch_up_from_the_token_list(byte_setup: Setup) -> None:
@@ -180,8 +229,12 @@ def test_catch_up_from_the_token_list(byte_setup: Setup) -> None:
     fresh = guided.fill([("fresh", spec, [a, b, c])]).clone()
     assert torch.equal(stepped, fresh)
     guided.release("up")
-    assert torch.equal(guided.fill([("up", spec, [a, b, c])]), fresh), "a released request rebuilds from its tokens"
-    shorter = guided.fill([("up", spec, [a])]).clone()  # the list no longer extends what was accepted: rebuild
+    assert torch.equal(guided.fill([("up", spec, [a, b, c])]), fresh), (
+        "a released request rebuilds from its tokens"
+    )
+    shorter = guided.fill(
+        [("up", spec, [a])]
+    ).clone()  # the list no longer extends what was accepted: rebuild
     assert torch.equal(shorter, guided.fill([("short", spec, [a])]))
     with pytest.raises(GuidedError, match=r"request nope: output token 120 \(index 1\)"):
         guided.fill([("nope", spec, [a, ord("x")])])
@@ -199,7 +252,10 @@ def test_fill_async_matches_fill(bpe_setup: Setup) -> None:
     guided = bpe_setup.guided
     prefix = bpe_setup.tokenizer.encode('{"name": "ab", "age": 7')
     rows = [(f"async-{i}", SPECS["json_schema"], prefix[:i]) for i in range(len(prefix))]
-    rows += [("async-c", SPECS["choice"], []), ("async-r", SPECS["regex"], bpe_setup.tokenizer.encode("ab@"))]
+    rows += [
+        ("async-c", SPECS["choice"], []),
+        ("async-r", SPECS["regex"], bpe_setup.tokenizer.encode("ab@")),
+    ]
     expected = guided.fill(rows).clone()
     assert torch.equal(guided.fill_async(rows).result(), expected)
     for request_id, _, _ in rows:
@@ -213,7 +269,9 @@ def test_one_compile_per_spec_and_compile_errors_name_the_request(byte_setup: Se
     guided.start("x", spec)
     guided.start("y", spec)
     assert guided._compiled[spec] is guided._compile(spec)
-    with pytest.raises(GuidedError, match=r"request bad-regex: the regex cannot be compiled: .*closed"):
+    with pytest.raises(
+        GuidedError, match=r"request bad-regex: the regex cannot be compiled: .*closed"
+    ):
         guided.fill([("bad-regex", GuidedSpec("regex", "(ab"), [])])
 
 
@@ -221,38 +279,66 @@ def test_without_a_tokenizer_guided_requests_fail_at_their_first_fill_naming_the
     guided = GuidedDecoding(None, 320, [BYTE_EOS])
     assert not guided.available
     guided.start("r", SPECS["regex"])  # the worker's loop calls it: it must not raise
-    with pytest.raises(GuidedError, match="request r: structured outputs need a tokenizer.*--skip-tokenizer-init.*"
-                                          "start the server with a tokenizer"):
+    with pytest.raises(
+        GuidedError,
+        match="request r: structured outputs need a tokenizer.*--skip-tokenizer-init.*"
+        "start the server with a tokenizer",
+    ):
         guided.fill([("r", SPECS["regex"], [])])
 
 
-@pytest.mark.parametrize("spec, problem", [
-    (GuidedSpec("json_schema", '{"type": "object"'), "^the schema is not valid JSON"),
-    (GuidedSpec("json_schema", '{"type": "objectx"}'), 'cannot be compiled: Unsupported type "objectx"; fix'),
-    (GuidedSpec("json_schema", '{"type": "integer", "minimum": 5, "maximum": 2}'), "minimum greater than maximum"),
-    (GuidedSpec("regex", "(ab"), "^the regex cannot be compiled: Regex parsing error"),
-    (GuidedSpec("regex", "a(?=b)"), "Lookahead is not supported"),
-    (GuidedSpec("choice", "[]"), "^the choice list must be a JSON list of at least one string"),
-    (GuidedSpec("choice", '["a", 1]'), "must be a JSON list of at least one string"),
-    (GuidedSpec("choice", '"a"'), "must be a JSON list of at least one string"),
-    (GuidedSpec("choice", "[a]"), "^the choice list is not valid JSON"),
-    (GuidedSpec("grammar", "root ::= foo"), '^the grammar cannot be compiled: .*"foo" is not defined'),
-    (GuidedSpec("grammar", 'start ::= "a"'), "root.*not found; write it in EBNF"),
-    (GuidedSpec("structural_tag", "{}"), "^the structural tag cannot be compiled: .*must have a format field"),
-])
+@pytest.mark.parametrize(
+    "spec, problem",
+    [
+        (GuidedSpec("json_schema", '{"type": "object"'), "^the schema is not valid JSON"),
+        (
+            GuidedSpec("json_schema", '{"type": "objectx"}'),
+            'cannot be compiled: Unsupported type "objectx"; fix',
+        ),
+        (
+            GuidedSpec("json_schema", '{"type": "integer", "minimum": 5, "maximum": 2}'),
+            "minimum greater than maximum",
+        ),
+        (GuidedSpec("regex", "(ab"), "^the regex cannot be compiled: Regex parsing error"),
+        (GuidedSpec("regex", "a(?=b)"), "Lookahead is not supported"),
+        (GuidedSpec("choice", "[]"), "^the choice list must be a JSON list of at least one string"),
+        (GuidedSpec("choice", '["a", 1]'), "must be a JSON list of at least one string"),
+        (GuidedSpec("choice", '"a"'), "must be a JSON list of at least one string"),
+        (GuidedSpec("choice", "[a]"), "^the choice list is not valid JSON"),
+        (
+            GuidedSpec("grammar", "root ::= foo"),
+            '^the grammar cannot be compiled: .*"foo" is not defined',
+        ),
+        (GuidedSpec("grammar", 'start ::= "a"'), "root.*not found; write it in EBNF"),
+        (
+            GuidedSpec("structural_tag", "{}"),
+            "^the structural tag cannot be compiled: .*must have a format field",
+        ),
+    ],
+)
 def test_spec_problem_names_the_problem(spec: GuidedSpec, problem: str) -> None:
     message = spec_problem(spec)
     assert message is not None and re.search(problem, message), message
     assert "\n" not in message and "/project/" not in message
 
 
-@pytest.mark.parametrize("spec", [
-    *SPECS.values(),
-    GuidedSpec("choice", '["only"]'),
-    GuidedSpec("json_schema", '{"type": "array", "items": {"$ref": "#/$defs/n"}, "$defs": {"n": {"type": "number"}}}'),
-    GuidedSpec("structural_tag", json.dumps({"type": "structural_tag",
-                                             "format": {"type": "const_string", "value": "hi"}})),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        *SPECS.values(),
+        GuidedSpec("choice", '["only"]'),
+        GuidedSpec(
+            "json_schema",
+            '{"type": "array", "items": {"$ref": "#/$defs/n"}, "$defs": {"n": {"type": "number"}}}',
+        ),
+        GuidedSpec(
+            "structural_tag",
+            json.dumps(
+                {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+            ),
+        ),
+    ],
+)
 def test_spec_problem_accepts_good_specs(spec: GuidedSpec) -> None:
     assert spec_problem(spec) is None
 

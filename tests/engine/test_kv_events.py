@@ -1,5 +1,6 @@
-"""KV-cache events: vLLM's block hashes and wire format (checked against values vLLM's own code computed), the
---kv-events-config checks, the publisher and its replay socket, and the block manager's events mirroring its cache."""
+"""KV-cache events: vLLM's block hashes and wire format (checked against values vLLM's own code
+computed), the --kv-events-config checks, the publisher and its replay socket, and the block
+manager's events mirroring its cache."""
 
 from __future__ import annotations
 
@@ -14,13 +15,27 @@ import zmq
 
 import engine.block_manager as bm_module
 from engine.block_manager import BlockManager
-from engine.kv_events import (END_SEQ, AllBlocksCleared, BlockHasher, BlockRemoved, BlockStored, KVEventBatch,
-                              KVEventPublisher, KVEventsConfig, KVEventsError, offset_endpoint, removed, stored)
+from engine.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventPublisher,
+    KVEventsConfig,
+    KVEventsError,
+    offset_endpoint,
+    removed,
+    stored,
+)
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "vllm_kv_reference.json").read_text())
 
 
-@pytest.mark.parametrize("chain", REFERENCE["chains"], ids=lambda c: f"{c['algo']}-seed{c['seed']}-bs{c['block_size']}")
+@pytest.mark.parametrize(
+    "chain", REFERENCE["chains"], ids=lambda c: f"{c['algo']}-seed{c['seed']}-bs{c['block_size']}"
+)
 def test_block_hashes_are_vllms(chain: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     if chain["algo"] == "sha256_cbor":
         pytest.importorskip("cbor2", reason="sha256_cbor needs cbor2 (in the test extra)")
@@ -36,10 +51,19 @@ def test_block_hashes_are_vllms(chain: dict, monkeypatch: pytest.MonkeyPatch) ->
 
 def test_event_batch_is_vllms() -> None:
     tokens = REFERENCE["token_ids"]
-    batch = KVEventBatch(1700000000.5, [stored([11, 12], None, tokens[:8], 4), stored([13], 12, tokens[8:12], 4),
-                                        removed([13, 12]), AllBlocksCleared()], 1)
+    batch = KVEventBatch(
+        1700000000.5,
+        [
+            stored([11, 12], None, tokens[:8], 4),
+            stored([13], 12, tokens[8:12], 4),
+            removed([13, 12]),
+            AllBlocksCleared(),
+        ],
+        1,
+    )
     theirs = bytes.fromhex(REFERENCE["batch_msgpack"])
-    # The same msgpack values (vLLM's structs have more fields, so msgspec gives their maps a longer header).
+    # The same msgpack values (vLLM's structs have more fields, so msgspec gives their maps a longer
+    # header).
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch)) == msgspec.msgpack.decode(theirs)
     assert msgspec.msgpack.Decoder(KVEventBatch).decode(theirs) == batch
 
@@ -52,15 +76,30 @@ def test_bytes_hashes_when_vllm_env_says_so(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_config_parses_vllms_json_and_names_mistakes() -> None:
-    cfg = KVEventsConfig.parse('{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", "topic": "kv"}')
-    assert cfg.publishing and cfg.endpoint == "tcp://*:6000" and cfg.topic == "kv" and cfg.buffer_steps == 10_000
+    cfg = KVEventsConfig.parse(
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", "topic": "kv"}'
+    )
+    assert (
+        cfg.publishing
+        and cfg.endpoint == "tcp://*:6000"
+        and cfg.topic == "kv"
+        and cfg.buffer_steps == 10_000
+    )
     assert not KVEventsConfig.parse('{"enable_kv_cache_events": false}').publishing
-    assert not KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "null"}').publishing
-    for text, needle in [("{", "not JSON"), ("[]", "JSON object"), ('{"endpont": "x"}', "unknown key(s) endpont"),
-                         ('{"hwm": "10"}', 'hwm must be an integer, not "10"'),
-                         ('{"enable_kv_cache_events": 1}', "must be true or false"),
-                         ('{"publisher": "kafka"}', "kafka"), ('{"buffer_steps": 0}', "at least 1"),
-                         ('{"endpoint": "tcp://*"}', "needs a port"), ('{"endpoint": "udp://x:1"}', "tcp://")]:
+    assert not KVEventsConfig.parse(
+        '{"enable_kv_cache_events": true, "publisher": "null"}'
+    ).publishing
+    for text, needle in [
+        ("{", "not JSON"),
+        ("[]", "JSON object"),
+        ('{"endpont": "x"}', "unknown key(s) endpont"),
+        ('{"hwm": "10"}', 'hwm must be an integer, not "10"'),
+        ('{"enable_kv_cache_events": 1}', "must be true or false"),
+        ('{"publisher": "kafka"}', "kafka"),
+        ('{"buffer_steps": 0}', "at least 1"),
+        ('{"endpoint": "tcp://*"}', "needs a port"),
+        ('{"endpoint": "udp://x:1"}', "tcp://"),
+    ]:
         with pytest.raises(KVEventsError, match=needle.replace("(", r"\(").replace(")", r"\)")):
             KVEventsConfig.parse(text)
     assert offset_endpoint("tcp://*:5557", 3) == "tcp://*:5560"
@@ -74,8 +113,9 @@ def test_unknown_hash_algo_is_refused() -> None:
 
 
 def subscribed(publisher: KVEventPublisher, sub: zmq.Socket, timeout: float = 10.0) -> int:
-    """Publish empty batches until sub receives the latest one sent: its subscription has reached the PUB socket
-    (which drops what it sends before) and nothing sent so far is still on its way. Returns the batches sent."""
+    """Publish empty batches until sub receives the latest one sent: its subscription has reached
+    the PUB socket (which drops what it sends before) and nothing sent so far is still on its
+    way. Returns the batches sent."""
     sent = 0
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -88,8 +128,13 @@ def subscribed(publisher: KVEventPublisher, sub: zmq.Socket, timeout: float = 10
 
 
 def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
-    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub",
-                         replay_endpoint=f"ipc://{tmp_path}/replay", buffer_steps=2, topic="kv")
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        buffer_steps=2,
+        topic="kv",
+    )
     ctx = zmq.Context()
     publisher = KVEventPublisher(cfg, rank=1, ctx=ctx)
     assert publisher.endpoint == f"ipc://{tmp_path}/pub_dp1"
@@ -128,8 +173,11 @@ def test_publisher_numbers_batches_and_replays_them(tmp_path: Path) -> None:
 
 
 def test_a_dropped_batch_leaves_a_gap_in_the_numbers(tmp_path: Path) -> None:
-    """A full queue drops a batch; its sequence number stays unused, so a subscriber knows it missed one."""
-    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub", max_queue_size=1)
+    """A full queue drops a batch; its sequence number stays unused, so a subscriber knows it missed
+    one."""
+    cfg = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/pub", max_queue_size=1
+    )
     ctx = zmq.Context()
     publisher = KVEventPublisher(cfg, ctx=ctx)
     sub = ctx.socket(zmq.SUB)
@@ -142,12 +190,16 @@ def test_a_dropped_batch_leaves_a_gap_in_the_numbers(tmp_path: Path) -> None:
 
     try:
         n, before = subscribed(publisher, sub), publisher.dropped
-        publisher._wake.wait = lambda timeout=None: time.sleep(0.2)  # the thread lags: the queue fills
+        publisher._wake.wait = lambda timeout=None: time.sleep(
+            0.2
+        )  # the thread lags: the queue fills
         for i in range(4):
             publisher.publish([removed([i])])
         dropped = publisher.dropped - before
         assert dropped >= 1
-        sent = [received() for _ in range(4 - dropped)]  # the queue is empty once the last of them arrived
+        sent = [
+            received() for _ in range(4 - dropped)
+        ]  # the queue is empty once the last of them arrived
         publisher.publish([removed([9])])  # the next batch after the drop
         assert received() == n + 4 and not sub.poll(0)
         # The dropped batches' numbers are missing: the gaps say how many.
@@ -159,7 +211,8 @@ def test_a_dropped_batch_leaves_a_gap_in_the_numbers(tmp_path: Path) -> None:
 
 
 class Subscriber:
-    """What a router learns from the events: each block hash it holds, with the whole token prefix it stands for."""
+    """What a router learns from the events: each block hash it holds, with the whole token prefix
+    it stands for."""
 
     def __init__(self, hasher: BlockHasher, block_size: int, strict: bool = True) -> None:
         self.hasher, self.bs, self.strict = hasher, block_size, strict
@@ -179,14 +232,22 @@ class Subscriber:
             parent = None
             prefix: tuple[int, ...] = ()
             if event.parent_block_hash is not None:
-                if event.parent_block_hash not in self.prefix or None in self.prefix[event.parent_block_hash]:
-                    # Only where the block manager's own hash collided within one sequence (the weak-hash test)
-                    # can a block be stored after its parent was dropped.
+                if (
+                    event.parent_block_hash not in self.prefix
+                    or None in self.prefix[event.parent_block_hash]
+                ):
+                    # Only where the block manager's own hash collided within one sequence (the
+                    # weak-hash test) can a block be stored after its parent was dropped.
                     assert not self.strict, "a stored block's parent is unknown"
                     for h in event.block_hashes:
-                        self.prefix[h] = (None,) * self.bs  # known to be held; its prefix cannot be checked
+                        self.prefix[h] = (
+                            None,
+                        ) * self.bs  # known to be held; its prefix cannot be checked
                     return
-                parent, prefix = self.by_hash[event.parent_block_hash], self.prefix[event.parent_block_hash]
+                parent, prefix = (
+                    self.by_hash[event.parent_block_hash],
+                    self.prefix[event.parent_block_hash],
+                )
             for i, h in enumerate(event.block_hashes):
                 block = tuple(event.token_ids[i * self.bs : (i + 1) * self.bs])
                 parent = self.hasher.block(parent, block)
@@ -198,8 +259,9 @@ class Subscriber:
 
 @pytest.mark.parametrize("weak_hash", [False, True], ids=["hash", "colliding-hash"])
 def test_events_mirror_the_cache(weak_hash: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random conversations through a small pool: after every operation, the blocks a subscriber holds are exactly
-    the cached blocks, each hash is vLLM's for its whole prefix, and the prefix is the block's real one."""
+    """Random conversations through a small pool: after every operation, the blocks a subscriber
+    holds are exactly the cached blocks, each hash is vLLM's for its whole prefix, and the prefix
+    is the block's real one."""
     if weak_hash:  # collisions in the block manager's own hash must not leak into vLLM's
         monkeypatch.setattr(bm_module, "chain_hash", lambda parent, block: hash(block) % 7)
     bs, rng = 4, random.Random(1)
@@ -213,7 +275,9 @@ def test_events_mirror_the_cache(weak_hash: bool, monkeypatch: pytest.MonkeyPatc
             bm.free(live.pop(rng.randrange(len(live))))
         else:
             base = rng.choice(histories) if histories and rng.random() < 0.6 else []
-            tokens = base[: rng.randrange(len(base) + 1)] + [rng.randrange(30) for _ in range(rng.randrange(1, 12))]
+            tokens = base[: rng.randrange(len(base) + 1)] + [
+                rng.randrange(30) for _ in range(rng.randrange(1, 12))
+            ]
             cached = bm.allocate(f"s{step}", tokens, num_extra_slots=rng.randrange(4))
             if cached is not None:
                 bm.cache_blocks(f"s{step}", tokens, len(tokens))

@@ -59,7 +59,10 @@ def test_unsupported_architecture_names_the_supported_ones(llama_copy: Path) -> 
 
 
 def test_unsupported_rope_scaling(llama_copy: Path) -> None:
-    edit_json(llama_copy / "config.json", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    edit_json(
+        llama_copy / "config.json",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+    )
     with pytest.raises(ModelError, match="'yarn'"):
         check_model_folder(llama_copy)
 
@@ -97,7 +100,9 @@ def test_shape_mismatch_is_reported(llama_copy: Path) -> None:
 def test_dtype_names(llama_folder: Path) -> None:
     cfg = ModelConfig.from_folder(llama_folder)
     assert resolve_dtype("auto", cfg) == torch.float32
-    assert resolve_dtype("auto", cfg, "cuda") == torch.bfloat16  # a float32 checkpoint runs in bf16 on a GPU
+    assert (
+        resolve_dtype("auto", cfg, "cuda") == torch.bfloat16
+    )  # a float32 checkpoint runs in bf16 on a GPU
     assert resolve_dtype("float32", cfg, "cuda") == torch.float32
     assert resolve_dtype("bfloat16", cfg) == torch.bfloat16
     with pytest.raises(ModelError, match="unknown dtype 'float64'"):
@@ -111,9 +116,11 @@ AVX2_ONLY = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # an EPYC of Zen 2 or 3: n
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
 def test_auto_serves_a_16_bit_checkpoint_in_float32_on_a_cpu_without_native_bfloat16(
-        llama_folder: Path, stored: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
-    """Where PyTorch's bfloat16 matmuls are slow, auto picks float32 and the log says why and how to keep bfloat16;
-    with avx512_bf16 or amx_bf16 it keeps the checkpoint's dtype; a GPU's dtype does not depend on its host CPU."""
+    llama_folder: Path, stored: torch.dtype, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where PyTorch's bfloat16 matmuls are slow, auto picks float32 and the log says why and how to
+    keep bfloat16; with avx512_bf16 or amx_bf16 it keeps the checkpoint's dtype; a GPU's dtype does
+    not depend on its host CPU."""
     cfg = dataclasses.replace(ModelConfig.from_folder(llama_folder), dtype=stored)
     config._say.cache_clear()
     with caplog.at_level(logging.INFO, logger="ppd.engine"):
@@ -121,16 +128,24 @@ def test_auto_serves_a_16_bit_checkpoint_in_float32_on_a_cpu_without_native_bflo
         assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY) == torch.float32
     said = [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()]
     assert len(said) == 1  # once a process
-    assert all(w in said[0] for w in ("no native bfloat16", "avx512_bf16", "amx_bf16", "float32", "--dtype bfloat16"))
+    assert all(
+        w in said[0]
+        for w in ("no native bfloat16", "avx512_bf16", "amx_bf16", "float32", "--dtype bfloat16")
+    )
     assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY | {"avx512f", "avx512_bf16"}) == stored
     assert resolve_dtype("auto", cfg, "cpu", AVX2_ONLY | {"amx_bf16"}) == stored
     assert resolve_dtype("auto", cfg, "cuda", AVX2_ONLY) == stored
-    assert resolve_dtype("auto", dataclasses.replace(cfg, dtype=torch.float32), "cpu", AVX2_ONLY) == torch.float32
+    assert (
+        resolve_dtype("auto", dataclasses.replace(cfg, dtype=torch.float32), "cpu", AVX2_ONLY)
+        == torch.float32
+    )
 
 
-def test_bfloat16_asked_for_is_served_in_bfloat16_on_any_cpu(llama_folder: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
-    """--dtype bfloat16 is honoured without native bfloat16, and the log says how it runs there and what it costs."""
+def test_bfloat16_asked_for_is_served_in_bfloat16_on_any_cpu(
+    llama_folder: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--dtype bfloat16 is honoured without native bfloat16, and the log says how it runs there and
+    what it costs."""
     cfg = dataclasses.replace(ModelConfig.from_folder(llama_folder), dtype=torch.bfloat16)
     config._say.cache_clear()
     with caplog.at_level(logging.INFO, logger="ppd.engine"):
@@ -188,7 +203,9 @@ def test_eos_ids_are_the_union_of_config_and_generation_config(llama_copy: Path)
 
 
 def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
-    mistral = ModelConfig.from_folder(write_tiny_model(tmp_path / "m", "mistral", sliding_window=100))
+    mistral = ModelConfig.from_folder(
+        write_tiny_model(tmp_path / "m", "mistral", sliding_window=100)
+    )
     assert mistral.sliding_window == 100 and mistral.max_position_embeddings == 100
     qwen2 = ModelConfig.from_folder(write_tiny_model(tmp_path / "q", "qwen2", sliding_window=100))
     assert qwen2.sliding_window is None and qwen2.max_position_embeddings == 256
@@ -199,7 +216,9 @@ def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_model_parameters_are_the_checkpoint_tensors(arch: str, tmp_path: Path) -> None:
     cfg = check_model_folder(write_tiny_model(tmp_path, arch))
-    params = {name: tuple(p.shape) for name, p in build_model(cfg, torch.float32).named_parameters()}
+    params = {
+        name: tuple(p.shape) for name, p in build_model(cfg, torch.float32).named_parameters()
+    }
     assert params == weight_shapes(cfg)
     assert ("lm_head.weight" in params) == (not cfg.tie_word_embeddings)
 

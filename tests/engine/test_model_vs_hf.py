@@ -1,4 +1,5 @@
-"""Greedy output of our model runner equals Hugging Face transformers, for every way a step can be scheduled."""
+"""Greedy output of our model runner equals Hugging Face transformers, for every way a step can be
+scheduled."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Model]:
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, Model]:
     folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     model, _ = load_model(folder)
     return folder, model
@@ -39,11 +42,20 @@ class Seq:
 class Engine:
     """A minimal scheduler for tests: shuffled free blocks, so tables are never contiguous."""
 
-    def __init__(self, model: Model, block_size: int = 16, num_blocks: int = 96, device: str = "cpu",
-                 backend: str = "torch") -> None:
+    def __init__(
+        self,
+        model: Model,
+        block_size: int = 16,
+        num_blocks: int = 96,
+        device: str = "cpu",
+        backend: str = "torch",
+    ) -> None:
         # NaN in unwritten slots makes any read of KV that was never written poison the output.
         pool = torch.full(
-            kv_pool_shape(model.cfg, num_blocks, block_size), float("nan"), dtype=model.dtype, device=device
+            kv_pool_shape(model.cfg, num_blocks, block_size),
+            float("nan"),
+            dtype=model.dtype,
+            device=device,
         )
         self.runner = ModelRunner(model, pool, block_size, backend)
         self.block_size = block_size
@@ -51,10 +63,17 @@ class Engine:
         random.Random(block_size).shuffle(self.free)
 
     def input_for(self, seq: Seq, max_tokens: int | None = None) -> StepInput:
-        end = len(seq.tokens) if max_tokens is None else min(len(seq.tokens), seq.cached + max_tokens)
+        end = (
+            len(seq.tokens) if max_tokens is None else min(len(seq.tokens), seq.cached + max_tokens)
+        )
         while len(seq.block_table) * self.block_size < end:
             seq.block_table.append(self.free.pop())
-        inp = StepInput(seq.tokens[seq.cached : end], seq.cached, list(seq.block_table), sample=end == len(seq.tokens))
+        inp = StepInput(
+            seq.tokens[seq.cached : end],
+            seq.cached,
+            list(seq.block_table),
+            sample=end == len(seq.tokens),
+        )
         seq.cached = end
         return inp
 
@@ -62,7 +81,10 @@ class Engine:
         """One forward; each sequence whose input samples gets its greedy next token appended."""
         logits = self.runner.forward(inputs)
         sampled = [s for s, inp in zip(seqs, inputs) if inp.sample]
-        assert logits.shape == (len(sampled), self.runner.model.cfg.vocab_size) and logits.dtype == torch.float32
+        assert (
+            logits.shape == (len(sampled), self.runner.model.cfg.vocab_size)
+            and logits.dtype == torch.float32
+        )
         for seq, row in zip(sampled, logits):
             seq.tokens.append(int(row.argmax()))
         return logits
@@ -78,7 +100,8 @@ class Engine:
         return seq.tokens[start:]
 
 
-# The Triton backend runs its kernels here in Triton's interpreter (tests/conftest.py), the GPU's code path.
+# The Triton backend runs its kernels here in Triton's interpreter (tests/conftest.py), the GPU's
+# code path.
 BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 
 
@@ -97,9 +120,12 @@ def test_turn1_prefill_then_decode_matches_hf(tiny: tuple[Path, Model], backend:
     torch.testing.assert_close(torch.stack(logits), ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize(("block_size", "backend"), [(16, "torch"), (8, "torch"), (8, "cpu"), (8, "triton")])
-def test_turn2_append_prefill_over_cached_prefix_matches_hf(tiny: tuple[Path, Model], block_size: int,
-                                                            backend: str) -> None:
+@pytest.mark.parametrize(
+    ("block_size", "backend"), [(16, "torch"), (8, "torch"), (8, "cpu"), (8, "triton")]
+)
+def test_turn2_append_prefill_over_cached_prefix_matches_hf(
+    tiny: tuple[Path, Model], block_size: int, backend: str
+) -> None:
     folder, model = tiny
     prompt = random_ids(21, seed=2)
     engine, seq = Engine(model, block_size, backend=backend), Seq(list(prompt))
@@ -107,8 +133,12 @@ def test_turn2_append_prefill_over_cached_prefix_matches_hf(tiny: tuple[Path, Mo
     user2 = random_ids(17, seed=3)
     seq.tokens += user2
     append = engine.input_for(seq)
-    # The last answer token and the new user turn go on top of the prompt+answer KV already in the pool.
-    assert append.start_pos == len(prompt) + len(answer) - 1 and len(append.token_ids) == len(user2) + 1
+    # The last answer token and the new user turn go on top of the prompt+answer KV already in the
+    # pool.
+    assert (
+        append.start_pos == len(prompt) + len(answer) - 1
+        and len(append.token_ids) == len(user2) + 1
+    )
     engine.run([seq], [append])
     out = engine.generate(seq, NEW_TOKENS - 1)
     assert [seq.tokens[len(prompt) + len(answer) + len(user2)]] + out == hf_greedy(
@@ -137,12 +167,18 @@ def test_non_final_chunk_returns_no_logits(tiny: tuple[Path, Model]) -> None:
     assert logits.shape == (0, model.cfg.vocab_size) and len(seq.tokens) == 30
 
 
-@pytest.mark.parametrize(("block_size", "backend"), [(4, "torch"), (16, "torch"), (4, "cpu"), (16, "cpu"), (16, "triton")])
-def test_mixed_batch_decode_prefill_and_append_prefill_match_hf(tiny: tuple[Path, Model], block_size: int,
-                                                                backend: str) -> None:
+@pytest.mark.parametrize(
+    ("block_size", "backend"),
+    [(4, "torch"), (16, "torch"), (4, "cpu"), (16, "cpu"), (16, "triton")],
+)
+def test_mixed_batch_decode_prefill_and_append_prefill_match_hf(
+    tiny: tuple[Path, Model], block_size: int, backend: str
+) -> None:
     folder, model = tiny
     engine = Engine(model, block_size, backend=backend)
-    a_prompt, b_prompt, c_prompt, c_user2 = (random_ids(n, seed=s) for n, s in ((19, 6), (33, 7), (12, 8), (9, 9)))
+    a_prompt, b_prompt, c_prompt, c_user2 = (
+        random_ids(n, seed=s) for n, s in ((19, 6), (33, 7), (12, 8), (9, 9))
+    )
     a, b, c = Seq(list(a_prompt)), Seq(list(b_prompt)), Seq(list(c_prompt))
     # a and c prefill together and decode a few steps, so their blocks interleave.
     engine.step([a, c])
@@ -152,7 +188,9 @@ def test_mixed_batch_decode_prefill_and_append_prefill_match_hf(tiny: tuple[Path
     c.tokens = list(c_turn2)
     inputs = [engine.input_for(a), engine.input_for(b), engine.input_for(c)]
     kinds = [(len(i.token_ids) > 1, i.start_pos > 0) for i in inputs]
-    assert kinds == [(False, True), (True, False), (True, True)], "decode, full prefill, append-prefill"
+    assert kinds == [(False, True), (True, False), (True, True)], (
+        "decode, full prefill, append-prefill"
+    )
     engine.run([a, b, c], inputs)
     for _ in range(NEW_TOKENS - 1):
         engine.step([a, b, c])

@@ -9,8 +9,8 @@ import sys
 import torch
 
 from engine.sampler import Sampler
-from tests.engine.rows import draw
 from engine.sampling_params import SamplingParams
+from tests.engine.rows import draw
 
 EOS = (2, 5)
 
@@ -26,7 +26,9 @@ def test_greedy_is_argmax() -> None:
 
 def test_top_k_1_equals_greedy() -> None:
     logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=1.5, top_k=1, seed=i if i % 2 else None) for i in range(32)]
+    params = [
+        SamplingParams(temperature=1.5, top_k=1, seed=i if i % 2 else None) for i in range(32)
+    ]
     assert draw(Sampler(EOS), logits, params, [0] * 32) == logits.argmax(-1).tolist()
 
 
@@ -39,7 +41,9 @@ def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
 
 def test_seeded_tokens_independent_of_batch_order_and_sampler() -> None:
     vocab = 1000
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 0.1  # near-uniform: any noise change shows
+    logits = (
+        torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 0.1
+    )  # near-uniform: any noise change shows
     targets = [
         (logits[0], SamplingParams(temperature=1.0, seed=7), 0),
         (logits[1], SamplingParams(temperature=0.8, top_p=0.95, seed=8), 3),
@@ -64,15 +68,25 @@ def test_seeded_tokens_independent_of_batch_order_and_sampler() -> None:
 
 def test_seeded_tokens_same_in_another_process() -> None:
     script = (
-        "import torch; from engine.sampler import Sampler; from engine.sampling_params import SamplingParams as P;"
+        "import torch; from engine.sampler import Sampler; from engine.sampling_params import "
+        "SamplingParams as P;"
         "from tests.engine.rows import draw;"
         "g = torch.Generator().manual_seed(4); logits = torch.randn(3, 1000, generator=g) * 0.1;"
-        "print(draw(Sampler([2]), logits, [P(seed=11), P(seed=12, top_p=0.9), P(seed=13, top_k=50)], [0, 5, 9]))"
+        "print(draw(Sampler([2]), logits, [P(seed=11), P(seed=12, top_p=0.9), P(seed=13, "
+        "top_k=50)], [0, 5, 9]))"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(4)) * 0.1
-    params = [SamplingParams(seed=11), SamplingParams(seed=12, top_p=0.9), SamplingParams(seed=13, top_k=50)]
-    draw(Sampler([2]), logits, [SamplingParams()] * 3, [0] * 3)  # move this process's shared generator on
+    params = [
+        SamplingParams(seed=11),
+        SamplingParams(seed=12, top_p=0.9),
+        SamplingParams(seed=13, top_k=50),
+    ]
+    draw(
+        Sampler([2]), logits, [SamplingParams()] * 3, [0] * 3
+    )  # move this process's shared generator on
     assert out.strip() == str(draw(Sampler([2]), logits, params, [0, 5, 9]))
 
 
@@ -90,14 +104,17 @@ def test_different_seeds_and_indices_differ() -> None:
 
 def test_tiny_top_p_keeps_only_the_top_token() -> None:
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(5))
-    params = [SamplingParams(temperature=2.0, top_p=1e-3, seed=i if i % 2 else None) for i in range(64)]
+    params = [
+        SamplingParams(temperature=2.0, top_p=1e-3, seed=i if i % 2 else None) for i in range(64)
+    ]
     assert draw(Sampler(EOS), logits, params, [0] * 64) == logits.argmax(-1).tolist()
 
 
 def test_top_p_keeps_smallest_set_reaching_the_mass() -> None:
     logits = torch.tensor([[0.2, 0.5, 0.3]]).log().repeat(400, 1)
     params = [SamplingParams(top_p=0.75, seed=s) for s in range(400)]
-    # Sorted masses 0.5 (token 1), 0.3 (token 2), 0.2 (token 0): {1, 2} reaches 0.75, token 0 must never come out.
+    # Sorted masses 0.5 (token 1), 0.3 (token 2), 0.2 (token 0): {1, 2} reaches 0.75, token 0 must
+    # never come out.
     assert set(draw(Sampler(EOS), logits, params, [0] * 400)) == {1, 2}
 
 
@@ -105,9 +122,19 @@ def test_top_k_never_leaves_the_top_k() -> None:
     logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(6)).repeat(600, 1)
     top5 = set(logits[0].topk(5).indices.tolist())
     sampler = Sampler(EOS)
-    only_k = draw(sampler, logits, [SamplingParams(temperature=3.0, top_k=5, seed=s) for s in range(600)], [0] * 600)
+    only_k = draw(
+        sampler,
+        logits,
+        [SamplingParams(temperature=3.0, top_k=5, seed=s) for s in range(600)],
+        [0] * 600,
+    )
     assert set(only_k) == top5
-    with_p = draw(sampler, logits, [SamplingParams(temperature=3.0, top_k=5, top_p=0.99, seed=s) for s in range(600)], [0] * 600)
+    with_p = draw(
+        sampler,
+        logits,
+        [SamplingParams(temperature=3.0, top_k=5, top_p=0.99, seed=s) for s in range(600)],
+        [0] * 600,
+    )
     assert set(with_p) == top5
     # Rows without a cut in the same batch still reach beyond the top 5.
     mixed = [SamplingParams(temperature=3.0, top_k=5 if s % 2 else 0, seed=s) for s in range(600)]
@@ -118,10 +145,16 @@ def test_top_k_never_leaves_the_top_k() -> None:
 def test_temperature_frequencies_match_softmax() -> None:
     n, temperature = 4000, 0.7
     base = torch.tensor([2.0, 1.0, 0.0, -1.0])
-    tokens = draw(Sampler(EOS), base.repeat(n, 1), [SamplingParams(temperature=temperature, seed=s) for s in range(n)], [0] * n)
+    tokens = draw(
+        Sampler(EOS),
+        base.repeat(n, 1),
+        [SamplingParams(temperature=temperature, seed=s) for s in range(n)],
+        [0] * n,
+    )
     freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / n
     expected = (base / temperature).softmax(-1).double()
-    # 5 standard errors per token: a correct sampler fails with probability ~1e-6 (and the seeds are fixed) ...
+    # 5 standard errors per token: a correct sampler fails with probability ~1e-6 (and the seeds are
+    # fixed) ...
     tolerance = 5 * (expected * (1 - expected) / n).sqrt()
     assert ((freq - expected).abs() <= tolerance).all(), (freq, expected)
     # ... while a mis-applied temperature (ignored, squared, or multiplied) lies far outside.
@@ -138,9 +171,16 @@ def test_min_tokens_bans_eos_and_stop_ids() -> None:
     assert [draw(sampler, logits, [params], [i])[0] for i in range(5)] == [9, 9, 9, 2, 2]
     assert torch.equal(logits, original), "the caller's logits must not change"
     flat = torch.zeros(500, 12)
-    sampled = draw(sampler, flat, [SamplingParams(min_tokens=1, stop_token_ids=(7,), seed=s) for s in range(500)], [0] * 500)
+    sampled = draw(
+        sampler,
+        flat,
+        [SamplingParams(min_tokens=1, stop_token_ids=(7,), seed=s) for s in range(500)],
+        [0] * 500,
+    )
     assert not set(sampled) & {2, 5, 7} and len(set(sampled)) == 9
-    later = draw(sampler, flat, [SamplingParams(min_tokens=1, seed=s) for s in range(500)], [1] * 500)
+    later = draw(
+        sampler, flat, [SamplingParams(min_tokens=1, seed=s) for s in range(500)], [1] * 500
+    )
     assert {2, 5} <= set(later)
 
 
@@ -148,7 +188,10 @@ def test_large_batch_stays_within_each_rows_top_k() -> None:
     logits = torch.randn(256, 4000, generator=torch.Generator().manual_seed(7))
     top50 = logits.topk(50, dim=-1).indices
     same = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50)] * 256
-    mixed = [SamplingParams(temperature=0.5 + i / 256, top_p=0.9 + i / 5000, top_k=50, seed=i) for i in range(256)]
+    mixed = [
+        SamplingParams(temperature=0.5 + i / 256, top_p=0.9 + i / 5000, top_k=50, seed=i)
+        for i in range(256)
+    ]
     for params in (same, mixed):
         tokens = torch.tensor(draw(Sampler(EOS), logits, params, [0] * 256))
         assert (top50 == tokens[:, None]).any(dim=-1).all()

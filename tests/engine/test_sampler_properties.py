@@ -1,6 +1,7 @@
-"""The sampler under arbitrary valid parameters (hypothesis): a token id inside the vocabulary for every row, never
-an end token before min_tokens, argmax for greedy rows, the same token for a seeded row whatever its batch, logprobs
-where asked (finite, the token's rank, as many alternatives as asked)."""
+"""The sampler under arbitrary valid parameters (hypothesis): a token id inside the vocabulary for
+every row, never an end token before min_tokens, argmax for greedy rows, the same token for a seeded
+row whatever its batch, logprobs where asked (finite, the token's rank, as many alternatives as
+asked)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from tests.engine.rows import draw
 from tests.engine.rows import rows as make_rows
-from engine.sampling_params import SamplingParams
 
 VOCAB = 48
 EOS = (2, 7)
@@ -33,17 +34,23 @@ params = st.builds(
     frequency_penalty=st.one_of(st.just(0.0), st.floats(-2.0, 2.0)),
     repetition_penalty=st.one_of(st.just(1.0), st.floats(0.01, 100.0)),
     logit_bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100.0, 100.0), max_size=4).map(
-        lambda d: tuple(d.items())),
+        lambda d: tuple(d.items())
+    ),
     logprobs=st.one_of(st.none(), st.integers(0, 20)),
 )
 
 
 @settings(max_examples=150, deadline=None)
-@given(rows=st.lists(st.tuples(params, st.integers(0, 10)), min_size=1, max_size=6), logits_seed=st.integers(0, 2**31),
-       scale=st.sampled_from([0.1, 1.0, 30.0]))
+@given(
+    rows=st.lists(st.tuples(params, st.integers(0, 10)), min_size=1, max_size=6),
+    logits_seed=st.integers(0, 2**31),
+    scale=st.sampled_from([0.1, 1.0, 30.0]),
+)
 def test_any_valid_parameters_give_a_token_that_obeys_them(rows, logits_seed, scale) -> None:
     ps, indices = [p for p, _ in rows], [i for _, i in rows]
-    logits = scale * torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(logits_seed))
+    logits = scale * torch.randn(
+        len(rows), VOCAB, generator=torch.Generator().manual_seed(logits_seed)
+    )
     sampler = Sampler(EOS)
     sampled = sampler(logits.clone(), make_rows(ps, indices))
     tokens = sampled.tokens
@@ -55,7 +62,9 @@ def test_any_valid_parameters_give_a_token_that_obeys_them(rows, logits_seed, sc
         assert (lp is None) == (p.logprobs is None)
         if lp is not None:
             assert len(lp.top_ids) == len(lp.top_logprobs) == p.logprobs
-            assert all(math.isfinite(x) for x in (lp.logprob, *lp.top_logprobs)) and lp.logprob <= 0.0
+            assert (
+                all(math.isfinite(x) for x in (lp.logprob, *lp.top_logprobs)) and lp.logprob <= 0.0
+            )
             assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
             assert (lp.rank <= p.logprobs) == (token in lp.top_ids) or lp.logprob in lp.top_logprobs
         banned = set(EOS) | set(p.stop_token_ids) if index < p.min_tokens else set()
@@ -65,11 +74,12 @@ def test_any_valid_parameters_give_a_token_that_obeys_them(rows, logits_seed, sc
             allowed[list(banned)] = float("-inf")
             assert token == int(allowed.argmax())
         if p.seed is not None:  # alone, in a fresh sampler: the same token
-            assert draw(Sampler(EOS), logits[row:row + 1].clone(), [p], [index]) == [token]
+            assert draw(Sampler(EOS), logits[row : row + 1].clone(), [p], [index]) == [token]
 
 
 def test_stop_ids_past_the_vocabulary_are_ignored_not_fatal() -> None:
-    # The API refuses them; a worker that receives one anyway must not fail (it did: index out of range).
+    # The API refuses them; a worker that receives one anyway must not fail (it did: index out of
+    # range).
     logits = torch.randn(2, VOCAB)
     logits[:, EOS[0]] = 100.0  # the favourite, unless banned
     p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=(VOCAB, VOCAB + 1000))

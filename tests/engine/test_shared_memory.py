@@ -1,4 +1,5 @@
-"""A shared tensor is one copy of memory that a second process maps: writes on either side are seen by the other."""
+"""A shared tensor is one copy of memory that a second process maps: writes on either side are seen
+by the other."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ import msgspec
 import pytest
 import torch
 
-from engine.shared_memory import CudaIpcHandle, SharedHandle, ShmHandle, create_shared, open_shared, release_name
+from engine.shared_memory import (
+    CudaIpcHandle,
+    SharedHandle,
+    ShmHandle,
+    create_shared,
+    open_shared,
+    release_name,
+)
 
 HANDLE = msgspec.msgpack.Decoder(SharedHandle)
 
 
 def _child(raw: bytes, done: mp.Event) -> None:
-    """Open the parent's tensor, check the pattern it wrote, answer with another (in place, no copy)."""
+    """Open the parent's tensor, check the pattern it wrote, answer with another (in place, no
+    copy)."""
     t = open_shared(HANDLE.decode(raw))
     expected = torch.arange(t.numel(), device=t.device, dtype=torch.float32).view(t.shape)
     ok = bool(torch.equal(t.float(), expected))
@@ -63,7 +72,9 @@ def test_cuda_ipc_round_trip_between_processes() -> None:
         pytest.skip("needs a CUDA device")
     shape = (1024, 1024)
     tensor = round_trip("cuda", shape)
-    assert torch.equal(tensor, -torch.arange(shape[0] * shape[1], dtype=torch.float32, device="cuda").view(shape))
+    assert torch.equal(
+        tensor, -torch.arange(shape[0] * shape[1], dtype=torch.float32, device="cuda").view(shape)
+    )
 
 
 @pytest.mark.gpu
@@ -77,7 +88,8 @@ def test_cuda_handle_survives_encoding() -> None:
 
 EXPANDABLE_CHILD = """
 import os, sys
-import torch  # first, as a spawned worker imports torch with its own module before init_worker_process runs
+# torch first, as a spawned worker imports torch with its own module before init_worker_process runs
+import torch
 from engine.engine import EngineConfig
 from engine.shared_memory import create_shared
 from scheduler.config import UnitConfig
@@ -93,10 +105,13 @@ print("expandable", segment.get("is_expandable"))
 
 
 @pytest.mark.gpu
-def test_a_worker_exports_from_an_ordinary_segment_even_when_started_with_expandable_segments() -> None:
-    """The exporter must not use expandable segments (their IPC path has known bugs). A worker drops the option
-    from its environment in init_worker_process, after torch is imported but before CUDA starts: this shows that
-    torch reads the option only then, so the pool really is an ordinary cudaMalloc segment."""
+def test_a_worker_exports_from_an_ordinary_segment_even_when_started_with_expandable_segments() -> (
+    None
+):
+    """The exporter must not use expandable segments (their IPC path has known bugs). A worker drops
+    the option from its environment in init_worker_process, after torch is imported but before CUDA
+    starts: this shows that torch reads the option only then, so the pool really is an ordinary
+    cudaMalloc segment."""
     import os
     import subprocess
     import sys
@@ -106,9 +121,18 @@ def test_a_worker_exports_from_an_ordinary_segment_even_when_started_with_expand
         pytest.skip("needs a CUDA device")
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", EXPANDABLE_CHILD, gpu], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", EXPANDABLE_CHILD, gpu],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-2:] == ["expandable", "False"], done.stdout + done.stderr[-2000:]

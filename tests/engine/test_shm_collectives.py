@@ -1,6 +1,6 @@
-"""The CPU ranks' shared-memory collectives: every rank ends with the sum (or the stack) of every rank's tensor, the
-same bits on each, for tensors larger than a slot (sent in pieces), many calls in a row (the two slot sets
-alternate), and ranks that run at different speeds."""
+"""The CPU ranks' shared-memory collectives: every rank ends with the sum (or the stack) of every
+rank's tensor, the same bits on each, for tensors larger than a slot (sent in pieces), many calls in
+a row (the two slot sets alternate), and ranks that run at different speeds."""
 
 from __future__ import annotations
 
@@ -58,7 +58,10 @@ def test_every_rank_gets_the_same_sum_and_stack(size: int, tmp_path: Path) -> No
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
     calls = 40
-    procs = [ctx.Process(target=rank_main, args=(path, size, r, calls, ready, results)) for r in range(size)]
+    procs = [
+        ctx.Process(target=rank_main, args=(path, size, r, calls, ready, results))
+        for r in range(size)
+    ]
     try:
         for p in procs:
             p.start()

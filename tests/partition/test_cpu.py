@@ -9,7 +9,10 @@ def test_enough_cores_gives_disjoint_shares() -> None:
 
 
 def test_aggregated_unit_takes_its_whole_slice() -> None:
-    assert split_cores(list(range(4)), num_units=2, with_prefill=False) == [((0, 1), ()), ((2, 3), ())]
+    assert split_cores(list(range(4)), num_units=2, with_prefill=False) == [
+        ((0, 1), ()),
+        ((2, 3), ()),
+    ]
 
 
 def test_fewer_cores_than_workers_shares_round_robin() -> None:

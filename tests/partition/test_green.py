@@ -1,9 +1,10 @@
-"""Green-context splits: the default decode SM counts, the choice of a split by decode's share, and (on a GPU) that
-the driver grants the counts asked for (Hopper: multiples of 8) and the log says so, that the two groups of a split
-are disjoint on the device (the SM ids their kernels read from %smid), that the two streams of a split run at the
-same time, that a graph captured on a split's stream replays on that split's SMs, that every split has a decode
-graph for every batch bucket giving the eager step's logits, and that torch's own GreenContext.create makes no
-split (which is why partition/ does not use it)."""
+"""Green-context splits: the default decode SM counts, the choice of a split by decode's share, and
+(on a GPU) that the driver grants the counts asked for (Hopper: multiples of 8) and the log says
+so, that the two groups of a split are disjoint on the device (the SM ids their kernels read from
+%smid), that the two streams of a split run at the same time, that a graph captured on a split's
+stream replays on that split's SMs, that every split has a decode graph for every batch bucket
+giving the eager step's logits, and that torch's own GreenContext.create makes no split (which is
+why partition/ does not use it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from partition.green import WHOLE, GreenError, StreamPair, StreamSplits, check_decode_sms, default_decode_sms
+from partition.green import (
+    WHOLE,
+    GreenError,
+    StreamPair,
+    StreamSplits,
+    check_decode_sms,
+    default_decode_sms,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS_PER_SM = 8  # sm_ids programs per SM of the device: every SM a stream may use gets some
@@ -41,28 +49,41 @@ def test_a_split_is_found_by_decode_share_and_whole_by_none() -> None:
     pairs = {k: StreamPair(f"d{n}", f"p{n}", n, 132 - n) for k, n in enumerate((32, 64, 96))}
     splits = StreamSplits(132, StreamPair("d", "p", 132, 132), pairs)
     assert splits.decode_counts() == (32, 64, 96) and splits.keys == [WHOLE, 0, 1, 2]
-    assert splits.key_for(64) == 1 and splits.key_for(None) == WHOLE and splits.middle_decode_sms() == 64
-    assert (splits.stream("decode", 2), splits.stream("prefill", 2), splits.sms("prefill", 2)) == ("d96", "p96", 36)
+    assert (
+        splits.key_for(64) == 1
+        and splits.key_for(None) == WHOLE
+        and splits.middle_decode_sms() == 64
+    )
+    assert (splits.stream("decode", 2), splits.stream("prefill", 2), splits.sms("prefill", 2)) == (
+        "d96",
+        "p96",
+        36,
+    )
     with pytest.raises(KeyError, match="no split gives decode 48 SMs"):
         splits.key_for(48)
     assert "32/100, 64/68, 96/36" in splits.describe()
 
 
 def test_no_code_makes_a_split_from_torchs_green_context_create() -> None:
-    """torch's GreenContext.create(n) (2.10, 2.11) splits the whole device's SMs on every call and keeps the first
-    group, so two contexts made by two calls may run on the same SMs (test_torch_green_contexts_overlap shows it on
-    a GPU). A split is one cuDevSmResourceSplitByCount (partition/green.py); no module may call create()."""
+    """torch's GreenContext.create(n) (2.10, 2.11) splits the whole device's SMs on every call and
+    keeps the first group, so two contexts made by two calls may run on the same SMs
+    (test_torch_green_contexts_overlap shows it on a GPU). A split is one
+    cuDevSmResourceSplitByCount (partition/green.py); no module may call create()."""
     calls = []
     for folder in ("partition", "scheduler", "engine", "server"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
-                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "create"
-                        and "GreenContext" in ast.unparse(node.func.value)):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "create"
+                    and "GreenContext" in ast.unparse(node.func.value)
+                ):
                     calls.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert calls == []
 
 
-# ---- on a GPU ---------------------------------------------------------------------------------------------------
+# ---- on a GPU ------------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -78,7 +99,8 @@ def splits():
 
 
 def ran_on(*streams) -> list[set[int]]:
-    """The SMs that PROGRAMS_PER_SM x the device's SMs programs, enqueued on each stream at once, ran on."""
+    """The SMs that PROGRAMS_PER_SM x the device's SMs programs, enqueued on each stream at once,
+    ran on."""
     from partition.probe_kernels import sm_ids
 
     programs = PROGRAMS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
@@ -100,7 +122,9 @@ def split_keys(splits: StreamSplits) -> list[int]:
 def test_the_driver_grants_each_split_and_its_rest(splits: StreamSplits) -> None:
     for key in split_keys(splits):
         decode, prefill = splits.sms("decode", key), splits.sms("prefill", key)
-        assert decode % 8 == 0 and decode >= 8, f"Hopper grants multiples of 8 SMs, this split got {decode}"
+        assert decode % 8 == 0 and decode >= 8, (
+            f"Hopper grants multiples of 8 SMs, this split got {decode}"
+        )
         assert prefill >= 8 and decode + prefill <= splits.total_sms
         assert prefill >= splits.total_sms - decode - 8
 
@@ -108,13 +132,17 @@ def test_the_driver_grants_each_split_and_its_rest(splits: StreamSplits) -> None
 @pytest.mark.gpu
 @needs_gpu
 def test_the_granted_counts_are_logged_and_a_count_hopper_cannot_grant_is_refused(
-        splits: StreamSplits, caplog: pytest.LogCaptureFixture) -> None:
+    splits: StreamSplits, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.INFO, logger="ppd.partition"):
         made = StreamSplits.green([16])
     try:
         key = made.key_for(16)
         rest = made.sms("prefill", key)
-        assert f"{made.total_sms} SMs; SMs granted to decode/prefill in each split 16/{rest}" in caplog.text
+        assert (
+            f"{made.total_sms} SMs; SMs granted to decode/prefill in each split 16/{rest}"
+            in caplog.text
+        )
     finally:
         assert made.destroy() == []
     if torch.cuda.get_device_capability(0)[0] == 9:  # Hopper: 12 SMs is no group; 8 or 16 are
@@ -125,23 +153,31 @@ def test_the_granted_counts_are_logged_and_a_count_hopper_cannot_grant_is_refuse
 @pytest.mark.gpu
 @needs_gpu
 def test_the_two_groups_of_each_split_are_disjoint_on_the_device(splits: StreamSplits) -> None:
-    """Both streams of a split fill the device with programs that record their SM (%smid): the two sets of SM ids
-    do not meet, and neither is larger than its group. On the ordinary streams the same launch reaches more SMs
-    than any decode group has (the probe sees the whole device, so the bounds above are the partition's doing)."""
+    """Both streams of a split fill the device with programs that record their SM (%smid): the two
+    sets of SM ids do not meet, and neither is larger than its group. On the ordinary streams the
+    same launch reaches more SMs than any decode group has (the probe sees the whole device, so
+    the bounds above are the partition's doing)."""
     (whole,) = ran_on(splits.stream("decode", WHOLE))
-    assert len(whole) > max(splits.decode_counts()), f"an unsplit launch reached only {len(whole)} SMs"
+    assert len(whole) > max(splits.decode_counts()), (
+        f"an unsplit launch reached only {len(whole)} SMs"
+    )
     for key in split_keys(splits):
         decode, prefill = ran_on(splits.stream("decode", key), splits.stream("prefill", key))
-        assert not decode & prefill, f"split {key}: SMs {sorted(decode & prefill)} ran both sides' programs"
+        assert not decode & prefill, (
+            f"split {key}: SMs {sorted(decode & prefill)} ran both sides' programs"
+        )
         assert 0 < len(decode) <= splits.sms("decode", key)
         assert 0 < len(prefill) <= splits.sms("prefill", key)
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_graph_captured_on_a_split_stream_replays_on_that_splits_sms(splits: StreamSplits) -> None:
-    """The way decode graphs run: captured on a split's decode stream, replayed there while the prefill stream of
-    the split runs eagerly. The replay's programs stay on the decode group's SMs."""
+def test_a_graph_captured_on_a_split_stream_replays_on_that_splits_sms(
+    splits: StreamSplits,
+) -> None:
+    """The way decode graphs run: captured on a split's decode stream, replayed there while the
+    prefill stream of the split runs eagerly. The replay's programs stay on the decode group's
+    SMs."""
     from partition.probe_kernels import sm_ids
 
     programs = PROGRAMS_PER_SM * splits.total_sms
@@ -160,19 +196,24 @@ def test_a_graph_captured_on_a_split_stream_replays_on_that_splits_sms(splits: S
         decode_stream.synchronize()
         prefill_stream.synchronize()
         decode, prefill = set(replayed.tolist()), set(beside.tolist())
-        assert not decode & prefill, f"split {key}: SMs {sorted(decode & prefill)} ran both sides' programs"
+        assert not decode & prefill, (
+            f"split {key}: SMs {sorted(decode & prefill)} ran both sides' programs"
+        )
         assert 0 < len(decode) <= splits.sms("decode", key)
 
 
 @pytest.mark.gpu
 @needs_gpu
 def test_torch_green_contexts_overlap() -> None:
-    """The torch fact behind test_no_code_makes_a_split_from_torchs_green_context_create: two GreenContext.create
-    calls each take their SMs from the whole device, so their streams' programs meet on the same SMs. If this
-    fails, torch now splits disjointly, and partition/green.py could use it where that torch is installed."""
+    """The torch fact behind test_no_code_makes_a_split_from_torchs_green_context_create: two
+    GreenContext.create calls each take their SMs from the whole device, so their streams' programs
+    meet on the same SMs. If this fails, torch now splits disjointly, and partition/green.py could
+    use it where that torch is installed."""
     green_contexts = pytest.importorskip("torch.cuda.green_contexts")
     if not green_contexts.SUPPORTED or not hasattr(green_contexts.GreenContext, "Stream"):
-        pytest.skip("this torch has no green contexts with streams (torch 2.11 added GreenContext.Stream)")
+        pytest.skip(
+            "this torch has no green contexts with streams (torch 2.11 added GreenContext.Stream)"
+        )
     torch.zeros(1, device="cuda")
     first = green_contexts.GreenContext.create(num_sms=16, device_id=0)
     second = green_contexts.GreenContext.create(num_sms=16, device_id=0)
@@ -184,7 +225,8 @@ def test_torch_green_contexts_overlap() -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_the_two_streams_of_a_split_run_at_the_same_time(splits: StreamSplits) -> None:
-    """Kernels enqueued on a split's two streams overlap in time (events bracket each stream's work)."""
+    """Kernels enqueued on a split's two streams overlap in time (events bracket each stream's
+    work)."""
     key = splits.key_for(splits.decode_counts()[len(splits.decode_counts()) // 2])
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     marks = {}
@@ -210,27 +252,40 @@ def test_the_two_streams_of_a_split_run_at_the_same_time(splits: StreamSplits) -
     d0, d1 = start.elapsed_time(db), start.elapsed_time(de)
     p0, p1 = start.elapsed_time(pb), start.elapsed_time(pe)
     overlap = min(d1, p1) - max(d0, p0)
-    assert overlap > 0.5 * min(d1 - d0, p1 - p0), f"decode ran {d0:.1f}-{d1:.1f} ms, prefill {p0:.1f}-{p1:.1f} ms"
+    assert overlap > 0.5 * min(d1 - d0, p1 - p0), (
+        f"decode ran {d0:.1f}-{d1:.1f} ms, prefill {p0:.1f}-{p1:.1f} ms"
+    )
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_decode_graph_captured_on_each_split_gives_the_eager_logits(splits: StreamSplits, tmp_path) -> None:
+def test_a_decode_graph_captured_on_each_split_gives_the_eager_logits(
+    splits: StreamSplits, tmp_path
+) -> None:
     from engine.cuda_graphs import bucket_sizes
     from engine.engine import Engine, EngineConfig
     from engine.model_runner import StepInput
     from tests.tiny_models import write_tiny_model
 
     folder = write_tiny_model(tmp_path / "llama", "llama")
-    cfg = EngineConfig(model=str(folder), dtype="float32", device="cuda", num_kv_blocks=64, max_num_seqs=8,
-                       max_num_batched_tokens=64, shares_device=False)
+    cfg = EngineConfig(
+        model=str(folder),
+        dtype="float32",
+        device="cuda",
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        shares_device=False,
+    )
     streams = {key: splits.stream("decode", key) for key in splits.keys}
     engine = Engine.create(cfg, (f"ppd-test-{id(cfg)}-w", f"ppd-test-{id(cfg)}-kv"), streams)
     runner = engine.runner
     assert set(runner.graph_sets) == set(splits.keys)
     for key, graphs in runner.graph_sets.items():  # a graph per (split, batch bucket)
         assert sorted(graphs.graphs) == graphs.sizes == bucket_sizes(cfg.max_num_seqs), key
-    runner.forward([StepInput(list(range(3, 40)), 0, [0, 1, 2]), StepInput(list(range(5, 30)), 0, [3, 4])])
+    runner.forward(
+        [StepInput(list(range(3, 40)), 0, [0, 1, 2]), StepInput(list(range(5, 30)), 0, [3, 4])]
+    )
     decode = [StepInput([7], 37, [0, 1, 2]), StepInput([9], 25, [3, 4])]
     graphs, runner.graphs = runner.graphs, None
     eager = runner.forward(decode).clone()

@@ -1,4 +1,5 @@
-"""`ppd profile partition` and its file: the schema, the share lookups, resuming, and a real run on the demo."""
+"""`ppd profile partition` and its file: the schema, the share lookups, resuming, and a real run on
+the demo."""
 
 from __future__ import annotations
 
@@ -12,27 +13,61 @@ import torch
 
 from engine.demo import demo_model_path
 from partition import profiler_cli
-from partition.profile import (DecodePoint, InterferencePoint, PartitionProfile, PrefillPoint, ProfileError,
-                               profile_path)
+from partition.profile import (
+    DecodePoint,
+    InterferencePoint,
+    PartitionProfile,
+    PrefillPoint,
+    ProfileError,
+    profile_path,
+)
 from partition.profile_report import markdown, plot
-from partition.profiler import Grid, ProfilerError, engine_setup, job_key, jobs, partial_path, profile
+from partition.profiler import (
+    Grid,
+    ProfilerError,
+    engine_setup,
+    job_key,
+    jobs,
+    partial_path,
+    profile,
+)
 from partition.profiler_cpu import CpuBench
 from profiles import cpu_device_name
 
-# Decode step times (ms) of share 1 at batches 1, 4 and contexts 100, 300; share 2 takes half as long.
+# Decode step times (ms) of share 1 at batches 1, 4 and contexts 100, 300; share 2 takes half as
+# long.
 STEPS_1 = {(1, 100): 2.0, (1, 300): 4.0, (4, 100): 8.0, (4, 300): 12.0}
-TINY = Grid(shares=(1, 2), batches=(1, 4), contexts=(100, 300), prompts=(64,), prefill_tokens=64, pairs=((1, 1),),
-            concurrent=(1, 4), new_tokens=16, steps=3, prefill_repeat=1)
+TINY = Grid(
+    shares=(1, 2),
+    batches=(1, 4),
+    contexts=(100, 300),
+    prompts=(64,),
+    prefill_tokens=64,
+    pairs=((1, 1),),
+    concurrent=(1, 4),
+    new_tokens=16,
+    steps=3,
+    prefill_repeat=1,
+)
 
 
 def synthetic() -> PartitionProfile:
     decode = [DecodePoint(1, b, c, ms, ms * 1.5) for (b, c), ms in STEPS_1.items()]
     decode += [DecodePoint(2, b, c, ms / 2, ms * 0.75) for (b, c), ms in STEPS_1.items()]
-    return PartitionProfile("cpu-2core", "demo-v1", "cores", 2, [1, 2], decode, [PrefillPoint(1, 64, 1000.0)],
-                            [InterferencePoint(1, 1, 4, 100, "full", 1, 16, 10.0, 8.0)], {"note": "by hand"})
+    return PartitionProfile(
+        "cpu-2core",
+        "demo-v1",
+        "cores",
+        2,
+        [1, 2],
+        decode,
+        [PrefillPoint(1, 64, 1000.0)],
+        [InterferencePoint(1, 1, 4, 100, "full", 1, 16, 10.0, 8.0)],
+        {"note": "by hand"},
+    )
 
 
-# ---- the file ----------------------------------------------------------------------------------------
+# ---- the file ------------------------------------------------------------------------------------
 
 
 def test_profile_round_trips_through_its_file(tmp_path: Path) -> None:
@@ -43,16 +78,19 @@ def test_profile_round_trips_through_its_file(tmp_path: Path) -> None:
     assert loaded.decode_step_ms(2, 4, 300) == 6.0 and loaded.prefill_tokens_per_s(1, 50) == 1000.0
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    (lambda d: d.update(schema="ppd-policy-table"), "not a ppd partition profile"),
-    (lambda d: d.update(version=2), "version 2, this server reads 1"),
-    (lambda d: d["decode"][0].pop("step_ms"), "malformed partition profile"),
-    (lambda d: d["prefill"][0].update(tokens_per_s="fast"), "malformed partition profile"),
-    (lambda d: d.update(shares=[2, 1]), "must be distinct, ascending"),
-    (lambda d: d.update(shares=[1, 4]), "must be distinct, ascending, from 1 to total 2"),
-    (lambda d: d.update(unit="threads"), "unit 'threads'"),
-    (lambda d: d["decode"][0].update(share=3), "needs a listed share"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(schema="ppd-policy-table"), "not a ppd partition profile"),
+        (lambda d: d.update(version=2), "version 2, this server reads 1"),
+        (lambda d: d["decode"][0].pop("step_ms"), "malformed partition profile"),
+        (lambda d: d["prefill"][0].update(tokens_per_s="fast"), "malformed partition profile"),
+        (lambda d: d.update(shares=[2, 1]), "must be distinct, ascending"),
+        (lambda d: d.update(shares=[1, 4]), "must be distinct, ascending, from 1 to total 2"),
+        (lambda d: d.update(unit="threads"), "unit 'threads'"),
+        (lambda d: d["decode"][0].update(share=3), "needs a listed share"),
+    ],
+)
 def test_a_bad_file_names_its_problem(tmp_path: Path, change, message: str) -> None:
     data = synthetic().to_json()
     change(data)
@@ -71,13 +109,14 @@ def test_unreadable_files_raise_profile_errors(tmp_path: Path) -> None:
         PartitionProfile.load(tmp_path / "junk.json")
 
 
-# ---- the lookups -------------------------------------------------------------------------------------
+# ---- the lookups ---------------------------------------------------------------------------------
 
 
 def test_decode_step_is_bilinear_inside_the_grid_and_linear_past_it() -> None:
     p = synthetic()
     assert p.decode_step_ms(1, 4, 300) == 12.0  # a measured point
-    # batch 2.5 is halfway from 1 to 4, context 200 halfway from 100 to 300: (3 at batch 1 + 10 at batch 4) / 2.
+    # batch 2.5 is halfway from 1 to 4, context 200 halfway from 100 to 300: (3 at batch 1 + 10 at
+    # batch 4) / 2.
     assert p.decode_step_ms(1, 2.5, 200) == pytest.approx(6.5)
     # batch 7 is two intervals past 1 along 1 -> 4, at context 300 (4 -> 12): 4 + 2 * 8.
     assert p.decode_step_ms(1, 7, 300) == pytest.approx(20.0)
@@ -102,13 +141,13 @@ def test_min_decode_share_is_the_smallest_share_within_the_slo() -> None:
     assert p.min_decode_share(2.5, 200, 5.0) == 2
 
 
-# ---- the sweep: resuming and starting over -----------------------------------------------------------
+# ---- the sweep: resuming and starting over -------------------------------------------------------
 
 
 class FakeBench:
-    """Stands in for the engine: step times from STEPS_1 (halved on share 2), doubled beside a prefill; records
-    the points asked for and can be interrupted (Ctrl-C) at a point. With `drift`, the n-th decode of a point
-    takes drift[n] times as long."""
+    """Stands in for the engine: step times from STEPS_1 (halved on share 2), doubled beside a
+    prefill; records the points asked for and can be interrupted (Ctrl-C) at a point. With
+    `drift`, the n-th decode of a point takes drift[n] times as long."""
 
     unit, total = "cores", 2
 
@@ -131,13 +170,19 @@ class FakeBench:
         self._called("prefill", share, prompt)
         return 1000.0 * share
 
-    def interference(self, decode_share, prefill_share, batch, context, kind, concurrent, new_tokens, steps):
+    def interference(
+        self, decode_share, prefill_share, batch, context, kind, concurrent, new_tokens, steps
+    ):
         self._called("interference", decode_share, prefill_share, batch, context, kind, concurrent)
         return [STEPS_1[batch, context] * (2 if concurrent else 1)] * steps
 
     def gemm(self, share, tokens, repeat):
         self._called("gemm", share)
-        return {"ms": 2.0, "carveout": self.total - share, "carveout_ms": 1.5 if share < self.total else 2.0}
+        return {
+            "ms": 2.0,
+            "carveout": self.total - share,
+            "carveout_ms": 1.5 if share < self.total else 2.0,
+        }
 
     def close(self) -> None:
         pass
@@ -150,11 +195,18 @@ def run(bench: FakeBench, out: Path, grid: Grid = TINY) -> PartitionProfile:
 def test_profile_measures_every_point_and_drops_its_partial_file(tmp_path: Path) -> None:
     bench, out = FakeBench(), tmp_path / "p.json"
     result = run(bench, out)
-    # decode: 2 shares x 2 batches x 2 contexts; prefill: 2 shares; interference: 4 cells x (alone + 2 kinds x 2).
+    # decode: 2 shares x 2 batches x 2 contexts; prefill: 2 shares; interference: 4 cells x (alone +
+    # 2 kinds x 2).
     assert len(bench.calls) == 8 + 2 + 4 * 5 == len(jobs(TINY))
-    assert PartitionProfile.load(out).to_json() == result.to_json() and not partial_path(out).exists()
+    assert (
+        PartitionProfile.load(out).to_json() == result.to_json() and not partial_path(out).exists()
+    )
     assert result.decode_step_ms(2, 4, 300) == 6.0
-    point = next(p for p in result.interference if (p.batch, p.context, p.kind, p.concurrent) == (4, 300, "append", 4))
+    point = next(
+        p
+        for p in result.interference
+        if (p.batch, p.context, p.kind, p.concurrent) == (4, 300, "append", 4)
+    )
     assert (point.tpot_ms, point.tpot_alone_ms, point.new_tokens) == (24.0, 12.0, 16)
     assert {p.concurrent for p in result.interference} == {0, 1, 4}
     assert "| 1 / 1 | 4 | 300 | 12.00 | 2.00 | 2.00 | 2.00 | 2.00 |" in markdown(result)
@@ -198,16 +250,22 @@ def test_the_gemm_with_and_without_the_carveout_lands_in_the_profiles_meta(tmp_p
     bench = FakeBench()
     result = run(bench, tmp_path / "p.json", replace(TINY, gemm_tokens=32))
     assert [c for c in bench.calls if c[0] == "gemm"] == [("gemm", 1), ("gemm", 2)]
-    assert result.meta["gemm_carveout"] == [{"share": 1, "tokens": 32, "carveout": 1, "ms": 2.0, "carveout_ms": 1.5},
-                                            {"share": 2, "tokens": 32, "carveout": 0, "ms": 2.0, "carveout_ms": 2.0}]
+    assert result.meta["gemm_carveout"] == [
+        {"share": 1, "tokens": 32, "carveout": 1, "ms": 2.0, "carveout_ms": 1.5},
+        {"share": 2, "tokens": 32, "carveout": 0, "ms": 2.0, "carveout_ms": 2.0},
+    ]
     text = markdown(PartitionProfile.load(tmp_path / "p.json"))
     assert "cuBLAS's SM carveout" in text and "| 1 | 1 | 2.00 | 1.50 | 0.75 |" in text
     assert "| 2 | 0 | 2.00 | - | - |" in text
     plain = FakeBench()  # a grid without gemm_tokens (every CPU grid) times none
-    assert "gemm_carveout" not in run(plain, tmp_path / "q.json").meta and "gemm" not in {c[0] for c in plain.calls}
+    assert "gemm_carveout" not in run(plain, tmp_path / "q.json").meta and "gemm" not in {
+        c[0] for c in plain.calls
+    }
 
 
-def test_a_gpu_grid_times_the_gemm_only_where_torch_can_set_the_carveout(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gpu_grid_times_the_gemm_only_where_torch_can_set_the_carveout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     parser = argparse.ArgumentParser()
     profiler_cli.add_partition_args(parser)
     choose = profiler_cli.choose_grid
@@ -248,8 +306,8 @@ def test_ppd_profile_alone_runs_partition_then_policy(monkeypatch: pytest.Monkey
 
 @pytest.fixture
 def fake_run(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """`ppd profile partition` with nothing measured: the synthetic profile saved where the command writes; returns
-    what it saw (the model folder, the outputs)."""
+    """`ppd profile partition` with nothing measured: the synthetic profile saved where the command
+    writes; returns what it saw (the model folder, the outputs)."""
     seen: dict = {}
     fake_cfg = type("Cfg", (), {"num_kv_blocks": 1})()
 
@@ -280,45 +338,75 @@ def fake_run(monkeypatch: pytest.MonkeyPatch) -> dict:
 
 
 def test_model_demo_and_an_out_folder(fake_run: dict, tmp_path: Path) -> None:
-    """`--model demo` is the built-in demo model, as wherever --model is taken; `--out` a folder gets the profile
-    under its default name (an existing folder, or a new one named with a trailing separator)."""
+    """`--model demo` is the built-in demo model, as wherever --model is taken; `--out` a folder
+    gets the profile under its default name (an existing folder, or a new one named with a
+    trailing separator)."""
     from cli import main as cli
 
     new_folder = tmp_path / "new"
     for out in (str(tmp_path), f"{new_folder}/", str(tmp_path / "named.json")):
-        assert cli.main(["profile", "partition", "--model", "demo", "--device", "cpu", "--quick", "--out", out]) == 0
+        assert (
+            cli.main(
+                [
+                    "profile",
+                    "partition",
+                    "--model",
+                    "demo",
+                    "--device",
+                    "cpu",
+                    "--quick",
+                    "--out",
+                    out,
+                ]
+            )
+            == 0
+        )
     assert fake_run["folder"] == str(demo_model_path())
     default = profile_path(cpu_device_name(), demo_model_path().name).name
     assert fake_run["outs"] == [tmp_path / default, new_folder / default, tmp_path / "named.json"]
 
 
 def test_without_out_the_profile_goes_to_the_user_folder_and_the_server_reads_it_first(
-        fake_run: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """No --out: $PPD_CACHE_DIR/profiles/<device>__demo-v2.json, said as the run starts, never the shipped profiles/
-    (in an install, site-packages); the server's lookup of the demo then takes it before the shipped one."""
-    from profiles import PROFILES_DIR
+    fake_run: dict, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """No --out: $PPD_CACHE_DIR/profiles/<device>__demo-v2.json, said as the run starts, never the
+    shipped profiles/ (in an install, site-packages); the server's lookup of the demo then takes it
+    before the shipped one."""
     from cli import main as cli
+    from profiles import PROFILES_DIR
     from server.plan import partition_profile_for
 
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
     shipped = {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()}
     assert cli.main(["profile", "partition", "--model", "demo", "--device", "cpu", "--quick"]) == 0
     written = tmp_path / "cache" / "profiles" / f"{cpu_device_name()}__demo-v2.json"
-    assert fake_run["outs"] == [written] and written.is_file() and written.with_suffix(".md").is_file()
+    assert (
+        fake_run["outs"] == [written] and written.is_file() and written.with_suffix(".md").is_file()
+    )
     assert f"into {written}" in capsys.readouterr().err
     assert {path: path.read_bytes() for path in PROFILES_DIR.iterdir() if path.is_file()} == shipped
     args = argparse.Namespace(partition_profile=None)
     assert partition_profile_for(args, "cpu", fake_run["folder"]) == str(written)
 
 
-# ---- real runs ---------------------------------------------------------------------------------------
+# ---- real runs -----------------------------------------------------------------------------------
 
 
 @pytest.mark.slow  # a whole run against a live server: the second suite
 def test_a_real_run_on_the_demo_writes_a_loadable_profile(tmp_path: Path) -> None:
     # Decode on core 0 and prefill on core 1 (on a 1-core machine, both on core 0).
-    grid = Grid(shares=(1,), batches=(2,), contexts=(16,), prompts=(16,), prefill_tokens=16, pairs=((1, 1),),
-                concurrent=(1,), new_tokens=8, steps=2, prefill_repeat=1)
+    grid = Grid(
+        shares=(1,),
+        batches=(2,),
+        contexts=(16,),
+        prompts=(16,),
+        prefill_tokens=16,
+        pairs=((1, 1),),
+        concurrent=(1,),
+        new_tokens=8,
+        steps=2,
+        prefill_repeat=1,
+    )
     out = tmp_path / "cpu.json"
     bench = CpuBench(*engine_setup(str(demo_model_path()), grid, "cpu", "auto"))
     try:
@@ -329,8 +417,12 @@ def test_a_real_run_on_the_demo_writes_a_loadable_profile(tmp_path: Path) -> Non
     assert loaded.unit == "cores" and loaded.shares == [1]
     assert all(p.step_ms > 0 and p.step_p90_ms >= p.step_ms for p in loaded.decode)
     assert loaded.prefill and all(p.tokens_per_s > 0 for p in loaded.prefill)
-    assert {(p.kind, p.concurrent) for p in loaded.interference} == {("full", 0), ("full", 1), ("append", 0),
-                                                                       ("append", 1)}
+    assert {(p.kind, p.concurrent) for p in loaded.interference} == {
+        ("full", 0),
+        ("full", 1),
+        ("append", 0),
+        ("append", 1),
+    }
     assert all(p.tpot_ms > 0 for p in loaded.interference)
     assert result.decode_step_ms(1, 2, 16) == loaded.decode[0].step_ms
 
@@ -341,20 +433,36 @@ def test_a_real_run_on_green_context_streams(tmp_path: Path) -> None:
         pytest.skip("needs a CUDA device")
     from partition.profiler_gpu import GpuBench, sm_carveout_available
 
-    grid = Grid(shares=(16, 32), batches=(2,), contexts=(64,), prompts=(64,), prefill_tokens=64, pairs=(),
-                concurrent=(1,), new_tokens=32, steps=3, prefill_repeat=1,
-                gemm_tokens=64 if sm_carveout_available() else 0)
+    grid = Grid(
+        shares=(16, 32),
+        batches=(2,),
+        contexts=(64,),
+        prompts=(64,),
+        prefill_tokens=64,
+        pairs=(),
+        concurrent=(1,),
+        new_tokens=32,
+        steps=3,
+        prefill_repeat=1,
+        gemm_tokens=64 if sm_carveout_available() else 0,
+    )
     cfg, decode_blocks = engine_setup(str(demo_model_path()), grid, "cuda", "auto")
     bench = GpuBench(cfg, decode_blocks)
     try:
         grid = replace(grid, pairs=((32, bench.total - 32),))  # the rest of the device's SMs
-        result = profile(bench, grid, tmp_path / "gpu.json", "gpu-test", "demo-v1", {}, progress=False)
-        assert bench.decode_graphs  # the triton backend: every share's decode replays its own graphs
+        result = profile(
+            bench, grid, tmp_path / "gpu.json", "gpu-test", "demo-v1", {}, progress=False
+        )
+        assert (
+            bench.decode_graphs
+        )  # the triton backend: every share's decode replays its own graphs
     finally:
         bench.close()
     assert result.unit == "sms" and all(p.step_ms > 0 for p in result.decode)
     assert all(p.tpot_ms > 0 for p in result.interference)
     if grid.gemm_tokens:
-        assert [(r["share"], r["carveout"]) for r in result.meta["gemm_carveout"]] == [(16, bench.total - 16),
-                                                                                       (32, bench.total - 32)]
+        assert [(r["share"], r["carveout"]) for r in result.meta["gemm_carveout"]] == [
+            (16, bench.total - 16),
+            (32, bench.total - 32),
+        ]
         assert all(r["ms"] > 0 and r["carveout_ms"] > 0 for r in result.meta["gemm_carveout"])

@@ -1,6 +1,7 @@
-"""`ppd profile partition`'s GPU bench, on the CPU with stand-ins for the green contexts and the engine: each share's
-decode replays a graph set captured on that share's stream and sized for its SMs; a pair's prefill runs eagerly on a
-sibling engine; the GEMM is timed with cuBLAS's SM carveout set to the SMs outside the share, then reset."""
+"""`ppd profile partition`'s GPU bench, on the CPU with stand-ins for the green contexts and the
+engine: each share's decode replays a graph set captured on that share's stream and sized for its
+SMs; a pair's prefill runs eagerly on a sibling engine; the GEMM is timed with cuBLAS's SM carveout
+set to the SMs outside the share, then reset."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ class FakeRunner:
         self.backend = SimpleNamespace(supports_cuda_graphs=True)
         self.kv_pool = torch.zeros(1)
 
-    def capture_graphs(self, max_batch: int, streams: dict, sms: dict | None = None, max_tokens: int = 512) -> None:
-        assert max_batch == 8 and max_tokens == 0, "decode buckets only: the profile's prefills fit no token bucket"
+    def capture_graphs(
+        self, max_batch: int, streams: dict, sms: dict | None = None, max_tokens: int = 512
+    ) -> None:
+        assert max_batch == 8 and max_tokens == 0, (
+            "decode buckets only: the profile's prefills fit no token bucket"
+        )
         self.captured.append((streams, sms))
 
     def use_graphs(self, key) -> None:
@@ -91,29 +96,42 @@ def bench(monkeypatch: pytest.MonkeyPatch):
     made.close()
 
 
-def test_each_share_decodes_through_graphs_captured_on_its_stream_for_its_sms(bench: GpuBench) -> None:
+def test_each_share_decodes_through_graphs_captured_on_its_stream_for_its_sms(
+    bench: GpuBench,
+) -> None:
     assert bench.decode_graphs and bench.total == TOTAL
     bench.decode(64, 2, 16, 3)
     bench.decode(TOTAL, 2, 16, 3)
     bench.decode(64, 4, 16, 3)  # a share's set is captured once
-    assert bench.engine.runner.captured == [({("share", 64): "green stream group 64"}, {("share", 64): 64}),
-                                            ({("share", TOTAL): "ordinary stream"}, None)]
-    assert set(bench.steps) == {("owner", ("share", 64), "green stream group 64"),
-                                ("owner", ("share", TOTAL), "ordinary stream")}
+    assert bench.engine.runner.captured == [
+        ({("share", 64): "green stream group 64"}, {("share", 64): 64}),
+        ({("share", TOTAL): "ordinary stream"}, None),
+    ]
+    assert set(bench.steps) == {
+        ("owner", ("share", 64), "green stream group 64"),
+        ("owner", ("share", TOTAL), "ordinary stream"),
+    }
 
 
-def test_a_pair_decodes_on_its_own_graphs_beside_an_eager_prefill_on_the_rest(bench: GpuBench) -> None:
+def test_a_pair_decodes_on_its_own_graphs_beside_an_eager_prefill_on_the_rest(
+    bench: GpuBench,
+) -> None:
     assert len(bench.interference(64, TOTAL - 64, 2, 16, "append", 1, 8, 3)) == 3
-    assert bench.engine.runner.captured == [({("pair", 64): "green stream group 64"}, {("pair", 64): 64})]
+    assert bench.engine.runner.captured == [
+        ({("pair", 64): "green stream group 64"}, {("pair", 64): 64})
+    ]
     decode = [s for s in bench.steps if s[0] == "owner"]
     prefill = [s for s in bench.steps if s[0] == "sibling"]
-    assert set(decode) == {("owner", ("pair", 64), "green stream group 64")} and len(decode) == 3 + 3  # + warm-up
+    assert (
+        set(decode) == {("owner", ("pair", 64), "green stream group 64")} and len(decode) == 3 + 3
+    )  # + warm-up
     assert prefill and set(prefill) == {("sibling", None, f"green stream rest {TOTAL - 64}")}
     assert bench.sibling.runner.captured == []
 
 
 def test_the_gemm_is_timed_with_the_sms_outside_the_share_carved_out_then_reset(
-        bench: GpuBench, monkeypatch: pytest.MonkeyPatch) -> None:
+    bench: GpuBench, monkeypatch: pytest.MonkeyPatch
+) -> None:
     carveouts = []
     monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", carveouts.append, raising=False)
     found = bench.gemm(64, 32, repeat=2)

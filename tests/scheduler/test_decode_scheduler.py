@@ -1,25 +1,37 @@
-"""Continuous batching decisions of the decode worker, with a real block manager and made-up tokens."""
+"""Continuous batching decisions of the decode worker, with a real block manager and made-up
+tokens."""
 
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams, TokenLogprobs
 from scheduler.decode_scheduler import DecodeScheduler
-from scheduler.sequence import SeqState
 from scheduler.messages import GenerateRequest, PrefillDone
+from scheduler.sequence import SeqState
 
 BS = 4
 EOS = 2
 VOCAB = 1000
 
 
-def make(num_blocks: int = 64, budget: int = 16, aggregated: bool = False, max_num_seqs: int = 8) -> DecodeScheduler:
-    return DecodeScheduler(BlockManager(num_blocks, BS), (EOS,), max_model_len=256, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=budget, inline_all=aggregated, vocab_size=VOCAB)
+def make(
+    num_blocks: int = 64, budget: int = 16, aggregated: bool = False, max_num_seqs: int = 8
+) -> DecodeScheduler:
+    return DecodeScheduler(
+        BlockManager(num_blocks, BS),
+        (EOS,),
+        max_model_len=256,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        inline_all=aggregated,
+        vocab_size=VOCAB,
+    )
 
 
 def req(rid: str, prompt: list[int], route: str = "decode", **sampling) -> GenerateRequest:
-    return GenerateRequest(rid, prompt, SamplingParams(**{"temperature": 0.0, "max_tokens": 100, **sampling}), route)
+    return GenerateRequest(
+        rid, prompt, SamplingParams(**{"temperature": 0.0, "max_tokens": 100, **sampling}), route
+    )
 
 
 def run_remote_prefill(s: DecodeScheduler, rid: str, token: int = 50) -> None:
@@ -61,7 +73,9 @@ def test_cached_prefix_with_decode_hint_prefills_inline_in_chunks() -> None:
     first = s.schedule()
     assert not first.jobs
     (inp,) = first.inputs
-    assert inp.start_pos == 20 and len(inp.token_ids) == 8 and not inp.sample  # 20 of 41 prompt tokens cached
+    assert (
+        inp.start_pos == 20 and len(inp.token_ids) == 8 and not inp.sample
+    )  # 20 of 41 prompt tokens cached
     s.postprocess(first, [])
     chunks = [first]
     while not chunks[-1].inputs[0].sample:
@@ -70,7 +84,11 @@ def test_cached_prefix_with_decode_hint_prefills_inline_in_chunks() -> None:
             s.postprocess(chunks[-1], [])
     outputs = s.postprocess(chunks[-1], [9])
     assert sum(len(c.inputs[0].token_ids) for c in chunks) == len(turn2) - 20
-    assert outputs[0].route == "decode" and outputs[0].num_cached_tokens == 20 and outputs[0].token_ids == [9]
+    assert (
+        outputs[0].route == "decode"
+        and outputs[0].num_cached_tokens == 20
+        and outputs[0].token_ids == [9]
+    )
 
 
 def test_prefill_hint_with_cache_hit_goes_remote_reusing_prefix() -> None:
@@ -89,7 +107,10 @@ def test_decode_budget_shared_with_inline_prefill() -> None:
     s.postprocess(s.schedule(), [11])  # aggregated: the whole prompt inline, sampled
     s.add(req("b", [6] * 20))
     step = s.schedule()
-    assert [len(i.token_ids) for i in step.inputs] == [1, 5]  # one decode token, the rest of the budget to b
+    assert [len(i.token_ids) for i in step.inputs] == [
+        1,
+        5,
+    ]  # one decode token, the rest of the budget to b
 
 
 def test_abort_during_remote_prefill_frees_blocks_only_when_done() -> None:
@@ -121,7 +142,10 @@ def test_finish_reasons() -> None:
         s.prefill_done(PrefillDone(job.request_id, 60))
     step = s.schedule()
     tokens = {"eos": EOS, "ign": EOS, "stop": 99}
-    outs = {o.request_id: o for o in s.postprocess(step, [tokens[q.request_id] for q in step.sampling_seqs])}
+    outs = {
+        o.request_id: o
+        for o in s.postprocess(step, [tokens[q.request_id] for q in step.sampling_seqs])
+    }
     assert outs["eos"].finish_reason == "stop" and outs["stop"].finish_reason == "stop"
     assert outs["ign"].finish_reason is None
     outs = {o.request_id: o for o in s.postprocess(s.schedule(), [EOS])}
@@ -154,7 +178,8 @@ def test_preemption_recomputes_with_generated_tokens() -> None:
             break
     assert preempted is not None and preempted.state is SeqState.PREEMPTED
     assert preempted.num_output > 1 and preempted.request_id not in s.blocks
-    # The older sequence keeps decoding; once it ends the preempted one is recomputed with what it generated.
+    # The older sequence keeps decoding; once it ends the preempted one is recomputed with what it
+    # generated.
     s.abort("old")
     step = s.schedule()
     (job,) = step.jobs
@@ -212,7 +237,10 @@ def test_a_failed_input_ends_its_request_alone_and_frees_its_blocks() -> None:
     assert by_id["a"].token_ids == [61] and by_id["c"].token_ids == [62]
     assert "b" not in s.by_id and "b" not in s.blocks
     decode_steps(s, 3)
-    assert [q.token_ids[-4:] for q in (s.by_id["a"], s.by_id["c"])] == [[61, 60, 60, 60], [62, 60, 60, 60]]
+    assert [q.token_ids[-4:] for q in (s.by_id["a"], s.by_id["c"])] == [
+        [61, 60, 60, 60],
+        [62, 60, 60, 60],
+    ]
 
 
 def test_prompt_logprobs_skip_the_cache_and_ask_in_the_first_pass_only() -> None:
@@ -222,8 +250,9 @@ def test_prompt_logprobs_skip_the_cache_and_ask_in_the_first_pass_only() -> None
     while s.by_id:
         step = s.schedule()
         s.postprocess(step, [50] * len(step.sampling_seqs))
-    # The same prompt again, with prompt logprobs: none of it comes from the cache; every chunk asks for the
-    # logprobs of its positions' next prompt tokens, the last position (which predicts the output) excepted.
+    # The same prompt again, with prompt logprobs: none of it comes from the cache; every chunk asks
+    # for the logprobs of its positions' next prompt tokens, the last position (which predicts the
+    # output) excepted.
     s.add(req("t2", history, prompt_logprobs=2))
     asked = []
     while True:
@@ -248,25 +277,36 @@ def test_prompt_logprobs_skip_the_cache_and_ask_in_the_first_pass_only() -> None
 
 
 def test_inline_prefills_go_shortest_remaining_first() -> None:
-    """A short append admitted after a long prompt is not held behind it: each step gives the budget to the prefill
-    with the fewest tokens left, and the long one takes what is left of the budget in the same step."""
+    """A short append admitted after a long prompt is not held behind it: each step gives the budget
+    to the prefill with the fewest tokens left, and the long one takes what is left of the budget
+    in the same step."""
     s = make(num_blocks=128, budget=16, aggregated=True)
-    s.add(req("long", list(range(10, 70))))   # 60 tokens: four steps' budget
+    s.add(req("long", list(range(10, 70))))  # 60 tokens: four steps' budget
     first = s.schedule()
     assert [len(i.token_ids) for i in first.inputs] == [16]
     s.postprocess(first, [])
     s.add(req("short", list(range(100, 106))))  # 6 tokens, admitted behind it
     step = s.schedule()
-    assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [("short", 6), ("long", 10)]
+    assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [
+        ("short", 6),
+        ("long", 10),
+    ]
     outputs = s.postprocess(step, [61])  # the short prompt's first token at once
     assert [(o.request_id, o.token_ids) for o in outputs] == [("short", [61])]
-    step = s.schedule()  # then: the short one decodes, the long one goes on with the rest of the budget
-    assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [("short", 1), ("long", 15)]
+    step = (
+        s.schedule()
+    )  # then: the short one decodes, the long one goes on with the rest of the budget
+    assert [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)] == [
+        ("short", 1),
+        ("long", 15),
+    ]
 
 
 def test_prefill_batch_tokens_finishes_appends_one_after_another() -> None:
-    """With --prefill-batch-tokens, a further inline prefill joins a step only while the step's prefill tokens are
-    below it, so that appends finish one after another rather than all at the end of one long step."""
+    """With --prefill-batch-tokens, a further inline prefill joins a step only while the step's
+    prefill tokens are below it, so that appends finish one after another rather than all at the
+    end of one long step."""
+
     def first_step(limit: int | None) -> list[tuple[str, int]]:
         s = make(num_blocks=128, budget=32, aggregated=True)
         s.prefill_batch_tokens = limit
@@ -276,13 +316,17 @@ def test_prefill_batch_tokens_finishes_appends_one_after_another() -> None:
         return [(q.request_id, len(i.token_ids)) for q, i in zip(step.seqs, step.inputs)]
 
     assert first_step(None) == [("a", 6), ("b", 7)]
-    assert first_step(8) == [("a", 6), ("b", 7)]  # 6 < 8: b joins (and may take the step past the limit)
-    assert first_step(6) == [("a", 6)]            # a alone: b waits a step
+    assert first_step(8) == [
+        ("a", 6),
+        ("b", 7),
+    ]  # 6 < 8: b joins (and may take the step past the limit)
+    assert first_step(6) == [("a", 6)]  # a alone: b waits a step
 
 
 def test_a_request_starts_when_its_first_chunk_is_in_a_step() -> None:
-    """What --max-queue-time-s waits for: a step names the requests whose first inline chunk it carries, once each;
-    a request handed to the prefill worker, or still waiting for a slot, has not started here."""
+    """What --max-queue-time-s waits for: a step names the requests whose first inline chunk it
+    carries, once each; a request handed to the prefill worker, or still waiting for a slot, has not
+    started here."""
     s = make(budget=8, aggregated=True, max_num_seqs=1)
     s.add(req("long", list(range(10, 30))))
     s.add(req("queued", [5] * 4))
@@ -306,7 +350,10 @@ def test_a_failed_input_ends_its_request_with_the_status_of_its_failure() -> Non
         s.add(req(rid, list(range(10, 14)), route="prefill"))
         run_remote_prefill(s, rid)
     step = s.schedule()
-    failed = {0: InputFailure("GuidedError: left the grammar", 400), 1: InputFailure("RuntimeError: device", 500)}
+    failed = {
+        0: InputFailure("GuidedError: left the grammar", 400),
+        1: InputFailure("RuntimeError: device", 500),
+    }
     outs = {o.request_id: o for o in s.postprocess(step, [None, None], failed)}
     assert (outs["own"].error_status, outs["engine"].error_status) == (400, 500)
     assert not s.by_id and s.blocks.usage == 0.0

@@ -1,8 +1,8 @@
-"""The decode worker's scheduler under arbitrary valid traffic (hypothesis): requests of any shape and sampling
-parameters, aborts at any stage, prefill jobs that finish or fail in any order, tokens that stop or not, steps run
-one at a time or scheduled ahead of the one on the device (async scheduling). It never raises, every live sequence is
-in exactly one state, no block a launched step holds is ever free, and once every request has ended no KV block stays
-in use."""
+"""The decode worker's scheduler under arbitrary valid traffic (hypothesis): requests of any shape
+and sampling parameters, aborts at any stage, prefill jobs that finish or fail in any order,
+tokens that stop or not, steps run one at a time or scheduled ahead of the one on the device
+(async scheduling). It never raises, every live sequence is in exactly one state, no block a
+launched step holds is ever free, and once every request has ended no KV block stays in use."""
 
 from __future__ import annotations
 
@@ -12,51 +12,91 @@ from hypothesis import strategies as st
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from scheduler.decode_scheduler import DecodeScheduler, Step
-from scheduler.sequence import PLACEHOLDER
 from scheduler.messages import GenerateRequest, PrefillDone
+from scheduler.sequence import PLACEHOLDER
 
 VOCAB, EOS, BS = 40, 2, 4
 
-sampling = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7]), repetition_penalty=st.sampled_from([1.0, 1.2]),
-                     max_tokens=st.one_of(st.integers(1, 4), st.integers(20, 40)),  # short ones, and ones that grow
-                     min_tokens=st.integers(0, 1), stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3).map(tuple),
-                     ignore_eos=st.booleans())
+sampling = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7]),
+    repetition_penalty=st.sampled_from([1.0, 1.2]),
+    max_tokens=st.one_of(st.integers(1, 4), st.integers(20, 40)),  # short ones, and ones that grow
+    min_tokens=st.integers(0, 1),
+    stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=3).map(tuple),
+    ignore_eos=st.booleans(),
+)
 # A small alphabet, so that prompts share prefixes and the cache hits.
 prompt = st.lists(st.sampled_from([5, 6, 7, 8]), min_size=1, max_size=24)
 step = st.tuples(st.just("step"), st.lists(st.integers(0, VOCAB - 1), min_size=64, max_size=64))
 add = st.tuples(st.just("add"), prompt, sampling, st.sampled_from(["prefill", "decode"]))
-prefill_done = st.tuples(st.just("prefill_done"), st.integers(0, 30), st.sampled_from([None, EOS, 9, 20]))
-# Steps are most of a worker's life (sequences grow, finish, get preempted); aborts and failures are rarer.
-op = st.one_of(add, add, step, step, step, step, step, step, prefill_done, prefill_done,
-               st.tuples(st.just("abort"), st.integers(0, 30)), st.tuples(st.just("fail"), st.integers(0, 30)))
+prefill_done = st.tuples(
+    st.just("prefill_done"), st.integers(0, 30), st.sampled_from([None, EOS, 9, 20])
+)
+# Steps are most of a worker's life (sequences grow, finish, get preempted); aborts and failures are
+# rarer.
+op = st.one_of(
+    add,
+    add,
+    step,
+    step,
+    step,
+    step,
+    step,
+    step,
+    prefill_done,
+    prefill_done,
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("fail"), st.integers(0, 30)),
+)
 
 
 def check(s: DecodeScheduler, in_flight: Step | None = None) -> None:
     s.check()
     if in_flight is not None:
         for inp in in_flight.inputs:
-            # Every block the step on the device reads or writes is still held, and none it writes is cached yet
-            # (another request matching it would read KV not written).
+            # Every block the step on the device reads or writes is still held, and none it writes
+            # is cached yet (another request matching it would read KV not written).
             end = inp.start_pos + len(inp.token_ids)
             assert all(s.blocks._blocks[b].ref_count > 0 for b in inp.block_table[: -(-end // BS)])
-            assert all(s.blocks._blocks[b].hash is None for b in inp.block_table[inp.start_pos // BS : -(-end // BS)])
+            assert all(
+                s.blocks._blocks[b].hash is None
+                for b in inp.block_table[inp.start_pos // BS : -(-end // BS)]
+            )
 
 
 def sampled_tokens(step: Step, tokens: list[int], failed: dict[int, str]) -> list[int | None]:
-    return [None if pos in failed else tokens[k] for k, pos in
-            enumerate(p for p, i in enumerate(step.inputs) if i.sample)]
+    return [
+        None if pos in failed else tokens[k]
+        for k, pos in enumerate(p for p, i in enumerate(step.inputs) if i.sample)
+    ]
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(op, min_size=30, max_size=100), num_blocks=st.integers(6, 24), budget=st.integers(4, 24),
-       aggregated=st.booleans(), ahead=st.booleans())
-def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(ops, num_blocks, budget, aggregated,
-                                                                           ahead) -> None:
-    s = DecodeScheduler(BlockManager(num_blocks, BS), (EOS,), max_model_len=64, max_num_seqs=4,
-                        max_num_batched_tokens=max(budget, 4), inline_all=aggregated, vocab_size=VOCAB)
+@given(
+    ops=st.lists(op, min_size=30, max_size=100),
+    num_blocks=st.integers(6, 24),
+    budget=st.integers(4, 24),
+    aggregated=st.booleans(),
+    ahead=st.booleans(),
+)
+def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(
+    ops, num_blocks, budget, aggregated, ahead
+) -> None:
+    s = DecodeScheduler(
+        BlockManager(num_blocks, BS),
+        (EOS,),
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=max(budget, 4),
+        inline_all=aggregated,
+        vocab_size=VOCAB,
+    )
     jobs: list[str] = []  # prefill jobs handed off and not answered yet
     ids: list[str] = []
-    in_flight: tuple[Step, list[int | None]] | None = None  # ahead: the step on the device and what it will sample
+    in_flight: tuple[Step, list[int | None]] | None = (
+        None  # ahead: the step on the device and what it will sample
+    )
 
     def take(flight: tuple[Step, list[int | None]] | None) -> None:
         if flight is not None:
@@ -83,18 +123,28 @@ def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(ops, n
                 in_flight = None
                 step = s.schedule()
             jobs += [j.request_id for j in step.jobs]
-            for seq, inp in zip(step.seqs, step.inputs):  # a placeholder's token comes from the step on the device
+            for seq, inp in zip(
+                step.seqs, step.inputs
+            ):  # a placeholder's token comes from the step on the device
                 assert (inp.previous >= 0) == (seq.token_ids[-1] == PLACEHOLDER)
                 if inp.previous >= 0:
                     assert in_flight[0].sampling_seqs[inp.previous] is seq
                     assert not (seq.sampling.penalized or seq.sampling.guided)
             s.commit(step)
             take(in_flight)
-            in_flight = (step, sampled_tokens(step, args[0] if kind == "step" else [9] * 64, {})) if step.inputs else None
+            in_flight = (
+                (step, sampled_tokens(step, args[0] if kind == "step" else [9] * 64, {}))
+                if step.inputs
+                else None
+            )
         elif kind in ("step", "fail"):
             step = s.schedule()
             jobs += [j.request_id for j in step.jobs]
-            failed = {args[0] % len(step.inputs): "ValueError: boom"} if kind == "fail" and step.inputs else {}
+            failed = (
+                {args[0] % len(step.inputs): "ValueError: boom"}
+                if kind == "fail" and step.inputs
+                else {}
+            )
             tokens = args[0] if kind == "step" else [9] * 64
             for out in s.postprocess(step, sampled_tokens(step, tokens, failed), failed):
                 assert out.request_id in ids

@@ -1,8 +1,10 @@
-"""Async scheduling (--async-scheduling): each worker builds its next step while the one before runs, the next step's
-tokens taken on the device. The same requests give the same ids with it on and off, transformers' greedy ids on both
-routes, and every block back once they end (stop tokens and aborts while the next step is on the device included).
+"""Async scheduling (--async-scheduling): each worker builds its next step while the one before
+runs, the next step's tokens taken on the device. The same requests give the same ids with it on
+and off, transformers' greedy ids on both routes, and every block back once they end (stop tokens
+and aborts while the next step is on the device included).
 
-On the CPU a step runs on the host, so the two modes differ only in order; what is checked is that the order is right.
+On the CPU a step runs on the host, so the two modes differ only in order; what is checked is that
+the order is right.
 """
 
 from __future__ import annotations
@@ -24,8 +26,18 @@ NEW_TOKENS = 12
 def servers(start_server, tmp_path_factory) -> tuple[str, dict[bool, ServerProcess]]:
     folder = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
     write_byte_tokenizer(folder)
-    common = ("--model", str(folder), "--served-model-name", "tiny", "--policy", "ppd",
-              "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+    common = (
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "tiny",
+        "--policy",
+        "ppd",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "16",
+    )
     on = start_server(*common, "--async-scheduling")
     off = start_server(*common, "--no-async-scheduling")
     return str(folder), {True: on, False: off}
@@ -35,8 +47,13 @@ def ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 256) for _ in range(n)]
 
 
-def complete(server: ServerProcess, prompt: list[int], max_tokens: int = NEW_TOKENS, route: str | None = None,
-             **fields) -> dict:
+def complete(
+    server: ServerProcess,
+    prompt: list[int],
+    max_tokens: int = NEW_TOKENS,
+    route: str | None = None,
+    **fields,
+) -> dict:
     return greedy_completion(server, "tiny", prompt, max_tokens, route, **fields).json()
 
 
@@ -45,7 +62,11 @@ def token_ids(body: dict) -> list[list[int]]:
 
 
 def assert_all_blocks_back(server: ServerProcess) -> None:
-    wait_until(lambda: server.metrics().get("vllm:kv_cache_usage_perc", 1.0) == 0.0, 10, "every KV block back")
+    wait_until(
+        lambda: server.metrics().get("vllm:kv_cache_usage_perc", 1.0) == 0.0,
+        10,
+        "every KV block back",
+    )
 
 
 def test_async_scheduling_is_on_where_asked(servers) -> None:
@@ -63,22 +84,27 @@ def test_both_routes_and_mixed_batches_match_hf(servers) -> None:
         first = token_ids(complete(server, prompt))[0]
         assert first == hf_greedy(folder, prompt, NEW_TOKENS)
         turn2 = prompt + first + append
-        assert token_ids(complete(server, turn2, route=route))[0] == hf_greedy(folder, turn2, NEW_TOKENS)
-    # Requests of different lengths end by length at different steps while the next step is being built.
+        assert token_ids(complete(server, turn2, route=route))[0] == hf_greedy(
+            folder, turn2, NEW_TOKENS
+        )
+    # Requests of different lengths end by length at different steps while the next step is being
+    # built.
     prompts = [ids(rng, n) for n in (5, 17, 33, 70, 9)]
     lengths = [3, 12, 7, 1, 10]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        outs = list(pool.map(lambda pl: token_ids(complete(server, pl[0], pl[1]))[0], zip(prompts, lengths)))
+        outs = list(
+            pool.map(lambda pl: token_ids(complete(server, pl[0], pl[1]))[0], zip(prompts, lengths))
+        )
     for prompt, n, out in zip(prompts, lengths, outs):
         assert out == hf_greedy(folder, prompt, n)
     assert_all_blocks_back(server)
 
 
 def test_the_same_answers_with_it_on_and_off(servers) -> None:
-    """Stop tokens (the request ends while its next step is on the device), seeded sampling, penalties (whose steps
-    wait for the tokens before them), logprobs and n > 1: the same ids, finish reasons and logprobs either way (one
-    request at a time, so that both servers run the same batches: float sums in another batch shape may differ in
-    their last bit)."""
+    """Stop tokens (the request ends while its next step is on the device), seeded sampling,
+    penalties (whose steps wait for the tokens before them), logprobs and n > 1: the same ids,
+    finish reasons and logprobs either way (one request at a time, so that both servers run the
+    same batches: float sums in another batch shape may differ in their last bit)."""
     folder, by_mode = servers
     rng = random.Random(1)
     base = ids(rng, 30)
@@ -95,8 +121,12 @@ def test_the_same_answers_with_it_on_and_off(servers) -> None:
     def answers(server: ServerProcess) -> list[tuple]:
         def one(fields: dict) -> tuple:
             body = complete(server, **fields)
-            return (token_ids(body), [c["finish_reason"] for c in body["choices"]],
-                    [c["logprobs"] for c in body["choices"]])
+            return (
+                token_ids(body),
+                [c["finish_reason"] for c in body["choices"]],
+                [c["logprobs"] for c in body["choices"]],
+            )
+
         return [one(fields) for fields in requests]
 
     on, off = answers(by_mode[True]), answers(by_mode[False])
@@ -113,8 +143,14 @@ def test_streams_abandoned_mid_answer_free_their_blocks(servers) -> None:
     prompts = [ids(rng, 20 + 7 * k) for k in range(4)]
 
     def abandon(prompt: list[int]) -> None:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as resp:
             for k, _ in enumerate(resp.iter_lines()):
                 if k == 3:

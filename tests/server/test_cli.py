@@ -14,7 +14,9 @@ from tests.tiny_models import write_tiny_model
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", "serve", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "cli", "serve", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,11 @@ def test_token_budget_below_batch_size() -> None:
 
 def test_graph_tokens_out_of_range_are_refused() -> None:
     result = serve("--max-graph-tokens", "4096")
-    assert result.returncode == 2 and "--max-graph-tokens 4096: give 0" in result.stderr and "1024" in result.stderr
+    assert (
+        result.returncode == 2
+        and "--max-graph-tokens 4096: give 0" in result.stderr
+        and "1024" in result.stderr
+    )
 
 
 def test_a_prefill_batch_below_one_token_is_refused() -> None:
@@ -74,7 +80,11 @@ def test_a_prefill_batch_below_one_token_is_refused() -> None:
 
 def test_cuda_without_a_gpu_is_refused() -> None:
     result = serve("--device", "cuda")
-    assert result.returncode == 2 and "no CUDA device" in result.stderr and "--device cpu" in result.stderr
+    assert (
+        result.returncode == 2
+        and "no CUDA device" in result.stderr
+        and "--device cpu" in result.stderr
+    )
 
 
 def test_triton_backend_on_the_cpu_is_refused() -> None:
@@ -88,19 +98,30 @@ def test_bad_memory_utilization_is_refused() -> None:
 
 
 def test_the_cublas_sm_target_is_for_green_only_and_says_so() -> None:
-    help_text = subprocess.run([sys.executable, "-m", "cli", "serve", "--help"], capture_output=True, text=True,
-                               timeout=120).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert "--cublas-sm-target" in " ".join(help_text.split())
-    assert "only with --partition green, where graphs are captured per split" in " ".join(help_text.split())
+    assert "only with --partition green, where graphs are captured per split" in " ".join(
+        help_text.split()
+    )
     result = serve("--cublas-sm-target", "--partition", "none")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "--cublas-sm-target is for --partition green, where graphs are captured per split, not none" in result.stderr
+    assert (
+        "--cublas-sm-target is for --partition green, where graphs are captured per split, not none"
+        in result.stderr
+    )
 
 
-def test_the_cublas_sm_target_reaches_the_engine_config_of_every_unit(tiny: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU host (as far as planning can tell) with green contexts: each unit's engine captures with the target;
-    without the flag, none does; with --enforce-eager (no graphs to capture) it is refused."""
+def test_the_cublas_sm_target_reaches_the_engine_config_of_every_unit(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU host (as far as planning can tell) with green contexts: each unit's engine captures
+    with the target; without the flag, none does; with --enforce-eager (no graphs to capture) it is
+    refused."""
     import argparse
     import shutil
 
@@ -136,7 +157,9 @@ def test_a_port_in_use_is_refused_before_any_worker_starts() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_more_units_than_cores_warns(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_more_units_than_cores_warns(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
 
     import server.plan
@@ -148,18 +171,32 @@ def test_more_units_than_cores_warns(caplog: pytest.LogCaptureFixture, monkeypat
     with caplog.at_level("WARNING", logger="ppd"):
         plan = server.plan.plan_serve(parser.parse_args(["--units", "4", "--policy", "ppd"]))
     import shutil
+
     shutil.rmtree(plan.ipc_dir)
     assert len(plan.units) == 4
     assert "8 worker processes on 2 core(s)" in caplog.text and "--units 1" in caplog.text
 
 
-@pytest.mark.parametrize(("cores", "asked", "chosen"), [(2, "auto", "aggregated"), (3, "auto", "aggregated"),
-                                                        (4, "auto", "ppd"), (8, "auto", "ppd"), (2, "ppd", "ppd"),
-                                                        (2, "dlocal", "dlocal")])
+@pytest.mark.parametrize(
+    ("cores", "asked", "chosen"),
+    [
+        (2, "auto", "aggregated"),
+        (3, "auto", "aggregated"),
+        (4, "auto", "ppd"),
+        (8, "auto", "ppd"),
+        (2, "ppd", "ppd"),
+        (2, "dlocal", "dlocal"),
+    ],
+)
 def test_the_default_policy_on_the_cpu_fits_its_cores_and_says_why(
-        cores: int, asked: str, chosen: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--policy auto: one engine on every core below 4 cores per unit (a 1+1 split lost to it on 2 cores), the
-    split from 4; an explicit policy is kept. The log line says which and why."""
+    cores: int,
+    asked: str,
+    chosen: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--policy auto: one engine on every core below 4 cores per unit (a 1+1 split lost to it on 2
+    cores), the split from 4; an explicit policy is kept. The log line says which and why."""
     import argparse
     import shutil
 
@@ -177,9 +214,11 @@ def test_the_default_policy_on_the_cpu_fits_its_cores_and_says_why(
 
 
 def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The daemon started, but no client runs under it (its server failed, as it may in a VM): --partition auto
-    stops our daemon and goes on without MPS, saying why; --partition mps is refused with the same reason."""
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon started, but no client runs under it (its server failed, as it may in a VM):
+    --partition auto stops our daemon and goes on without MPS, saying why; --partition mps is
+    refused with the same reason."""
     import argparse
     import shutil
 
@@ -208,14 +247,21 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
 
     def no_mps_client(plan: MpsDaemonPlan) -> None:
         events.append("check")
-        raise PartitionError("--partition mps: a CUDA client of the MPS daemon does not run as an MPS client "
-                             "(mps-client: the child exited with code 1 without a result)")
+        raise PartitionError(
+            "--partition mps: a CUDA client of the MPS daemon does not run as an MPS client "
+            "(mps-client: the child exited with code 1 without a result)"
+        )
 
     monkeypatch.setattr(mps, "MpsDaemon", Daemon)
     monkeypatch.setattr(mps, "check_mps_client", no_mps_client)
     monkeypatch.setattr(backends, "green_available", lambda: False)
-    daemon_plan = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=True,
-                                why="starting an MPS daemon")
+    daemon_plan = MpsDaemonPlan(
+        "/usr/bin/nvidia-cuda-mps-control",
+        tmp_path / "pipe",
+        tmp_path / "log",
+        start=True,
+        why="starting an MPS daemon",
+    )
     plan.mps, args.partition = daemon_plan, "auto"
     units, planned = plan.units, list(plan.units)
     with caplog.at_level("WARNING", logger="ppd"):
@@ -223,9 +269,17 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
     assert daemon is None and events == ["start", "check", "stop"]
     assert fallen.partition == "none" and fallen.mps is None
     assert all(u.partition.backend == "none" and not u.partition.env for u in fallen.units)
-    assert "MPS does not work here" in fallen.units[0].partition.why and "exited with code 1" in caplog.text
+    assert (
+        "MPS does not work here" in fallen.units[0].partition.why
+        and "exited with code 1" in caplog.text
+    )
     # A new plan: the one planned, whose units list others may hold, is left as it was.
-    assert plan.units is units and units == planned and plan.mps is daemon_plan and fallen.units is not units
+    assert (
+        plan.units is units
+        and units == planned
+        and plan.mps is daemon_plan
+        and fallen.units is not units
+    )
     assert "going on with --partition none" in caplog.text
     events.clear()
     plan.mps, args.partition = daemon_plan, "mps"
@@ -236,10 +290,14 @@ def test_mps_that_does_not_work_falls_back_under_auto_and_stops_an_explicit_mps(
 
 @pytest.mark.parametrize("prefill_worker", ["auto", "process"])
 def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allow(
-        prefill_worker: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto's fallback from MPS follows --partition green's rules: green contexts with the prefill worker a thread,
-    but not over --prefill-worker process (green splits SMs only inside a process), which keeps its process on the
-    time-sliced baseline and says why."""
+    prefill_worker: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """auto's fallback from MPS follows --partition green's rules: green contexts with the prefill
+    worker a thread, but not over --prefill-worker process (green splits SMs only inside a process),
+    which keeps its process on the time-sliced baseline and says why."""
     import argparse
     import shutil
 
@@ -260,9 +318,17 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
 
     monkeypatch.setattr(mps, "check_mps_client", no_mps_client)
     monkeypatch.setattr(backends, "green_available", lambda: True)
-    plan.device, args.partition = "NVIDIA H100 80GB HBM3", "auto"  # a GPU host, as far as the fallback can tell
-    plan.mps = MpsDaemonPlan("/usr/bin/nvidia-cuda-mps-control", tmp_path / "pipe", tmp_path / "log", start=False,
-                             why="an MPS daemon is running")
+    plan.device, args.partition = (
+        "NVIDIA H100 80GB HBM3",
+        "auto",
+    )  # a GPU host, as far as the fallback can tell
+    plan.mps = MpsDaemonPlan(
+        "/usr/bin/nvidia-cuda-mps-control",
+        tmp_path / "pipe",
+        tmp_path / "log",
+        start=False,
+        why="an MPS daemon is running",
+    )
     units, planned = plan.units, list(plan.units)
     with caplog.at_level("WARNING", logger="ppd"):
         daemon, fallen = server.plan.start_mps(args, plan)
@@ -270,11 +336,18 @@ def test_mps_that_does_not_work_falls_back_to_green_only_where_the_settings_allo
     part = fallen.units[0].partition
     if prefill_worker == "auto":
         assert fallen.partition == part.backend == "green" and part.prefill_thread
-        assert fallen.units[0].share_manager, "green's share manager, on by default, is planned with green"
+        assert fallen.units[0].share_manager, (
+            "green's share manager, on by default, is planned with green"
+        )
     else:
-        assert fallen.partition == part.backend == "none" and not part.prefill_thread, "the process asked for stays"
+        assert fallen.partition == part.backend == "none" and not part.prefill_thread, (
+            "the process asked for stays"
+        )
         assert not fallen.units[0].share_manager and fallen.units[0].partition_profile is None
-        assert "--prefill-worker process" in part.why and "going on with --partition none" in caplog.text
+        assert (
+            "--prefill-worker process" in part.why
+            and "going on with --partition none" in caplog.text
+        )
 
 
 def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
@@ -287,7 +360,11 @@ def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
     (tmp_path / f"ppd-{dead.pid}-abcd").mkdir()
     (tmp_path / f"ppd-{dead.pid}-abcd" / "u0-requests").write_text("")
     (tmp_path / f"ppd-{dead.pid}-u0-kv").write_bytes(b"\0" * 16)
-    mine = [tmp_path / f"ppd-{os.getpid()}-efgh", tmp_path / "ppd-profile-serve-1.log", tmp_path / "other"]
+    mine = [
+        tmp_path / f"ppd-{os.getpid()}-efgh",
+        tmp_path / "ppd-profile-serve-1.log",
+        tmp_path / "other",
+    ]
     for path in mine:
         path.write_text("")
     removed = remove_dead_leftovers((tmp_path,))
@@ -295,10 +372,19 @@ def test_leftovers_of_dead_servers_are_removed(tmp_path: Path) -> None:
     assert all(p.exists() for p in mine)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'], "unknown key(s) endpont"),
-    (["--kv-events-config", '{"enable_kv_cache_events": true}', "--stub-engine", "5"], "stub engine keeps no KV"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["--kv-events-config", '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'],
+            "unknown key(s) endpont",
+        ),
+        (
+            ["--kv-events-config", '{"enable_kv_cache_events": true}', "--stub-engine", "5"],
+            "stub engine keeps no KV",
+        ),
+    ],
+)
 def test_bad_kv_events_config_is_refused(args: list[str], needle: str) -> None:
     result = serve(*args)
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
@@ -311,11 +397,16 @@ def test_a_kv_events_endpoint_in_use_stops_the_server_with_its_name(tmp_path: Pa
     taken = ctx.socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://*")
     try:
-        result = serve("--kv-events-config", json.dumps({"enable_kv_cache_events": True,
-                                                         "endpoint": f"tcp://*:{port}"}),
-                       "--policy", "aggregated")
+        result = serve(
+            "--kv-events-config",
+            json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}),
+            "--policy",
+            "aggregated",
+        )
     finally:
         taken.close(0)
         ctx.term()
     assert result.returncode == 2
-    assert f"cannot open tcp://*:{port}" in result.stderr and "Address already in use" in result.stderr
+    assert (
+        f"cannot open tcp://*:{port}" in result.stderr and "Address already in use" in result.stderr
+    )

@@ -35,15 +35,20 @@ def bpe_tokenizer() -> Any:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<eos>"],
     )
     tokenizer.train_from_iterator(TEXTS * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", clean_up_tokenization_spaces=False
+    )
 
 
 @pytest.fixture(scope="module")
 def word_tokenizer() -> Any:
-    """Whole-word tokens joined by spaces on decode: the text of a token depends on its neighbours."""
+    """Whole-word tokens joined by spaces on decode: the text of a token depends on its
+    neighbours."""
     words = ["[UNK]", "Hello", "world", "STOP", "go", "!"]
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -53,7 +58,8 @@ def word_tokenizer() -> Any:
 def stream(
     tokenizer: Any, ids: Sequence[int], stop: Sequence[str] = (), chunk: int = 1, **kwargs: Any
 ) -> tuple[list[str], str, IncrementalDetokenizer]:
-    """Feed ids `chunk` at a time; return the pieces add() gave, what flush() gave, and the detokenizer."""
+    """Feed ids `chunk` at a time; return the pieces add() gave, what flush() gave, and the
+    detokenizer."""
     detok = IncrementalDetokenizer(tokenizer, stop=stop, **kwargs)
     pieces = [detok.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     return pieces, detok.flush(), detok
@@ -61,7 +67,9 @@ def stream(
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7])
 @pytest.mark.parametrize("name", ["byte_tokenizer", "bpe_tokenizer"])
-def test_pieces_concatenate_to_the_full_decode(name: str, chunk: int, request: pytest.FixtureRequest) -> None:
+def test_pieces_concatenate_to_the_full_decode(
+    name: str, chunk: int, request: pytest.FixtureRequest
+) -> None:
     tokenizer = request.getfixturevalue(name)
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -93,7 +101,9 @@ def test_bpe_tokens_really_span_characters(bpe_tokenizer: Any) -> None:
 
 
 @pytest.mark.parametrize("name", ["byte_tokenizer", "bpe_tokenizer"])
-def test_multi_byte_characters_are_never_sent_broken(name: str, request: pytest.FixtureRequest) -> None:
+def test_multi_byte_characters_are_never_sent_broken(
+    name: str, request: pytest.FixtureRequest
+) -> None:
     tokenizer = request.getfixturevalue(name)
     for text in TEXTS[1:]:
         pieces, _, _ = stream(tokenizer, tokenizer.encode(text, add_special_tokens=False))
@@ -190,8 +200,8 @@ def test_flush_renders_an_unfinished_character_like_decode(byte_tokenizer: Any) 
 
 
 class _CountingTokenizer:
-    """Wraps a tokenizer and records the longest id list it was asked to decode (by transformers' decode or, as
-    the detokenizer calls it, its Rust backend's)."""
+    """Wraps a tokenizer and records the longest id list it was asked to decode (by transformers'
+    decode or, as the detokenizer calls it, its Rust backend's)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
@@ -223,7 +233,13 @@ def test_each_step_decodes_a_bounded_window(byte_tokenizer: Any) -> None:
     text = "".join(TEXTS) * 20
     # Long output, a long run of skipped special tokens after a half character,
     # and a long run of bytes that never form a character.
-    ids = byte_tokenizer.encode(text, add_special_tokens=False) + [0xE4] + [reserved] * 500 + [0x9F] * 500 + [65]
+    ids = (
+        byte_tokenizer.encode(text, add_special_tokens=False)
+        + [0xE4]
+        + [reserved] * 500
+        + [0x9F] * 500
+        + [65]
+    )
     counting = _CountingTokenizer(byte_tokenizer)
     pieces, rest, _ = stream(counting, ids, stop=["never appears"])
     # The context and the pending tokens, each at most MAX_PENDING_TOKENS + 1 long.

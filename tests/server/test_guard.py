@@ -1,4 +1,5 @@
-"""The request guard in front of the API, on a stand-in app: what it refuses, and that a refusal reaches no route."""
+"""The request guard in front of the API, on a stand-in app: what it refuses, and that a refusal
+reaches no route."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ class Recorder:
 
 def post(app, path: str, body: bytes = b'{"prompt": "hi"}') -> httpx.Response:
     async def go() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"
+        ) as c:
             return await c.post(path, content=body)
+
     return asyncio.run(go())
 
 
@@ -56,7 +60,9 @@ def test_a_server_that_can_take_requests_passes_the_body_through_whole() -> None
 
 
 def test_a_503_refusal_has_no_retry_after() -> None:
-    app = GuardMiddleware(Recorder(), Guard(), refuse=lambda: EngineError(503, "the server is shutting down"))
+    app = GuardMiddleware(
+        Recorder(), Guard(), refuse=lambda: EngineError(503, "the server is shutting down")
+    )
     r = post(app, "/v1/completions")
     assert r.status_code == 503 and "retry-after" not in r.headers
 
@@ -65,5 +71,12 @@ def test_only_the_exact_open_paths_are_answered_without_the_api_key() -> None:
     app = GuardMiddleware(Recorder(), Guard(api_key="sekret"), refuse=lambda: None)
     for path in ("/health", "/metrics", "/ping", "/version"):
         assert post(app, path).status_code == 200, path
-    for path in ("/healthz-admin", "/metricsfoo", "/ping/../v1/completions", "/version2", "/health/", "/v1/models"):
+    for path in (
+        "/healthz-admin",
+        "/metricsfoo",
+        "/ping/../v1/completions",
+        "/version2",
+        "/health/",
+        "/v1/models",
+    ):
         assert post(app, path).status_code == 401, path

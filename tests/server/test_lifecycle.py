@@ -1,5 +1,5 @@
-"""What must hold whatever clients and workers do: no leaked KV blocks, one copy of the shared memory,
-prompt failure and recovery when a worker dies, nothing left behind after SIGTERM."""
+"""What must hold whatever clients and workers do: no leaked KV blocks, one copy of the shared
+memory, prompt failure and recovery when a worker dies, nothing left behind after SIGTERM."""
 
 from __future__ import annotations
 
@@ -20,16 +20,24 @@ CHAT = "/v1/chat/completions"
 
 
 def body(content: str, max_tokens: int, **kw) -> dict:
-    return {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "ignore_eos": True, **kw}
+    return {
+        "model": "demo",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **kw,
+    }
 
 
 def test_no_blocks_leak_after_aborts_disconnects_stops_and_preemption(start_server) -> None:
-    # 48 blocks of 16 tokens: eight concurrent 150-token answers cannot all fit, so some are preempted.
+    # 48 blocks of 16 tokens: eight concurrent 150-token answers cannot all fit, so some are
+    # preempted.
     server = start_server("--num-kv-blocks", "48", "--max-model-len", "512", "--policy", "dlocal")
 
     def abandon_stream(i: int) -> None:
-        with httpx.stream("POST", server.url + CHAT, json=body(f"abandon {i}", 400, stream=True), timeout=30) as resp:
+        with httpx.stream(
+            "POST", server.url + CHAT, json=body(f"abandon {i}", 400, stream=True), timeout=30
+        ) as resp:
             for n, _ in enumerate(resp.iter_lines()):
                 if n == 3:
                     return  # closing the connection mid-stream aborts the request
@@ -39,24 +47,37 @@ def test_no_blocks_leak_after_aborts_disconnects_stops_and_preemption(start_serv
             httpx.post(server.url + CHAT, json=body(f"timeout {i}", 400), timeout=0.3)
 
     def long_answer(i: int) -> int:
-        resp = httpx.post(server.url + CHAT, json=body(f"long {i}", 150, temperature=0), timeout=120)
+        resp = httpx.post(
+            server.url + CHAT, json=body(f"long {i}", 150, temperature=0), timeout=120
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()["usage"]["completion_tokens"]
 
     def stopped(i: int) -> None:
-        resp = httpx.post(server.url + CHAT, json=body(f"stop {i}", 300, stop=["a", "e", "o"]), timeout=60)
+        resp = httpx.post(
+            server.url + CHAT, json=body(f"stop {i}", 300, stop=["a", "e", "o"]), timeout=60
+        )
         assert resp.status_code == 200
 
     with ThreadPoolExecutor(16) as pool:
-        jobs = [pool.submit(abandon_stream, i) for i in range(12)] + [pool.submit(time_out, i) for i in range(6)]
-        answers = [pool.submit(long_answer, i) for i in range(8)] + [pool.submit(stopped, i) for i in range(6)]
+        jobs = [pool.submit(abandon_stream, i) for i in range(12)] + [
+            pool.submit(time_out, i) for i in range(6)
+        ]
+        answers = [pool.submit(long_answer, i) for i in range(8)] + [
+            pool.submit(stopped, i) for i in range(6)
+        ]
         for job in jobs + answers:
             job.result()
     assert [a.result() for a in answers[:8]] == [150] * 8  # preempted requests still finish whole
 
     def idle() -> bool:
         m = server.metrics()
-        return m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
+        return (
+            m["vllm:num_requests_running"] == 0
+            and m["vllm:num_requests_waiting"] == 0
+            and m["vllm:kv_cache_usage_perc"] == 0
+        )
+
     wait_until(idle, 15, "every KV block to be released")
     assert server.metrics()["vllm:num_preemptions_total"] > 0
     ok = httpx.post(server.url + CHAT, json=body("still fine", 5), timeout=30)
@@ -69,7 +90,8 @@ def server(start_server) -> ServerProcess:
 
 
 def shared_mappings(pid: int, prefix: str) -> dict[str, tuple[str, str]]:
-    """name suffix (weights/kv) -> (device, inode) of the process's mapping of that shared-memory file."""
+    """name suffix (weights/kv) -> (device, inode) of the process's mapping of that shared-memory
+    file."""
     found = {}
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         fields = line.split()
@@ -81,31 +103,49 @@ def shared_mappings(pid: int, prefix: str) -> dict[str, tuple[str, str]]:
 def test_workers_map_one_copy_of_weights_and_kv(server: ServerProcess) -> None:
     pids = server.worker_pids()
     prefix = f"/dev/shm/ppd-{server.proc.pid}-u0-"
-    decode, prefill = shared_mappings(pids["decode"], prefix), shared_mappings(pids["prefill"], prefix)
+    decode, prefill = (
+        shared_mappings(pids["decode"], prefix),
+        shared_mappings(pids["prefill"], prefix),
+    )
     assert set(decode) == {"weights", "kv"}
     assert decode == prefill  # the same files (device and inode), not copies
-    # The names are dropped once both workers mapped them: the memory lives exactly as long as the workers.
+    # The names are dropped once both workers mapped them: the memory lives exactly as long as the
+    # workers.
     assert not list(Path("/dev/shm").glob(f"ppd-{server.proc.pid}-*"))
 
 
 def test_pd_policy_prefills_turn_two_on_prefill_worker_reusing_cache(server: ServerProcess) -> None:
     messages = [{"role": "user", "content": "pd routing " * 12}]
-    first = httpx.post(server.url + CHAT, json={"model": "demo", "messages": messages, "max_tokens": 4}, timeout=60).json()
-    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]}, {"role": "user", "content": "and?"}]
-    resp = httpx.post(server.url + CHAT, json={"model": "demo", "messages": messages, "max_tokens": 4}, timeout=60)
+    first = httpx.post(
+        server.url + CHAT, json={"model": "demo", "messages": messages, "max_tokens": 4}, timeout=60
+    ).json()
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "and?"},
+    ]
+    resp = httpx.post(
+        server.url + CHAT, json={"model": "demo", "messages": messages, "max_tokens": 4}, timeout=60
+    )
     assert resp.headers["x-ppd-route"] == "prefill"
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 96
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
-def test_killed_worker_fails_requests_fast_and_unit_restarts(server: ServerProcess, role: str) -> None:
+def test_killed_worker_fails_requests_fast_and_unit_restarts(
+    server: ServerProcess, role: str
+) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     victim = server.worker_pids()[role]
     outcome: dict = {}
 
     def stream_until_error() -> None:
-        stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "long"}],
-                                                max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+        stream = client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "long"}],
+            max_tokens=3000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         try:
             for n, _ in enumerate(stream):
                 if n == 2:
@@ -125,17 +165,30 @@ def test_killed_worker_fails_requests_fast_and_unit_restarts(server: ServerProce
     assert outcome["ended"] - outcome["streaming"] < 5
     wait_until(lambda: server.health()["status"] == "ok", 120, "the unit to restart")
     assert server.worker_pids()[role] != victim
-    again = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "back"}], max_tokens=4,
-                                           extra_body={"ignore_eos": True})
-    assert again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 4  # a whole answer
+    again = client.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "back"}],
+        max_tokens=4,
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        again.choices[0].finish_reason == "length" and again.usage.completion_tokens == 4
+    )  # a whole answer
 
 
 def test_sigterm_stops_everything(server: ServerProcess) -> None:
     pids = list(server.worker_pids().values())
-    # uvicorn shuts down gracefully, then re-raises the signal it caught, so the exit status is SIGTERM's.
+    # uvicorn shuts down gracefully, then re-raises the signal it caught, so the exit status is
+    # SIGTERM's.
     assert server.stop() in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in server.log_path.read_text()
     for pid in pids:
-        wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
-                   10, f"worker {pid} to exit")
+        wait_until(
+            lambda: (
+                not Path(f"/proc/{pid}").exists()
+                or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            ),
+            10,
+            f"worker {pid} to exit",
+        )
     assert not list(Path("/dev/shm").glob(f"ppd-{server.proc.pid}-*"))

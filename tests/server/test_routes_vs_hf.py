@@ -1,8 +1,9 @@
-"""Greedy token ids through the whole server equal Hugging Face's, for every architecture, on both routes.
+"""Greedy token ids through the whole server equal Hugging Face's, for every architecture, on both
+routes.
 
 One `ppd` server per architecture. A turn-2 append asks for its route with the x-ppd-route request
-header, so both routes run over a cached prefix; a small token budget makes both workers split prompts
-into chunks.
+header, so both routes run over a cached prefix; a small token budget makes both workers split
+prompts into chunks.
 """
 
 from __future__ import annotations
@@ -24,16 +25,33 @@ NEW_TOKENS = 8
 def arch_server(request, start_server, tmp_path_factory) -> tuple[str, ServerProcess]:
     folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     write_byte_tokenizer(folder)
-    server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "ppd",
-                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+    server = start_server(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "tiny",
+        "--policy",
+        "ppd",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "16",
+    )
     return str(folder), server
 
 
-def complete(server: ServerProcess, prompt: list[int], route: str | None = None) -> tuple[list[int], str, int]:
-    """Greedy ids, the route header and the cached prompt tokens; route asks for one for an append-prefill."""
+def complete(
+    server: ServerProcess, prompt: list[int], route: str | None = None
+) -> tuple[list[int], str, int]:
+    """Greedy ids, the route header and the cached prompt tokens; route asks for one for an
+    append-prefill."""
     resp = greedy_completion(server, "tiny", prompt, NEW_TOKENS, route)
     body = resp.json()
-    return body["choices"][0]["token_ids"], resp.headers["x-ppd-route"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return (
+        body["choices"][0]["token_ids"],
+        resp.headers["x-ppd-route"],
+        body["usage"]["prompt_tokens_details"]["cached_tokens"],
+    )
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
@@ -45,7 +63,9 @@ def test_turn_one_and_two_on_both_routes(arch_server) -> None:
     rng = random.Random(0)
     for append, expected_route in ((ids(rng, 10), "decode"), (ids(rng, 54), "prefill")):
         prompt = ids(rng, 45)
-        out1, route1, cached1 = complete(server, prompt, route=expected_route)  # a miss: the prefill worker anyway
+        out1, route1, cached1 = complete(
+            server, prompt, route=expected_route
+        )  # a miss: the prefill worker anyway
         assert out1 == hf_greedy(folder, prompt, NEW_TOKENS)
         assert (route1, cached1) == ("prefill", 0)
         turn2 = prompt + out1 + append
@@ -60,7 +80,10 @@ def test_concurrent_mixed_batches(arch_server) -> None:
     rng = random.Random(1)
     base = ids(rng, 40)
     first, _, _ = complete(server, base)
-    prompts = [ids(rng, n) for n in (5, 17, 33, 70)] + [base + first + ids(rng, 6), base + first + ids(rng, 40)]
+    prompts = [ids(rng, n) for n in (5, 17, 33, 70)] + [
+        base + first + ids(rng, 6),
+        base + first + ids(rng, 40),
+    ]
     routes = [None] * 4 + ["decode", "prefill"]
     with ThreadPoolExecutor(len(prompts)) as pool:
         results = list(pool.map(lambda pr: complete(server, *pr), zip(prompts, routes)))
@@ -70,21 +93,43 @@ def test_concurrent_mixed_batches(arch_server) -> None:
 
 
 def test_aggregated_baseline_matches_hf(start_server, tmp_path_factory) -> None:
-    """One worker per unit, chunked prefill for everything: the vLLM-default baseline, same greedy ids."""
+    """One worker per unit, chunked prefill for everything: the vLLM-default baseline, same greedy
+    ids."""
     folder = write_tiny_model(tmp_path_factory.mktemp("aggregated"), "qwen3")
     write_byte_tokenizer(folder)
-    server = start_server("--model", str(folder), "--served-model-name", "tiny", "--policy", "aggregated",
-                          "--max-num-batched-tokens", "32", "--max-num-seqs", "16")
+    server = start_server(
+        "--model",
+        str(folder),
+        "--served-model-name",
+        "tiny",
+        "--policy",
+        "aggregated",
+        "--max-num-batched-tokens",
+        "32",
+        "--max-num-seqs",
+        "16",
+    )
     assert [w["role"] for w in server.health()["units"][0]["workers"]] == ["decode"]
     rng = random.Random(2)
     prompt = ids(rng, 50)
     out1, route1, _ = complete(server, prompt)
     turn2 = prompt + out1 + ids(rng, 40)
     out2, route2, cached2 = complete(server, turn2)
-    assert out1 == hf_greedy(folder, prompt, NEW_TOKENS) and out2 == hf_greedy(folder, turn2, NEW_TOKENS)
+    assert out1 == hf_greedy(folder, prompt, NEW_TOKENS) and out2 == hf_greedy(
+        folder, turn2, NEW_TOKENS
+    )
     assert route1 == route2 == "decode" and cached2 > 0
     # Prompt logprobs inline, over two chunks, without the cached prefix (which has no logits).
-    resp = httpx.post(f"{server.url}/v1/completions", timeout=120,
-                      json={"model": "tiny", "prompt": turn2, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+    resp = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=120,
+        json={
+            "model": "tiny",
+            "prompt": turn2,
+            "max_tokens": 2,
+            "temperature": 0,
+            "prompt_logprobs": 2,
+        },
+    )
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert_prompt_logprobs(folder, turn2, resp.json()["choices"][0]["prompt_logprobs"], 2)

@@ -1,4 +1,5 @@
-"""The admission's estimate of the time between starts, which the predicted wait (and so the 429s) rests on."""
+"""The admission's estimate of the time between starts, which the predicted wait (and so the 429s)
+rests on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ STEP = 0.02
 
 
 def test_a_burst_started_in_whole_batches_predicts_one_step_per_batch() -> None:
-    # 768 requests arrive together at t=0; every step starts 128 of those still queued (a stub-like unit).
+    # 768 requests arrive together at t=0; every step starts 128 of those still queued (a stub-like
+    # unit).
     rate = StartRate()
     for step in range(1, 7):  # step 1 is the first batch: nothing was queued before it, no sample
         for _ in range(128):
@@ -39,7 +41,8 @@ def test_starts_of_requests_that_arrived_after_the_previous_start_measure_nothin
 def test_too_few_samples_predict_nothing() -> None:
     # A burst's first steps: a wait predicted from them would refuse requests the next steps start.
     rate = StartRate()
-    # The first batch measures nothing and the latest is not complete: n + 1 batches are n - 1 samples.
+    # The first batch measures nothing and the latest is not complete: n + 1 batches are n - 1
+    # samples.
     for step in range(1, START_INTERVAL_MIN_SAMPLES + 2):
         rate.started(step * 10 * STEP, arrival=0.0)
     assert rate.interval_s is None

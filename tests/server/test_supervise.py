@@ -1,4 +1,5 @@
-"""A supervised background task: logged, its problem on the process while it is down, run again, healthy again."""
+"""A supervised background task: logged, its problem on the process while it is down, run again,
+healthy again."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from server.supervise import supervise
 
 
 def test_a_task_that_raises_is_logged_ended_run_again_and_healthy_once_it_runs(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(supervise_module, "HEALTHY_AFTER_S", 0.05)
     problems: dict[str, str] = {}
     failures: list[Exception] = []
@@ -34,7 +36,9 @@ def test_a_task_that_raises_is_logged_ended_run_again_and_healthy_once_it_runs(
     assert len(runs) == 3 and len(failures) == 2
     assert seen[0] == {} and "the test task failed (KeyError: 'boom')" in seen[1]["the test task"]
     assert problems == {}, "healthy again once the third run lasted"
-    assert [r.exc_info is not None for r in caplog.records] == [True, True], "each failure logged with its traceback"
+    assert [r.exc_info is not None for r in caplog.records] == [True, True], (
+        "each failure logged with its traceback"
+    )
 
 
 def test_a_task_whose_failure_carries_no_request_leaves_the_process_healthy() -> None:

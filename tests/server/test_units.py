@@ -1,4 +1,5 @@
-"""Several units on one machine: later turns follow their prefix, new conversations spread, workers are pinned."""
+"""Several units on one machine: later turns follow their prefix, new conversations spread, workers
+are pinned."""
 
 from __future__ import annotations
 
@@ -22,24 +23,42 @@ def server(start_server) -> ServerProcess:
 
 
 def chat(server: ServerProcess, messages: list[dict]) -> tuple[dict, str]:
-    resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
-        "model": "demo", "messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    resp = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": "demo",
+            "messages": messages,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert resp.status_code == 200, resp.text
     return resp.json(), resp.headers["x-ppd-route"]
 
 
 def per_engine(server: ServerProcess, name: str) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics", timeout=5).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{re.escape(name)}{{engine="(\d+)"[^}}]*}} (\S+)$', text, re.M)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(rf'^{re.escape(name)}{{engine="(\d+)"[^}}]*}} (\S+)$', text, re.M)
+    }
 
 
 def test_later_turns_hit_their_unit_and_load_spreads(server: ServerProcess) -> None:
     assert len(server.health()["units"]) == 2
-    conversations = [[{"role": "user", "content": f"conversation {i}: " + "tell me something " * 6}] for i in range(6)]
+    conversations = [
+        [{"role": "user", "content": f"conversation {i}: " + "tell me something " * 6}]
+        for i in range(6)
+    ]
     for conv in conversations:
         answer, route = chat(server, conv)
         assert route == "prefill"
-        conv += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]}, {"role": "user", "content": "more"}]
+        conv += [
+            {"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "more"},
+        ]
     for conv in conversations:
         answer, route = chat(server, conv)
         # Cached on the unit it was sent to: only possible if turn 2 found turn 1's unit.
@@ -49,20 +68,27 @@ def test_later_turns_hit_their_unit_and_load_spreads(server: ServerProcess) -> N
 
 
 def test_stored_conversations_stay_on_the_unit_holding_their_blocks(server: ServerProcess) -> None:
-    # Several conversations at once, three turns each through stored responses: every later turn finds every
-    # earlier token cached, which it can only on the unit that ran the turns before.
+    # Several conversations at once, three turns each through stored responses: every later turn
+    # finds every earlier token cached, which it can only on the unit that ran the turns before.
     previous: dict[int, dict] = {}
     for turn in range(3):
         for i in range(4):
-            body = {"model": "demo", "input": f"stored {i}, turn {turn}: " + "say more " * 4, "max_output_tokens": 6,
-                    "temperature": 0, "ignore_eos": True}
+            body = {
+                "model": "demo",
+                "input": f"stored {i}, turn {turn}: " + "say more " * 4,
+                "max_output_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             if i in previous:
                 body["previous_response_id"] = previous[i]["id"]
             resp = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60)
             assert resp.status_code == 200, resp.text
             usage = resp.json()["usage"]
             if i in previous:
-                earlier = previous[i]["usage"]["input_tokens"] + previous[i]["usage"]["output_tokens"]
+                earlier = (
+                    previous[i]["usage"]["input_tokens"] + previous[i]["usage"]["output_tokens"]
+                )
                 assert usage["input_tokens_details"]["cached_tokens"] == (earlier - 1) // 16 * 16
             previous[i] = resp.json()
     queries = per_engine(server, "vllm:prefix_cache_queries_total")
@@ -89,13 +115,23 @@ def test_workers_are_pinned_to_their_share(server: ServerProcess) -> None:
 
 def test_session_header_keeps_a_conversation_on_its_unit(server: ServerProcess) -> None:
     def send(content: str, session: str) -> dict:
-        resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, headers={"x-session-id": session}, json={
-            "model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 2, "ignore_eos": True})
+        resp = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            timeout=60,
+            headers={"x-session-id": session},
+            json={
+                "model": "demo",
+                "messages": [{"role": "user", "content": content}],
+                "max_tokens": 2,
+                "ignore_eos": True,
+            },
+        )
         assert resp.status_code == 200, resp.text
         return resp.json()
 
     before = per_engine(server, "vllm:prefix_cache_queries_total")
-    # Unrelated prompts of one session (no shared prefix) all land on one unit; without the header they spread.
+    # Unrelated prompts of one session (no shared prefix) all land on one unit; without the header
+    # they spread.
     for i in range(4):
         send(f"session prompt {i} " + "x" * (10 + i), "conversation-7")
     after = per_engine(server, "vllm:prefix_cache_queries_total")
@@ -104,14 +140,24 @@ def test_session_header_keeps_a_conversation_on_its_unit(server: ServerProcess) 
 
 
 def test_an_outside_routers_rank_header_picks_the_unit(server: ServerProcess) -> None:
-    """vLLM's X-data-parallel-rank, which vllm-router's kv_aware sends to a node whose units' events it reads: the
-    request runs on that unit, even where this server's own router would choose another."""
+    """vLLM's X-data-parallel-rank, which vllm-router's kv_aware sends to a node whose units' events
+    it reads: the request runs on that unit, even where this server's own router would choose
+    another."""
+
     def ask(messages: list[dict], rank: str) -> httpx.Response:
-        return httpx.post(f"{server.url}/v1/chat/completions", headers={"x-data-parallel-rank": rank}, timeout=60,
-                          json={"model": "demo", "messages": messages, "max_tokens": 4, "temperature": 0})
+        return httpx.post(
+            f"{server.url}/v1/chat/completions",
+            headers={"x-data-parallel-rank": rank},
+            timeout=60,
+            json={"model": "demo", "messages": messages, "max_tokens": 4, "temperature": 0},
+        )
 
     conv = [{"role": "user", "content": "ranked conversation: " + "pick my unit " * 8}]
-    for rank in ("1", "0", "1"):  # the second turn leaves the unit holding its prefix because the header says so
+    for rank in (
+        "1",
+        "0",
+        "1",
+    ):  # the second turn leaves the unit holding its prefix because the header says so
         before = per_engine(server, "vllm:prefix_cache_queries_total")
         resp = ask(conv, rank)
         assert resp.status_code == 200, resp.text
@@ -123,19 +169,35 @@ def test_an_outside_routers_rank_header_picks_the_unit(server: ServerProcess) ->
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-data-parallel-rank"
 
 
-def test_two_units_killed_at_once_both_end_their_streams_at_once_and_both_restart(server: ServerProcess) -> None:
-    """A restart lasts until the unit is ready again (minutes on a GPU): a second unit that dies meanwhile must not
-    wait for it. Both units' streams end with an error event at once, both units come back, and each serves again."""
-    victims = [{w["role"]: w["pid"] for w in unit["workers"]}["decode"] for unit in server.health()["units"]]
+def test_two_units_killed_at_once_both_end_their_streams_at_once_and_both_restart(
+    server: ServerProcess,
+) -> None:
+    """A restart lasts until the unit is ready again (minutes on a GPU): a second unit that dies
+    meanwhile must not wait for it. Both units' streams end with an error event at once, both units
+    come back, and each serves again."""
+    victims = [
+        {w["role"]: w["pid"] for w in unit["workers"]}["decode"]
+        for unit in server.health()["units"]
+    ]
     streaming = [threading.Event() for _ in victims]
     outcomes: dict[int, tuple[list[str], float]] = {}
 
     def stream(rank: int) -> None:
-        body = {"model": "demo", "messages": [{"role": "user", "content": f"long {rank}"}], "max_tokens": 3000,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": f"long {rank}"}],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         events: list[str] = []
-        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60,
-                          headers={"x-data-parallel-rank": str(rank)}) as resp:
+        with httpx.stream(
+            "POST",
+            f"{server.url}/v1/chat/completions",
+            json=body,
+            timeout=60,
+            headers={"x-data-parallel-rank": str(rank)},
+        ) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -155,12 +217,22 @@ def test_two_units_killed_at_once_both_end_their_streams_at_once_and_both_restar
     assert sorted(outcomes) == [0, 1]
     for rank, (events, ended) in outcomes.items():
         assert events[-1] == "[DONE]" and "died" in events[-2], rank
-        assert ended - killed < 3, f"unit {rank}'s stream ended {ended - killed:.1f}s after its worker died"
+        assert ended - killed < 3, (
+            f"unit {rank}'s stream ended {ended - killed:.1f}s after its worker died"
+        )
     wait_until(lambda: server.health()["status"] == "ok", 120, "both units to restart")
     workers = [{w["role"]: w["pid"] for w in unit["workers"]} for unit in server.health()["units"]]
     assert all(w["decode"] != victim for w, victim in zip(workers, victims))
     for rank in ("0", "1"):
-        resp = httpx.post(f"{server.url}/v1/chat/completions", headers={"x-data-parallel-rank": rank}, timeout=60,
-                          json={"model": "demo", "messages": [{"role": "user", "content": "back"}], "max_tokens": 4,
-                                "ignore_eos": True})
+        resp = httpx.post(
+            f"{server.url}/v1/chat/completions",
+            headers={"x-data-parallel-rank": rank},
+            timeout=60,
+            json={
+                "model": "demo",
+                "messages": [{"role": "user", "content": "back"}],
+                "max_tokens": 4,
+                "ignore_eos": True,
+            },
+        )
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4, resp.text

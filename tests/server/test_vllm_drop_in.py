@@ -1,8 +1,10 @@
-"""`ppd serve` as a drop-in for `vllm serve`: its command line (MODEL as an argument, vLLM's flags taken with their
-meaning or refused saying what ppd does instead, a hub id refused with how to get the folder), the sampling defaults
-of --generation-config, several served names, /version, /ping, GET /v1/models/{id}, and unknown request fields.
+"""`ppd serve` as a drop-in for `vllm serve`: its command line (MODEL as an argument, vLLM's flags
+taken with their meaning or refused saying what ppd does instead, a hub id refused with how to get
+the folder), the sampling defaults of --generation-config, several served names, /version, /ping,
+GET /v1/models/{id}, and unknown request fields.
 
-The API is driven in-process (no worker): a stand-in engine client records the sampling each request gets."""
+The API is driven in-process (no worker): a stand-in engine client records the sampling each request
+gets."""
 
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ from engine.demo import demo_model_path
 from server.api import VERSION, build_app
 from server.args import add_serve_args
 from server.engine_client import Delta
+from server.plan import UsageError
 from server.protocol import IGNORED_FIELDS
 from server.request_path import ServedModel
-from server.plan import UsageError
 from server.serve import load_tokenizer
 
 
@@ -38,59 +40,109 @@ def plan(*argv: str) -> server.plan.ServePlan:
     return found
 
 
-# ---- the command line ------------------------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 
 def test_the_model_as_an_argument_is_the_model_option(tmp_path: Path) -> None:
     folder = tmp_path / "my-model"
     shutil.copytree(demo_model_path(), folder)
     by_argument, by_option = plan(str(folder)), plan("--model", str(folder))
-    assert by_argument.model_path == by_option.model_path == str(folder) and by_argument.model_name == "my-model"
+    assert (
+        by_argument.model_path == by_option.model_path == str(folder)
+        and by_argument.model_name == "my-model"
+    )
     assert plan().model_name == "demo", "no model at all: the demo, as before"
     with pytest.raises(UsageError, match="two models"):
         plan(str(folder), "--model", "demo")
 
 
-def test_a_hub_id_is_refused_with_how_to_get_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_hub_id_is_refused_with_how_to_get_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)  # no folder of that name here
-    with pytest.raises(UsageError, match=r"downloads nothing.*hf download HuggingFaceTB/SmolLM2-135M-Instruct "
-                                         r"--local-dir DIR.*ppd serve smollm2"):
+    with pytest.raises(
+        UsageError,
+        match=r"downloads nothing.*hf download HuggingFaceTB/SmolLM2-135M-Instruct "
+        r"--local-dir DIR.*ppd serve smollm2",
+    ):
         plan("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
-@pytest.mark.parametrize(("argv", "says"), [
-    (["--no-enable-prefix-caching"], "always caches prefixes"),
-    (["-tp", "3"], "does not split this model .* use one of 1, 2, 4, 8"),
-    (["-pp", "2"], "tensor parallelism only"),
-    (["--quantization", "awq"], "dequantized"),
-    (["-q", "fp8"], "dequantized"),
-    (["--seed", "7"], "request's `seed`"),
-    (["--max-logprobs", "50"], "0 to 20 logprobs"),
-    (["--data-parallel-size", "2", "--units", "1"], "the same setting"),
-])
-def test_a_vllm_flag_ppd_does_not_take_is_refused_saying_what_it_does(argv: list[str], says: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--no-enable-prefix-caching"], "always caches prefixes"),
+        (["-tp", "3"], "does not split this model .* use one of 1, 2, 4, 8"),
+        (["-pp", "2"], "tensor parallelism only"),
+        (["--quantization", "awq"], "dequantized"),
+        (["-q", "fp8"], "dequantized"),
+        (["--seed", "7"], "request's `seed`"),
+        (["--max-logprobs", "50"], "0 to 20 logprobs"),
+        (["--data-parallel-size", "2", "--units", "1"], "the same setting"),
+    ],
+)
+def test_a_vllm_flag_ppd_does_not_take_is_refused_saying_what_it_does(
+    argv: list[str], says: str
+) -> None:
     with pytest.raises(UsageError, match=says):
         plan(*argv)
 
 
 def test_vllm_flags_ppd_takes_start_the_same_server() -> None:
-    accepted = plan("--enable-prefix-caching", "--enable-auto-tool-choice", "--disable-log-requests",
-                    "--trust-remote-code", "--uvicorn-log-level", "warning", "-tp", "1", "-dp", "1",
-                    "--served-model-name", "a", "b")
-    assert len(accepted.units) == 1 and accepted.model_names == ("a", "b") and accepted.model_name == "a"
+    accepted = plan(
+        "--enable-prefix-caching",
+        "--enable-auto-tool-choice",
+        "--disable-log-requests",
+        "--trust-remote-code",
+        "--uvicorn-log-level",
+        "warning",
+        "-tp",
+        "1",
+        "-dp",
+        "1",
+        "--served-model-name",
+        "a",
+        "b",
+    )
+    assert (
+        len(accepted.units) == 1
+        and accepted.model_names == ("a", "b")
+        and accepted.model_name == "a"
+    )
     assert plan("-tp", "2").units[0].tensor_parallel_size == 2
 
 
-def test_generation_config_gives_the_defaults_of_requests_that_leave_them_unset(tmp_path: Path) -> None:
+def test_generation_config_gives_the_defaults_of_requests_that_leave_them_unset(
+    tmp_path: Path,
+) -> None:
     folder = tmp_path / "gen"
     folder.mkdir()
-    (folder / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "max_new_tokens": 7, "do_sample": True, "eos_token_id": 2}))
-    assert plan("--generation-config", str(folder)).sampling_defaults == {"temperature": 0.3, "top_p": 0.8,
-                                                                          "top_k": 20, "max_tokens": 7}
+    (folder / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "temperature": 0.3,
+                "top_p": 0.8,
+                "top_k": 20,
+                "max_new_tokens": 7,
+                "do_sample": True,
+                "eos_token_id": 2,
+            }
+        )
+    )
+    assert plan("--generation-config", str(folder)).sampling_defaults == {
+        "temperature": 0.3,
+        "top_p": 0.8,
+        "top_k": 20,
+        "max_tokens": 7,
+    }
     assert plan("--generation-config", "vllm").sampling_defaults == {}
-    overridden = plan("--generation-config", str(folder), "--override-generation-config", '{"temperature": 0.1}')
-    assert overridden.sampling_defaults["temperature"] == 0.1 and overridden.sampling_defaults["top_p"] == 0.8
+    overridden = plan(
+        "--generation-config", str(folder), "--override-generation-config", '{"temperature": 0.1}'
+    )
+    assert (
+        overridden.sampling_defaults["temperature"] == 0.1
+        and overridden.sampling_defaults["top_p"] == 0.8
+    )
     with pytest.raises(UsageError, match="no generation_config.json there"):
         plan("--generation-config", str(tmp_path))
     with pytest.raises(UsageError, match="not temprature"):
@@ -103,17 +155,19 @@ def test_a_chat_template_file_or_text_replaces_the_tokenizers(tmp_path: Path) ->
     assert plan("--chat-template", str(tmp_path / "t.jinja")).chat_template == template
     assert plan("--chat-template", template).chat_template == template
     tokenizer = load_tokenizer(str(demo_model_path()), template)
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<hi>"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<hi>"
+    )
     with pytest.raises(UsageError, match="neither a readable file"):
         plan("--chat-template", str(tmp_path / "missing.jinja"))
 
 
-# ---- the API ---------------------------------------------------------------------------------------------------
+# ---- the API -------------------------------------------------------------------------------------
 
 
 class RecordingClient:
-    """The engine client's face to the API: every request gets `answer` (the demo's byte tokens) and its prompt
-    and sampling are kept."""
+    """The engine client's face to the API: every request gets `answer` (the demo's byte tokens) and
+    its prompt and sampling are kept."""
 
     api_server = 0
     units = [0]
@@ -132,8 +186,9 @@ class RecordingClient:
         yield Delta(list(self.answer), "stop", route="decode", num_cached_tokens=0)
 
 
-def api(ready: bool = True, template: str | None = None, answer: bytes = b"ok",
-        **served) -> tuple[httpx.AsyncClient, RecordingClient]:
+def api(
+    ready: bool = True, template: str | None = None, answer: bytes = b"ok", **served
+) -> tuple[httpx.AsyncClient, RecordingClient]:
     folder = demo_model_path()
     tokenizer = load_tokenizer(str(folder), template)
     model = ServedModel("a", str(folder), tokenizer, 4096, 320, (257,), **served)
@@ -172,15 +227,22 @@ def test_several_served_names_version_ping_and_one_model_by_id() -> None:
                 "version": (await http.get("/version")).json(),
                 "ping": (await http.get("/ping")).status_code,
                 "post ping": (await http.post("/ping")).status_code,
-                "logprobs": await http.post("/v1/chat/completions", json=chat(logprobs=True, top_logprobs=3)),
+                "logprobs": await http.post(
+                    "/v1/chat/completions", json=chat(logprobs=True, top_logprobs=3)
+                ),
             }
 
     got = asyncio.run(run())
     assert [m["id"] for m in got["models"]["data"]] == ["a", "b"] and got["b"]["id"] == "b"
-    assert got["missing"].status_code == 404 and "`a`, `b`" in got["missing"].json()["error"]["message"]
+    assert (
+        got["missing"].status_code == 404
+        and "`a`, `b`" in got["missing"].json()["error"]["message"]
+    )
     assert got["chat b"]["model"] == "a", "answers carry the first name, as vLLM's do"
     assert got["version"] == {"version": VERSION} and got["ping"] == got["post ping"] == 200
-    assert got["logprobs"].status_code == 400 and "at most 2 (--max-logprobs)" in got["logprobs"].text
+    assert (
+        got["logprobs"].status_code == 400 and "at most 2 (--max-logprobs)" in got["logprobs"].text
+    )
 
 
 def test_ping_is_503_until_the_units_are_ready() -> None:
@@ -192,59 +254,100 @@ def test_ping_is_503_until_the_units_are_ready() -> None:
     assert asyncio.run(run()) == 503
 
 
-def test_an_unknown_request_field_is_ignored_and_named_once_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_unknown_request_field_is_ignored_and_named_once_in_the_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     IGNORED_FIELDS.discard("max_token")
 
     async def run() -> list[int]:
         http, client = api()
         async with http:
-            return [(await http.post("/v1/chat/completions", json=chat(max_token=5))).status_code for _ in range(3)]
+            return [
+                (await http.post("/v1/chat/completions", json=chat(max_token=5))).status_code
+                for _ in range(3)
+            ]
 
     with caplog.at_level("WARNING", logger="ppd.api"):
         assert asyncio.run(run()) == [200, 200, 200]
     assert [r.getMessage() for r in caplog.records if "max_token" in r.getMessage()] == [
-        "a request's field 'max_token' is not one this server knows: ignored (said once per field name)"]
+        "a request's field 'max_token' is not one this server knows: ignored (said once per field "
+        "name)"
+    ]
 
 
-PLAIN_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + (m['content'] or '') + '<|end|>' }}{% endfor %}"
-                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + (m['content'] or '') + '<|end|>' "
+    "}}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def test_tool_choice_auto_on_a_template_that_writes_no_tools() -> None:
-    """Such a template neither shows the model the tools nor a call format: the tools are described in the system
-    message in Hermes's format, and calls read in it, so an agent runs (every later turn sends auto) without a
-    restart with --tool-call-parser."""
-    weather = {"type": "function", "function": {"name": "weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    """Such a template neither shows the model the tools nor a call format: the tools are described
+    in the system message in Hermes's format, and calls read in it, so an agent runs (every later
+    turn sends auto) without a restart with --tool-call-parser."""
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
 
     async def run() -> tuple[dict, list[int]]:
-        http, client = api(template=PLAIN_TEMPLATE,
-                           answer=b'<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+        http, client = api(
+            template=PLAIN_TEMPLATE,
+            answer=(
+                b'<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            ),
+        )
         async with http:
-            answer = await http.post("/v1/chat/completions", json=chat(tools=[weather], messages=[
-                {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]))
+            answer = await http.post(
+                "/v1/chat/completions",
+                json=chat(
+                    tools=[weather],
+                    messages=[
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Paris?"},
+                    ],
+                ),
+            )
             return answer.json(), client.prompts[0]
 
     answer, prompt = asyncio.run(run())
     text = load_tokenizer(str(demo_model_path())).decode(prompt)
-    assert text.startswith("<|system|>Be brief.\n\n# Tools") and '"name": "weather"' in text and "<tool_call>" in text
-    assert text.endswith("<|user|>Paris?<|end|><|assistant|>"), "the user's turn as the template writes it"
+    assert (
+        text.startswith("<|system|>Be brief.\n\n# Tools")
+        and '"name": "weather"' in text
+        and "<tool_call>" in text
+    )
+    assert text.endswith("<|user|>Paris?<|end|><|assistant|>"), (
+        "the user's turn as the template writes it"
+    )
     (call,) = answer["choices"][0]["message"]["tool_calls"]
     assert call["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_a_refused_tool_choice_under_messages_is_named_in_anthropics_terms() -> None:
-    """With --tool-call-parser none, auto is refused; under /v1/messages the fix is named as Anthropic's clients
-    send it ({"type": "any"}, {"type": "tool", ...}), not as chat completions' "required"."""
+    """With --tool-call-parser none, auto is refused; under /v1/messages the fix is named as
+    Anthropic's clients send it ({"type": "any"}, {"type": "tool", ...}), not as chat completions'
+    "required"."""
     tool = {"name": "weather", "input_schema": {"type": "object"}}
 
     async def run() -> dict:
         http, _ = api(tool_parser="none")
         async with http:
-            answer = await http.post("/v1/messages", json={
-                "model": "a", "max_tokens": 8, "tools": [tool], "tool_choice": {"type": "auto"},
-                "messages": [{"role": "user", "content": "hi"}]})
+            answer = await http.post(
+                "/v1/messages",
+                json={
+                    "model": "a",
+                    "max_tokens": 8,
+                    "tools": [tool],
+                    "tool_choice": {"type": "auto"},
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            )
             assert answer.status_code == 400
             return answer.json()
 
@@ -253,14 +356,17 @@ def test_a_refused_tool_choice_under_messages_is_named_in_anthropics_terms() -> 
     assert '"required"' not in message and "named function" not in message
 
 
-def test_unknown_field_names_a_client_invents_are_named_only_up_to_a_bound(monkeypatch: pytest.MonkeyPatch,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_field_names_a_client_invents_are_named_only_up_to_a_bound(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import server.protocol
 
     monkeypatch.setattr(server.protocol, "IGNORED_FIELDS", set())
     with caplog.at_level("WARNING", logger="ppd.api"):
         for i in range(server.protocol.MAX_IGNORED_NAMED + 50):
             server.protocol.ChatCompletionRequest.model_validate(chat(**{f"x{i}": 1}))
-    named = [r.getMessage() for r in caplog.records if "is not one this server knows" in r.getMessage()]
+    named = [
+        r.getMessage() for r in caplog.records if "is not one this server knows" in r.getMessage()
+    ]
     assert len(named) == len(server.protocol.IGNORED_FIELDS) == server.protocol.MAX_IGNORED_NAMED
     assert named[-1].endswith("no more are named)")

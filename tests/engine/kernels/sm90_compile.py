@@ -1,19 +1,22 @@
 """Compile every Triton kernel of the project for an H100 (sm_90) on a machine without a GPU.
 
-A stand-in Triton driver reports a CUDA target of compute capability 9.0 and stops after ptxas: a launch through a
-public launcher compiles its kernel to a cubin, Triton checks the kernel's shared memory against the H100's
-per-block limit as it does when it loads a kernel on the GPU, and the launch itself is only recorded. This catches
-what Triton's interpreter (which runs the kernel tests) never sees: code or dot types the compiler rejects, and
-tiles too big for shared memory. Shapes are Llama-3.1-8B's, in bfloat16, float16 and float32; the attention
-configurations are every one the engine can choose, found by asking the engine (choose_num_splits, default_config,
-choose_append_splits, the CUDA-graph buckets) rather than listed here, in either mixed launch (MIXED_LAUNCH).
-Compiled kernels land in Triton's cache, so a second run is quick.
+A stand-in Triton driver reports a CUDA target of compute capability 9.0 and stops after ptxas: a
+launch through a public launcher compiles its kernel to a cubin, Triton checks the kernel's shared
+memory against the H100's per-block limit as it does when it loads a kernel on the GPU, and the
+launch itself is only recorded. This catches what Triton's interpreter (which runs the kernel tests)
+never sees: code or dot types the compiler rejects, and tiles too big for shared memory. Shapes are
+Llama-3.1-8B's, in bfloat16, float16 and float32; the attention configurations are every one the
+engine can choose, found by asking the engine (choose_num_splits, default_config,
+choose_append_splits, the CUDA-graph buckets) rather than listed here, in either mixed launch
+(MIXED_LAUNCH). Compiled kernels land in Triton's cache, so a second run is quick.
 
-Run with TRITON_INTERPRET unset, in a process of its own (the stand-in driver stays active until exit):
+Run with TRITON_INTERPRET unset, in a process of its own (the stand-in driver stays active until
+exit):
     env -u TRITON_INTERPRET python -m tests.engine.kernels.sm90_compile [--part PART] [--jobs N]
-Prints one line per case (status, case, launches, the most shared memory a launched kernel needs, seconds) and
-exits 1 if any case is not OK. --part picks a share of the cases (PARTS); `oversized` compiles only a tile too big
-for shared memory, which must come out SMEM: the proof that the check can fail.
+Prints one line per case (status, case, launches, the most shared memory a launched kernel needs,
+seconds) and exits 1 if any case is not OK. --part picks a share of the cases (PARTS); `oversized`
+compiles only a tile too big for shared memory, which must come out SMEM: the proof that the check
+can fail.
 """
 
 from __future__ import annotations
@@ -45,23 +48,36 @@ from engine.attention.triton_backend import GraphBuffers, TritonBackend, TritonM
 from engine.config import ModelConfig
 from engine.cuda_graphs import graph_buckets
 from engine.engine import EngineConfig
-from engine.kernels.attention import (APPEND_CONFIG, PREFILL_CONFIGS, AttentionConfig, choose_append_splits,
-                                     choose_num_splits, default_config, general_programs, paged_attention)
+from engine.kernels.attention import (
+    APPEND_CONFIG,
+    PREFILL_CONFIGS,
+    AttentionConfig,
+    choose_append_splits,
+    choose_num_splits,
+    default_config,
+    general_programs,
+    paged_attention,
+)
 from engine.kernels.rope import rope_store_kv
 from engine.kernels.store_kv import store_kv
 from partition.probe_kernels import BLOCK, SM_ID_BLOCK, _sm_ids_kernel, spin
 
-H100_SHARED_MEMORY = 232_448  # bytes of shared memory one thread block may opt in to on sm_90 (227 KiB)
+H100_SHARED_MEMORY = (
+    232_448  # bytes of shared memory one thread block may opt in to on sm_90 (227 KiB)
+)
 H100_MAX_THREADS = 1024
 H100_SMS = 132
-LLAMA = ModelConfig.from_folder(Path(__file__).resolve().parents[3] / "bench" / "models" / "llama-3.1-8b")
+LLAMA = ModelConfig.from_folder(
+    Path(__file__).resolve().parents[3] / "bench" / "models" / "llama-3.1-8b"
+)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# A decode token and a prefill chunk: the one launcher whose tile follows the token count (per-head rms_norm, rows
-# = tokens x heads) picks the same tile for every count from 2 on.
+# A decode token and a prefill chunk: the one launcher whose tile follows the token count (per-head
+# rms_norm, rows = tokens x heads) picks the same tile for every count from 2 on.
 TOKENS = (1, 256)
 CACHED_PREFIX = 1000  # tokens already in the KV cache when an append-prefill runs
 MAX_DECODE_BATCH = 512  # choose_num_splits is asked about every batch size up to this
-# Needs ~276 KB in bfloat16 (256-key K and V tiles, pipelined). Float32 tiles that big compile for minutes.
+# Needs ~276 KB in bfloat16 (256-key K and V tiles, pipelined). Float32 tiles that big compile for
+# minutes.
 OVERSIZED = AttentionConfig(block_m=16, tile_n=256, num_warps=4, num_stages=6)
 
 
@@ -69,16 +85,21 @@ OVERSIZED = AttentionConfig(block_m=16, tile_n=256, num_warps=4, num_stages=6)
 class Launch:
     kernel: str
     shared: int  # bytes of shared memory the compiled kernel needs
-    args: tuple = ()  # what the launcher was given: grid, stream, function, metadata, hooks, then every argument
+    # what the launcher was given: grid, stream, function, metadata, hooks, then every argument
+    args: tuple = ()
 
 
 class StopAfterPtxas(DriverBase):
-    """Triton's view of an H100 that compiles kernels to cubins but loads and runs none: each launch is recorded."""
+    """Triton's view of an H100 that compiles kernels to cubins but loads and runs none: each launch
+    is recorded."""
 
     def __init__(self, keep_args: bool = True) -> None:
         self.launches: list[Launch] = []
-        self.keep_args = keep_args  # whether a launch's record keeps its arguments (and so its tensors alive)
-        self.utils = self  # Triton asks its driver's C helpers (utils) for device properties and module loading
+        self.keep_args = (
+            keep_args  # whether a launch's record keeps its arguments (and so its tensors alive)
+        )
+        # Triton asks its driver's C helpers (utils) for device properties and module loading
+        self.utils = self
 
     @classmethod
     def is_active(cls) -> bool:
@@ -103,11 +124,18 @@ class StopAfterPtxas(DriverBase):
         raise NotImplementedError("nothing runs on the stand-in driver")
 
     def get_device_properties(self, device: int) -> dict[str, int]:
-        return {"max_shared_mem": H100_SHARED_MEMORY, "multiprocessor_count": H100_SMS, "warpSize": 32}
+        return {
+            "max_shared_mem": H100_SHARED_MEMORY,
+            "multiprocessor_count": H100_SMS,
+            "warpSize": 32,
+        }
 
-    def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple[Any, Any, int, int, int]:
-        """(module, function, registers, spills, max threads per block). Triton checks shared memory before this;
-        the CUDA driver refuses the kernel here too, so the check does not hang on Triton's."""
+    def load_binary(
+        self, name: str, kernel: bytes, shared: int, device: int
+    ) -> tuple[Any, Any, int, int, int]:
+        """(module, function, registers, spills, max threads per block). Triton checks shared memory
+        before this; the CUDA driver refuses the kernel here too, so the check does not hang on
+        Triton's."""
         if shared > H100_SHARED_MEMORY:
             raise OutOfResources(shared, H100_SHARED_MEMORY, "shared memory")
         return name, name, 0, 0, H100_MAX_THREADS
@@ -116,8 +144,11 @@ class StopAfterPtxas(DriverBase):
         pass
 
     def launcher_cls(self, src: Any, metadata: Any) -> Callable[..., None]:
-        """The launcher Triton builds for a loaded kernel (Triton's name for it): this one records the launch."""
-        return lambda *args: self.launches.append(Launch(metadata.name, metadata.shared, args if self.keep_args else ()))
+        """The launcher Triton builds for a loaded kernel (Triton's name for it): this one records
+        the launch."""
+        return lambda *args: self.launches.append(
+            Launch(metadata.name, metadata.shared, args if self.keep_args else ())
+        )
 
 
 @dataclass(frozen=True)
@@ -129,7 +160,8 @@ class Case:
 
 @dataclass(frozen=True)
 class Result:
-    status: str  # OK; SMEM: a kernel over H100_SHARED_MEMORY; FAIL: a compile error, or no kernel launched
+    # OK; SMEM: a kernel over H100_SHARED_MEMORY; FAIL: a compile error, or no kernel launched
+    status: str
     name: str
     launches: int
     shared: int
@@ -138,18 +170,26 @@ class Result:
 
     def line(self) -> str:
         error = f"  {self.error}" if self.error else ""
-        return (f"{self.status:4s}  {self.name:62s} {self.launches} launch(es)  shared {self.shared:6d} B  "
-                f"{self.seconds:5.1f} s{error}")
+        return (
+            f"{self.status:4s}  {self.name:62s} {self.launches} launch(es)  shared "
+            f"{self.shared:6d} B  "
+            f"{self.seconds:5.1f} s{error}"
+        )
 
 
 def run_case(stand_in: StopAfterPtxas, case: Case) -> Result:
-    """Run one case; a compile error, a kernel over the shared-memory limit, or no launch at all is not OK."""
+    """Run one case; a compile error, a kernel over the shared-memory limit, or no launch at all is
+    not OK."""
     start, before = time.perf_counter(), len(stand_in.launches)
     status, error, shared = "OK", "", 0
     try:
         case.run()
     except OutOfResources as exc:  # Triton's load-time check, as on the GPU
-        status, error, shared = "SMEM" if exc.name == "shared memory" else "FAIL", str(exc), exc.required
+        status, error, shared = (
+            "SMEM" if exc.name == "shared memory" else "FAIL",
+            str(exc),
+            exc.required,
+        )
     except Exception as exc:  # noqa: BLE001 - a compile error of any kind is a result to report
         status, error = "FAIL", " | ".join(f"{type(exc).__name__}: {exc}".splitlines())[-800:]
     new = stand_in.launches[before:]
@@ -159,77 +199,104 @@ def run_case(stand_in: StopAfterPtxas, case: Case) -> Result:
     return Result(status, case.name, len(new), shared, time.perf_counter() - start, error)
 
 
-# ---- the model's launches ---------------------------------------------------------------------------------
+# ---- the model's launches ------------------------------------------------------------------------
 
 
 class Model:
-    """Llama-3.1-8B's shapes, a TritonBackend, and a small KV cache: block tables point at block 0 (nothing runs)."""
+    """Llama-3.1-8B's shapes, a TritonBackend, and a small KV cache: block tables point at block 0
+    (nothing runs)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.h, self.hkv, self.d = LLAMA.num_heads, LLAMA.num_kv_heads, LLAMA.head_dim
         self.block_size = EngineConfig.block_size
-        shape = AttentionShape(self.h, self.hkv, self.d, self.block_size,
-                               max_blocks_per_seq=math.ceil(LLAMA.max_position_embeddings / self.block_size))
+        shape = AttentionShape(
+            self.h,
+            self.hkv,
+            self.d,
+            self.block_size,
+            max_blocks_per_seq=math.ceil(LLAMA.max_position_embeddings / self.block_size),
+        )
         self.backend = TritonBackend(shape, torch.device("cpu"))
         self.k_cache = torch.zeros(4 * self.block_size, self.hkv, self.d, dtype=dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
-        self.cos = torch.zeros(LLAMA.max_position_embeddings, self.d // 2)  # float32, as Model.rope_cos
+        self.cos = torch.zeros(
+            LLAMA.max_position_embeddings, self.d // 2
+        )  # float32, as Model.rope_cos
         self.sin = torch.zeros_like(self.cos)
 
     @functools.cached_property
     def graph_buffers(self) -> GraphBuffers:
-        return self.backend.graph_metadata(graph_buckets(EngineConfig.max_num_seqs, EngineConfig.max_graph_tokens))
+        return self.backend.graph_metadata(
+            graph_buckets(EngineConfig.max_num_seqs, EngineConfig.max_graph_tokens)
+        )
 
     def step(self, seqs: list[tuple[int, int]]) -> StepBatch:
-        """A step over sequences of (cached, new) tokens, as the scheduler hands it to the model runner (the
-        sequences of one new token first)."""
+        """A step over sequences of (cached, new) tokens, as the scheduler hands it to the model
+        runner (the sequences of one new token first)."""
         starts = [0]
         for _, new in seqs:
             starts.append(starts[-1] + new)
         decodes = next((i for i, (_, new) in enumerate(seqs) if new > 1), len(seqs))
         return StepBatch(
-            token_ids=[0] * starts[-1], positions=[c + i for c, n in seqs for i in range(n)],
-            slot_mapping=[0] * starts[-1], query_start=starts, seq_lens=[c + n for c, n in seqs],
+            token_ids=[0] * starts[-1],
+            positions=[c + i for c, n in seqs for i in range(n)],
+            slot_mapping=[0] * starts[-1],
+            query_start=starts,
+            seq_lens=[c + n for c, n in seqs],
             block_tables=[[0] * math.ceil((c + n) / self.block_size) for c, n in seqs],
-            sample_rows=[s - 1 for s in starts[1:]], block_size=self.block_size, num_decodes=decodes)
+            sample_rows=[s - 1 for s in starts[1:]],
+            block_size=self.block_size,
+            num_decodes=decodes,
+        )
 
     def qkv(self, t: int) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as engine/model.py has them: strided views of one fused qkv projection output."""
         h, hkv, d = self.h, self.hkv, self.d
-        q, k, v = torch.zeros(t, (h + 2 * hkv) * d, dtype=self.dtype).split([h * d, hkv * d, hkv * d], dim=-1)
+        q, k, v = torch.zeros(t, (h + 2 * hkv) * d, dtype=self.dtype).split(
+            [h * d, hkv * d, hkv * d], dim=-1
+        )
         return q.view(t, h, d), k.view(t, hkv, d), v.view(t, hkv, d)
 
     @staticmethod
     def positions(t: int) -> Tensor:
-        """Positions as ModelRunner uploads them: after the token ids in one int64 tensor, 16-byte aligned."""
+        """Positions as ModelRunner uploads them: after the token ids in one int64 tensor, 16-byte
+        aligned."""
         return torch.zeros(2 * t + 2, dtype=torch.int64)[t + t % 2 : t + t % 2 + t]
 
     def attention(self, meta: TritonMetadata, t: int, positions: Tensor) -> None:
-        """One layer's attention kernels as Attention.forward runs them: the backend's rope_and_attend (RoPE fused
-        with the KV store, then the attention planned for the step)."""
+        """One layer's attention kernels as Attention.forward runs them: the backend's
+        rope_and_attend (RoPE fused with the KV store, then the attention planned for the step)."""
         q, k, v = self.qkv(t)
-        self.backend.rope_and_attend(q, k, v, self.k_cache, self.v_cache, meta, self.d**-0.5, positions, self.cos,
-                                     self.sin)
+        self.backend.rope_and_attend(
+            q, k, v, self.k_cache, self.v_cache, meta, self.d**-0.5, positions, self.cos, self.sin
+        )
 
     def decode(self, batch: int, context: int, splits: int) -> None:
-        """A decode step of batch sequences at context, with the workspace prepare() allocates for splits."""
+        """A decode step of batch sequences at context, with the workspace prepare() allocates for
+        splits."""
         meta = self.backend.prepare(self.step([(context - 1, 1)] * batch))
         assert meta.num_splits == splits, (meta.num_splits, splits)
         self.attention(meta, batch, self.positions(batch))
 
     def graph_step(self, bucket: GraphBucket, splits: int = 1, mixed: str = "fused") -> None:
-        """A CUDA graph's step (its decode grid's splits in a decode bucket, else its general grid's, and the mixed
-        launch of a token bucket, which has decode slots): metadata and workspace are views of the static buffers."""
+        """A CUDA graph's step (its decode grid's splits in a decode bucket, else its general
+        grid's, and the mixed launch of a token bucket, which has decode slots): metadata and
+        workspace are views of the static buffers."""
         triton_backend.MIXED_LAUNCH = mixed
         meta = self.backend.graph_view(self.graph_buffers, bucket)
         assert (meta.num_splits if bucket.decode else meta.general_splits) == splits, (meta, splits)
         self.attention(meta, bucket.tokens, torch.zeros(bucket.tokens, dtype=torch.int64))
 
-    def prefill(self, seqs: list[tuple[int, int]], config: AttentionConfig, splits: int = 1,
-                mixed: str = "fused") -> None:
-        """A step (decodes first, then prefills or appends) whose general tile default_config must pick as config,
-        split `splits` ways, the two grids launched as `mixed` says."""
+    def prefill(
+        self,
+        seqs: list[tuple[int, int]],
+        config: AttentionConfig,
+        splits: int = 1,
+        mixed: str = "fused",
+    ) -> None:
+        """A step (decodes first, then prefills or appends) whose general tile default_config must
+        pick as config, split `splits` ways, the two grids launched as `mixed` says."""
         triton_backend.MIXED_LAUNCH = mixed
         meta = self.backend.prepare(self.step(seqs))
         assert default_config(meta.max_query_len, self.h // self.hkv, meta.max_seq_len) == config
@@ -238,11 +305,22 @@ class Model:
         self.attention(meta, t, self.positions(t))
 
     def prefill_with(self, config: AttentionConfig, new: int) -> None:
-        """paged_attention over a new prompt with its tile table overridden (as bench/kernels.py sweeps it)."""
+        """paged_attention over a new prompt with its tile table overridden (as bench/kernels.py
+        sweeps it)."""
         meta = self.backend.prepare(self.step([(0, new)]))
         q = self.qkv(new)[0].contiguous()
-        paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                        block_size=self.block_size, scale=self.d**-0.5, max_query_len=new, config=config)
+        paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.query_start,
+            meta.seq_lens,
+            block_size=self.block_size,
+            scale=self.d**-0.5,
+            max_query_len=new,
+            config=config,
+        )
 
 
 @functools.cache
@@ -250,7 +328,7 @@ def model(dtype: str) -> Model:
     return Model(DTYPES[dtype])
 
 
-# ---- the cases ---------------------------------------------------------------------------------------------
+# ---- the cases -----------------------------------------------------------------------------------
 
 
 def contexts() -> list[int]:
@@ -262,86 +340,141 @@ def contexts() -> list[int]:
 
 
 def first_batch_per_split() -> dict[int, tuple[int, int]]:
-    """Every split count choose_num_splits returns for Llama-3.1-8B over batches 1..MAX_DECODE_BATCH and contexts
-    up to the model's longest, each with the smallest (batch, context) that gets it."""
+    """Every split count choose_num_splits returns for Llama-3.1-8B over batches 1..MAX_DECODE_BATCH
+    and contexts up to the model's longest, each with the smallest (batch, context) that gets it."""
     found: dict[int, tuple[int, int]] = {}
     for batch in range(1, MAX_DECODE_BATCH + 1):
         for context in contexts():
-            found.setdefault(choose_num_splits(batch, LLAMA.num_kv_heads, context, H100_SMS), (batch, context))
+            found.setdefault(
+                choose_num_splits(batch, LLAMA.num_kv_heads, context, H100_SMS), (batch, context)
+            )
     return dict(sorted(found.items()))
 
 
 def first_append_per_split() -> dict[tuple[AttentionConfig, int], tuple[int, int]]:
-    """Every (tile, split count) the general grid gets for one sequence of up to a full chunk of new tokens over a
-    cached prefix (none included), each with the smallest (new, cached) that gets it."""
-    group, hkv, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
-    news = set(range(2, 2 * PREFILL_CONFIGS[-1].block_m // group + 1)) | {2**k for k in range(chunk.bit_length())}
+    """Every (tile, split count) the general grid gets for one sequence of up to a full chunk of new
+    tokens over a cached prefix (none included), each with the smallest (new, cached) that gets
+    it."""
+    group, hkv, chunk = (
+        LLAMA.num_heads // LLAMA.num_kv_heads,
+        LLAMA.num_kv_heads,
+        EngineConfig.max_num_batched_tokens,
+    )
+    news = set(range(2, 2 * PREFILL_CONFIGS[-1].block_m // group + 1)) | {
+        2**k for k in range(chunk.bit_length())
+    }
     found: dict[tuple[AttentionConfig, int], tuple[int, int]] = {}
     for new in sorted(news | {chunk}):
         for cached in [0, *contexts()]:
             if 2 <= new <= chunk and cached + new <= LLAMA.max_position_embeddings:
                 config = default_config(new, group, cached + new)
                 programs = general_programs(new, group, hkv, config)
-                found.setdefault((config, choose_append_splits(programs, new, cached + new, H100_SMS)), (new, cached))
+                found.setdefault(
+                    (config, choose_append_splits(programs, new, cached + new, H100_SMS)),
+                    (new, cached),
+                )
     return found
 
 
 def tile(config: AttentionConfig) -> str:
-    return f"tile {config.block_m}x{config.tile_n} warps {config.num_warps} stages {config.num_stages}"
+    return (
+        f"tile {config.block_m}x{config.tile_n} warps {config.num_warps} stages {config.num_stages}"
+    )
 
 
 def attention_cases(dt: str) -> list[Case]:
-    """A full-chunk prompt; every tile of the general grid unsplit, each through the smallest step that gets it (an
-    override for a tile none gets); then decode for every split count the engine can choose, with the workspace
-    prepare() allocates."""
+    """A full-chunk prompt; every tile of the general grid unsplit, each through the smallest step
+    that gets it (an override for a tile none gets); then decode for every split count the engine
+    can choose, with the workspace prepare() allocates."""
     group, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
     longest = default_config(chunk, group, chunk)
-    cases = [Case(f"attention prefill {dt} {chunk}-token prompt", f"prefill {dt} {longest}",
-                  lambda: model(dt).prefill([(0, chunk)], longest))]
+    cases = [
+        Case(
+            f"attention prefill {dt} {chunk}-token prompt",
+            f"prefill {dt} {longest}",
+            lambda: model(dt).prefill([(0, chunk)], longest),
+        )
+    ]
     appends = first_append_per_split()
     for (config, splits), (new, cached) in appends.items():
         if splits == 1:
-            cases.append(Case(f"attention append {dt} {tile(config)} ({new} new over {cached})",
-                              f"prefill {dt} {config}", lambda n=new, c=cached, config=config:
-                              model(dt).prefill([(c, n)], config)))
+            cases.append(
+                Case(
+                    f"attention append {dt} {tile(config)} ({new} new over {cached})",
+                    f"prefill {dt} {config}",
+                    lambda n=new, c=cached, config=config: model(dt).prefill([(c, n)], config),
+                )
+            )
     for config in (APPEND_CONFIG, *PREFILL_CONFIGS):
-        if (config, 1) not in appends:  # an entry this model's batches never get unsplit: compile it anyway
-            cases.append(Case(f"attention prefill {dt} {tile(config)} (override)", f"prefill {dt} {config}",
-                              lambda config=config: model(dt).prefill_with(config, chunk)))
+        if (
+            config,
+            1,
+        ) not in appends:  # an entry this model's batches never get unsplit: compile it anyway
+            cases.append(
+                Case(
+                    f"attention prefill {dt} {tile(config)} (override)",
+                    f"prefill {dt} {config}",
+                    lambda config=config: model(dt).prefill_with(config, chunk),
+                )
+            )
     for splits, (batch, context) in first_batch_per_split().items():
-        cases.append(Case(f"attention decode {dt} splits={splits} (batch {batch}, context {context})",
-                          f"decode {dt} {splits > 1}", lambda b=batch, c=context, s=splits: model(dt).decode(b, c, s)))
+        cases.append(
+            Case(
+                f"attention decode {dt} splits={splits} (batch {batch}, context {context})",
+                f"decode {dt} {splits > 1}",
+                lambda b=batch, c=context, s=splits: model(dt).decode(b, c, s),
+            )
+        )
     return cases
 
 
 def split_cases(dt: str) -> list[Case]:
-    """Every (tile, split count > 1) of the general grid, each through the smallest step that gets it, with its
-    merge; each tile beside a decode, in one launch with neither grid split and with both, and in two launches."""
+    """Every (tile, split count > 1) of the general grid, each through the smallest step that gets
+    it, with its merge; each tile beside a decode, in one launch with neither grid split and with
+    both, and in two launches."""
     appends = first_append_per_split()
-    cases = [Case(f"attention append {dt} {tile(config)} splits={splits} ({new} new over {cached})",
-                  f"split {dt} {config}", lambda n=new, c=cached, config=config, s=splits:
-                  model(dt).prefill([(c, n)], config, s))
-             for (config, splits), (new, cached) in appends.items() if splits > 1]
+    cases = [
+        Case(
+            f"attention append {dt} {tile(config)} splits={splits} ({new} new over {cached})",
+            f"split {dt} {config}",
+            lambda n=new, c=cached, config=config, s=splits: model(dt).prefill([(c, n)], config, s),
+        )
+        for (config, splits), (new, cached) in appends.items()
+        if splits > 1
+    ]
     split_decode, whole_decode = (4095, 1), (15, 1)  # a decode of 16 splits, one of none (batch 1)
     for config in dict.fromkeys(c for c, _ in appends):
         splits = [s for c, s in appends if c == config]
         plain, split = appends[config, min(splits)], appends[config, max(splits)]
-        steps = [("fused", whole_decode, plain, min(splits)), ("fused", split_decode, split, max(splits)),
-                 ("sequential", split_decode, split, max(splits))]
+        steps = [
+            ("fused", whole_decode, plain, min(splits)),
+            ("fused", split_decode, split, max(splits)),
+            ("sequential", split_decode, split, max(splits)),
+        ]
         for mixed, decode, (new, cached), s in steps:
-            cases.append(Case(f"attention mixed {dt} {tile(config)} splits={s} beside decode at {decode[0] + 1}, "
-                              f"{mixed}", f"split {dt} {config}",
-                              lambda m=mixed, seqs=[decode, (cached, new)], config=config, s=s:
-                              model(dt).prefill(seqs, config, s, m)))
+            cases.append(
+                Case(
+                    f"attention mixed {dt} {tile(config)} splits={s} beside decode at "
+                    f"{decode[0] + 1}, "
+                    f"{mixed}",
+                    f"split {dt} {config}",
+                    lambda m=mixed, seqs=[decode, (cached, new)], config=config, s=s: model(
+                        dt
+                    ).prefill(seqs, config, s, m),
+                )
+            )
     return cases
 
 
 def graph_cases(dt: str) -> list[Case]:
-    """Steps replayed from CUDA graphs (the GPU's default path for steps up to max_graph_tokens): decode, one batch
-    bucket per split count; every (tile, split count) a token bucket is planned with, at its smallest bucket, in
-    either mixed launch (a token bucket has decode slots). Their kernels differ from eager steps' only in pointer
-    alignment (static buffers), so one dtype is enough."""
-    longest = math.ceil(LLAMA.max_position_embeddings / EngineConfig.block_size) * EngineConfig.block_size
+    """Steps replayed from CUDA graphs (the GPU's default path for steps up to max_graph_tokens):
+    decode, one batch bucket per split count; every (tile, split count) a token bucket is planned
+    with, at its smallest bucket, in either mixed launch (a token bucket has decode slots). Their
+    kernels differ from eager steps' only in pointer alignment (static buffers), so one dtype is
+    enough."""
+    longest = (
+        math.ceil(LLAMA.max_position_embeddings / EngineConfig.block_size) * EngineConfig.block_size
+    )
     group, hkv = LLAMA.num_heads // LLAMA.num_kv_heads, LLAMA.num_kv_heads
     decode: dict[int, GraphBucket] = {}
     tiles: dict[tuple[AttentionConfig, int], GraphBucket] = {}
@@ -351,28 +484,48 @@ def graph_cases(dt: str) -> list[Case]:
         else:
             config = default_config(bucket.max_query_len, group, longest)
             programs = general_programs(bucket.tokens, group, hkv, config)
-            tiles.setdefault((config, choose_append_splits(programs, bucket.max_query_len, longest, H100_SMS)), bucket)
-    return ([Case(f"attention decode graph {dt} splits={splits} (batch {b.seqs})", f"graph {dt} {splits > 1}",
-                  lambda b=b, s=splits: model(dt).graph_step(b, s)) for splits, b in sorted(decode.items())]
-            + [Case(f"attention step graph {dt} {b.tokens} tokens ({tile(config)}, splits={splits}, {mixed})",
-                    f"graph {dt} {config}", lambda b=b, s=splits, m=mixed: model(dt).graph_step(b, s, m))
-               for (config, splits), b in tiles.items() for mixed in ("fused", "sequential")])
+            tiles.setdefault(
+                (config, choose_append_splits(programs, bucket.max_query_len, longest, H100_SMS)),
+                bucket,
+            )
+    return [
+        Case(
+            f"attention decode graph {dt} splits={splits} (batch {b.seqs})",
+            f"graph {dt} {splits > 1}",
+            lambda b=b, s=splits: model(dt).graph_step(b, s),
+        )
+        for splits, b in sorted(decode.items())
+    ] + [
+        Case(
+            f"attention step graph {dt} {b.tokens} tokens ({tile(config)}, splits={splits}, "
+            f"{mixed})",
+            f"graph {dt} {config}",
+            lambda b=b, s=splits, m=mixed: model(dt).graph_step(b, s, m),
+        )
+        for (config, splits), b in tiles.items()
+        for mixed in ("fused", "sequential")
+    ]
 
 
 def elementwise_cases(dt: str) -> list[Case]:
-    """The fused elementwise kernels through the backend's ops, on the tensors the model passes them."""
+    """The fused elementwise kernels through the backend's ops, on the tensors the model passes
+    them."""
     eps, hidden, family = LLAMA.rms_norm_eps, LLAMA.hidden_size, f"elementwise {dt}"
 
     def norm(t: int) -> None:
         m = model(dt)
-        m.backend.ops.rms_norm(torch.zeros(t, hidden, dtype=m.dtype), torch.ones(hidden, dtype=m.dtype), eps)
+        m.backend.ops.rms_norm(
+            torch.zeros(t, hidden, dtype=m.dtype), torch.ones(hidden, dtype=m.dtype), eps
+        )
 
     def add_norm(t: int) -> None:
         m = model(dt)
         x = torch.zeros(t, hidden, dtype=m.dtype)
         m.backend.ops.add_rms_norm(x, torch.zeros_like(x), torch.ones(hidden, dtype=m.dtype), eps)
 
-    def head_norm(t: int, which: int) -> None:  # Qwen3's per-head q/k norm, on views of the qkv output
+    def head_norm(
+        t: int, which: int
+    ) -> None:  # Qwen3's per-head q/k norm, on views of the qkv output
         m = model(dt)
         m.backend.ops.rms_norm(m.qkv(t)[which], torch.ones(m.d, dtype=m.dtype), eps)
 
@@ -386,11 +539,23 @@ def elementwise_cases(dt: str) -> list[Case]:
         _, k, v = m.qkv(t)
         store_kv(k, v, m.k_cache, m.v_cache, torch.zeros(t, dtype=torch.int64))
 
-    def rope_kv_store(t: int) -> None:  # the engine's path: int32 slots, into the step's rotated-query buffer
+    def rope_kv_store(
+        t: int,
+    ) -> None:  # the engine's path: int32 slots, into the step's rotated-query buffer
         m = model(dt)
         q, k, v = m.qkv(t)
-        rope_store_kv(q, k, v, m.positions(t), m.cos, m.sin, m.k_cache, m.v_cache, torch.zeros(t, dtype=torch.int32),
-                      out=torch.empty(t, m.h, m.d, dtype=m.dtype))
+        rope_store_kv(
+            q,
+            k,
+            v,
+            m.positions(t),
+            m.cos,
+            m.sin,
+            m.k_cache,
+            m.v_cache,
+            torch.zeros(t, dtype=torch.int32),
+            out=torch.empty(t, m.h, m.d, dtype=m.dtype),
+        )
 
     def silu_mul(t: int) -> None:
         m = model(dt)
@@ -412,10 +577,10 @@ def elementwise_cases(dt: str) -> list[Case]:
 
 
 def relaunch_check(dt: str) -> None:
-    """engine/kernels/launch.py's Launches: a step's second launch of each kind (the compiled kernel's launcher called
-    directly) gives the launcher what the first, through the JIT, gave it (but the launch hooks and their
-    metadata, which it leaves out when no profiler set a hook): two layers of a decode step, a prompt and a mixed
-    step, each kernel of a layer."""
+    """engine/kernels/launch.py's Launches: a step's second launch of each kind (the compiled
+    kernel's launcher called directly) gives the launcher what the first, through the JIT, gave
+    it (but the launch hooks and their metadata, which it leaves out when no profiler set a
+    hook): two layers of a decode step, a prompt and a mixed step, each kernel of a layer."""
     m = model(dt)
 
     def described(launch: Launch) -> tuple:
@@ -427,24 +592,36 @@ def relaunch_check(dt: str) -> None:
         meta = m.backend.prepare(batch)
         t = len(batch.token_ids)
         q, k, v = m.qkv(t)
-        hidden, residual = torch.zeros(t, LLAMA.hidden_size, dtype=m.dtype), torch.zeros(t, LLAMA.hidden_size,
-                                                                                           dtype=m.dtype)
+        hidden, residual = (
+            torch.zeros(t, LLAMA.hidden_size, dtype=m.dtype),
+            torch.zeros(t, LLAMA.hidden_size, dtype=m.dtype),
+        )
         weight = torch.ones(LLAMA.hidden_size, dtype=m.dtype)
-        gate_up, positions = torch.zeros(t, 2 * LLAMA.intermediate_size, dtype=m.dtype), m.positions(t)
+        gate_up, positions = (
+            torch.zeros(t, 2 * LLAMA.intermediate_size, dtype=m.dtype),
+            m.positions(t),
+        )
         layers = []
         for _ in range(2):
             before = len(_stand_in.launches)
             m.backend.ops.add_rms_norm(hidden, residual, weight, LLAMA.rms_norm_eps)
-            m.backend.rope_and_attend(q, k, v, m.k_cache, m.v_cache, meta, m.d**-0.5, positions, m.cos, m.sin)
+            m.backend.rope_and_attend(
+                q, k, v, m.k_cache, m.v_cache, meta, m.d**-0.5, positions, m.cos, m.sin
+            )
             m.backend.ops.silu_and_mul(gate_up)
             layers.append(_stand_in.launches[before:])
         first, second = ([described(launch) for launch in layer] for layer in layers)
-        assert len(first) == len(second) >= 4 and first == second, f"relaunch differs from the JIT's launch: {seqs}"
-        assert all(launch.args[7] is None for launch in layers[1]), "the second layer went through the JIT"
+        assert len(first) == len(second) >= 4 and first == second, (
+            f"relaunch differs from the JIT's launch: {seqs}"
+        )
+        assert all(launch.args[7] is None for launch in layers[1]), (
+            "the second layer went through the JIT"
+        )
 
 
 def sm_ids_launch(programs: int = 4) -> None:
-    """The green-context probe's %smid kernel (probe_kernels.sm_ids allocates on CUDA: launched here directly)."""
+    """The green-context probe's %smid kernel (probe_kernels.sm_ids allocates on CUDA: launched here
+    directly)."""
     sm = torch.empty(programs, dtype=torch.int32)
     work = torch.empty(programs * SM_ID_BLOCK, dtype=torch.float32)
     _sm_ids_kernel[(programs,)](sm, work, 100, BLOCK=SM_ID_BLOCK, num_warps=1)
@@ -452,11 +629,14 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 PARTS = {
     "default": "every case but float32-splits' (the default test suite)",
-    "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: minutes of FMA dots "
-                      "each to compile (the second test suite)",
-    "fast": "default's but float32 attention and CUDA-graph steps (a quick look while editing a kernel)",
-    "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as the rest together, "
-            "and bfloat16 steps replayed from CUDA graphs",
+    "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: "
+    "minutes of FMA dots "
+    "each to compile (the second test suite)",
+    "fast": "default's but float32 attention and CUDA-graph steps (a quick look while editing a "
+    "kernel)",
+    "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as "
+    "the rest together, "
+    "and bfloat16 steps replayed from CUDA graphs",
     "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
 }
 
@@ -464,12 +644,19 @@ PARTS = {
 def cases(part: str) -> list[Case]:
     """The part's cases, the slowest families first so that the pool's last jobs are short."""
     if part == "oversized":
-        return [Case(f"attention prefill bfloat16 oversized {OVERSIZED}", "oversized",
-                     lambda: model("bfloat16").prefill_with(OVERSIZED, 256))]
+        return [
+            Case(
+                f"attention prefill bfloat16 oversized {OVERSIZED}",
+                "oversized",
+                lambda: model("bfloat16").prefill_with(OVERSIZED, 256),
+            )
+        ]
     if part == "float32-splits":
         return split_cases("float32")
     slow = attention_cases("float32") + graph_cases("bfloat16")
-    fast = [case for dt in ("bfloat16", "float16") for case in split_cases(dt) + attention_cases(dt)]
+    fast = [
+        case for dt in ("bfloat16", "float16") for case in split_cases(dt) + attention_cases(dt)
+    ]
     fast += [case for dt in DTYPES for case in elementwise_cases(dt)]
     fast.append(Case("relaunch bfloat16", "relaunch", lambda: relaunch_check("bfloat16")))
     fast.append(Case("probe spin float32", "probe", lambda: spin(torch.zeros(2 * BLOCK), 1000)))
@@ -477,7 +664,7 @@ def cases(part: str) -> list[Case]:
     return {"slow": slow, "fast": fast}.get(part, slow + fast)
 
 
-# ---- running them ------------------------------------------------------------------------------------------
+# ---- running them --------------------------------------------------------------------------------
 
 _stand_in: StopAfterPtxas | None = None
 _cases: list[Case] = []
@@ -493,28 +680,38 @@ def _start_worker(part: str) -> None:
 
 def _run_family(family: str) -> list[tuple[int, Result]]:
     assert _stand_in is not None, "call _start_worker first"
-    return [(i, run_case(_stand_in, case)) for i, case in enumerate(_cases) if case.family == family]
+    return [
+        (i, run_case(_stand_in, case)) for i, case in enumerate(_cases) if case.family == family
+    ]
 
 
 def run_part(part: str, jobs: int) -> list[Result]:
-    """The part's results in case order; each family of cases runs in one process, up to jobs at a time."""
+    """The part's results in case order; each family of cases runs in one process, up to jobs at a
+    time."""
     _start_worker(part)
     families = list(dict.fromkeys(case.family for case in _cases))
     if jobs <= 1 or len(families) == 1:
         done = [pair for family in families for pair in _run_family(family)]
     else:
-        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: forking after torch's import is unsafe
-        with ProcessPoolExecutor(min(jobs, len(families)), mp_context=spawn, initializer=_start_worker,
-                                 initargs=(part,)) as pool:
+        spawn = multiprocessing.get_context(
+            "spawn"
+        )  # a fresh interpreter: forking after torch's import is unsafe
+        with ProcessPoolExecutor(
+            min(jobs, len(families)), mp_context=spawn, initializer=_start_worker, initargs=(part,)
+        ) as pool:
             done = [pair for pairs in pool.map(_run_family, families) for pair in pairs]
     return [result for _, result in sorted(done, key=lambda pair: pair[0])]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(f"  {name:18s} {text}" for name, text in PARTS.items()))
-    parser.add_argument("--part", choices=PARTS, default="default", help="which cases to compile (below)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(f"  {name:18s} {text}" for name, text in PARTS.items()),
+    )
+    parser.add_argument(
+        "--part", choices=PARTS, default="default", help="which cases to compile (below)"
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiling processes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -522,12 +719,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.perf_counter()
     results = run_part(args.part, args.jobs)
-    print(f"triton {triton.__version__}, torch {torch.__version__}, target cuda:90, "
-          f"shared memory limit {H100_SHARED_MEMORY} B")
+    print(
+        f"triton {triton.__version__}, torch {torch.__version__}, target cuda:90, "
+        f"shared memory limit {H100_SHARED_MEMORY} B"
+    )
     for result in results:
         print(result.line(), flush=True)
     bad = [r for r in results if r.status != "OK"]
-    print(f"{len(results) - len(bad)} of {len(results)} cases OK in {time.perf_counter() - start:.0f} s")
+    print(
+        f"{len(results) - len(bad)} of {len(results)} cases OK in "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     return 1 if bad else 0
 
 

@@ -16,8 +16,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(autouse=True)
 def nan_filled_empty() -> Iterator[None]:
-    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the kernel never
-    writes fails the test instead of passing on stale memory."""
+    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the
+    kernel never writes fails the test instead of passing on stale memory."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(False)
@@ -34,7 +34,9 @@ def check(n: int, inner: int, dtype: torch.dtype, seed: int, device: str = DEVIC
     err = out.double() - ref
     rel_tol = 4e-6 if dtype == torch.float32 else 1e-2
     assert (err.norm() / ref.norm()).item() < rel_tol
-    assert (err.abs() <= rel_tol * ref.abs() + 1e-6).all(), "every element within rounding of the reference"
+    assert (err.abs() <= rel_tol * ref.abs() + 1e-6).all(), (
+        "every element within rounding of the reference"
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

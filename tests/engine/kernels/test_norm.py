@@ -17,8 +17,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(autouse=True)
 def nan_filled_empty() -> Iterator[None]:
-    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the kernel never
-    writes fails the test instead of passing on stale memory."""
+    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the
+    kernel never writes fails the test instead of passing on stale memory."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(False)
@@ -31,14 +31,18 @@ def reference(s: Tensor, weight: Tensor) -> Tensor:
 
 def assert_close(out: Tensor, ref: Tensor) -> None:
     assert not out.isnan().any()
-    # float32 to the brief's 1e-5; bf16 to two units in the last place (the reference rounds twice as well).
+    # float32 to the brief's 1e-5; bf16 to two units in the last place (the reference rounds twice
+    # as well).
     tol = 1e-5 if out.dtype == torch.float32 else 2**-6
     err = (out.double() - ref).abs()
     assert (err <= tol * (1 + ref.abs())).all(), f"max error {err.max().item():.2e}"
 
 
-def inputs(n: int, d: int, dtype: torch.dtype, seed: int, device: str = DEVICE) -> tuple[Tensor, Tensor, Tensor]:
-    """x as a strided view (every other row of a wider buffer), residual, and a weight away from 1."""
+def inputs(
+    n: int, d: int, dtype: torch.dtype, seed: int, device: str = DEVICE
+) -> tuple[Tensor, Tensor, Tensor]:
+    """x as a strided view (every other row of a wider buffer), residual, and a weight away from
+    1."""
     gen = torch.Generator().manual_seed(seed)
     x = (3 * torch.randn(2 * n, d + 3, generator=gen)).to(device, dtype)[::2, :d]
     residual = torch.randn(n, d, generator=gen).to(device, dtype)
@@ -73,15 +77,21 @@ def test_add_rms_norm(n: int, d: int, dtype: torch.dtype) -> None:
     x, residual, weight = inputs(n, d, dtype, seed=n + d)
     out, s = add_rms_norm(x, residual, weight, EPS)
     total = x.double() + residual.double()
-    # s is x + residual rounded once to the dtype (the interpreter truncates where the GPU rounds to nearest).
-    torch.testing.assert_close(s.double(), total, rtol=0 if dtype == torch.float32 else 2**-7, atol=1e-6)
+    # s is x + residual rounded once to the dtype (the interpreter truncates where the GPU rounds to
+    # nearest).
+    torch.testing.assert_close(
+        s.double(), total, rtol=0 if dtype == torch.float32 else 2**-7, atol=1e-6
+    )
     assert_close(out, reference(s, weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "d"), [(1, 64), (37, 24), (5, 1000)])
-def test_add_rms_norm_in_place_equals_the_out_of_place_one(n: int, d: int, dtype: torch.dtype) -> None:
-    """The engine's residual stream: the sum goes into residual and the output into x, bit for bit add_rms_norm's."""
+def test_add_rms_norm_in_place_equals_the_out_of_place_one(
+    n: int, d: int, dtype: torch.dtype
+) -> None:
+    """The engine's residual stream: the sum goes into residual and the output into x, bit for bit
+    add_rms_norm's."""
     x, residual, weight = inputs(n, d, dtype, seed=n * 3 + d)
     x = x.contiguous()
     want_out, want_s = add_rms_norm(x, residual, weight, EPS)

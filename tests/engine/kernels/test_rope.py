@@ -1,5 +1,5 @@
-"""apply_rope against a float64 rotate_half reference, q and k strided views of a fused qkv output; rope_store_kv
-against apply_rope followed by store_kv."""
+"""apply_rope against a float64 rotate_half reference, q and k strided views of a fused qkv output;
+rope_store_kv against apply_rope followed by store_kv."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(autouse=True)
 def nan_filled_empty() -> Iterator[None]:
-    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the kernel never
-    writes fails the test instead of passing on stale memory."""
+    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the
+    kernel never writes fails the test instead of passing on stale memory."""
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(False)
@@ -31,8 +31,16 @@ def reference(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def rope_inputs(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-                device: str = DEVICE, max_pos: int = 4096) -> tuple[Tensor, ...]:
+def rope_inputs(
+    t: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: str = DEVICE,
+    max_pos: int = 4096,
+) -> tuple[Tensor, ...]:
     """q, k, v as strided views of one fused qkv output; positions; float32 cos and sin tables."""
     gen = torch.Generator().manual_seed(seed)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -46,8 +54,15 @@ def rope_inputs(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.d
     return q, k, v, positions, cos, sin
 
 
-def check(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-          device: str = DEVICE) -> None:
+def check(
+    t: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: str = DEVICE,
+) -> None:
     q, k, _, positions, cos, sin = rope_inputs(t, heads, kv_heads, head_dim, dtype, seed, device)
     q_out, k_out = apply_rope(q, k, positions, cos, sin)
     tol = 1e-6 if dtype == torch.float32 else 2**-7
@@ -59,19 +74,31 @@ def check(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("t", "heads", "kv_heads", "head_dim"), [(1, 4, 2, 16), (9, 6, 2, 24), (5, 3, 1, 64)])
+@pytest.mark.parametrize(
+    ("t", "heads", "kv_heads", "head_dim"), [(1, 4, 2, 16), (9, 6, 2, 24), (5, 3, 1, 64)]
+)
 def test_apply_rope(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
     check(t, heads, kv_heads, head_dim, dtype, seed=t * head_dim)
 
 
-def check_fused(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int,
-                device: str = DEVICE) -> None:
-    """rope_store_kv writes what apply_rope then store_kv write, bit for bit, and the same rotated q; a token at a
-    negative slot (a graph's padding) writes no KV."""
+def check_fused(
+    t: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    device: str = DEVICE,
+) -> None:
+    """rope_store_kv writes what apply_rope then store_kv write, bit for bit, and the same rotated
+    q; a token at a negative slot (a graph's padding) writes no KV."""
     q, k, v, positions, cos, sin = rope_inputs(t, heads, kv_heads, head_dim, dtype, seed, device)
     slots = torch.randperm(3 * t, generator=torch.Generator().manual_seed(seed))[:t].to(device)
     slots[t // 2] = -1
-    want = [torch.full((3 * t, kv_heads, head_dim), float("nan"), dtype=dtype, device=device) for _ in range(2)]
+    want = [
+        torch.full((3 * t, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+        for _ in range(2)
+    ]
     want_q, want_k = apply_rope(q, k, positions, cos, sin)
     store_kv(want_k, v, *want, slots)
     got = [torch.full_like(want[0], float("nan")) for _ in range(2)]
@@ -80,12 +107,18 @@ def check_fused(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.d
     for g, w in zip(got, want):
         assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0))
     out = torch.empty_like(want_q)
-    assert rope_store_kv(q, k, v, positions, cos, sin, *got, slots, out=out) is out and torch.equal(out, want_q)
+    assert rope_store_kv(q, k, v, positions, cos, sin, *got, slots, out=out) is out and torch.equal(
+        out, want_q
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("t", "heads", "kv_heads", "head_dim"), [(1, 4, 2, 16), (9, 6, 2, 24), (5, 3, 1, 64)])
-def test_rope_store_kv(t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("t", "heads", "kv_heads", "head_dim"), [(1, 4, 2, 16), (9, 6, 2, 24), (5, 3, 1, 64)]
+)
+def test_rope_store_kv(
+    t: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
     check_fused(max(t, 2), heads, kv_heads, head_dim, dtype, seed=t + head_dim)
 
 

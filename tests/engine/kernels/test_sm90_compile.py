@@ -1,7 +1,9 @@
-"""Every Triton kernel compiles for an H100 (sm_90) and fits its shared memory, on any machine: sm90_compile.py.
+"""Every Triton kernel compiles for an H100 (sm_90) and fits its shared memory, on any machine:
+sm90_compile.py.
 
-Each check runs in a process of its own, without TRITON_INTERPRET (which this test process sets, and under which
-nothing is compiled): its stand-in Triton driver stays active until that process exits, out of other tests' way.
+Each check runs in a process of its own, without TRITON_INTERPRET (which this test process sets, and
+under which nothing is compiled): its stand-in Triton driver stays active until that process exits,
+out of other tests' way.
 """
 
 from __future__ import annotations
@@ -13,31 +15,41 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton.backends.nvidia", reason="needs Triton's NVIDIA backend (and its ptxas)")
+pytest.importorskip(
+    "triton.backends.nvidia", reason="needs Triton's NVIDIA backend (and its ptxas)"
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
 def compile_for_sm90(part: str) -> tuple[int, list[str], str]:
-    """(exit status, the cases that are not OK, everything printed) of sm90_compile.py --part part."""
+    """(exit status, the cases that are not OK, everything printed) of sm90_compile.py --part
+    part."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.engine.kernels.sm90_compile", "--part", part], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.engine.kernels.sm90_compile", "--part", part],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     not_ok = [line for line in done.stdout.splitlines() if line.startswith(("FAIL", "SMEM"))]
     return done.returncode, not_ok, f"{done.stdout}\n{done.stderr[-4000:]}"
 
 
 def test_kernels_compile_for_sm90() -> None:
-    """Every kernel and every configuration the engine can choose, in bfloat16, float16 and float32, eager and
-    through CUDA graphs' static buffers, but float32 attention split or in the mixed launch (below); most of the
-    time goes to float32 attention's FMA dots."""
+    """Every kernel and every configuration the engine can choose, in bfloat16, float16 and float32,
+    eager and through CUDA graphs' static buffers, but float32 attention split or in the mixed
+    launch (below); most of the time goes to float32 attention's FMA dots."""
     rc, not_ok, output = compile_for_sm90("default")
     assert rc == 0, "\n".join(not_ok) or output
 
 
 @pytest.mark.slow
 def test_float32_split_and_mixed_attention_compile_for_sm90() -> None:
-    """float32 attention's split-KV and mixed-launch variants: several minutes of FMA dots on two cores."""
+    """float32 attention's split-KV and mixed-launch variants: several minutes of FMA dots on two
+    cores."""
     rc, not_ok, output = compile_for_sm90("float32-splits")
     assert rc == 0, "\n".join(not_ok) or output
 

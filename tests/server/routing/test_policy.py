@@ -1,5 +1,5 @@
-"""The ppd policy's decisions on synthetic tables and live states: every branch, the online update, the fallback,
-and the table file."""
+"""The ppd policy's decisions on synthetic tables and live states: every branch, the online update,
+the fallback, and the table file."""
 
 from __future__ import annotations
 
@@ -19,12 +19,19 @@ LOADS = [1, 8]
 
 
 def stats(ttft: float, tpot: float, queue: float = 0.0) -> RouteStats:
-    return RouteStats(ttft_p50_ms=ttft, ttft_p90_ms=2 * ttft, tpot_p50_ms=tpot, tpot_p90_ms=2 * tpot,
-                      queue_delay_ms=queue, n=50)
+    return RouteStats(
+        ttft_p50_ms=ttft,
+        ttft_p90_ms=2 * ttft,
+        tpot_p50_ms=tpot,
+        tpot_p90_ms=2 * tpot,
+        queue_delay_ms=queue,
+        n=50,
+    )
 
 
 def table(**cells: tuple[RouteStats, RouteStats]) -> PolicyTable:
-    """Cells named 'c{context}s{shape}l{load}' -> (prefill stats, decode stats); unnamed cells are left out."""
+    """Cells named 'c{context}s{shape}l{load}' -> (prefill stats, decode stats); unnamed cells are
+    left out."""
     parsed = {}
     for name, (p, d) in cells.items():
         key = (int(name[1]), int(name[3]), int(name[5]))
@@ -36,20 +43,38 @@ def ppd(t: PolicyTable | None, **objective: float) -> PPDPolicy:
     return PPDPolicy(t, Objective(**objective))
 
 
-LIVE = UnitLive(prefill_queue_tokens=0, prefill_tokens_per_s=10_000, decode_step_ms=10, inline_tokens_per_s=10_000)
+LIVE = UnitLive(
+    prefill_queue_tokens=0,
+    prefill_tokens_per_s=10_000,
+    decode_step_ms=10,
+    inline_tokens_per_s=10_000,
+)
 
 
 def test_cells_are_found_by_nearest_profiled_point() -> None:
     t = table()
     assert t.key(cached=200, new=60, output=500, load=1) == (0, 0, 0)
     assert t.key(cached=600, new=60, output=500, load=1) == (1, 0, 0)  # past sqrt(256 * 1024) = 512
-    assert t.key(cached=300, new=1000, output=50, load=1) == (0, 1, 0)  # ratio 20: the prefill-heavy shape
-    assert t.key(cached=300, new=200, output=100, load=3) == (0, 1, 1)  # ratio 2 > sqrt(0.125 * 16); load 3 > sqrt(8)
+    assert t.key(cached=300, new=1000, output=50, load=1) == (
+        0,
+        1,
+        0,
+    )  # ratio 20: the prefill-heavy shape
+    assert t.key(cached=300, new=200, output=100, load=3) == (
+        0,
+        1,
+        1,
+    )  # ratio 2 > sqrt(0.125 * 16); load 3 > sqrt(8)
 
 
 def test_table_decides_each_cell_by_the_weighted_objective() -> None:
-    t = table(c0s0l0=(stats(ttft=100, tpot=10), stats(ttft=40, tpot=11)),  # decode saves 60 ms TTFT for 1 ms TPOT
-              c0s1l1=(stats(ttft=100, tpot=10), stats(ttft=60, tpot=15)))  # decode saves 40 ms for 5 ms TPOT
+    t = table(
+        c0s0l0=(
+            stats(ttft=100, tpot=10),
+            stats(ttft=40, tpot=11),
+        ),  # decode saves 60 ms TTFT for 1 ms TPOT
+        c0s1l1=(stats(ttft=100, tpot=10), stats(ttft=60, tpot=15)),
+    )  # decode saves 40 ms for 5 ms TPOT
     policy = ppd(t)  # w_tpot 10: 60 > 10 (decode); 40 < 50 (prefill)
     d = policy.route(cached=200, new=60, output=500, load=1, live=LIVE)
     assert (d.route, d.reason, d.cell) == ("decode", "table", (0, 0, 0))
@@ -57,20 +82,29 @@ def test_table_decides_each_cell_by_the_weighted_objective() -> None:
     assert (d.route, d.reason) == ("prefill", "table")
     assert t.cells[(0, 0, 0)].x_star == 1 and t.cells[(0, 1, 1)].x_star == 0
     # Other weights need no new measurement: x* is recomputed from the stored latencies.
-    assert ppd(t, w_tpot=100).route(cached=200, new=60, output=500, load=1, live=LIVE).route == "prefill"
+    assert (
+        ppd(t, w_tpot=100).route(cached=200, new=60, output=500, load=1, live=LIVE).route
+        == "prefill"
+    )
 
 
 def test_a_long_prefill_queue_now_overturns_the_table() -> None:
     t = table(c0s1l1=(stats(ttft=100, tpot=10, queue=20), stats(ttft=60, tpot=15)))
     policy = ppd(t)
     assert policy.route(cached=200, new=1000, output=50, load=8, live=LIVE).route == "prefill"
-    busy = UnitLive(prefill_queue_tokens=2_000, prefill_tokens_per_s=10_000, decode_step_ms=10)  # 200 ms queued
+    busy = UnitLive(
+        prefill_queue_tokens=2_000, prefill_tokens_per_s=10_000, decode_step_ms=10
+    )  # 200 ms queued
     d = policy.route(cached=200, new=1000, output=50, load=8, live=busy)
-    assert (d.route, d.reason) == ("decode", "queue") and d.queue_correction_ms == pytest.approx(180)
+    assert (d.route, d.reason) == ("decode", "queue") and d.queue_correction_ms == pytest.approx(
+        180
+    )
 
 
 def test_a_shorter_queue_than_profiled_does_not_send_appends_to_the_prefill_worker() -> None:
-    t = table(c0s0l0=(stats(ttft=100, tpot=10, queue=80), stats(ttft=60, tpot=11)))  # decode by a margin of 30
+    t = table(
+        c0s0l0=(stats(ttft=100, tpot=10, queue=80), stats(ttft=60, tpot=11))
+    )  # decode by a margin of 30
     idle = UnitLive(prefill_queue_tokens=0, prefill_tokens_per_s=10_000, decode_step_ms=10)
     d = ppd(t).route(cached=200, new=60, output=500, load=1, live=idle)
     assert (d.route, d.reason, d.queue_correction_ms) == ("decode", "table", 0.0)
@@ -78,25 +112,38 @@ def test_a_shorter_queue_than_profiled_does_not_send_appends_to_the_prefill_work
 
 def test_without_a_table_the_cost_model_weighs_queue_against_the_inline_slowdown() -> None:
     policy = ppd(None)
-    # An idle prefill worker answers 64 new tokens in 6.4 ms; inline waits for 1.5 decode steps (15 ms) too.
+    # An idle prefill worker answers 64 new tokens in 6.4 ms; inline waits for 1.5 decode steps (15
+    # ms) too.
     d = policy.route(cached=200, new=64, output=512, load=4, live=LIVE)
     assert (d.route, d.reason, d.cell) == ("prefill", "model", None)
-    # With 100 ms of prefill work queued ahead, inline wins: its 6.4 ms added to one step, over 512 outputs, is cheap.
-    queued = UnitLive(prefill_queue_tokens=1_000, prefill_tokens_per_s=10_000, decode_step_ms=10,
-                      inline_tokens_per_s=10_000)
+    # With 100 ms of prefill work queued ahead, inline wins: its 6.4 ms added to one step, over 512
+    # outputs, is cheap.
+    queued = UnitLive(
+        prefill_queue_tokens=1_000,
+        prefill_tokens_per_s=10_000,
+        decode_step_ms=10,
+        inline_tokens_per_s=10_000,
+    )
     assert policy.route(cached=200, new=64, output=512, load=4, live=queued).route == "decode"
     # 4096 new tokens for 4 outputs: 410 ms added to a step, per output token, outweighs that queue.
     assert policy.route(cached=200, new=4096, output=4, load=4, live=queued).route == "prefill"
     # Unless four seconds of prefill work are queued ahead.
-    busy = UnitLive(prefill_queue_tokens=40_000, prefill_tokens_per_s=10_000, decode_step_ms=10,
-                    inline_tokens_per_s=10_000)
+    busy = UnitLive(
+        prefill_queue_tokens=40_000,
+        prefill_tokens_per_s=10_000,
+        decode_step_ms=10,
+        inline_tokens_per_s=10_000,
+    )
     assert policy.route(cached=200, new=4096, output=4, load=4, live=busy).route == "decode"
 
 
 def test_slo_guards() -> None:
     t = table(c0s0l0=(stats(ttft=100, tpot=10), stats(ttft=40, tpot=11)))
-    # Decode is the better route, but its step (10 ms + 64 new tokens at 1000 tokens/s) passes a 50 ms ITL SLO.
-    slow_inline = UnitLive(prefill_tokens_per_s=10_000, decode_step_ms=10, inline_tokens_per_s=1_000)
+    # Decode is the better route, but its step (10 ms + 64 new tokens at 1000 tokens/s) passes a 50
+    # ms ITL SLO.
+    slow_inline = UnitLive(
+        prefill_tokens_per_s=10_000, decode_step_ms=10, inline_tokens_per_s=1_000
+    )
     d = ppd(t, itl_slo_ms=50).route(cached=200, new=64, output=512, load=1, live=slow_inline)
     assert (d.route, d.reason) == ("prefill", "itl_slo")
     # Prefill is the better route by the weights, but it misses a 150 ms TTFT SLO that decode meets.
@@ -107,13 +154,19 @@ def test_slo_guards() -> None:
 
 
 def test_observations_move_estimates_boundedly_and_can_flip_a_cell_over_time() -> None:
-    t = table(c0s0l0=(stats(ttft=100, tpot=10), stats(ttft=80, tpot=11)))  # decode by a margin of 10
+    t = table(
+        c0s0l0=(stats(ttft=100, tpot=10), stats(ttft=80, tpot=11))
+    )  # decode by a margin of 10
     policy = ppd(t)
     decision = policy.route(cached=200, new=60, output=500, load=1, live=LIVE)
     assert decision.route == "decode"
-    policy.observe(decision, Outcome("decode", 200, 60, 500, ttft_ms=1e9, tpot_ms=1e9))  # one absurd outlier
+    policy.observe(
+        decision, Outcome("decode", 200, 60, 500, ttft_ms=1e9, tpot_ms=1e9)
+    )  # one absurd outlier
     ttft, tpot = policy.estimates[(0, 0, 0)]["decode"]
-    assert ttft == pytest.approx(80 * (1 + OBSERVATION_WEIGHT)) and tpot == pytest.approx(11 * (1 + OBSERVATION_WEIGHT))
+    assert ttft == pytest.approx(80 * (1 + OBSERVATION_WEIGHT)) and tpot == pytest.approx(
+        11 * (1 + OBSERVATION_WEIGHT)
+    )
     assert policy.route(cached=200, new=60, output=500, load=1, live=LIVE).route == "decode"
     for _ in range(30):  # a sustained change: decode really is slow now
         policy.observe(decision, Outcome("decode", 200, 60, 500, ttft_ms=150, tpot_ms=14))
@@ -139,9 +192,11 @@ def test_table_file_round_trip_and_errors(tmp_path: Path) -> None:
     back = PolicyTable.load(path)
     assert back.to_json() == t.to_json()
     data = json.loads(path.read_text())
-    for broken, message in (({**data, "schema": "other"}, "not a ppd policy table"),
-                            ({**data, "version": 99}, "version 99"),
-                            ({**data, "grid": {"contexts": [1]}}, "malformed")):
+    for broken, message in (
+        ({**data, "schema": "other"}, "not a ppd policy table"),
+        ({**data, "version": 99}, "version 99"),
+        ({**data, "grid": {"contexts": [1]}}, "malformed"),
+    ):
         path.write_text(json.dumps(broken))
         with pytest.raises(TableError, match=message):
             PolicyTable.load(path)
@@ -150,26 +205,47 @@ def test_table_file_round_trip_and_errors(tmp_path: Path) -> None:
 
 
 def test_default_table_path_names_device_and_model(tmp_path: Path) -> None:
-    assert table_path("NVIDIA H100 80GB HBM3", "Llama-3.1-8B", tmp_path).name == \
-        "nvidia-h100-80gb-hbm3__llama-3.1-8b__policy.json"
+    assert (
+        table_path("NVIDIA H100 80GB HBM3", "Llama-3.1-8B", tmp_path).name
+        == "nvidia-h100-80gb-hbm3__llama-3.1-8b__policy.json"
+    )
 
 
 @pytest.mark.parametrize("hint", [None, "prefill"])
-def test_a_decision_the_table_did_not_make_is_filed_under_the_load_it_was_made_at(hint: str | None) -> None:
-    """A router miss the unit served from its own cache, and a client's route, teach the cell of their real load."""
-    cells = {f"c{c}s{s}l{l}": (stats(ttft=100, tpot=10), stats(ttft=60, tpot=11))
-             for c in range(2) for s in range(2) for l in range(2)}
+def test_a_decision_the_table_did_not_make_is_filed_under_the_load_it_was_made_at(
+    hint: str | None,
+) -> None:
+    """A router miss the unit served from its own cache, and a client's route, teach the cell of
+    their real load."""
+    cells = {
+        f"c{c}s{s}l{ld}": (stats(ttft=100, tpot=10), stats(ttft=60, tpot=11))
+        for c in range(2)
+        for s in range(2)
+        for ld in range(2)
+    }
     policy = ppd(table(**cells))
     router = Router(num_units=1, block_size=16, policy=policy, capacity_blocks=100)
     for i in range(7):  # seven other conversations in flight
         router.route([1000 * (i + 1) + t for t in range(16)], available=[0])
     prompt = list(range(260))
     if hint is not None:
-        router.remember(0, block_hashes(prompt, 16))  # the router guesses the prefix is cached, the client routes
+        router.remember(
+            0, block_hashes(prompt, 16)
+        )  # the router guesses the prefix is cached, the client routes
     placed = router.route(prompt, available=[0], route_hint=hint)
-    assert placed.decision.reason == ("miss" if hint is None else "client") and placed.decision.load == 8
+    assert (
+        placed.decision.reason == ("miss" if hint is None else "client")
+        and placed.decision.load == 8
+    )
     before = {key: [list(v) for v in routes.values()] for key, routes in policy.estimates.items()}
-    # The unit found 200 tokens of the prompt in its own cache and ran the append on the prefill worker.
-    router.finished(0, prompt + [7] * 50, placed, Outcome("prefill", 200, 60, 50, ttft_ms=50, tpot_ms=10))
-    moved = [key for key, routes in policy.estimates.items() if [list(v) for v in routes.values()] != before[key]]
+    # The unit found 200 tokens of the prompt in its own cache and ran the append on the prefill
+    # worker.
+    router.finished(
+        0, prompt + [7] * 50, placed, Outcome("prefill", 200, 60, 50, ttft_ms=50, tpot_ms=10)
+    )
+    moved = [
+        key
+        for key, routes in policy.estimates.items()
+        if [list(v) for v in routes.values()] != before[key]
+    ]
     assert moved == [policy.table.key(200, 60, 50, load=8)] == [(0, 0, 1)]

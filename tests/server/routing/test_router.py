@@ -58,8 +58,8 @@ def test_only_available_units_are_chosen_and_restart_forgets() -> None:
 
 def test_index_is_bounded_lru() -> None:
     router = Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=3)
-    router.route(list(range(8)), available=[0])            # 2 blocks
-    router.route(list(range(100, 108)), available=[0])     # 2 more: the oldest block goes
+    router.route(list(range(8)), available=[0])  # 2 blocks
+    router.route(list(range(100, 108)), available=[0])  # 2 more: the oldest block goes
     assert router.route(list(range(8)), available=[0]).est_cached_tokens == 0
 
 
@@ -83,15 +83,23 @@ class Clock:
 
 def test_session_keeps_its_unit_against_prefix_and_load_until_idle_too_long() -> None:
     clock = Clock()
-    router = Router(num_units=2, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100, session_ttl_s=60,
-                    clock=clock)
+    router = Router(
+        num_units=2,
+        block_size=BS,
+        policy=Policy("dlocal"),
+        capacity_blocks=100,
+        session_ttl_s=60,
+        clock=clock,
+    )
     first = router.route(list(range(40)), available=[0, 1], session="s1")
     other = 1 - first.unit
-    # Another conversation fills the first unit's load; a new prompt of session s1 with no prefix still goes home.
+    # Another conversation fills the first unit's load; a new prompt of session s1 with no prefix
+    # still goes home.
     router.route(list(range(500, 540)), available=[0, 1])
     clock.now = 59
     assert router.route(list(range(900, 940)), available=[0, 1], session="s1").unit == first.unit
-    # After a quiet spell longer than the TTL the session is forgotten: the least loaded unit takes it.
+    # After a quiet spell longer than the TTL the session is forgotten: the least loaded unit takes
+    # it.
     clock.now = 59 + 61
     assert router.route(list(range(700, 740)), available=[0, 1], session="s1").unit == other
 
@@ -101,32 +109,46 @@ def test_session_whose_unit_restarted_or_is_unavailable_goes_to_the_best_unit() 
     conv = list(range(40))
     first = router.route(conv, available=[0, 1], session="s")
     other = 1 - first.unit
-    assert router.route(conv + [1] * 8, available=[other], session="s").unit == other  # home unit not ready
+    assert (
+        router.route(conv + [1] * 8, available=[other], session="s").unit == other
+    )  # home unit not ready
     router.forget_unit(other)
     router.finished(first.unit, conv)
     placed = router.route(conv + [1] * 8, available=[0, 1], session="s")
-    assert placed.unit == first.unit and placed.est_cached_tokens == 40  # back where its prefix still is
+    assert (
+        placed.unit == first.unit and placed.est_cached_tokens == 40
+    )  # back where its prefix still is
 
 
 def test_client_route_hint_overrides_the_policy_for_an_append_only() -> None:
     router = Router(num_units=1, block_size=BS, policy=Policy("pd"), capacity_blocks=100)
-    assert router.route(list(range(16)), available=[0], route_hint="decode").route == "prefill"  # a miss
+    assert (
+        router.route(list(range(16)), available=[0], route_hint="decode").route == "prefill"
+    )  # a miss
     placed = router.route(list(range(16)) + [5, 6], available=[0], route_hint="decode")
     assert (placed.route, placed.decision.reason) == ("decode", "client")
 
 
 def _api_servers(n: int) -> list[Router]:
-    """n API servers' routers joined as the router bus joins them: every event reaches every other one."""
-    routers = [Router(num_units=2, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100) for _ in range(n)]
+    """n API servers' routers joined as the router bus joins them: every event reaches every other
+    one."""
+    routers = [
+        Router(num_units=2, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100)
+        for _ in range(n)
+    ]
     for i, router in enumerate(routers):
         router.origin = i
-        router.publish = lambda event, i=i: [r.apply(event) for j, r in enumerate(routers) if j != i]
+        router.publish = lambda event, i=i: [
+            r.apply(event) for j, r in enumerate(routers) if j != i
+        ]
     return routers
 
 
 def test_api_servers_share_placements_sessions_and_load() -> None:
     a, b = _api_servers(2)
-    a.route([99] * BS, [0])  # unit 0 is busier: the conversation goes to unit 1, where b alone would not look
+    a.route(
+        [99] * BS, [0]
+    )  # unit 0 is busier: the conversation goes to unit 1, where b alone would not look
     first = list(range(3 * BS))
     placed = a.route(first, [0, 1])
     assert placed.unit == 1
@@ -147,17 +169,28 @@ def test_api_servers_share_placements_sessions_and_load() -> None:
 
 def test_an_api_servers_new_conversations_balance_with_the_others() -> None:
     a, b = _api_servers(2)
-    units = [r.route([1000 * i + t for t in range(BS)], [0, 1]).unit for i, r in enumerate([a, b, a, b])]
-    assert sorted(units) == [0, 0, 1, 1]  # alone, each would have put its first two on unit 0 then 1: the same
+    units = [
+        r.route([1000 * i + t for t in range(BS)], [0, 1]).unit for i, r in enumerate([a, b, a, b])
+    ]
+    assert sorted(units) == [
+        0,
+        0,
+        1,
+        1,
+    ]  # alone, each would have put its first two on unit 0 then 1: the same
 
 
 def test_a_finished_request_hashes_only_its_answer_and_the_placement_carries_the_prompts() -> None:
-    """The router's index learns the same blocks whether the prompt's hashes are reused or computed again."""
+    """The router's index learns the same blocks whether the prompt's hashes are reused or computed
+    again."""
     from engine.prefix_hash import block_hashes
 
     conv = list(range(100, 121))  # 5 full blocks and a token
     answer = [1, 2, 3, 4, 5, 6]
-    reused, fresh = (Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100) for _ in "ab")
+    reused, fresh = (
+        Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100)
+        for _ in "ab"
+    )
     placed = reused.route(conv, available=[0])
     assert placed.hashes == block_hashes(conv, BS), "the prompt's hashes travel with its placement"
     reused.finished(0, conv + answer, placed)
@@ -166,9 +199,10 @@ def test_a_finished_request_hashes_only_its_answer_and_the_placement_carries_the
     assert list(reused.index[0]) == list(fresh.index[0]) == block_hashes(conv + answer, BS)
 
 
-def test_the_hashes_a_placement_carries_are_the_ones_the_units_block_manager_keys_its_cache_by() -> None:
-    """The decode worker matches and caches a prompt's blocks under the router's hashes (they come with the request):
-    a later prompt the worker hashes itself finds them, and a GenerateRequest carries them intact."""
+def test_the_hashes_a_placement_carries_are_the_ones_the_units_block_manager_keys_by() -> None:
+    """The decode worker matches and caches a prompt's blocks under the router's hashes (they come
+    with the request): a later prompt the worker hashes itself finds them, and a GenerateRequest
+    carries them intact."""
     import msgspec
 
     from engine.block_manager import BlockManager
@@ -176,7 +210,9 @@ def test_the_hashes_a_placement_carries_are_the_ones_the_units_block_manager_key
     from scheduler.messages import GenerateRequest
 
     prompt = list(range(1000, 1018))  # 4 full blocks and 2 tokens
-    placed = Router(num_units=1, block_size=BS, policy=Policy("pd"), capacity_blocks=100).route(prompt, [0])
+    placed = Router(num_units=1, block_size=BS, policy=Policy("pd"), capacity_blocks=100).route(
+        prompt, [0]
+    )
     sent = GenerateRequest("r", prompt, SamplingParams(), "prefill", block_hashes=placed.hashes)
     got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=GenerateRequest)
     assert got.block_hashes == placed.hashes and len(placed.hashes) == 4
@@ -188,8 +224,9 @@ def test_the_hashes_a_placement_carries_are_the_ones_the_units_block_manager_key
 
 
 def test_an_event_that_cannot_be_published_neither_fails_the_request_nor_leaks_its_load() -> None:
-    """Router events are hints: a bus that raises (a full queue, a closed socket) costs the other API servers a
-    hint, never the request its router placed, and the load it counted is given back when the request ends."""
+    """Router events are hints: a bus that raises (a full queue, a closed socket) costs the other
+    API servers a hint, never the request its router placed, and the load it counted is given
+    back when the request ends."""
     router = Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=100)
 
     def full(event) -> None:
