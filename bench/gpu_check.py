@@ -898,8 +898,8 @@ def pack(out: Path, archive: Path, limit: int = ARCHIVE_LIMIT) -> list[str]:
             )
         big = files[0]
         data = big.read_bytes()
-        cut = len(data) - 2 * KEEP_PER_END
-        note = f"\n[... {cut} bytes cut by gpu_check to fit the archive ...]\n".encode()
+        dropped = len(data) - 2 * KEEP_PER_END
+        note = f"\n[... {dropped} bytes cut by gpu_check to fit the archive ...]\n".encode()
         big.write_bytes(data[:KEEP_PER_END] + note + data[-KEEP_PER_END:])
         cut.append(f"{big.relative_to(out)} ({len(data)} bytes)")
         (out / "TRUNCATED.txt").write_text(

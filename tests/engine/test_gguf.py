@@ -359,6 +359,7 @@ def test_smollm2_greedy_ids_equal_transformers_on_chat_prompts(
             assert tokenizer.decode(ours).startswith("The capital of France is Paris.")
 
 
+@pytest.mark.slow  # a minute on 2 cores (real weights, converted once): the second suite
 @torch.no_grad()
 def test_smollm2_prompt_logprobs_on_real_text_equal_transformers(
     smollm2: Path, smollm2_folder: Path

@@ -628,15 +628,12 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 
 PARTS = {
-    "default": "every case but float32-splits' (the default test suite)",
+    "default": "every case but float32-splits' (fast and slow together)",
     "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: "
-    "minutes of FMA dots "
-    "each to compile (the second test suite)",
-    "fast": "default's but float32 attention and CUDA-graph steps (a quick look while editing a "
-    "kernel)",
+    "minutes of FMA dots each to compile (the second test suite)",
+    "fast": "default's but float32 attention and CUDA-graph steps (the default test suite)",
     "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as "
-    "the rest together, "
-    "and bfloat16 steps replayed from CUDA graphs",
+    "the rest together, and bfloat16 steps replayed from CUDA graphs (the second test suite)",
     "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
 }
 
