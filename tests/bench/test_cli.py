@@ -464,6 +464,7 @@ def test_compare_rejects_unknown_policy() -> None:
     assert result.returncode == 2 and "fastest" in result.stderr and "aggregated" in result.stderr
 
 
+@pytest.mark.slow  # a server of its own (about 15 s on 2 cores): the second suite
 def test_serve_args_with_a_port_are_polled_on_that_port(tmp_path) -> None:
     import socket
 

@@ -97,11 +97,20 @@ class Seqs:
 
 # The four architectures, two with each mixed launch (MIXED_LAUNCH), and llama with 1,024 positions,
 # whose token buckets split their keys.
+# qwen2's and qwen3's run in the second suite (about 20 s each on 2 cores); llama and mistral take
+# one mixed launch each here.
 STATIC_CASES = {arch: (arch, 256, ("fused", "sequential")[i % 2]) for i, arch in enumerate(ARCHS)}
 STATIC_CASES["llama-1024"] = ("llama", 1024, "fused")
+SLOW_STATIC = {"qwen2", "qwen3"}
 
 
-@pytest.mark.parametrize(("arch", "positions", "mixed"), STATIC_CASES.values(), ids=STATIC_CASES)
+@pytest.mark.parametrize(
+    ("arch", "positions", "mixed"),
+    [
+        pytest.param(*case, id=name, marks=[pytest.mark.slow] if name in SLOW_STATIC else [])
+        for name, case in STATIC_CASES.items()
+    ],
+)
 def test_padded_static_path_equals_the_eager_one(
     arch: str, positions: int, mixed: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -239,6 +248,9 @@ def long_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama", max_position_embeddings=1024)
 
 
+# Over 30 s on 2 cores; the default suite's llama-1024 case above checks the same split buckets
+# against the eager path, which the model tests check against transformers.
+@pytest.mark.slow
 def test_decode_through_static_buffers_matches_hf(long_llama: Path) -> None:
     model, cfg = load_model(long_llama)
     pool = torch.full(kv_pool_shape(cfg, 160, BLOCK), float("nan"))

@@ -390,6 +390,7 @@ def test_bad_kv_events_config_is_refused(args: list[str], needle: str) -> None:
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow  # a server of its own (over 10 s on 2 cores): the second suite
 def test_a_kv_events_endpoint_in_use_stops_the_server_with_its_name(tmp_path: Path) -> None:
     import zmq
 

@@ -89,7 +89,8 @@ def test_past_capacity_only_200s_and_429s_with_retry_after(start_server) -> None
     wait_until(lambda: idle(server), 60, "the server to drain")
 
 
-@pytest.mark.parametrize("policy", ["aggregated", "pd"])
+# aggregated's, about a minute on 2 cores, in the second suite.
+@pytest.mark.parametrize("policy", [pytest.param("aggregated", marks=pytest.mark.slow), "pd"])
 def test_queue_time_bounds_waiting_to_start_not_the_prefill(start_server, policy: str) -> None:
     """--max-queue-time-s bounds the wait to be scheduled, in the decode worker's queue (aggregated:
     one sequence at a time) and in the prefill worker's (pd: first come, first served): a prefill

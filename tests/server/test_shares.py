@@ -99,6 +99,7 @@ def test_workers_move_between_cores_as_load_changes_and_answers_stay_exact(serve
     assert {partition["decode_share"], partition["prefill_share"]} <= {1, 2}
 
 
+@pytest.mark.slow  # a server of its own (over 10 s on 2 cores): the second suite
 def test_without_the_share_manager_the_workers_stay_where_they_started(
     start_server, served
 ) -> None:
