@@ -1006,19 +1006,28 @@ def _status(out: Path, line: str) -> None:
         f.write(line + "\n")
 
 
+def project_modules() -> list[str]:
+    """Every module of the project's packages, but a package's __main__ (importing it runs it)."""
+    import pkgutil
+
+    names = []
+    for package in ("cli", "engine", "scheduler", "partition", "server", "bench", "profiles"):
+        names.append(package)
+        names += [
+            m.name
+            for m in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}.")
+            if not m.name.endswith(".__main__")
+        ]
+    return names
+
+
 def check_imports() -> int:
     """Import every module the steps need and every module of the project; print each failure. 1 if
     any failed."""
     import importlib
-    import pkgutil
 
     failed = 0
-    names = list(THIRD_PARTY)
-    for package in ("cli", "engine", "scheduler", "partition", "server", "bench", "profiles"):
-        names.append(package)
-        names += [
-            m.name for m in pkgutil.walk_packages([str(ROOT / package)], prefix=f"{package}.")
-        ]
+    names = [*THIRD_PARTY, *project_modules()]
     for name in names:
         try:
             module = importlib.import_module(name)

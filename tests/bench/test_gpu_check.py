@@ -508,3 +508,11 @@ def test_the_planned_calls_fit_the_window(tmp_path: Path, capsys) -> None:
         )
         == 1
     )
+
+
+def test_the_import_check_covers_every_module_but_never_runs_a_main() -> None:
+    """`host` imports every module of the project: a package's __main__ would run the command line
+    (cli/__main__.py: ppd's usage and exit 2, failing the step on the GPU host)."""
+    names = gpu_check.project_modules()
+    assert {"cli", "cli.main", "bench.gpu_check", "server.routing.policy"} <= set(names)
+    assert not [name for name in names if name.endswith("__main__")]
