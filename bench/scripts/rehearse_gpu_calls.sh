@@ -7,18 +7,12 @@ set -uo pipefail
 here=bench/results/cpu-rehearsal
 work=$(mktemp -d)
 n=0
+source bench/scripts/rehearse_call.sh
 call() {  # call [--from callK ...] STEP ...
   n=$((n + 1))
   [ "$n" -lt "${FIRST_CALL:-1}" ] && return  # FIRST_CALL=K: redo the calls from K on
   [ -n "${CALLS:-}" ] && [[ " $CALLS " != *" $n "* ]] && return  # CALLS="2 5": redo only these
-  local dest=$here/call$n
-  rm -rf "$dest" && mkdir -p "$dest"
-  echo "bench/gpu_check.sh --rehearse --archive OUT/call$n.tar.gz $* -> call$n/" | tee "$dest/command.txt"
-  bench/gpu_check.sh --rehearse --archive "$work/call$n.tar.gz" "$@" >"$dest/stdout.txt" 2>&1
-  echo "exit $?" >>"$dest/command.txt"
-  tar -xzf "$work/call$n.tar.gz" -C "$dest"
-  ls -l "$work/call$n.tar.gz" | awk '{print "archive bytes", $5}' >>"$dest/command.txt"
-  tail -1 "$dest/stdout.txt"
+  rehearse_call "$here/call$n" "$work/call$n.tar.gz" "$@"
 }
 call "$work/out1" host probe
 call "$work/out2" tests

@@ -8,19 +8,9 @@ set -uo pipefail
 here=bench/results/cpu-rehearsal/next-window
 work=$(mktemp -d)
 out=$work/gc  # one OUTDIR for both calls, as /tmp/gc on the device
-n=0
-call() {  # call GPU_CHECK_ARGS...
-  n=$((n + 1))
-  local dest=$here/call$n
-  rm -rf "$dest" && mkdir -p "$dest"
-  echo "bench/gpu_check.sh --rehearse $* (OUTDIR and archive under a temporary folder) -> call$n/" | tee "$dest/command.txt"
-  bench/gpu_check.sh --rehearse "$@" >"$dest/stdout.txt" 2>&1
-  echo "exit $?" >>"$dest/command.txt"
-  tar -xzf "$work/call.tar.gz" -C "$dest" && rm "$work/call.tar.gz"
-  tail -1 "$dest/stdout.txt"
-}
+source bench/scripts/rehearse_call.sh
 # The two commands of docs/gpu.md, word for word but for --rehearse and the folders.
-call --archive "$work/call.tar.gz" "$out" host engine engine-host gemm-shares \
+rehearse_call "$here/call1" "$work/call.tar.gz" "$out" host engine engine-host gemm-shares \
   interference:green-static-96-smtarget,mps-40 policy
-call --budget 180 --archive "$work/call.tar.gz" "$out" tests-gpu:test_engine.py policy
+rehearse_call "$here/call2" "$work/call.tar.gz" --budget 180 "$out" tests-gpu:test_engine.py policy
 rm -rf "$work"
