@@ -10,11 +10,22 @@ serve wrong KV.
 With a BlockHasher (KV-cache events on), each cached block also carries its
 vLLM block hash, and every block cached or dropped is recorded as a vLLM
 BlockStored / BlockRemoved event for the decode worker to publish.
+
+With a second tier (a TierIndex, engine/kv_tier.py), a cached block the LRU
+evicts is offered to the tier first, and a prompt whose cached prefix runs on
+in the tier gets fresh blocks loaded from it: the copies are recorded here and
+run by the decode worker (take_copies, copies_done).
+
+Retention (free's retain_s: the clients' cache hints) keeps a sequence's cached
+blocks out of the plain LRU until their time is up, for at most
+retention_share of the pool: the LRU evicts every plain block before a
+retained one.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,16 +33,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.kv_events import BlockHasher, KVCacheEvent, removed, stored
+from engine.kv_tier import KVCopy, TierIndex
 from engine.prefix_hash import chain_hash
 
 _ROOT = 0  # parent serial of a sequence's first block; real serials start at 1
+_MISSING = object()
 
 
 class Block:
     """One KV block: reference count and, once cached, its hash, token ids, serial and parent's
     serial."""
 
-    __slots__ = ("block_id", "ext", "hash", "parent", "ref_count", "serial", "token_ids")
+    __slots__ = (
+        "block_id",
+        "ext",
+        "hash",
+        "parent",
+        "parent_hash",
+        "ref_count",
+        "serial",
+        "token_ids",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -46,6 +68,7 @@ class Block:
         # parent's block for other tokens breaks the link even if the new content hashes the same.
         self.serial = _ROOT
         self.parent = _ROOT
+        self.parent_hash: int | None = None  # the chain hash of the block before (for the tier)
 
 
 @dataclass(slots=True)
@@ -60,20 +83,33 @@ class _Seq:
     hashes: Sequence[
         int
     ] = ()  # the chain hashes of its leading full blocks, where the caller had them
+    num_loaded: int = 0  # blocks loaded from the second tier when it was allocated
 
 
 class BlockManager:
     """Allocates KV blocks to sequences and keeps finished prefixes cached (ref-counted,
     LRU-evicted)."""
 
-    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hasher: BlockHasher | None = None,
+        tier: TierIndex | None = None,
+        retention_share: float = 0.0,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hasher = hasher
+        self.tier = tier
+        self.max_retained = int(retention_share * num_blocks)
         self.events: list[KVCacheEvent] = []  # since the last take_events(), with a hasher
         self._blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        # Evictable blocks whose retention has not expired: block id -> time.monotonic() it ends.
+        self._retained: OrderedDict[int, float] = OrderedDict()
+        self._next_expiry = float("inf")
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[str, _Seq] = {}
         self._serials = itertools.count(_ROOT + 1)
@@ -82,7 +118,12 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: never-used/freed ones plus cached blocks no live sequence
         references."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._evictable) + len(self._retained)
+
+    @property
+    def num_retained(self) -> int:
+        """Evictable blocks a retention hint keeps behind the plain LRU now."""
+        return len(self._retained)
 
     @property
     def usage(self) -> float:
@@ -110,22 +151,29 @@ class BlockManager:
         or None, changing nothing, if there are not enough free blocks.
         """
         assert seq_id not in self._seqs, f"sequence {seq_id!r} is already allocated"
+        self._expire()
         matched = self._match(token_ids, hashes) if use_cache else []
-        if matched and len(matched) * self.block_size == len(token_ids):
+        in_tier = self._match_tier(token_ids, hashes, matched) if use_cache else []
+        if (matched or in_tier) and (len(matched) + len(in_tier)) * self.block_size == len(
+            token_ids
+        ):
             # At least one token must run to produce logits; recomputing the whole last block into a
             # fresh one keeps cached blocks immutable.
-            matched.pop()
+            (in_tier or matched).pop()
         num_new = self._num_blocks_for(len(token_ids) + num_extra_slots) - len(matched)
         num_revived = sum(1 for block in matched if block.ref_count == 0)
         if num_new > self.num_free_blocks - num_revived:
             return None
         for block in matched:
             if block.ref_count == 0:
-                del self._evictable[block.block_id]
+                self._unevict(block.block_id)
             block.ref_count += 1
-        table = np.array(
-            [block.block_id for block in matched] + [self._take() for _ in range(num_new)], np.int32
-        )
+        for h in in_tier:  # before _take, whose evictions go to the tier and may drop its LRU
+            self.tier.pin(h)  # type: ignore[union-attr]
+        new = [self._take() for _ in range(num_new)]
+        for h, block_id in zip(in_tier, new):
+            self.tier.load(h, block_id)  # type: ignore[union-attr]
+        table = np.array([block.block_id for block in matched] + new, np.int32)
         last = matched[-1] if matched else None
         self._seqs[seq_id] = _Seq(
             table,
@@ -134,8 +182,24 @@ class BlockManager:
             last.serial if last else _ROOT,
             last.ext if last else None,
             hashes,
+            len(in_tier),
         )
-        return len(matched) * self.block_size
+        return (len(matched) + len(in_tier)) * self.block_size
+
+    def num_loaded_tokens(self, seq_id: str) -> int:
+        """The tokens of the sequence's cached prefix that its allocation loads from the tier."""
+        return self._seqs[seq_id].num_loaded * self.block_size
+
+    def take_copies(self) -> list[KVCopy]:
+        """The copies between the pool and the tier recorded since the last call, in order: the
+        decode worker runs them before the step or prefill job that touches their blocks, then
+        calls copies_done."""
+        return self.tier.take_copies() if self.tier is not None else []
+
+    def copies_done(self, copies: Sequence[KVCopy]) -> None:
+        """Copies from take_copies completed: their stores become visible in the tier."""
+        if self.tier is not None:
+            self.tier.copies_done(copies)
 
     def block_table(self, seq_id: str) -> list[int]:
         """A copy of the sequence's block ids, in token order."""
@@ -154,6 +218,7 @@ class BlockManager:
         num_new = self._num_blocks_for(num_tokens) - len(seq.table)
         if num_new <= 0:
             return True
+        self._expire()
         if num_new > self.num_free_blocks:
             return False
         seq.table = np.concatenate(
@@ -197,6 +262,7 @@ class BlockManager:
             block = self._blocks[seq.table[i]]
             assert block.hash is None and block.ref_count > 0
             block.hash, block.token_ids, block.parent, block.ext = h, tokens, seq.last_serial, ext
+            block.parent_hash = seq.last_hash
             block.serial = next(self._serials)
             self._hash_to_block[h] = block.block_id
             seq.last_hash, seq.last_serial, seq.last_ext = h, block.serial, ext
@@ -209,9 +275,11 @@ class BlockManager:
         events, self.events = self.events, []
         return events
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: str, retain_s: float = 0.0) -> None:
         """Drop the sequence's references; unreferenced cached blocks become evictable, others
-        free."""
+        free. retain_s: keep its cached blocks behind the plain LRU for this many seconds (as far
+        as the retained share of the pool has room)."""
+        until = time.monotonic() + retain_s
         # Tail first, so the LRU evicts a prefix's tail before its head (the head is likelier to be
         # shared).
         for block_id in reversed(self._seqs.pop(seq_id).table.tolist()):
@@ -221,6 +289,9 @@ class BlockManager:
             if block.ref_count == 0:
                 if block.hash is None:
                     self._free.append(block_id)
+                elif retain_s > 0 and len(self._retained) < self.max_retained:
+                    self._retained[block_id] = until
+                    self._next_expiry = min(self._next_expiry, until)
                 else:
                     self._evictable[block_id] = None
 
@@ -239,7 +310,13 @@ class BlockManager:
             _check(len(set(table)) == len(table), f"{seq_id}'s table holds a block twice")
             for block_id in table:
                 refs[block_id] = refs.get(block_id, 0) + 1
-        free, evictable = set(self._free), set(self._evictable)
+        free, evictable = set(self._free), set(self._evictable) | set(self._retained)
+        _check(
+            not set(self._evictable) & set(self._retained), "a block both retained and plain LRU"
+        )
+        _check(len(self._retained) <= self.max_retained, "more blocks retained than the share")
+        if self.tier is not None:
+            self.tier.check()
         _check(len(free) == len(self._free), "a block listed free twice")
         _check(
             not (free & evictable) and not (free & refs.keys()) and not (evictable & refs.keys()),
@@ -268,7 +345,8 @@ class BlockManager:
 
     def peek_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens allocate() would report as cached right now, without pinning."""
-        num_matched = len(self._match(token_ids))
+        matched = self._match(token_ids)
+        num_matched = len(matched) + len(self._match_tier(token_ids, (), matched))
         if num_matched and num_matched * self.block_size == len(token_ids):
             num_matched -= 1
         return num_matched * self.block_size
@@ -293,14 +371,56 @@ class BlockManager:
             parent = block.serial
         return matched
 
+    def _match_tier(
+        self, token_ids: Sequence[int], hashes: Sequence[int], matched: list[Block]
+    ) -> list[int]:
+        """The chain hashes of the blocks after `matched` (the pool's) that continue in the tier."""
+        if self.tier is None:
+            return []
+        found: list[int] = []
+        bs = self.block_size
+        h = matched[-1].hash if matched else None
+        for i in range(len(matched), len(token_ids) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent, h = h, hashes[i] if i < len(hashes) else chain_hash(h, tokens)
+            if not self.tier.find(h, parent, tokens):
+                break
+            found.append(h)
+        return found
+
     def _take(self) -> int:
         if self._free:
             block_id = self._free.popleft()
         else:
-            block_id, _ = self._evictable.popitem(last=False)
-            self._forget(self._blocks[block_id])
+            if self._evictable:
+                block_id, _ = self._evictable.popitem(last=False)
+            else:  # only retained blocks left: the one whose retention ends first
+                block_id = min(self._retained, key=self._retained.__getitem__)
+                del self._retained[block_id]
+            block = self._blocks[block_id]
+            if self.tier is not None:
+                self.tier.offer(block.hash, block.parent_hash, block.token_ids, block_id)  # type: ignore[arg-type]
+            self._forget(block)
         self._blocks[block_id].ref_count = 1
         return block_id
+
+    def _unevict(self, block_id: int) -> None:
+        """A cached block no sequence held is pinned again: out of the LRU it was in."""
+        if self._evictable.pop(block_id, _MISSING) is _MISSING:
+            del self._retained[block_id]
+
+    def _expire(self) -> None:
+        """Retained blocks whose time is up join the plain LRU, first in line (each has gone unused
+        for its whole retention)."""
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        expired = [b for b, until in self._retained.items() if until <= now]
+        for block_id in reversed(expired):
+            del self._retained[block_id]
+            self._evictable[block_id] = None
+            self._evictable.move_to_end(block_id, last=False)
+        self._next_expiry = min(self._retained.values(), default=float("inf"))
 
     def _forget(self, block: Block) -> None:
         assert block.hash is not None and self._hash_to_block[block.hash] == block.block_id
@@ -327,7 +447,7 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         self._forget(block)
         if block.ref_count == 0:
-            del self._evictable[block.block_id]
+            self._unevict(block.block_id)
             self._free.append(block.block_id)
 
 

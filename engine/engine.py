@@ -20,6 +20,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from engine.config import ModelConfig, resolve_dtype
 from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS, graph_buckets
 from engine.faults import inject_fault
 from engine.guided import GuidedDecoding
+from engine.kv_tier import KVCopy, TierStore, tier_capacity
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import (
     GiB,
@@ -130,6 +132,7 @@ class Engine:
         self.followers: FollowerLink | None = (
             None  # tensor-parallel rank 0: where each step's inputs go first (lead)
         )
+        self.tier: TierStore | None = None  # the second KV tier's bytes on this rank (add_tier)
 
     # ---- start-up --------------------------------------------------------------------------------
 
@@ -476,6 +479,28 @@ class Engine:
             )
         return logits, prompt
 
+    def add_tier(self, size_gib: float, folder: str | None = None) -> TierStore:
+        """Give this rank a second KV tier of size_gib (engine/kv_tier.py) behind its pool."""
+        pool = self.runner.kv_pool
+        block_nbytes = pool[:, :, 0].numel() * pool.element_size()
+        capacity = tier_capacity(size_gib, block_nbytes)
+        if capacity < 1:
+            raise StartupError(
+                f"--kv-offloading-size {size_gib:g} GiB holds no KV block of {block_nbytes} bytes "
+                "per rank; give at least one block's worth"
+            )
+        self.tier = TierStore(pool, capacity, None if folder is None else Path(folder))
+        return self.tier
+
+    def copy_kv(self, copies: list[KVCopy]) -> Any:
+        """Run the block manager's copies between the pool and the tier on every rank
+        (TierStore.run: done on return on the CPU, else the event that marks their end)."""
+        assert self.tier is not None, "copies without a tier"
+        if self.followers is not None:
+            self.followers.send("kv_copy", copies)
+        inject_fault("kv-tier-copy")
+        return self.tier.run(copies)
+
     def lead(self, followers: FollowerLink) -> None:
         """Tensor-parallel rank 0: every step from now on runs on the followers too."""
         self.followers = followers
@@ -503,6 +528,9 @@ class Engine:
                         f"tensor-parallel rank {self.runner.model.tp.rank}'s step failed "
                         f"({type(exc).__name__}: {exc}); the unit restarts"
                     ) from exc
+            elif kind == "kv_copy" and self.tier is not None:
+                if (done := self.tier.run(payload)) is not None:
+                    done.synchronize()  # rank 0 orders its own; a follower just waits
             elif on_command is not None:
                 on_command(kind, payload)
 

@@ -64,6 +64,9 @@ class UnitConfig:
         None  # the decode worker publishes KV-cache events (--kv-events-config)
     )
     hash_algo: str = "sha256"  # the events' block hashes (--prefix-caching-hash-algo)
+    kv_offloading_gib: float = 0.0  # the second KV tier's size, summed over the unit's ranks
+    kv_offloading_dir: str | None = None  # the CPU tier's folder (None: the cache folder's)
+    kv_retention_share: float = 0.25  # of the pool, at most, kept behind the LRU by cache hints
 
     @property
     def tensor_parallel_size(self) -> int:

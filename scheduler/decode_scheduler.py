@@ -133,6 +133,7 @@ class DecodeScheduler:
             req.sampling,
             req.route,
             hashes,
+            retain_s=max(0.0, req.retain_s),
         )
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
@@ -331,6 +332,7 @@ class DecodeScheduler:
             prefix_hits=self.prefix_hits,
             num_preemptions=self.num_preemptions,
             prefill_queue_tokens=self.prefill_queue_tokens,
+            kv_retained_blocks=self.blocks.num_retained,
         )
 
     # ---- internals -------------------------------------------------------------------------------
@@ -495,7 +497,9 @@ class DecodeScheduler:
             if seq.in_flight or seq.request_id in self.remote:
                 held.append(seq)
             elif seq.request_id in self.blocks:
-                self.blocks.free(seq.request_id)
+                # Retained only after an answer: a request that failed keeps nothing.
+                keep = seq.retain_s if seq.state is not SeqState.FINISHED_ERROR else 0.0
+                self.blocks.free(seq.request_id, keep)
         self.ended = held
 
     def check(self) -> None:

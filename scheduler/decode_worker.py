@@ -28,6 +28,7 @@ import zmq
 from engine.block_manager import BlockManager
 from engine.engine import Engine, Launched, device_info
 from engine.kv_events import AllBlocksCleared, BlockHasher, KVEventPublisher, offset_endpoint
+from engine.kv_tier import GIB, KVCopy, TierIndex
 from engine.memory_plan import StartupError
 from engine.model_runner import StepInput
 from engine.parallel import (
@@ -57,6 +58,7 @@ from scheduler.messages import (
     PrefillReady,
     RequestOutput,
     SetShare,
+    TierCounts,
     ToDecode,
     UnitSetup,
     WorkerOutput,
@@ -158,8 +160,21 @@ class DecodeWorker:
         plan = self.engine.plan
         self.kv_events = kv_event_publisher(cfg, ctx)
         hasher = BlockHasher(cfg.hash_algo) if self.kv_events is not None else None
+        self.tp_size = tp.size
+        tier = None
+        if cfg.kv_offloading_gib > 0:
+            store = self.engine.add_tier(cfg.kv_offloading_gib / tp.size, cfg.kv_offloading_dir)
+            tier = TierIndex(store.capacity)
+            log.info(
+                "second KV tier: %d blocks (%.2f GiB) in %s",
+                store.capacity,
+                store.capacity * store.block_nbytes * tp.size / GIB,
+                store.path or "pinned host memory",
+            )
+        # Copies between the pool and the tier queued on the device, with the event of their end.
+        self.copying: list[tuple[Any, list[KVCopy]]] = []
         self.scheduler = DecodeScheduler(
-            BlockManager(plan.num_blocks, plan.block_size, hasher),
+            BlockManager(plan.num_blocks, plan.block_size, hasher, tier, cfg.kv_retention_share),
             self.engine.mcfg.eos_token_ids,
             plan.max_model_len,
             cfg.engine.max_num_seqs,
@@ -257,6 +272,7 @@ class DecodeWorker:
             if step is None:
                 self.complete()
                 step = self.scheduler.schedule()
+            self.copy_kv(step)
             for job in step.jobs:
                 self.jobs.send(self.encode(job))
             if step.started:  # before the step: it may be a prefill longer than --max-queue-time-s
@@ -293,6 +309,7 @@ class DecodeWorker:
                 self.complete()
                 # Not committed: scheduling again gives the same step, its tokens now on the host.
                 step = self.scheduler.schedule()
+                self.copy_kv(step)
             else:
                 self.scheduler.commit(step)
                 self.latest = InFlight(step, launched, started)
@@ -306,6 +323,30 @@ class DecodeWorker:
             step, sampled.tokens, failed, sampled.logprobs, sampled.prompt_logprobs
         )
         return seconds
+
+    def copy_kv(self, step: Step) -> None:
+        """Run the copies between the pool and the second tier that scheduling recorded (evicted
+        blocks stored, cached prefixes loaded) before the step and the prefill jobs that touch
+        their blocks: on the CPU they are done now; on a GPU this worker's stream waits for them,
+        and the prefill worker (another stream, another process) is sent its jobs only once they
+        are done."""
+        self.copies_done()
+        copies = self.scheduler.blocks.take_copies()
+        if not copies:
+            return
+        with self.on_stream():
+            done = self.engine.copy_kv(copies)
+        if done is None:
+            self.scheduler.blocks.copies_done(copies)
+            return
+        if step.jobs:
+            done.synchronize()
+        self.copying.append((done, copies))
+
+    def copies_done(self) -> None:
+        """Tell the block manager which queued copies have completed."""
+        while self.copying and self.copying[0][0].query():
+            self.scheduler.blocks.copies_done(self.copying.pop(0)[1])
 
     def complete(self, keep_latest: bool = False) -> float:
         """Take the results of the step in flight (waiting for the device) for the outputs, and free
@@ -457,6 +498,16 @@ class DecodeWorker:
             self.times.step_seconds,
             self.times.loop_seconds,
         )
+        if (tier := self.scheduler.blocks.tier) is not None:
+            stats.tier = TierCounts(
+                tier.capacity,
+                tier.num_blocks,
+                self.engine.tier.block_nbytes * self.tp_size,  # type: ignore[union-attr]
+                self.scheduler.blocks.block_size,
+                tier.stats.stored,
+                tier.stats.loaded,
+                tier.stats.dropped,
+            )
         stats.iteration_tokens = list(self.times.iteration_tokens)
         stats.iteration_tokens_sum = self.times.iteration_tokens_sum
         stats.partition_problem = self.partition_problem
@@ -543,6 +594,8 @@ class DecodeFollower:
         exchange_handles(
             self.engine, tp
         )  # rank 0 says when every process has mapped them: "release"
+        if cfg.kv_offloading_gib > 0:  # slot for slot as rank 0's: the shards are alike
+            self.engine.add_tier(cfg.kv_offloading_gib / tp.size, cfg.kv_offloading_dir)
         if cfg.prefill_worker == "thread":
             sys.setswitchinterval(THREAD_SWITCH_INTERVAL_S)
             start_prefill_follower_thread(cfg, ctx, self.engine, self.streams, prefill_tp)

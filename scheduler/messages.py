@@ -61,6 +61,9 @@ class GenerateRequest(msgspec.Struct, tag=True):
     sampling: SamplingParams
     route: Route
     block_hashes: list[int] = []
+    # Seconds its cached blocks outrank plain LRU blocks once it ends (the client's cache hints;
+    # 0: plain LRU).
+    retain_s: float = 0.0
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -179,6 +182,19 @@ class RequestOutput(msgspec.Struct, gc=False):
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+class TierCounts(msgspec.Struct, gc=False):
+    """The second KV tier's fill and counters (blocks; counters cumulative since the worker
+    started)."""
+
+    capacity: int  # blocks it holds at most
+    blocks: int  # blocks it holds now
+    block_bytes: int  # bytes of one block across the unit's ranks
+    block_size: int  # tokens of one block
+    stored: int = 0
+    loaded: int = 0
+    dropped: int = 0
+
+
 class WorkerStats(msgspec.Struct, gc=False):
     """A decode worker's gauges and counters (counters are cumulative since the worker started)."""
 
@@ -212,6 +228,8 @@ class WorkerStats(msgspec.Struct, gc=False):
     # the bucket before (one more count: above the last), and their tokens in all.
     iteration_tokens: list[int] = msgspec.field(default_factory=list)
     iteration_tokens_sum: int = 0
+    kv_retained_blocks: int = 0  # evictable blocks a retention hint keeps behind the plain LRU
+    tier: TierCounts | None = None  # the second KV tier's (None: --kv-offloading-size unset)
 
 
 class PrefillStats(msgspec.Struct, gc=False):

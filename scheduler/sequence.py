@@ -75,6 +75,7 @@ class Sequence:
     block_table: np.ndarray | None = (
         None  # the prefill worker's: the blocks the decode worker allocated for it
     )
+    retain_s: float = 0.0  # its cached blocks' retention once it ends (free's retain_s)
     state: SeqState = SeqState.WAITING
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_cached: int = 0  # prompt tokens the prefix cache served at first admission

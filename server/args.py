@@ -409,6 +409,38 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization)",
     )
     p.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="a second KV tier of this many GiB per unit (summed over a unit's tensor-parallel "
+        "ranks, as vLLM's flag): prefix-cache blocks the pool evicts are kept there and loaded "
+        "back when a later prompt continues them (pinned host memory on a GPU host, a file on "
+        "local disk on the CPU)",
+    )
+    p.add_argument(
+        "--kv-offloading-backend",
+        default=None,
+        choices=["native"],
+        help="the second tier's implementation, as vLLM's flag: native (ppd-serve's own; the "
+        "default with --kv-offloading-size)",
+    )
+    p.add_argument(
+        "--kv-offloading-dir",
+        default=None,
+        metavar="DIR",
+        help="where the CPU's second tier keeps its file (default: the cache folder's kv-tier/; "
+        "the file is unlinked as soon as it is mapped)",
+    )
+    p.add_argument(
+        "--kv-retention-share",
+        type=float,
+        default=0.25,
+        metavar="FRACTION",
+        help="of each unit's KV pool, at most this share is kept behind the LRU by clients' cache "
+        "retention hints (prompt_cache_retention, cache_control ttl); 0 turns them off",
+    )
+    p.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,

@@ -554,6 +554,34 @@ class Metrics:
             labels,
             registry=r,
         )
+        # The second KV tier (--kv-offloading-size): its fill, and blocks stored, loaded back and
+        # dropped (as blocks, bytes and, for loads, tokens).
+        self.tier_usage = Gauge(
+            "ppd:kv_tier_usage_perc",
+            "Fraction of the second KV tier's blocks in use (1 = full).",
+            labels,
+            registry=r,
+        )
+        self.retained = Gauge(
+            "ppd:kv_retained_blocks",
+            "Evictable KV blocks that clients' cache retention hints keep behind the LRU.",
+            labels,
+            registry=r,
+        )
+        self.tier_counters = {
+            name: Counter(f"ppd:kv_tier_{name}", what, labels, registry=r)
+            for name, what in (
+                ("stored_blocks", "KV blocks the pool evicted and the second tier stored."),
+                ("stored_bytes", "Bytes of KV the second tier stored."),
+                ("loaded_blocks", "KV blocks loaded back from the second tier into the pool."),
+                ("loaded_bytes", "Bytes of KV loaded back from the second tier."),
+                ("loaded_tokens", "Prompt tokens whose KV was loaded from the second tier."),
+                (
+                    "dropped_blocks",
+                    "KV blocks the second tier let go (its LRU) or had no room for.",
+                ),
+            )
+        }
         # The node as one engine, for schedulers that read a single series per family (llm-d's
         # endpoint picker): the requests of all units, and their mean KV usage (the node's router
         # balances its units).
@@ -597,7 +625,10 @@ class Metrics:
         if new.decode_share:
             self.share.labels(*labels, "decode").set(new.decode_share)
             self.share.labels(*labels, "prefill").set(new.prefill_share)
+        self.retained.labels(*labels).set(new.kv_retained_blocks)
+        counts = list(self._tier_counts(labels, new, old))
         for counter, now, before in (
+            *counts,
             (self.prefix_queries, new.prefix_queries, old and old.prefix_queries),
             (self.prefix_hits, new.prefix_hits, old and old.prefix_hits),
             (self.preemptions, new.num_preemptions, old and old.num_preemptions),
@@ -612,6 +643,25 @@ class Metrics:
             )  # a unit's series shows from its first stats, at 0, as vLLM's do
             if delta > 0:
                 child.inc(delta)
+
+    def _tier_counts(
+        self, labels: tuple[str, str], new: WorkerStats, old: WorkerStats | None
+    ) -> Iterator[tuple]:
+        """(counter, now, before) of the second tier's counters; its fill gauge set."""
+        if (tier := new.tier) is None:
+            return
+        self.tier_usage.labels(*labels).set(tier.blocks / tier.capacity)
+        was = old.tier if old is not None else None
+        c = self.tier_counters
+        for name, now, before in (
+            ("stored_blocks", tier.stored, was and was.stored),
+            ("stored_bytes", tier.stored * tier.block_bytes, was and was.stored * was.block_bytes),
+            ("loaded_blocks", tier.loaded, was and was.loaded),
+            ("loaded_bytes", tier.loaded * tier.block_bytes, was and was.loaded * was.block_bytes),
+            ("loaded_tokens", tier.loaded * tier.block_size, was and was.loaded * was.block_size),
+            ("dropped_blocks", tier.dropped, was and was.dropped),
+        ):
+            yield c[name], now, before
 
     def prefill_speed_measured(self, unit: int, tokens_per_s: float) -> None:
         self.prefill_speed.labels(self.model, str(unit)).set(tokens_per_s)

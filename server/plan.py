@@ -125,6 +125,25 @@ def _chosen_gpus(args: argparse.Namespace, gpus: list[str], tp: int) -> list[str
     return chosen
 
 
+def kv_offloading(args: argparse.Namespace) -> None:
+    """Check the second KV tier's flags (vLLM's names)."""
+    size = args.kv_offloading_size
+    if size is not None and not size > 0:
+        raise UsageError(
+            f"--kv-offloading-size {size}: give the tier's GiB per unit, more than 0 (or leave it "
+            "out for no tier)"
+        )
+    if size is None and (args.kv_offloading_backend or args.kv_offloading_dir):
+        flag = "--kv-offloading-backend" if args.kv_offloading_backend else "--kv-offloading-dir"
+        raise UsageError(f"{flag} needs --kv-offloading-size GiB: the tier's size")
+    if size is not None and args.stub_engine is not None:
+        raise UsageError("--kv-offloading-size: the stub engine keeps no KV; drop one of the two")
+    if not 0.0 <= args.kv_retention_share <= 1.0:
+        raise UsageError(
+            f"--kv-retention-share {args.kv_retention_share}: a share of the pool, in [0, 1]"
+        )
+
+
 def plan_serve(args: argparse.Namespace) -> ServePlan:
     """Resolve and check everything that can be checked before any process starts."""
     vllm_flags(args)
@@ -149,6 +168,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         )
     if args.units is not None and args.units < 1:
         raise UsageError("--units must be at least 1")
+    kv_offloading(args)
     kv_events = kv_events_config(args)
     if args.api_server_count < 1:
         raise UsageError(f"--api-server-count {args.api_server_count}: at least 1")
@@ -324,6 +344,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
             api_servers=args.api_server_count,
             kv_events=kv_events,
             hash_algo=args.prefix_caching_hash_algo,
+            kv_offloading_gib=args.kv_offloading_size or 0.0,
+            kv_offloading_dir=args.kv_offloading_dir,
+            kv_retention_share=args.kv_retention_share,
         )
         for u, (gpu, part) in enumerate(zip(unit_gpus, parts))
     ]

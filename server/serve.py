@@ -488,6 +488,17 @@ def health(
             )
         if state.stats is not None and state.stats.partition_problem:
             partition["problem"] = state.stats.partition_problem
+        kv: dict = {}
+        if state.stats is not None:
+            kv["retained_blocks"] = state.stats.kv_retained_blocks
+            if (tier := state.stats.tier) is not None:
+                kv["tier"] = {
+                    "blocks": tier.blocks,
+                    "capacity_blocks": tier.capacity,
+                    "usage": round(tier.blocks / tier.capacity, 4),
+                    "bytes": tier.blocks * tier.block_bytes,
+                    "capacity_bytes": tier.capacity * tier.block_bytes,
+                }
         units.append(
             {
                 "unit": u,
@@ -499,6 +510,7 @@ def health(
                 "overloaded": overloaded is not None,
                 **({"overload": overloaded} if overloaded else {}),
                 "workers": workers_of(pids(u), cfg),
+                **({"kv_cache": kv} if kv else {}),
             }
         )
     return units

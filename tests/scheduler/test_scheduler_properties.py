@@ -10,6 +10,7 @@ from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
 from engine.block_manager import BlockManager
+from engine.kv_tier import TierIndex
 from engine.sampling_params import SamplingParams
 from scheduler.decode_scheduler import DecodeScheduler, Step
 from scheduler.messages import GenerateRequest, PrefillDone
@@ -29,7 +30,13 @@ sampling = st.builds(
 # A small alphabet, so that prompts share prefixes and the cache hits.
 prompt = st.lists(st.sampled_from([5, 6, 7, 8]), min_size=1, max_size=24)
 step = st.tuples(st.just("step"), st.lists(st.integers(0, VOCAB - 1), min_size=64, max_size=64))
-add = st.tuples(st.just("add"), prompt, sampling, st.sampled_from(["prefill", "decode"]))
+add = st.tuples(
+    st.just("add"),
+    prompt,
+    sampling,
+    st.sampled_from(["prefill", "decode"]),
+    st.sampled_from([0.0, 60.0]),  # a cache hint's retention, or none
+)
 prefill_done = st.tuples(
     st.just("prefill_done"), st.integers(0, 30), st.sampled_from([None, EOS, 9, 20])
 )
@@ -79,12 +86,13 @@ def sampled_tokens(step: Step, tokens: list[int], failed: dict[int, str]) -> lis
     budget=st.integers(4, 24),
     aggregated=st.booleans(),
     ahead=st.booleans(),
+    tier=st.booleans(),
 )
 def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(
-    ops, num_blocks, budget, aggregated, ahead
+    ops, num_blocks, budget, aggregated, ahead, tier
 ) -> None:
     s = DecodeScheduler(
-        BlockManager(num_blocks, BS),
+        BlockManager(num_blocks, BS, tier=TierIndex(8) if tier else None, retention_share=0.5),
         (EOS,),
         max_model_len=64,
         max_num_seqs=4,
@@ -107,8 +115,8 @@ def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(
         if kind == "add":
             rid = f"r{len(ids)}"
             ids.append(rid)
-            tokens, params, route = args
-            s.add(GenerateRequest(rid, tokens, params, route))
+            tokens, params, route, retain_s = args
+            s.add(GenerateRequest(rid, tokens, params, route, retain_s=retain_s))
         elif kind == "abort" and ids:
             rid = ids[args[0] % len(ids)]
             if s.abort(rid):
@@ -122,6 +130,7 @@ def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(
                 take(in_flight)
                 in_flight = None
                 step = s.schedule()
+            s.blocks.copies_done(s.blocks.take_copies())  # the worker runs them before the step
             jobs += [j.request_id for j in step.jobs]
             for seq, inp in zip(
                 step.seqs, step.inputs
@@ -139,6 +148,7 @@ def test_any_traffic_keeps_the_scheduler_consistent_and_frees_every_block(
             )
         elif kind in ("step", "fail"):
             step = s.schedule()
+            s.blocks.copies_done(s.blocks.take_copies())
             jobs += [j.request_id for j in step.jobs]
             failed = (
                 {args[0] % len(step.inputs): "ValueError: boom"}
