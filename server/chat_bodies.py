@@ -158,14 +158,20 @@ def vllm_prompt_logprobs(
     return out
 
 
-def usage(prompt_ids: list[int], choices: list[Choice]) -> dict:
+def usage(prompt_ids: list[int], choices: list[Choice], retention: dict | None = None) -> dict:
+    """OpenAI's usage; cached_tokens counts the prompt's tokens served from the prefix cache or
+    loaded from the second tier (not computed again). retention: what was applied of the
+    client's prompt_cache_retention (server/cache_hints.py)."""
     completion = sum(len(c.token_ids) for c in choices)
-    return {
+    out = {
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": completion,
         "total_tokens": len(prompt_ids) + completion,
         "prompt_tokens_details": {"cached_tokens": choices[0].num_cached},
     }
+    if retention is not None:
+        out["ppd_cache_retention"] = retention
+    return out
 
 
 def prompt_logprobs_body(
@@ -228,6 +234,7 @@ class ChatAnswer:
             text,
         )
         self.choices, self.prompt = gen.choices, gen.prompt
+        self.retention = gen.retention
         self.created = 0  # a stream's: set as it opens
         self.offsets = [0] * len(
             self.choices
@@ -242,7 +249,7 @@ class ChatAnswer:
             "created": int(time.time()),
             "model": self.model_name,
             "choices": [choice_body(c, self.chat, body, text, prompt) for c in choices],
-            "usage": usage(prompt.token_ids, choices),
+            "usage": usage(prompt.token_ids, choices, self.retention),
         }
         if self.chat and body.prompt_logprobs is not None:
             result["prompt_logprobs"] = prompt_logprobs_body(body, prompt, choices[0], text)
@@ -331,7 +338,7 @@ class ChatAnswer:
 
     async def closing(self) -> AsyncIterator[bytes]:
         if self.body.include_usage:
-            yield self.chunk([], usage=usage(self.prompt.token_ids, self.choices))
+            yield self.chunk([], usage=usage(self.prompt.token_ids, self.choices, self.retention))
         yield DONE
 
     def error(self, status: int, message: str) -> list[bytes]:

@@ -260,6 +260,8 @@ class EngineClient:
         self.units = units
         self.router = router
         self.metrics = metrics
+        # Clients' cache retention hints are applied (--kv-retention-share above 0).
+        self.retention_on = bool(units) and units[0].kv_retention_share > 0
         self.admission = admission
         self.api_server = api_server
         self.state = [UnitState() for _ in units]
@@ -446,6 +448,7 @@ class EngineClient:
         session: str | None = None,
         route_hint: Route | None = None,
         unit: int | None = None,
+        retain_s: float = 0.0,
     ) -> AsyncIterator[Delta]:
         """Stream a request's tokens. Raises EngineError on failure; closing the iterator early
         aborts the request. session keeps a conversation on one unit; route_hint is a client's
@@ -483,7 +486,7 @@ class EngineClient:
             try:
                 message = self.encode(
                     GenerateRequest(
-                        req.request_id, prompt_ids, sampling, placed.route, placed.hashes
+                        req.request_id, prompt_ids, sampling, placed.route, placed.hashes, retain_s
                     )
                 )
             except (

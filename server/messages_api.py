@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import Field
 
+from server.cache_hints import anthropic_hints
 from server.errors import RequestError, anthropic_error_body
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
 from server.protocol import (
@@ -235,11 +236,16 @@ def add_messages_routes(app: FastAPI, path: RequestPath) -> None:
     @app.post("/v1/messages")
     async def create_message(body: MessagesRequest, request: Request) -> Response:
         chat = body.chat_request()
+        hints = anthropic_hints(body.system, body.tools, body.messages)
         try:
-            gen = await path.start(chat, Prompt(await path.chat_prompt(chat)), request)
+            gen = await path.start(chat, Prompt(await path.chat_prompt(chat)), request, hints)
         except RequestError as exc:
             raise in_anthropic_terms(exc) from None
-        return await path.respond(gen, request, MessageRun(new_message_id(), model.name, gen))
+        return await path.respond(
+            gen,
+            request,
+            MessageRun(new_message_id(), model.name, gen, path.client.router.block_size),
+        )
 
 
 # The request path names tool choices as chat completions does; Anthropic's clients know them by
@@ -274,8 +280,11 @@ class MessageRun:
     """One message as it is generated (server/answer.py's Answer): its blocks, its body, its stream
     of events (message_start, each content block's events, message_delta, message_stop)."""
 
-    def __init__(self, message_id: str, model_name: str, gen: Generation) -> None:
+    def __init__(
+        self, message_id: str, model_name: str, gen: Generation, block_size: int = 16
+    ) -> None:
         self.id, self.model_name, self.gen = message_id, model_name, gen
+        self.block_size = block_size  # the prefix cache's: only whole blocks are cached
         self.choice = gen.choices[0]
         self.streamed = OutputBlocks(self.choice)  # a stream's blocks as they come
 
@@ -303,14 +312,27 @@ class MessageRun:
             return "tool_use", None
         return "end_turn", None
 
-    def usage(self, output_tokens: int) -> dict[str, int]:
-        cached = self.choice.num_cached
-        return {
-            "input_tokens": len(self.gen.prompt.token_ids) - cached,
+    def usage(self, output_tokens: int) -> dict[str, Any]:
+        """Anthropic's usage: cache_read the prompt's tokens served from the prefix cache (or
+        loaded from the second tier); with a cache_control, cache_creation the tokens this request
+        computed and left cached (its whole blocks past the cached prefix), input the rest.
+        Without one, nothing is reported created (the server caches every prompt anyway)."""
+        num_prompt, cached = len(self.gen.prompt.token_ids), self.choice.num_cached
+        ttl = self.gen.hints.retention
+        created = max(0, num_prompt // self.block_size * self.block_size - cached) if ttl else 0
+        out: dict[str, Any] = {
+            "input_tokens": num_prompt - cached - created,
             "output_tokens": output_tokens,
             "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": 0,
+            "cache_creation_input_tokens": created,
         }
+        if ttl is not None:
+            out["cache_creation"] = {
+                "ephemeral_5m_input_tokens": created if ttl == "5m" else 0,
+                "ephemeral_1h_input_tokens": created if ttl == "1h" else 0,
+            }
+            out["ppd_cache_retention"] = self.gen.retention
+        return out
 
     def message(self, blocks: list[Block], final: bool = True) -> dict[str, Any]:
         reason, sequence = self.stop(blocks) if final else (None, None)

@@ -212,6 +212,9 @@ IGNORED_FIELDS: set[str] = set()  # unknown field names already logged
 MAX_IGNORED_NAMED = 100  # a client inventing names cannot grow the set, or the log, without bound
 
 
+MAX_CACHE_KEY_CHARS = 1024
+
+
 class SamplingRequest(RequestBody):
     """The fields /v1/chat/completions and /v1/completions share, and their mapping to
     SamplingParams."""
@@ -231,6 +234,10 @@ class SamplingRequest(RequestBody):
     min_tokens: int = Field(0, ge=0)
     return_token_ids: bool = False
     user: str | None = None  # accepted and ignored
+    # OpenAI's cache hints (server/cache_hints.py): the conversation's key, as x-session-id, and
+    # how long its KV should outrank others'.
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
 
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)

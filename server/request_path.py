@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.guided import spec_problem
 from engine.sampling_params import MAX_LOGPROBS, GuidedSpec, SamplingParams
 from server.answer import Answer, sse
+from server.cache_hints import CacheHints, openai_hints
 from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient
 from server.errors import RequestError, error_body_for
@@ -202,6 +203,8 @@ class Generation:
     choices: list[Choice]
     events: AsyncIterator[Event]
     api_server: int
+    hints: CacheHints = CacheHints()
+    retention: dict | None = None  # what its usage says of the retention asked (cache_hints)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -283,9 +286,17 @@ class RequestPath:
             raise RequestError(f"{field}: {problem}", param=field)
         return spec, tools
 
-    async def start(self, body: SamplingRequest, prompt: Prompt, request: Request) -> Generation:
+    async def start(
+        self,
+        body: SamplingRequest,
+        prompt: Prompt,
+        request: Request,
+        hints: CacheHints | None = None,
+    ) -> Generation:
         """Check the request and start its choices; their events come from the Generation's
-        `events`."""
+        `events`. hints: the client's cache hints where its API has its own (Messages), else
+        body's OpenAI fields."""
+        hints = openai_hints(body) if hints is None else hints
         model, prompt_ids = self.model, prompt.token_ids
         body = model.with_defaults(body)
         model.check_logprobs(body)
@@ -321,7 +332,9 @@ class RequestPath:
             sampling.seed + i if sampling.seed is not None and body.n > 1 else sampling.seed
             for i in range(body.n)
         ]
-        session = request.headers.get(SESSION_HEADER) or None
+        session = request.headers.get(SESSION_HEADER) or hints.key
+        retention_on = self.client.retention_on
+        retain_s = hints.applied_s(retention_on)
         hint = request.headers.get(ROUTE_HEADER)
         if hint is not None and hint not in ("prefill", "decode"):
             raise RequestError(
@@ -341,11 +354,20 @@ class RequestPath:
                     hint,
                     score_only,
                     unit,
+                    retain_s,
                 )
                 for c, s in zip(choices, seeds)
             ]
         )
-        return Generation(body, prompt, choices, events, self.client.api_server)
+        return Generation(
+            body,
+            prompt,
+            choices,
+            events,
+            self.client.api_server,
+            hints,
+            hints.report(retention_on),
+        )
 
     async def respond(
         self,
@@ -433,11 +455,12 @@ class RequestPath:
         hint: str | None,
         score_only: bool,
         unit: int | None,
+        retain_s: float = 0.0,
     ) -> AsyncIterator[Event]:
         """A choice's events; score_only: the prompt alone is the answer, the sampled token is
         dropped."""
         async with aclosing(
-            self.client.generate(prompt_ids, sampling, session, hint, unit)
+            self.client.generate(prompt_ids, sampling, session, hint, unit, retain_s)
         ) as deltas:
             async for delta in deltas:
                 if delta.route is not None:

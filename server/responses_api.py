@@ -199,6 +199,8 @@ class ResponseRun:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": num_prompt + num_output,
             }
+            if self.gen.retention is not None:
+                usage["ppd_cache_retention"] = self.gen.retention
         return {
             "id": self.id,
             "object": "response",

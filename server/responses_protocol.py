@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.errors import RequestError
-from server.protocol import INT64_MAX, INT64_MIN, RequestBody, unsupported
+from server.protocol import INT64_MAX, INT64_MIN, MAX_CACHE_KEY_CHARS, RequestBody, unsupported
 from server.tools import FunctionDefinition
 
 MAX_METADATA_KEYS = 16
@@ -56,9 +56,10 @@ class ResponsesRequest(RequestBody):
     text: TextConfig | None = None
     parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
-    user: str | None = (
-        None  # accepted and ignored, as are service_tier, safety_identifier, prompt_cache_key
-    )
+    user: str | None = None  # accepted and ignored, as are service_tier and safety_identifier
+    # OpenAI's cache hints, as on chat completions (server/cache_hints.py).
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     # vLLM's sampling extensions
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -170,6 +171,8 @@ class ResponsesRequest(RequestBody):
             "tools": self.chat_tools(),
             "tool_choice": self.chat_tool_choice(),
             "response_format": self.response_format(),
+            "prompt_cache_key": self.prompt_cache_key,
+            "prompt_cache_retention": self.prompt_cache_retention,
         }
         if self.parallel_tool_calls is not None:
             fields["parallel_tool_calls"] = self.parallel_tool_calls
