@@ -68,9 +68,18 @@ def main(argv: list[str] | None = None) -> int:
         "cell ($PPD_CACHE_DIR/profiles/<device>__<model>__policy.json)",
     )
     add_policy_args(policy_parser)
+    from bench.tier_profile import add_tier_args
+
+    tier_parser = profiles.add_parser(
+        "tier",
+        help="the second KV tier's copy rate for a model's blocks, which the ppd policy counts a "
+        "tier-cached prefix's load at ($PPD_CACHE_DIR/profiles/<device>__<model>__tier.json)",
+    )
+    add_tier_args(tier_parser)
     profile_parsers = {
         "partition": partition_parser,
         "policy": policy_parser,
+        "tier": tier_parser,
     }  # `ppd profile` runs each, in order
     show_defaults(parser)
     args = parser.parse_args(argv)
@@ -95,10 +104,14 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_probe(args)
         elif args.command == "profile":
-            from bench import policy_profile
+            from bench import policy_profile, tier_profile
             from partition import profiler_cli
 
-            mains = {"partition": profiler_cli.main, "policy": policy_profile.main}
+            mains = {
+                "partition": profiler_cli.main,
+                "policy": policy_profile.main,
+                "tier": tier_profile.main,
+            }
             if args.profile_command:
                 mains[args.profile_command](args)
             else:

@@ -207,53 +207,27 @@ class TierStore:
         import torch
 
         if self.stream is None:
-            for store, blocks, slots in _runs(copies):
-                self._copy(store, blocks, slots)
+            self._copy(copies)
             return None
         current = torch.cuda.current_stream(self.pool.device)
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
-            for copy in copies:
-                if copy.store:
-                    self.data[copy.slot].copy_(self.pool[:, :, copy.block_id], non_blocking=True)
-                else:
-                    self.pool[:, :, copy.block_id].copy_(self.data[copy.slot], non_blocking=True)
+            self._copy(copies, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         current.wait_event(done)
         return done
 
-    def _copy(self, store: bool, blocks: list[int], slots: list[int]) -> None:
-        import torch
-
-        b = torch.tensor(blocks)
-        s = torch.tensor(slots)
-        if store:
-            self.data[s] = self.pool[:, :, b].permute(2, 0, 1, 3, 4, 5)
-        else:
-            self.pool[:, :, b] = self.data[s].permute(1, 2, 0, 3, 4, 5)
-
-
-def _runs(copies: Sequence[KVCopy]) -> list[tuple[bool, list[int], list[int]]]:
-    """The copies as runs of one direction, in order, each run touching a slot and a block at
-    most once (so that one indexed copy does each run as the copies would one by one)."""
-    runs: list[tuple[bool, list[int], list[int]]] = []
-    seen_blocks: set[int] = set()
-    seen_slots: set[int] = set()
-    for copy in copies:
-        if (
-            not runs
-            or runs[-1][0] != copy.store
-            or copy.block_id in seen_blocks
-            or copy.slot in seen_slots
-        ):
-            runs.append((copy.store, [], []))
-            seen_blocks, seen_slots = set(), set()
-        runs[-1][1].append(copy.block_id)
-        runs[-1][2].append(copy.slot)
-        seen_blocks.add(copy.block_id)
-        seen_slots.add(copy.slot)
-    return runs
+    def _copy(self, copies: Sequence[KVCopy], non_blocking: bool = False) -> None:
+        # One copy per block: a slot is contiguous, and a pool block's layers are strided runs of
+        # block_size * kv_heads * head_dim; an indexed copy of many blocks at once gathers through
+        # a temporary and ran at a fifth of this on the CPU (docs/design.md, the second tier).
+        data, pool = self.data, self.pool
+        for copy in copies:
+            if copy.store:
+                data[copy.slot].copy_(pool[:, :, copy.block_id], non_blocking=non_blocking)
+            else:
+                pool[:, :, copy.block_id].copy_(data[copy.slot], non_blocking=non_blocking)
 
 
 def tier_capacity(size_gib: float, block_nbytes: int) -> int:

@@ -47,6 +47,27 @@ def profile_file(name: str, folder: Path | None = None) -> Path:
     )
 
 
+TIER_PROFILE_SCHEMA = "ppd-tier-profile"
+
+
+def tier_profile_path(device: str, model: str, folder: Path | None = None) -> Path:
+    """`ppd profile tier`'s file, <device>__<model>__tier.json, in `folder`; without one, the one
+    a reader takes (profile_file)."""
+    return profile_file(f"{slug(device)}__{slug(model)}__tier.json", folder)
+
+
+def tier_load_rate(device: str, model: str) -> float:
+    """The second KV tier's load rate `ppd profile tier` measured for this device and model, in
+    tokens/s (0.0: none profiled, or a file that is not such a profile)."""
+    try:
+        data = json.loads(tier_profile_path(device, model).read_text())
+        if data.get("schema") != TIER_PROFILE_SCHEMA:
+            return 0.0
+        return float(data["load_tokens_per_s"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0.0
+
+
 def results_dir() -> Path:
     """$PPD_RESULTS_DIR, else ./ppd-results: where `ppd bench` and `ppd probe` write without
     --out."""

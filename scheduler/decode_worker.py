@@ -173,6 +173,7 @@ class DecodeWorker:
             )
         # Copies between the pool and the tier queued on the device, with the event of their end.
         self.copying: list[tuple[Any, list[KVCopy]]] = []
+        self.tier_tokens_per_s = 0.0  # the copies' moving-average rate (where they run in line)
         self.scheduler = DecodeScheduler(
             BlockManager(plan.num_blocks, plan.block_size, hasher, tier, cfg.kv_retention_share),
             self.engine.mcfg.eos_token_ids,
@@ -334,9 +335,13 @@ class DecodeWorker:
         copies = self.scheduler.blocks.take_copies()
         if not copies:
             return
+        started = time.perf_counter()
         with self.on_stream():
             done = self.engine.copy_kv(copies)
         if done is None:
+            seconds = time.perf_counter() - started
+            tokens = len(copies) * self.scheduler.blocks.block_size
+            self.tier_tokens_per_s = ema(self.tier_tokens_per_s, tokens / max(seconds, 1e-6))
             self.scheduler.blocks.copies_done(copies)
             return
         if step.jobs:
@@ -507,6 +512,7 @@ class DecodeWorker:
                 tier.stats.stored,
                 tier.stats.loaded,
                 tier.stats.dropped,
+                self.tier_tokens_per_s,
             )
         stats.iteration_tokens = list(self.times.iteration_tokens)
         stats.iteration_tokens_sum = self.times.iteration_tokens_sum

@@ -193,6 +193,7 @@ class TierCounts(msgspec.Struct, gc=False):
     stored: int = 0
     loaded: int = 0
     dropped: int = 0
+    tokens_per_s: float = 0.0  # the copies' rate, as measured (0: not yet, or not on this device)
 
 
 class WorkerStats(msgspec.Struct, gc=False):

@@ -553,6 +553,9 @@ class EngineClient:
                     msg.stats.decode_step_ms,
                     msg.stats.inline_tokens_per_s,
                 )
+                if (tier := msg.stats.tier) is not None:
+                    self.router.tier_capacity[msg.unit] = tier.capacity
+                    live.tier_tokens_per_s = tier.tokens_per_s
             if msg.held is not None:
                 self.router.recount(msg.unit, msg.held)
             if msg.prefill_stats is not None:

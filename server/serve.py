@@ -160,6 +160,16 @@ def make_policy_for(args: argparse.Namespace):
     )
 
 
+def find_tier_rate(policy, device: str, model: str) -> None:
+    """The second tier's load rate `ppd profile tier` measured here, which the policy counts a
+    tier-cached prefix's load at until a unit measured its own copies."""
+    from profiles import tier_load_rate
+
+    if rate := tier_load_rate(device, model):
+        policy.tier_tokens_per_s = rate
+        log.info("second KV tier: loads at %.0f tokens/s, as profiled", rate)
+
+
 def find_shipped_table(policy, device: str, model: str) -> None:
     """Give the ppd policy this device's and model's table, the user's ($PPD_CACHE_DIR/profiles)
     before the shipped one, or say that the cost model stands in."""
@@ -169,6 +179,7 @@ def find_shipped_table(policy, device: str, model: str) -> None:
 
     if not isinstance(policy, PPDPolicy) or policy.table is not None:
         return
+    find_tier_rate(policy, device, model)
     path = table_path(device, model)
     if not path.is_file():
         log.warning(

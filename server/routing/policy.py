@@ -28,6 +28,11 @@ request:
 4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the
    prefill route meets --ttft-slo-ms; never send to the prefill worker a request that would miss
    --ttft-slo-ms there while the decode route meets both.
+5. Blocks of the cached prefix that sit in the unit's second KV tier (--kv-offloading-size) count
+   as cached, and both routes' TTFT include their load (loaded tokens over the tier's rate, as
+   the decode worker measures its copies, else as `ppd profile tier` measured it): the decode
+   worker loads them before either route runs, so the load moves both routes alike and decides
+   only against an SLO.
 Observed TTFT and TPOT of each routed append update the estimates of the route it took (which the
 unit decides: one that no longer holds the prefix the router guessed prefills it cold) in the cell
 of what it was (the cached length the unit found, the tokens it computed, the answer it gave), a
@@ -67,6 +72,7 @@ class UnitLive:
     prefill_tokens_per_s: float = 0.0  # the prefill worker's measured speed
     decode_step_ms: float = 0.0  # the decode worker's recent decode-only step time
     inline_tokens_per_s: float = 0.0  # the decode worker's speed on inline prefill tokens
+    tier_tokens_per_s: float = 0.0  # the second KV tier's copy rate, as the decode worker measured
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,7 @@ class Decision:
     load: int  # requests in flight on the unit, this one included
     cell: tuple[int, int, int] | None = None  # the table cell it was decided in
     queue_correction_ms: float = 0.0  # added to the table's prefill TTFT by the live state
+    load_ms: float = 0.0  # added to both routes' TTFT: loading the prefix's blocks from the tier
 
 
 @dataclass(frozen=True)
@@ -100,10 +107,20 @@ class Policy:
     def __init__(self, name: str) -> None:
         self.name = name
         self.uses_prefill_worker = has_prefill_worker(name)
+        # The second tier's copy rate before a unit measured its own (`ppd profile tier`; 0: none).
+        self.tier_tokens_per_s = 0.0
 
-    def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
-        """Where the prefill of a request with `cached` tokens cached, `new` to compute and `output`
-        to generate runs, with `load` requests in flight on its unit (this one included)."""
+    def load_ms(self, loaded: int, live: UnitLive) -> float:
+        """Milliseconds to load `loaded` tokens' blocks from the unit's second tier."""
+        rate = live.tier_tokens_per_s or self.tier_tokens_per_s
+        return 1000.0 * loaded / rate if loaded and rate > 0 else 0.0
+
+    def route(
+        self, cached: int, new: int, output: int, load: int, live: UnitLive, loaded: int = 0
+    ) -> Decision:
+        """Where the prefill of a request with `cached` tokens cached (`loaded` of them in the
+        unit's second tier), `new` to compute and `output` to generate runs, with `load` requests
+        in flight on its unit (this one included)."""
         if not self.uses_prefill_worker:
             return Decision("decode", "static", load)
         if cached == 0:
@@ -135,10 +152,13 @@ class PPDPolicy(Policy):
             if all(r in cell.routes for r in ROUTES)
         }
 
-    def route(self, cached: int, new: int, output: int, load: int, live: UnitLive) -> Decision:
+    def route(
+        self, cached: int, new: int, output: int, load: int, live: UnitLive, loaded: int = 0
+    ) -> Decision:
         if cached == 0:
             return Decision("prefill", "miss", load)
         obj, step = self.objective, live.decode_step_ms
+        load_ms = self.load_ms(loaded, live)
         rate = live.prefill_tokens_per_s
         queue_ms = 1000.0 * live.prefill_queue_tokens / rate if rate > 0 else 0.0
         inline_rate = live.inline_tokens_per_s or rate
@@ -160,6 +180,7 @@ class PPDPolicy(Policy):
             ttft_p, ttft_d = queue_ms + own_ms, 1.5 * step + inline_ms
             tpot_p, tpot_d = step, step + inline_ms / max(output, 1)
             reason, key = "model", None
+        ttft_p, ttft_d = ttft_p + load_ms, ttft_d + load_ms
         tpot_cost = obj.w_tpot * (tpot_d - tpot_p)
         decode = obj.w_ttft * (ttft_p - ttft_d) > tpot_cost
         if correction and decode != (obj.w_ttft * (ttft_p - correction - ttft_d) > tpot_cost):
@@ -180,7 +201,7 @@ class PPDPolicy(Policy):
             and not (obj.itl_slo_ms is not None and step + inline_ms > obj.itl_slo_ms)
         ):
             decode, reason = True, "ttft_slo"
-        return Decision("decode" if decode else "prefill", reason, load, key, correction)
+        return Decision("decode" if decode else "prefill", reason, load, key, correction, load_ms)
 
     def observe(self, decision: Decision, outcome: Outcome) -> None:
         if self.table is None or outcome.cached == 0:  # a cold prefill: no append, no cell

@@ -12,6 +12,11 @@ are only guesses (the unit may have evicted the blocks): the unit's own prefix c
 tokens, what is really reused, so an edited history or a lost prefix gets a correct answer, only a
 slower one. The route then comes from the policy (server/routing/policy.py), which reads each unit's
 live state as its workers last reported it.
+
+A unit with a second KV tier (--kv-offloading-size) keeps what its pool evicts: the index's
+oldest hashes then go on to a tier index of the tier's size, and a prompt that continues there is
+cached all the same, at the cost of loading those blocks (Placement.est_loaded_tokens, which the
+policy adds to either route's time).
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ log = logging.getLogger("ppd.router")
 class Placement:
     unit: int
     decision: Decision
-    est_cached_tokens: int
+    est_cached_tokens: int  # from the pool or the second tier
     session: str | None = None
     earlier_answers: tuple[int, ...] = ()  # the answer lengths of the conversation it continues
     hashes: list[int] = field(
         default_factory=list
     )  # the prompt's block hashes, which travel with it to the unit
+    est_loaded_tokens: int = 0  # of est_cached_tokens, those in the unit's second tier
 
     @property
     def route(self) -> Route:
@@ -61,6 +67,9 @@ class Router:
         self.policy = policy
         self.capacity = capacity_blocks
         self.index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_units)]
+        # What each unit's second tier holds, by the same guess: the pool index's overflow.
+        self.tier_index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_units)]
+        self.tier_capacity = [0] * num_units  # blocks; set from the units' stats
         self.load = [0] * num_units
         self.assigned = [
             0
@@ -92,16 +101,17 @@ class Router:
         hashes = block_hashes(token_ids, self.block_size)
         unit = self._session_unit(session, available)
         if unit is None:
-            matches = {u: self._match(self.index[u], hashes) for u in available}
+            matches = {u: sum(self._match(u, hashes)) for u in available}
             unit = min(available, key=lambda u: (-matches[u], self.load[u], self.assigned[u], u))
-        cached = self._match(self.index[unit], hashes) * self.block_size
+        in_pool, in_tier = self._match(unit, hashes)
+        cached, loaded = (in_pool + in_tier) * self.block_size, in_tier * self.block_size
         new, load, live = len(token_ids) - cached, self.load[unit] + 1, self.live[unit]
         earlier = self.answers.earlier(hashes, session)
         output_tokens = self.answers.estimate(earlier, max_tokens, min_tokens, ignore_eos)
         if route_hint is not None and cached > 0 and self.policy.uses_prefill_worker:
             decision = Decision(route_hint, "client", load)
         else:
-            decision = self.policy.route(cached, new, output_tokens, load, live)
+            decision = self.policy.route(cached, new, output_tokens, load, live, loaded)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "route %s (%s) unit %d: cached %d new %d output %d load %d cell %s queue %d tokens "
@@ -122,7 +132,7 @@ class Router:
             )
         self._placed(unit, hashes, session)
         self._publish(Placed(self.origin, unit, hashes, session))
-        return Placement(unit, decision, cached, session, earlier, hashes)
+        return Placement(unit, decision, cached, session, earlier, hashes, loaded)
 
     def finished(
         self,
@@ -182,12 +192,17 @@ class Router:
     def remember(self, unit: int, hashes: list[int]) -> None:
         """Note the block hashes as (likely) cached on unit, newest last; the index keeps the newest
         capacity."""
-        index = self.index[unit]
+        index, tier = self.index[unit], self.tier_index[unit]
         for h in hashes:
             index[h] = None
             index.move_to_end(h)
+            tier.pop(h, None)
         while len(index) > self.capacity:
-            index.popitem(last=False)
+            h, _ = index.popitem(last=False)
+            if self.tier_capacity[unit]:
+                tier[h] = None
+        while len(tier) > self.tier_capacity[unit]:
+            tier.popitem(last=False)
 
     def recount(self, unit: int, held: int) -> None:
         """The unit's own count of the requests it holds becomes its load: after an API server died,
@@ -198,6 +213,7 @@ class Router:
     def forget_unit(self, unit: int) -> None:
         """The unit restarted with an empty cache: its conversations are placed afresh."""
         self.index[unit].clear()
+        self.tier_index[unit].clear()
         self.load[unit] = 0
         self.live[unit] = UnitLive()
         for session in [s for s, (u, _) in self.sessions.items() if u == unit]:
@@ -215,11 +231,17 @@ class Router:
         unit = self.sessions[session][0]
         return unit if unit in available else None
 
-    @staticmethod
-    def _match(index: OrderedDict[int, None], hashes: list[int]) -> int:
-        n = 0
+    def _match(self, unit: int, hashes: list[int]) -> tuple[int, int]:
+        """The prompt's leading blocks likely cached on unit: (in its pool, then in its tier)."""
+        index, tier = self.index[unit], self.tier_index[unit]
+        in_pool = 0
         for h in hashes:
             if h not in index:
                 break
-            n += 1
-        return n
+            in_pool += 1
+        in_tier = 0
+        for h in hashes[in_pool:]:
+            if h not in tier:
+                break
+            in_tier += 1
+        return in_pool, in_tier

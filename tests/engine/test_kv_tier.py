@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.block_manager import BlockManager
-from engine.kv_tier import KVCopy, TierIndex, TierStore, _runs, tier_capacity
+from engine.kv_tier import KVCopy, TierIndex, TierStore, tier_capacity
 
 BS = 4
 
@@ -130,11 +130,6 @@ def test_with_every_slot_pinned_an_eviction_is_dropped_not_stored() -> None:
     tier.offer(2, None, (2,), block_id=1)
     assert [c.store for c in tier.take_copies()] == [False]
     assert tier.stats.dropped == 1
-
-
-def test_copy_runs_keep_their_order_and_touch_a_block_once() -> None:
-    copies = [KVCopy(True, 1, 0), KVCopy(True, 2, 1), KVCopy(False, 1, 5), KVCopy(False, 3, 5)]
-    assert _runs(copies) == [(True, [1, 2], [0, 1]), (False, [1], [5]), (False, [3], [5])]
 
 
 def test_tier_capacity_counts_whole_blocks() -> None:

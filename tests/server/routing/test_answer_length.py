@@ -70,9 +70,9 @@ class Recording(Policy):
         super().__init__("dlocal")
         self.outputs: list[int] = []
 
-    def route(self, cached: int, new: int, output: int, load: int, live) -> Decision:  # type: ignore[override]
+    def route(self, cached: int, new: int, output: int, load: int, live, loaded=0) -> Decision:  # type: ignore[override]
         self.outputs.append(output)
-        return super().route(cached, new, output, load, live)
+        return super().route(cached, new, output, load, live, loaded)
 
 
 def test_the_router_gives_the_policy_the_estimate_and_learns_each_answer() -> None:

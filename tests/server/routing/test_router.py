@@ -237,3 +237,28 @@ def test_an_event_that_cannot_be_published_neither_fails_the_request_nor_leaks_i
     assert router.load == [1]
     router.finished(placed.unit, list(range(16)), placed)
     assert router.load == [0]
+
+
+def test_what_the_pool_index_lets_go_is_cached_in_the_units_tier_at_its_load_cost() -> None:
+    policy = make_policy("ppd")
+    policy.tier_tokens_per_s = 1000.0  # as `ppd profile tier` measured it
+    router = Router(num_units=1, block_size=BS, policy=policy, capacity_blocks=3)
+    router.tier_capacity[0] = 8  # as the unit's stats said
+    first = list(range(12))  # 3 blocks
+    router.route(first, available=[0])
+    router.route(list(range(100, 112)), available=[0])  # the pool index lets the first three go
+    again = router.route(first + [7] * 5, available=[0])
+    assert (again.est_cached_tokens, again.est_loaded_tokens) == (12, 12)
+    assert again.decision.load_ms == pytest.approx(12.0)  # 12 tokens at 1000 tokens/s
+    # The unit's own measure of its rate wins over the profile's.
+    assert policy.load_ms(12, UnitLive(tier_tokens_per_s=4000.0)) == pytest.approx(3.0)
+    router.forget_unit(0)  # a restarted unit's tier is empty
+    assert router.route(first + [9], available=[0]).est_cached_tokens == 0
+
+
+def test_without_a_tier_the_pool_index_lets_go_for_good() -> None:
+    router = Router(num_units=1, block_size=BS, policy=Policy("dlocal"), capacity_blocks=3)
+    router.route(list(range(12)), available=[0])
+    router.route(list(range(100, 112)), available=[0])
+    placed = router.route(list(range(12)) + [1], available=[0])
+    assert (placed.est_cached_tokens, placed.est_loaded_tokens) == (0, 0)
