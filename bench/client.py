@@ -1,8 +1,11 @@
 """The load generator of `ppd bench`: multi-turn conversations against any OpenAI-compatible server.
 
 Each turn resends the whole history with the server's own earlier answers (as vLLM's multi-turn
-benchmark does), so a server with a prefix cache sees the growing prefix it produced. Only standard
-OpenAI fields are sent, plus vLLM's `ignore_eos` / `return_token_ids` where needed; ppd's extras
+benchmark does), so a server with a prefix cache sees the growing prefix it produced; a turn that
+carries a pause (a trace's tool or person) waits it after the previous answer. Conversations arrive
+by a Poisson process (qps), keep a number in flight (concurrency), or start at their own start times
+(replay, for traces). Only standard OpenAI fields are sent (with `cache_hints`, also its
+prompt-cache hints), plus vLLM's `ignore_eos` / `return_token_ids` where needed; ppd's extras
 (`x-ppd-route`, `usage.prompt_tokens_details.cached_tokens`) are read when present.
 
 The client must not be what is measured: one aiohttp session whose pool holds `concurrency`
@@ -21,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from itertools import count
 from time import perf_counter
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import aiohttp
 import msgspec
@@ -43,6 +46,9 @@ class Turn:
     max_tokens: (
         int | None
     )  # output budget (None: sent without one); exact output length with ignore_eos
+    # Seconds to wait after the previous answer ended before sending this turn (a tool running, a
+    # person reading), times LoadConfig.time_scale; a first turn's is not waited.
+    pause: float = 0.0
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Conversation:
     turns: list[Turn]
     system: str | None = None
     ignore_eos: bool = False
+    start: float = 0.0  # seconds from its trace's start: when a replay starts it (times time_scale)
 
 
 @dataclass
@@ -75,6 +82,9 @@ class RequestRecord:
         None  # None on success; timeouts, HTTP errors, stream errors give a short reason
     )
     retries: int = 0  # times the server refused it (429 or 503 with Retry-After) before this answer
+    # Tokens of this prompt that an earlier turn of its conversation already computed: the previous
+    # request's prompt plus its answer, by the server's usage (None: a first turn, or no usage).
+    history_tokens: int | None = None
 
     @property
     def success(self) -> bool:
@@ -101,12 +111,15 @@ class LoadConfig:
     # "responses": /v1/responses, each later turn only its new message after the previous response's
     # id (stored by the server)
     api: str = "chat"
-    qps: float | None = (
-        None  # conversation arrival rate (Poisson); exactly one of qps / concurrency is set
-    )
+    # Exactly one of qps, concurrency and replay gives the load.
+    qps: float | None = None  # conversation arrival rate (Poisson)
     concurrency: int | None = (
         None  # closed loop: this many conversations in flight; a finished one is replaced
     )
+    # Start each conversation once, at its `start` (counted from the earliest one's); the run ends
+    # when all have finished, or at duration.
+    replay: bool = False
+    time_scale: float = 1.0  # times start times (replay) and pauses (every load): 0.1 is 10x faster
     duration: float = 60.0  # seconds: no new conversation starts and no new turn is sent after this
     timeout: float = (
         300.0  # seconds per request; a request past it counts as failed (error="timeout")
@@ -124,6 +137,9 @@ class LoadConfig:
     token_timing: bool = (
         False  # ask for return_token_ids on every request: TTFT and ITL time tokens, not text
     )
+    # Send OpenAI's prompt-cache hints with every request: prompt_cache_key (the conversation's id)
+    # and prompt_cache_retention (CACHE_RETENTION).
+    cache_hints: bool = False
 
 
 # Only the fields the client reads; msgspec skips the rest without building them.
@@ -160,6 +176,7 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _encode = msgspec.json.Encoder().encode
 _HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+CACHE_RETENTION = "24h"
 
 
 def poisson_arrivals(qps: float, seed: int) -> Iterator[float]:
@@ -169,6 +186,15 @@ def poisson_arrivals(qps: float, seed: int) -> Iterator[float]:
     while True:
         yield t
         t += rng.expovariate(qps)
+
+
+def replay_arrivals(
+    conversations: list[Conversation], time_scale: float
+) -> Iterator[tuple[float, tuple[str, Conversation]]]:
+    """Each conversation once, at its start time times time_scale, counted from the earliest's."""
+    ordered = sorted(conversations, key=lambda conv: conv.start)
+    for conv in ordered:
+        yield (conv.start - ordered[0].start) * time_scale, (conv.id, conv)
 
 
 def _error_message(err: Any) -> str:
@@ -197,10 +223,14 @@ def _http_error(status: int, body: bytes) -> str:
 
 
 def _check(cfg: LoadConfig, conversations: list[Conversation]) -> None:
-    if (cfg.qps is None) == (cfg.concurrency is None):
-        raise ValueError("set exactly one of qps (open loop) or concurrency (closed loop)")
+    if (cfg.qps is not None) + (cfg.concurrency is not None) + cfg.replay != 1:
+        raise ValueError(
+            "set exactly one of qps (open loop), concurrency (closed loop) or replay (start times)"
+        )
     if cfg.qps is not None and cfg.qps <= 0 or cfg.concurrency is not None and cfg.concurrency < 1:
         raise ValueError("qps must be > 0 and concurrency >= 1")
+    if cfg.time_scale < 0:
+        raise ValueError(f"time_scale must be >= 0, not {cfg.time_scale}")
     if cfg.api not in APIS:
         raise ValueError(f"api must be one of {', '.join(APIS)}, not {cfg.api!r}")
     if not conversations or any(not conv.turns for conv in conversations):
@@ -259,27 +289,43 @@ class _Load:
             if backoff and self.cfg.honor_retry_after:
                 await asyncio.sleep(min(backoff, max(0.0, self.deadline - perf_counter())))
 
-    async def open_loop(self, source: Iterator[tuple[str, Conversation]]) -> None:
-        """Start conversations at Poisson arrival times until the deadline, then wait for them."""
+    async def open_loop(self, arrivals: Iterable[tuple[float, tuple[str, Conversation]]]) -> None:
+        """Start each conversation at its arrival (seconds from the run's start) until the deadline,
+        then wait for them."""
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task] = set()
         try:
-            for offset in poisson_arrivals(self.cfg.qps, self.cfg.seed):
+            for offset, (cid, conv) in arrivals:
                 if offset >= self.cfg.duration:
                     break
                 delay = self.t0 + offset - perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                task = loop.create_task(self.conversation(*next(source)))
+                task = loop.create_task(self.conversation(cid, conv))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
             await asyncio.gather(*tasks)
         finally:
             await _cancel(tasks)
 
+    async def pause(self, turn: Turn) -> bool:
+        """Wait the turn's pause (times time_scale); False when the deadline comes first, since no
+        turn is sent after it."""
+        wait = turn.pause * self.cfg.time_scale
+        if wait > 0:
+            await asyncio.sleep(min(wait, max(0.0, self.deadline - perf_counter())))
+        return perf_counter() < self.deadline
+
+    def hints(self, conv: Conversation) -> dict[str, str]:
+        """The prompt-cache hints of the conversation's requests (none unless cache_hints)."""
+        if not self.cfg.cache_hints:
+            return {}
+        return {"prompt_cache_key": conv.id, "prompt_cache_retention": CACHE_RETENTION}
+
     async def conversation(self, cid: str, conv: Conversation) -> float:
-        """Send the turns in order, each with the whole history; stop at the first failure or the
-        deadline. Returns the Retry-After seconds of a refusal that ended it (0 otherwise)."""
+        """Send the turns in order, each with the whole history and after its pause; stop at the
+        first failure or the deadline. Returns the Retry-After seconds of a refusal that ended it (0
+        otherwise)."""
         cfg, chat = self.cfg, self.cfg.api == "chat"
         if cfg.api == "responses":
             return await self.responses_conversation(cid, conv)
@@ -288,6 +334,7 @@ class _Load:
             "stream": True,
             "stream_options": {"include_usage": True},
             "temperature": cfg.temperature,
+            **self.hints(conv),
         }
         if conv.ignore_eos:
             base["ignore_eos"] = True
@@ -297,8 +344,9 @@ class _Load:
             [{"role": "system", "content": conv.system}] if conv.system is not None else []
         )
         prompt_ids: list[int] = []
+        computed = None  # tokens of the conversation the server has computed so far
         for i, turn in enumerate(conv.turns):
-            if i and perf_counter() >= self.deadline:
+            if i and not await self.pause(turn):
                 return 0.0
             if chat:
                 history.append({"role": "user", "content": turn.user})
@@ -317,6 +365,7 @@ class _Load:
                     **cfg.extra_body,
                 }
             record, text, ids, retry_after, _ = await self.request(_encode(body), cid, i)
+            record.history_tokens, computed = computed, _computed(record)
             self.add(record)
             if record.error is not None:
                 return retry_after  # later turns would carry a wrong history
@@ -347,14 +396,20 @@ class _Load:
         """The turns through the Responses API: each sends only its new message, after the previous
         response's id (the server stored the conversation)."""
         cfg = self.cfg
-        base = {"model": cfg.model, "stream": True, "temperature": cfg.temperature, "store": True}
+        base = {
+            "model": cfg.model,
+            "stream": True,
+            "temperature": cfg.temperature,
+            "store": True,
+            **self.hints(conv),
+        }
         if conv.system is not None:
             base["instructions"] = conv.system
         if conv.ignore_eos:
             base["ignore_eos"] = True
-        previous = None
+        previous = computed = None
         for i, turn in enumerate(conv.turns):
-            if i and perf_counter() >= self.deadline:
+            if i and not await self.pause(turn):
                 return 0.0
             body = {
                 **base,
@@ -365,6 +420,7 @@ class _Load:
             if previous is not None:
                 body["previous_response_id"] = previous
             record, _, _, retry_after, previous = await self.request(_encode(body), cid, i)
+            record.history_tokens, computed = computed, _computed(record)
             self.add(record)
             if record.error is not None:
                 return retry_after
@@ -433,6 +489,12 @@ class _Load:
             retry_after,
             stream.response_id,
         )
+
+
+def _computed(record: RequestRecord) -> int | None:
+    """Tokens the server has computed for the conversation once this request is answered: its
+    prompt and its answer (None where usage gave no prompt tokens)."""
+    return record.prompt_tokens + record.output_tokens if record.prompt_tokens else None
 
 
 class _Stream:
@@ -619,8 +681,10 @@ async def run_load(
                     asyncio.create_task(load.closed_loop(source)) for _ in range(cfg.concurrency)
                 ]
                 await asyncio.gather(*tasks)
+            elif cfg.replay:
+                await load.open_loop(replay_arrivals(conversations, cfg.time_scale))
             else:
-                await load.open_loop(source)
+                await load.open_loop(zip(poisson_arrivals(cfg.qps, cfg.seed), source))
         finally:
             await _cancel(tasks)
             bar.close()

@@ -11,6 +11,10 @@ from profiles import results_path
 # A Hugging Face folder with none of these has no tokenizer to load (a configuration with dummy
 # weights has none).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Token ids sent without a tokenizer (synthetic workloads, traces): printable ASCII bytes, ordinary
+# tokens in any vocabulary of 128+.
+RANDOM_ID_RANGE = (32, 127)
+TRACE_BLOCK_SIZE = 512  # tokens a trace's hash id stands for: Mooncake's published traces use 512
 
 
 class BenchError(Exception):

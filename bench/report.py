@@ -11,6 +11,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +31,15 @@ X_KEYS = (
     "qps",
     "concurrency",
 )  # label keys that are the load of a run, not the series it belongs to
+# Turn-2+ TTFT by the request's prompt tokens (K = 1024), since a long context's TTFT is a figure of
+# its own: (key, label, least, below).
+CONTEXT_BUCKETS = (
+    ("lt1k", "<1K", 0, 1024),
+    ("1k_4k", "1-4K", 1024, 4096),
+    ("4k_16k", "4-16K", 4096, 16384),
+    ("16k_64k", "16-64K", 16384, 65536),
+    ("64k_plus", "64K+", 65536, math.inf),
+)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -67,6 +77,7 @@ def summarize(
     parse_goodput); weights (w_ttft, w_tpot) make the turn-2+ objective w_ttft * TTFT p50 + w_tpot *
     TPOT p50 (ms), the ppd policy's."""
     ok = [r for r in records if r.success]
+    later = [r for r in ok if r.turn >= 1]
     n = len(records)
 
     def per_s(amount: float) -> float | None:
@@ -85,11 +96,8 @@ def summarize(
         **_ms(
             [r.ttft for r in ok if r.turn == 0 and r.ttft is not None], "ttft_turn1", (50, 90, 99)
         ),
-        **_ms(
-            [r.ttft for r in ok if r.turn >= 1 and r.ttft is not None],
-            "ttft_turn2plus",
-            (50, 90, 99),
-        ),
+        **_ms([r.ttft for r in later if r.ttft is not None], "ttft_turn2plus", (50, 90, 99)),
+        **_by_context(later),
         **_ms([r.tpot for r in ok if r.tpot is not None], "tpot", (50, 99)),
         **_ms(
             [r.tpot for r in ok if r.turn >= 1 and r.tpot is not None], "tpot_turn2plus", (50, 99)
@@ -103,7 +111,8 @@ def summarize(
         "goodput_requests_per_s": None,
         "goodput_fraction": None,
         "prefix_cache_hit_fraction": _hit_fraction(ok),
-        "prefix_cache_hit_fraction_turn2plus": _hit_fraction([r for r in ok if r.turn >= 1]),
+        "prefix_cache_hit_fraction_turn2plus": _hit_fraction(later),
+        "recomputed_fraction_turn2plus": _recomputed_fraction(later),
         "routes": dict(Counter(r.route for r in records if r.route is not None)),
         # Requests the server refused (429 or 503 with Retry-After) and that were sent again: it
         # saturated.
@@ -129,6 +138,30 @@ def _hit_fraction(records: Sequence[RequestRecord]) -> float | None:
     reporting = [r for r in records if r.cached_tokens is not None]
     prompt = sum(r.prompt_tokens for r in reporting)
     return sum(r.cached_tokens for r in reporting) / prompt if prompt else None
+
+
+def _by_context(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """TTFT p50 and p99 of each CONTEXT_BUCKETS bucket of prompt tokens (None where it has no
+    request), and the requests in each bucket that has some."""
+    out: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    for key, label, least, below in CONTEXT_BUCKETS:
+        ttfts = [r.ttft for r in records if least <= r.prompt_tokens < below and r.ttft is not None]
+        out.update(_ms(ttfts, f"ttft_turn2plus_ctx_{key}", (50, 99)))
+        if ttfts:
+            counts[label] = len(ttfts)
+    out["turn2plus_requests_by_context"] = counts
+    return out
+
+
+def _recomputed_fraction(records: Sequence[RequestRecord]) -> float | None:
+    """Of the tokens that earlier turns of the same conversation computed (history_tokens), the
+    share computed again (not reported cached), over the requests whose server reported cached
+    tokens."""
+    both = [r for r in records if r.history_tokens and r.cached_tokens is not None]
+    history = sum(r.history_tokens for r in both)
+    again = sum(max(0, r.history_tokens - r.cached_tokens) for r in both)
+    return again / history if history else None
 
 
 def median_of_runs(runs: Sequence[dict]) -> dict:
@@ -273,6 +306,25 @@ def host_costs(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     }
 
 
+# The server's second KV tier, from ppd's counters over a run: summary key -> counter.
+KV_TIER_COUNTERS = {
+    "kv_tier_loaded_tokens": "ppd:kv_tier_loaded_tokens_total",
+    "kv_tier_stored_blocks": "ppd:kv_tier_stored_blocks_total",
+    "kv_tier_loaded_blocks": "ppd:kv_tier_loaded_blocks_total",
+    "kv_tier_dropped_blocks": "ppd:kv_tier_dropped_blocks_total",
+}
+
+
+def kv_tier(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What the server's second KV tier did over a run (tokens loaded back from it; blocks stored,
+    loaded, dropped), from its counters before and after the run; None where the server has no such
+    counter. One that appears during the run counts from zero."""
+    return {
+        key: after[name] - before.get(name, 0.0) if name in after else None
+        for key, name in KV_TIER_COUNTERS.items()
+    }
+
+
 def host_cost_table(summaries: Sequence[dict]) -> str:
     """One row per summary with host costs (host_costs); "" when none has them."""
     rows = [s for s in summaries if s.get("worker_loop_ms_per_step") is not None]
@@ -304,12 +356,57 @@ def host_cost_table(summaries: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _by_context_cell(s: dict) -> str:
+    counts = s.get("turn2plus_requests_by_context") or {}
+    cells = [
+        f"{label} {_pair(s, f'ttft_turn2plus_ctx_{key}')}"
+        for key, label, *_ in CONTEXT_BUCKETS
+        if label in counts
+    ]
+    return "; ".join(cells) or "-"
+
+
+# Columns shown only where some run has the figure: (name, summary key, cell).
+OPTIONAL_COLUMNS = [
+    (
+        "TTFT turn 2+ p50 / p99 by prompt tokens (ms)",
+        "turn2plus_requests_by_context",
+        _by_context_cell,
+    ),
+    (
+        "prefix cache hit turn 2+",
+        "prefix_cache_hit_fraction_turn2plus",
+        lambda s: _share(s.get("prefix_cache_hit_fraction_turn2plus")),
+    ),
+    (
+        "recomputed turn 2+",
+        "recomputed_fraction_turn2plus",
+        lambda s: _share(s.get("recomputed_fraction_turn2plus")),
+    ),
+    (
+        "KV tier loaded tokens",
+        "kv_tier_loaded_tokens",
+        lambda s: _num(s.get("kv_tier_loaded_tokens"), ".0f"),
+    ),
+]
+
+
 def markdown_table(summaries: Sequence[dict]) -> str:
-    """One row per run: its label columns, then the key metrics."""
+    """One row per run: its label columns, then the key metrics, then the optional ones that some
+    run has."""
     keys = _label_keys(summaries)
-    header = keys + [name for name, _ in METRIC_COLUMNS]
+    columns = METRIC_COLUMNS + [
+        (name, cell)
+        for name, key, cell in OPTIONAL_COLUMNS
+        if any(s.get(key) not in (None, {}) for s in summaries)
+    ]
+    header = keys + [name for name, _ in columns]
     rows = [
-        [_cell(s.get("label", {}).get(k)) for k in keys] + [cell(s) for _, cell in METRIC_COLUMNS]
+        [_cell(s.get("label", {}).get(k)) for k in keys] + [cell(s) for _, cell in columns]
         for s in summaries
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -435,8 +532,9 @@ def write_report(
         + "TTFT turn 2+: every turn after the first. TPOT: (latency - TTFT) / (output tokens - 1). "
         "Objective turn 2+: w_ttft * TTFT p50 + w_tpot * TPOT p50 of turns 2+ (ms; the weights are "
         "in summary.json). Goodput: requests meeting every SLO in goodput_slo_ms, per second and "
-        "as "
-        "a share of all.\n"
+        "as a share of all. Recomputed turn 2+: of the tokens an earlier turn of the same "
+        "conversation computed (its prompt and answer), the share not reported cached. KV tier "
+        "loaded tokens: the server's ppd:kv_tier_loaded_tokens_total over the run.\n"
     )
     written += [report, *plots]
     used: set[str] = set()

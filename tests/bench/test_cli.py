@@ -131,6 +131,73 @@ def test_bench_refuses_bad_input_clearly(stub) -> None:
     assert nobody.returncode == 2 and "is the server running" in nobody.stderr
 
 
+def ppd_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """`ppd ARGS` in this process (no interpreter and torch to start): its exit code and stderr."""
+    from cli.main import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_bench_replays_the_shipped_agentic_trace_with_cache_hints(
+    stub, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    trace = Path(__file__).parents[2] / "bench" / "data" / "agentic_seed0.jsonl"
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    out = tmp_path / "replay"
+    httpx.post(f"{stub.url}/stub/reset", timeout=10)
+    code, err = ppd_here(
+        capsys,
+        "bench",
+        "--url",
+        stub.url,
+        "--api",
+        "completions",
+        "--workload",
+        f"trace:{trace}",
+        "--replay",
+        "--time-scale",
+        "0.002",
+        "--cache-hints",
+        "--duration",
+        "60",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
+    assert code == 0, err
+    (summary,) = json.loads((out / "summary.json").read_text())
+    assert summary["label"]["replay"] is True and summary["label"]["time_scale"] == 0.002
+    # Every turn of every session, once, then the run ended.
+    assert summary["requests"] == summary["succeeded"] == len(lines)
+    assert summary["conversations"] == len({line["session_id"] for line in lines})
+    assert sum(summary["turn2plus_requests_by_context"].values()) == len(lines) - 4
+    assert summary["recomputed_fraction_turn2plus"] == 1.0  # the stub caches nothing of them
+    bodies = [entry["body"] for entry in httpx.get(f"{stub.url}/stub/log", timeout=10).json()]
+    assert {b["prompt_cache_key"] for b in bodies} == {line["session_id"] for line in lines}
+    assert all(b["prompt_cache_retention"] == "24h" and b["ignore_eos"] for b in bodies)
+    assert sorted(b["max_tokens"] for b in bodies) == sorted(x["output_length"] for x in lines)
+    firsts = [b["prompt"] for b in bodies if len(b["prompt"]) == lines[0]["input_length"]]
+    assert firsts and all(p[:512] == firsts[0][:512] for p in firsts), "the shared prefix"
+
+
+def test_bench_refuses_traces_without_token_ids_or_a_trace_to_replay(
+    stub, capsys: pytest.CaptureFixture
+) -> None:
+    url = ("--url", stub.url)
+    code, err = ppd_here(capsys, "bench", *url, "--concurrency", "1", "--workload", "agentic")
+    assert code == 2 and "pass --api completions" in err
+    code, err = ppd_here(capsys, "bench", *url, "--replay", "--api", "completions")
+    assert code == 2 and "--workload trace:FILE or agentic" in err
+    code, err = ppd_here(
+        capsys, "bench", *url, "--qps", "1", "--api", "completions", "--workload", "trace:/x"
+    )
+    assert code == 2 and "cannot read the trace /x" in err
+    with pytest.raises(SystemExit):
+        ppd_here(capsys, "bench", *url, "--qps", "1", "--workload", "trace:")
+    assert "choose from synthetic" in capsys.readouterr().err
+
+
 def test_ctrl_c_reports_what_was_measured(stub, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     httpx.post(f"{stub.url}/stub/reset", timeout=10)

@@ -162,6 +162,65 @@ def test_a_saturated_server_answers_every_request_in_the_end_and_the_report_says
     assert summary["failed"] == 0 and summary["refused_then_retried"] == 1
 
 
+def test_cache_hints_and_the_history_each_later_turn_carries(stub):
+    conv = Conversation("session-1", [Turn([1, 2, 3], 3), Turn([4, 5], 2), Turn([6], 1)])
+    records = once(stub, conv, api="completions", extra_body=FAST, cache_hints=True)
+    bodies = [entry["body"] for entry in call(stub, "/stub/log")]
+    assert [(b["prompt_cache_key"], b["prompt_cache_retention"]) for b in bodies] == [
+        ("session-1", "24h")
+    ] * 3
+    # The previous prompt and its answer, by the server's usage: 3 + 3, then 8 + 2.
+    assert [r.history_tokens for r in records] == [None, 6, 10]
+    once(stub, conv, api="completions", extra_body=FAST)
+    assert not any("prompt_cache_key" in e["body"] for e in call(stub, "/stub/log")), "off: none"
+
+
+def test_replay_starts_sessions_at_their_scaled_times_and_each_turn_after_its_pause(stub):
+    scale = 0.1
+    pauses = {("a", 1): 2.0, ("a", 2): 4.0, ("b", 1): 1.0}
+    conversations = [
+        Conversation(
+            "b", [Turn([5], 2), Turn([6], 2, pause=1.0)], ignore_eos=True, start=13.0
+        ),  # not first in the list: replay goes by start times
+        Conversation(
+            "a",
+            [Turn([1, 2], 2), Turn([3], 2, pause=2.0), Turn([4], 2, pause=4.0)],
+            ignore_eos=True,
+            start=10.0,
+        ),
+    ]
+    began = time.perf_counter()
+    records = run(
+        stub,
+        conversations,
+        api="completions",
+        replay=True,
+        time_scale=scale,
+        duration=30.0,
+        extra_body=FAST,
+    )
+    took = time.perf_counter() - began
+    by_turn = {(r.conversation, r.turn): r for r in records}
+    assert sorted(by_turn) == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)], "each once"
+    assert all(r.success for r in records)
+    # Start times count from the earliest session's, times the scale: b 0.3 s after a.
+    assert by_turn["b", 0].start - by_turn["a", 0].start > 0.29
+    # No turn is sent before its scaled pause has passed since the previous answer ended.
+    for (cid, k), pause in pauses.items():
+        previous = by_turn[cid, k - 1]
+        assert by_turn[cid, k].start >= previous.start + previous.latency + pause * scale - 1e-3
+    assert took < 10, "the replay ends when its sessions have, not at the duration"
+
+
+def test_pauses_are_kept_in_a_closed_loop_and_no_turn_is_sent_past_the_duration(stub):
+    conv = Conversation("c", [Turn([1], 2), Turn([2], 2, pause=0.3), Turn([3], 2, pause=30.0)])
+    began = time.perf_counter()
+    records = run(stub, [conv], api="completions", concurrency=1, duration=1.0, extra_body=FAST)
+    assert [(r.conversation, r.turn) for r in records] == [("c", 0), ("c", 1)]
+    assert records[1].start >= records[0].start + records[0].latency + 0.3 - 1e-3
+    assert time.perf_counter() - began < 10, "a pause past the duration is not waited out"
+
+
 def test_completions_multi_turn_without_token_ids_fails_clearly(stub):
     conv = Conversation("c0", [Turn([1, 2], 2), Turn([3], 2), Turn([4], 2)])
     records = once(
@@ -316,6 +375,14 @@ def test_bad_configs_are_refused_with_a_reason():
             run_load(
                 LoadConfig("http://127.0.0.1:1", "m", qps=1.0, concurrency=2), conv, progress=False
             )
+        )
+    with pytest.raises(ValueError, match="or replay"):
+        asyncio.run(
+            run_load(LoadConfig("http://127.0.0.1:1", "m", qps=1.0, replay=True), conv, False)
+        )
+    with pytest.raises(ValueError, match="time_scale"):
+        asyncio.run(
+            run_load(LoadConfig("http://127.0.0.1:1", "m", replay=True, time_scale=-1), conv, False)
         )
     with pytest.raises(ValueError, match="token ids"):
         asyncio.run(

@@ -11,10 +11,13 @@ import pytest
 from bench.client import RequestRecord
 from bench.report import (
     HOST_COUNTERS,
+    KV_TIER_COUNTERS,
     add_ratios,
     host_cost_table,
     host_costs,
+    kv_tier,
     markdown_table,
+    median_of_runs,
     parse_goodput,
     plot_latency_vs_qps,
     ratio_table,
@@ -37,6 +40,7 @@ def rec(
     cached_tokens: int | None = None,
     route: str | None = None,
     error: str | None = None,
+    history_tokens: int | None = None,
 ) -> RequestRecord:
     return RequestRecord(
         conversation=conversation,
@@ -50,6 +54,7 @@ def rec(
         cached_tokens=cached_tokens,
         route=route,
         error=error,
+        history_tokens=history_tokens,
     )
 
 
@@ -313,3 +318,78 @@ def test_host_costs_come_from_the_servers_counters_over_the_run() -> None:
     )
     assert "ppd:aggregated | 20.00 | 1.000 | 4.8% | 50 |" in table and "vllm" not in table
     assert host_cost_table([{"label": {"server": "vllm"}}]) == ""
+
+
+def test_turn2plus_ttft_by_context_bucket() -> None:
+    # Turn 1 (not counted), then turns 2+ at 500, 2,000 and 100,000 prompt tokens; a failed one
+    # (not counted).
+    records = [rec(turn=0, prompt_tokens=500, ttft=9.0)]
+    records += [rec(f"s{i}", 1, prompt_tokens=500, ttft=(10 + i) / 1000) for i in range(101)]
+    records += [rec(f"m{i}", 2, prompt_tokens=2000, ttft=0.2) for i in range(3)]
+    records += [rec("big", 5, prompt_tokens=100_000, ttft=3.0)]
+    records += [rec("x", 1, prompt_tokens=2000, ttft=50.0, error="timeout")]
+    s = summarize(records, 10.0)
+    assert s["turn2plus_requests_by_context"] == {"<1K": 101, "1-4K": 3, "64K+": 1}
+    assert (s["ttft_turn2plus_ctx_lt1k_ms_p50"], s["ttft_turn2plus_ctx_lt1k_ms_p99"]) == (
+        pytest.approx(60),
+        pytest.approx(109),
+    )
+    assert s["ttft_turn2plus_ctx_1k_4k_ms_p99"] == pytest.approx(200)
+    assert s["ttft_turn2plus_ctx_64k_plus_ms_p50"] == pytest.approx(3000)
+    assert (
+        s["ttft_turn2plus_ctx_4k_16k_ms_p50"] is None
+        and s["ttft_turn2plus_ctx_16k_64k_ms_p99"] is None
+    )
+    # Buckets are counts over repeats, percentiles medians.
+    both = median_of_runs([s, summarize(records[:5], 10.0)])
+    assert both["turn2plus_requests_by_context"] == {"<1K": 105, "1-4K": 3, "64K+": 1}
+    cell = "<1K 60.0 / 109.0; 1-4K 200.0 / 200.0; 64K+ 3000.0 / 3000.0"
+    assert cell in markdown_table([s])
+
+
+def test_prefix_hits_and_recomputed_tokens_of_later_turns() -> None:
+    """Turn 2+: the hit share is cached over prompt tokens; the recomputed share is, of what an
+    earlier turn computed (its prompt and answer), the part not cached this time."""
+    records = [
+        rec("a", 0, prompt_tokens=1000, output_tokens=10, cached_tokens=0),
+        # Its history (1,010) all cached: nothing recomputed.
+        rec("a", 1, prompt_tokens=1100, cached_tokens=1010, history_tokens=1010),
+        # 600 of its 1,210 tokens of history lost (evicted, or another worker): recomputed.
+        rec("a", 2, prompt_tokens=1300, cached_tokens=610, history_tokens=1210),
+        # Cached beyond its history (the same conversation sent before): nothing recomputed.
+        rec("b", 1, prompt_tokens=500, cached_tokens=480, history_tokens=400),
+        rec("c", 1, prompt_tokens=500, cached_tokens=None, history_tokens=400),  # not reported
+        rec("d", 1, prompt_tokens=500, cached_tokens=0, history_tokens=400, error="boom"),
+    ]
+    s = summarize(records, 1.0)
+    assert s["prefix_cache_hit_fraction_turn2plus"] == pytest.approx(2100 / 2900)
+    assert s["recomputed_fraction_turn2plus"] == pytest.approx(600 / (1010 + 1210 + 400))
+    header = markdown_table([s]).splitlines()[0]
+    assert "prefix cache hit turn 2+" in header and "recomputed turn 2+" in header
+    assert "| 72% | 23% |" in markdown_table([s])
+    first_turns = summarize([records[0]], 1.0)
+    assert first_turns["recomputed_fraction_turn2plus"] is None
+    assert "recomputed turn 2+" not in markdown_table([first_turns]), "no figure, no column"
+
+
+def test_kv_tier_counts_come_from_the_servers_counters_over_the_run() -> None:
+    names = list(KV_TIER_COUNTERS.values())
+    before = {
+        names[0]: 1000.0,
+        names[1]: 10.0,
+    }  # loaded tokens, stored blocks; the others: none yet
+    after = {names[0]: 5096.0, names[1]: 30.0, names[2]: 8.0, names[3]: 2.0}
+    assert kv_tier(before, after) == {
+        "kv_tier_loaded_tokens": 4096.0,
+        "kv_tier_stored_blocks": 20.0,
+        "kv_tier_loaded_blocks": 8.0,
+        "kv_tier_dropped_blocks": 2.0,
+    }
+    absent = kv_tier({"vllm:generation_tokens_total": 1.0}, {"vllm:generation_tokens_total": 9.0})
+    assert set(absent.values()) == {None}
+    with_tier = {**summarize([rec()], 1.0), **kv_tier(before, after)}
+    without = {**summarize([rec()], 1.0), **absent}
+    table = markdown_table([with_tier, without]).splitlines()
+    assert "KV tier loaded tokens" in table[0]
+    assert table[2].endswith("| 4096 |") and table[3].endswith("| - |")
+    assert "KV tier" not in markdown_table([without])
