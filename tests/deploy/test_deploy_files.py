@@ -14,7 +14,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers import option_value as flag  # --name value or --name=value; the last one wins
-from scheduler.messages import WorkerStats
+from scheduler.messages import TierCounts, WorkerStats
 from server.metrics import Metrics
 
 kubernetes_validate = pytest.importorskip(
@@ -285,6 +285,8 @@ def exported_samples() -> set[str]:
             steps=10,
             step_seconds=0.2,
             loop_seconds=0.01,
+            kv_retained_blocks=3,
+            tier=TierCounts(100, 10, 4096, 16, stored=12, loaded=5, dropped=2, tokens_per_s=1e5),
         ),
     )
     metrics.prefill_speed_measured(0, 1000.0)

@@ -251,3 +251,44 @@ def test_a_decode_worker_killed_mid_copy_costs_only_its_own_units_requests(
         assert "kv-tier-copy (PPD_INJECT_FAULT)" in (tmp_path / "serve.log").read_text()
     finally:
         server.stop()
+
+
+def test_under_tensor_parallelism_every_rank_stores_and_loads_its_own_shard(
+    cache_dir: Path, tmp_path: Path, tiny: Path
+) -> None:
+    """Rank 0 decides the copies; rank 1 runs them on its half of the KV heads (kv_copy): a
+    conversation brought back from the tier must give transformers' ids, which it would not if a
+    rank's shard came back from another block."""
+    server = ServerProcess(
+        "--model",
+        str(tiny),
+        "--served-model-name",
+        "tiny",
+        "--tensor-parallel-size",
+        "2",
+        "--num-kv-blocks",
+        str(POOL_BLOCKS),
+        "--max-model-len",
+        "256",
+        "--kv-offloading-size",
+        "0.01",
+        "--kv-offloading-dir",
+        str(tmp_path / "tier"),
+        cache_dir=cache_dir,
+        log_path=tmp_path / "serve.log",
+    )
+    try:
+        rng = random.Random(11)
+        firsts = [ids(rng, 150) for _ in range(CONVERSATIONS)]
+        answers = [complete(server, p)["choices"][0]["token_ids"] for p in firsts]
+        turn2 = firsts[0] + answers[0] + ids(rng, 10)
+        body = complete(server, turn2)
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 150 // BLOCK * BLOCK
+        assert body["choices"][0]["token_ids"] == hf_greedy(tiny, turn2, NEW_TOKENS)
+        wait_until(
+            lambda: server.metrics().get("ppd:kv_tier_loaded_blocks_total", 0) > 0,
+            10,
+            "the tier's loads to be counted",
+        )
+    finally:
+        server.stop()

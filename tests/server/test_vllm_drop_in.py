@@ -172,6 +172,7 @@ class RecordingClient:
     api_server = 0
     units = [0]
     problems: dict[str, str] = {}
+    retention_on = False
 
     def __init__(self, answer: bytes = b"ok") -> None:
         self.answer, self.prompts, self.sampling = answer, [], []
@@ -180,7 +181,9 @@ class RecordingClient:
     def refusal(self):
         return None
 
-    async def generate(self, prompt_ids, sampling, session=None, route_hint=None, unit=None):
+    async def generate(
+        self, prompt_ids, sampling, session=None, route_hint=None, unit=None, retain_s=0.0
+    ):
         self.prompts.append(prompt_ids)
         self.sampling.append(sampling)
         yield Delta(list(self.answer), "stop", route="decode", num_cached_tokens=0)
