@@ -253,6 +253,7 @@ def test_a_decode_worker_killed_mid_copy_costs_only_its_own_units_requests(
         server.stop()
 
 
+@pytest.mark.slow  # a -tp 2 unit's four processes on 2 cores: a minute
 def test_under_tensor_parallelism_every_rank_stores_and_loads_its_own_shard(
     cache_dir: Path, tmp_path: Path, tiny: Path
 ) -> None:
