@@ -69,7 +69,7 @@ STANDIN = "bench/models/llama-3.1-8b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
 STEP_NAMES = (
     "host probe tests tests-gpu[:FILES] tests-kernels engine engine-host engine-tp[:SIZES] "
-    "sampling compare "
+    "sampling compare agents "
     "kernels gemm-shares policy "
     "policy-eval:W policy-verdict partition partition-compare[:NAMES] interference[:NAMES] "
     "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)"
@@ -358,6 +358,50 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
         # Three servers, each about 35 s to start, 40 s of arrivals and the last turns' tail: 221 s
         # on the H200 (call6).
         return [Step("compare", argv, 360, ("compare/summary.json",), 225)]
+    if name == "agents":
+        # Agent sessions (issue 47) on a pool cut so that their contexts spill: no second tier,
+        # a tier of pinned host memory, and the tier with the clients' retention hints kept. Not
+        # yet run on a GPU: three servers of about 35 s to start each, 60 s of sessions and their
+        # tail, estimated.
+        tier = mode.pick("16", "0.05")
+        argv = (
+            *ppd,
+            "bench",
+            "compare",
+            "--policies",
+            "",
+            "--serve-args",
+            serve
+            + mode.pick(
+                " --num-kv-blocks 4096 --max-model-len 32768",
+                " --num-kv-blocks 64 --max-model-len 1024",
+            ),
+            "--variant",
+            "notier=--kv-retention-share 0",
+            "--variant",
+            f"tier=--kv-offloading-size {tier} --kv-retention-share 0",
+            "--variant",
+            f"hints=--kv-offloading-size {tier}",
+            "--api",
+            "completions",
+            "--workload",
+            "agentic",
+            "--cache-hints",
+            "--time-scale",
+            mode.pick("0.25", "0.05"),
+            "--concurrency",
+            mode.pick("16", "4"),
+            "--duration",
+            mode.pick("60", "10"),
+            "--timeout",
+            "120",
+            "--repeat",
+            "1",
+            "--no-progress",
+            "--out",
+            f"{out}/agents",
+        )
+        return [Step("agents", argv, 450, ("agents/summary.json",), 330)]
     if (
         name == "kernels"
     ):  # without CUDA it says so and writes nothing: nothing to check in a rehearsal

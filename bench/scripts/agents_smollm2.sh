@@ -7,9 +7,11 @@
 #   notier: no second tier, hints off (--kv-retention-share 0)
 #   tier:   a TIER_GIB second tier (file-backed, on local disk), hints off
 #   hints:  the tier, and the hints kept behind the LRU (--kv-retention-share 0.25, the default)
-# Usage: bench/scripts/agents_smollm2.sh OUT [ROUNDS] [CONC] [DURATION_S] [TIME_SCALE]
+# The sessions' lengths are scaled by SCALE (0.05: turns of about 75 new tokens over contexts that reach 8K, where
+# fitting the longest session to 8K would give 0.032), pauses kept as drawn (TIME_SCALE 1).
+# Usage: bench/scripts/agents_smollm2.sh OUT [ROUNDS] [CONC] [DURATION_S] [TIME_SCALE] [SCALE]
 set -euo pipefail
-out=$1 rounds=${2:-3} conc=${3:-24} duration=${4:-180} time_scale=${5:-0.25}
+out=$1 rounds=${2:-3} conc=${3:-20} duration=${4:-200} time_scale=${5:-1} scale=${6:-0.05}
 tier_gib=${TIER_GIB:-4}
 python -m cli bench compare --policies '' --peer vllm \
   --serve-args "--model smollm2 --max-model-len 8192 --kv-cache-memory 1" \
@@ -17,4 +19,5 @@ python -m cli bench compare --policies '' --peer vllm \
   --variant tier="--kv-offloading-size $tier_gib --kv-retention-share 0" \
   --variant hints="--kv-offloading-size $tier_gib" \
   --workload agentic --api completions --num-conversations 200 --cache-hints --time-scale "$time_scale" \
+  --scale "$scale" \
   --concurrency "$conc" --duration "$duration" --repeat "$rounds" --no-progress --out "$out"

@@ -281,3 +281,21 @@ def test_a_retained_block_a_prompt_matches_is_pinned_again_and_released_with_it(
     bm.free("a2")
     assert bm.num_retained == 0 and bm.num_free_blocks == 4
     bm.check()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_tier_is_pinned_host_memory_copied_on_its_own_stream() -> None:
+    """The GPU path: stores and loads queued on the tier's stream behind the current one, the
+    current stream waiting for their event; what comes back is what went out."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pool = torch.randn(2, 2, 6, BS, 2, 8, device="cuda").to(torch.bfloat16)
+    store = TierStore(pool, capacity=4)
+    assert store.data.is_pinned() and store.stream is not None
+    saved = pool[:, :, [1, 3]].clone()
+    done = store.run([KVCopy(True, 1, 0), KVCopy(True, 3, 2)])
+    pool[:, :, [1, 3]] = 0  # on the current stream, which waits for the stores
+    store.run([KVCopy(False, 4, 0), KVCopy(False, 5, 2)]).synchronize()
+    assert done.query()
+    assert torch.equal(pool[:, :, 4], saved[:, :, 0]) and torch.equal(pool[:, :, 5], saved[:, :, 1])
+    assert torch.equal(store.data[0], saved[:, :, 0].cpu())
