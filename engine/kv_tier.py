@@ -93,6 +93,9 @@ class TierIndex:
             self._entries.move_to_end(h)
             return
         if entry is not None:  # the same hash for other tokens: never serve it
+            if not entry.ready or entry.pins:  # a copy still reads or writes its slot
+                self.stats.dropped += 1
+                return
             self._drop(h)
         slot = self._slot()
         if slot is None:

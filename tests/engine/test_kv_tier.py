@@ -299,3 +299,14 @@ def test_on_a_gpu_the_tier_is_pinned_host_memory_copied_on_its_own_stream() -> N
     assert done.query()
     assert torch.equal(pool[:, :, 4], saved[:, :, 0]) and torch.equal(pool[:, :, 5], saved[:, :, 1])
     assert torch.equal(store.data[0], saved[:, :, 0].cpu())
+
+
+def test_a_colliding_offer_never_takes_the_slot_of_an_entry_a_copy_uses() -> None:
+    tier = TierIndex(4)
+    tier.offer(5, None, (1, 2), block_id=0)
+    tier.copies_done(tier.take_copies())
+    tier.pin(5)
+    tier.load(5, block_id=3)
+    tier.offer(5, None, (7, 7), block_id=1)  # the same hash for other tokens, while a load reads 5
+    assert [c.store for c in tier.take_copies()] == [False] and tier.stats.dropped == 1
+    assert tier.find(5, None, (1, 2))
