@@ -106,6 +106,22 @@ def test_openai_retention_is_served_and_its_cut_reported(tier_server) -> None:
     assert "ppd_cache_retention" not in plain["usage"]
 
 
+def test_the_responses_api_takes_the_same_hints(tier_server) -> None:
+    resp = httpx.post(
+        f"{tier_server.url}/v1/responses",
+        timeout=60,
+        json={
+            "model": "tiny",
+            "input": "hello there",
+            "max_output_tokens": 3,
+            "prompt_cache_key": "agent-7",
+            "prompt_cache_retention": "in_memory",
+        },
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["ppd_cache_retention"]["applied_seconds"] == 600.0
+
+
 def test_a_retention_openai_does_not_have_is_refused_by_name(tier_server) -> None:
     resp = httpx.post(
         f"{tier_server.url}/v1/completions",
