@@ -110,6 +110,9 @@ class BlockManager:
         # Evictable blocks whose retention has not expired: block id -> time.monotonic() it ends.
         self._retained: OrderedDict[int, float] = OrderedDict()
         self._next_expiry = float("inf")
+        # An allocation waited for a tier store that had not completed (allocate returned None):
+        # the caller schedules again once the copies it ran are done, instead of going idle.
+        self.awaiting_tier = False
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[str, _Seq] = {}
         self._serials = itertools.count(_ROOT + 1)
@@ -154,6 +157,11 @@ class BlockManager:
         self._expire()
         matched = self._match(token_ids, hashes) if use_cache else []
         in_tier = self._match_tier(token_ids, hashes, matched) if use_cache else []
+        if use_cache and self._tier_storing(token_ids, hashes, len(matched) + len(in_tier)):
+            # The prefix goes on in a block the tier is storing now (evicted by an allocation of
+            # this same schedule): waiting for the copy beats computing the rest of the prefix.
+            self.awaiting_tier = True
+            return None
         if (matched or in_tier) and (len(matched) + len(in_tier)) * self.block_size == len(
             token_ids
         ):
@@ -200,6 +208,7 @@ class BlockManager:
         """Copies from take_copies completed: their stores become visible in the tier."""
         if self.tier is not None:
             self.tier.copies_done(copies)
+            self.awaiting_tier = False
 
     def block_table(self, seq_id: str) -> list[int]:
         """A copy of the sequence's block ids, in token order."""
@@ -388,6 +397,21 @@ class BlockManager:
             found.append(h)
         return found
 
+    def _tier_storing(self, token_ids: Sequence[int], hashes: Sequence[int], i: int) -> bool:
+        """Whether the prompt's block i (the first neither the pool nor the tier serves) is one the
+        tier is storing."""
+        bs = self.block_size
+        if self.tier is None or (i + 1) * bs > len(token_ids):
+            return False
+        tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+        parent = (
+            (hashes[i - 1] if i - 1 < len(hashes) else _chain(token_ids, i, bs, hashes))
+            if i
+            else None
+        )
+        h = hashes[i] if i < len(hashes) else chain_hash(parent, tokens)
+        return self.tier.storing(h, parent, tokens)
+
     def _take(self) -> int:
         if self._free:
             block_id = self._free.popleft()
@@ -449,6 +473,14 @@ class BlockManager:
         if block.ref_count == 0:
             self._unevict(block.block_id)
             self._free.append(block.block_id)
+
+
+def _chain(token_ids: Sequence[int], n: int, bs: int, hashes: Sequence[int]) -> int:
+    """The chain hash of token_ids' first n blocks (hashes: those known, from the first)."""
+    h = hashes[len(hashes) - 1] if hashes else None
+    for i in range(len(hashes), n):
+        h = chain_hash(h, tuple(token_ids[i * bs : (i + 1) * bs]))
+    return h  # type: ignore[return-value]
 
 
 def _check(ok: bool, what: str) -> None:

@@ -115,6 +115,16 @@ class TierIndex:
             and entry.parent == parent
         )
 
+    def storing(self, h: int, parent: int | None, token_ids: tuple[int, ...]) -> bool:
+        """Whether this block's store is recorded or in flight, not yet done: found once it is."""
+        entry = self._entries.get(h)
+        return (
+            entry is not None
+            and not entry.ready
+            and entry.token_ids == token_ids
+            and entry.parent == parent
+        )
+
     def pin(self, h: int) -> None:
         """Keep the entry (found a moment ago) until a load from it is recorded and done."""
         self._entries[h].pins += 1

@@ -258,8 +258,9 @@ class DecodeWorker:
 
     def run(self) -> None:
         checked = True
+        again = False  # an admission waited for the tier's copies: schedule again at once
         while True:
-            busy = self.scheduler.has_step_work or self.in_flight is not None
+            busy = self.scheduler.has_step_work or self.in_flight is not None or again
             if CHECK_INVARIANTS and not busy and not checked:
                 self.scheduler.check()
             checked = not busy
@@ -273,6 +274,7 @@ class DecodeWorker:
             if step is None:
                 self.complete()
                 step = self.scheduler.schedule()
+            again = self.scheduler.blocks.awaiting_tier
             self.copy_kv(step)
             for job in step.jobs:
                 self.jobs.send(self.encode(job))

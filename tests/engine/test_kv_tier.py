@@ -310,3 +310,19 @@ def test_a_colliding_offer_never_takes_the_slot_of_an_entry_a_copy_uses() -> Non
     tier.offer(5, None, (7, 7), block_id=1)  # the same hash for other tokens, while a load reads 5
     assert [c.store for c in tier.take_copies()] == [False] and tier.stats.dropped == 1
     assert tier.find(5, None, (1, 2))
+
+
+def test_a_prompt_whose_blocks_the_tier_is_storing_waits_for_the_copy_instead_of_recomputing() -> (
+    None
+):
+    # One schedule: b's allocation evicts a's blocks (their stores recorded, not yet run), then a's
+    # next turn comes: it waits for the copies, then finds its whole prefix.
+    bm = BlockManager(3, BS, tier=TierIndex(8))
+    a = list(range(1, 9))
+    turn(bm, "a", a)
+    turn(bm, "b", list(range(50, 62)))  # evicts a's two blocks
+    assert bm.allocate("a2", a + [0]) is None and bm.awaiting_tier
+    bm.copies_done(bm.take_copies())  # the decode worker runs them after scheduling
+    assert not bm.awaiting_tier
+    assert bm.allocate("a2", a + [0]) == 8
+    bm.check()
