@@ -83,7 +83,6 @@ class _Seq:
     hashes: Sequence[
         int
     ] = ()  # the chain hashes of its leading full blocks, where the caller had them
-    num_loaded: int = 0  # blocks loaded from the second tier when it was allocated
 
 
 class BlockManager:
@@ -156,8 +155,10 @@ class BlockManager:
         assert seq_id not in self._seqs, f"sequence {seq_id!r} is already allocated"
         self._expire()
         matched = self._match(token_ids, hashes) if use_cache else []
-        in_tier = self._match_tier(token_ids, hashes, matched) if use_cache else []
-        if use_cache and self._tier_storing(token_ids, hashes, len(matched) + len(in_tier)):
+        in_tier, storing = ([], False)
+        if use_cache:
+            in_tier, storing = self._match_tier(token_ids, hashes, matched)
+        if storing:
             # The prefix goes on in a block the tier is storing now (evicted by an allocation of
             # this same schedule): waiting for the copy beats computing the rest of the prefix.
             self.awaiting_tier = True
@@ -190,13 +191,8 @@ class BlockManager:
             last.serial if last else _ROOT,
             last.ext if last else None,
             hashes,
-            len(in_tier),
         )
         return (len(matched) + len(in_tier)) * self.block_size
-
-    def num_loaded_tokens(self, seq_id: str) -> int:
-        """The tokens of the sequence's cached prefix that its allocation loads from the tier."""
-        return self._seqs[seq_id].num_loaded * self.block_size
 
     def take_copies(self) -> list[KVCopy]:
         """The copies between the pool and the tier recorded since the last call, in order: the
@@ -355,7 +351,7 @@ class BlockManager:
     def peek_cached_tokens(self, token_ids: Sequence[int]) -> int:
         """How many leading tokens allocate() would report as cached right now, without pinning."""
         matched = self._match(token_ids)
-        num_matched = len(matched) + len(self._match_tier(token_ids, (), matched))
+        num_matched = len(matched) + len(self._match_tier(token_ids, (), matched)[0])
         if num_matched and num_matched * self.block_size == len(token_ids):
             num_matched -= 1
         return num_matched * self.block_size
@@ -382,35 +378,21 @@ class BlockManager:
 
     def _match_tier(
         self, token_ids: Sequence[int], hashes: Sequence[int], matched: list[Block]
-    ) -> list[int]:
-        """The chain hashes of the blocks after `matched` (the pool's) that continue in the tier."""
-        if self.tier is None:
-            return []
+    ) -> tuple[list[int], bool]:
+        """The chain hashes of the blocks after `matched` (the pool's) that continue in the tier,
+        and whether the first block after them is one the tier is storing now."""
         found: list[int] = []
+        if self.tier is None:
+            return found, False
         bs = self.block_size
         h = matched[-1].hash if matched else None
         for i in range(len(matched), len(token_ids) // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             parent, h = h, hashes[i] if i < len(hashes) else chain_hash(h, tokens)
             if not self.tier.find(h, parent, tokens):
-                break
+                return found, self.tier.storing(h, parent, tokens)
             found.append(h)
-        return found
-
-    def _tier_storing(self, token_ids: Sequence[int], hashes: Sequence[int], i: int) -> bool:
-        """Whether the prompt's block i (the first neither the pool nor the tier serves) is one the
-        tier is storing."""
-        bs = self.block_size
-        if self.tier is None or (i + 1) * bs > len(token_ids):
-            return False
-        tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-        parent = (
-            (hashes[i - 1] if i - 1 < len(hashes) else _chain(token_ids, i, bs, hashes))
-            if i
-            else None
-        )
-        h = hashes[i] if i < len(hashes) else chain_hash(parent, tokens)
-        return self.tier.storing(h, parent, tokens)
+        return found, False
 
     def _take(self) -> int:
         if self._free:
@@ -473,14 +455,6 @@ class BlockManager:
         if block.ref_count == 0:
             self._unevict(block.block_id)
             self._free.append(block.block_id)
-
-
-def _chain(token_ids: Sequence[int], n: int, bs: int, hashes: Sequence[int]) -> int:
-    """The chain hash of token_ids' first n blocks (hashes: those known, from the first)."""
-    h = hashes[len(hashes) - 1] if hashes else None
-    for i in range(len(hashes), n):
-        h = chain_hash(h, tuple(token_ids[i * bs : (i + 1) * bs]))
-    return h  # type: ignore[return-value]
 
 
 def _check(ok: bool, what: str) -> None:

@@ -29,7 +29,7 @@ from engine.config import ModelConfig, resolve_dtype
 from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS, graph_buckets
 from engine.faults import inject_fault
 from engine.guided import GuidedDecoding
-from engine.kv_tier import KVCopy, TierStore, tier_capacity
+from engine.kv_tier import KVCopy, TierStore, block_nbytes, tier_capacity
 from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
 from engine.memory_plan import (
     GiB,
@@ -482,11 +482,11 @@ class Engine:
     def add_tier(self, size_gib: float, folder: str | None = None) -> TierStore:
         """Give this rank a second KV tier of size_gib (engine/kv_tier.py) behind its pool."""
         pool = self.runner.kv_pool
-        block_nbytes = pool[:, :, 0].numel() * pool.element_size()
-        capacity = tier_capacity(size_gib, block_nbytes)
+        nbytes = block_nbytes(pool)
+        capacity = tier_capacity(size_gib, nbytes)
         if capacity < 1:
             raise StartupError(
-                f"--kv-offloading-size {size_gib:g} GiB holds no KV block of {block_nbytes} bytes "
+                f"--kv-offloading-size {size_gib:g} GiB holds no KV block of {nbytes} bytes "
                 "per rank; give at least one block's worth"
             )
         self.tier = TierStore(pool, capacity, None if folder is None else Path(folder))

@@ -193,7 +193,7 @@ class TierStore:
         self.pool = pool  # (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
         shape = (capacity, pool.shape[0], pool.shape[1], *pool.shape[3:])
         self.capacity = capacity
-        self.block_nbytes = pool[:, :, 0].numel() * pool.element_size()
+        self.block_nbytes = block_nbytes(pool)
         if pool.is_cuda:
             self.data = torch.empty(shape, dtype=pool.dtype, pin_memory=True)
             self.stream = torch.cuda.Stream(device=pool.device)
@@ -243,9 +243,14 @@ class TierStore:
                 pool[:, :, copy.block_id].copy_(data[copy.slot], non_blocking=non_blocking)
 
 
-def tier_capacity(size_gib: float, block_nbytes: int) -> int:
-    """Blocks of block_nbytes that size_gib holds."""
-    return int(size_gib * GIB) // block_nbytes
+def block_nbytes(pool: Any) -> int:
+    """Bytes of one block of the pool (every layer, K and V): what a tier slot holds."""
+    return pool[:, :, 0].numel() * pool.element_size()
+
+
+def tier_capacity(size_gib: float, nbytes: int) -> int:
+    """Blocks of nbytes that size_gib holds."""
+    return int(size_gib * GIB) // nbytes
 
 
 def default_folder() -> Path:

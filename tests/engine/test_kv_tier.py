@@ -45,7 +45,6 @@ def test_an_evicted_prefix_is_stored_then_loaded_back_as_cached() -> None:
     assert bm.tier.num_blocks == 3 and bm.tier.stats.stored == 3
     cached = bm.allocate("a2", a + [99])
     assert cached == 12  # all three blocks, from the tier
-    assert bm.num_loaded_tokens("a2") == 12
     loads = bm.take_copies()
     table = bm.block_table("a2")
     loads_only = [c for c in loads if not c.store]
@@ -188,7 +187,6 @@ def test_the_tier_survives_many_rounds_of_overwrite_and_reload(tmp_path) -> None
     store = TierStore(pool, capacity=10, folder=tmp_path)
     bm = BlockManager(6, BS, tier=TierIndex(store.capacity))
     convs = [[rng.randrange(1, 40) for _ in range(8)] for _ in range(5)]
-    loaded = 0
     for step in range(200):
         c = rng.randrange(len(convs))
         tokens = convs[c] + [rng.randrange(1, 40)]
@@ -197,7 +195,6 @@ def test_the_tier_survives_many_rounds_of_overwrite_and_reload(tmp_path) -> None
             continue
         store.run(copies := bm.take_copies())
         bm.copies_done(copies)
-        loaded += bm.num_loaded_tokens(f"s{step}")
         table = bm.block_table(f"s{step}")
         for i in range(cached // BS):  # served: the KV of this prompt's own prefix
             assert torch.equal(pool[:, :, table[i]], value_of(tokens[: (i + 1) * BS], pool))
@@ -208,6 +205,7 @@ def test_the_tier_survives_many_rounds_of_overwrite_and_reload(tmp_path) -> None
         # The conversation grows by its turn; a long one ends and a new one takes its place.
         convs[c] = tokens if len(tokens) < 20 else [rng.randrange(1, 40) for _ in range(8)]
         bm.check()
+    loaded = bm.tier.stats.loaded * BS
     assert loaded > 50 and bm.tier.stats.dropped > 0  # both paths ran
 
 
