@@ -30,13 +30,15 @@ def tiny(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def tier_server(start_server, tiny, tmp_path_factory) -> ServerProcess:
-    return start_server(
+def tier_args(model: Path, tier_dir: Path, *more: str) -> list[str]:
+    """`ppd serve`'s arguments for the tiny model with a small pool and a tier (more: the test's
+    own, before them)."""
+    return [
         "--model",
-        str(tiny),
+        str(model),
         "--served-model-name",
         "tiny",
+        *more,
         "--num-kv-blocks",
         str(POOL_BLOCKS),
         "--max-model-len",
@@ -44,8 +46,13 @@ def tier_server(start_server, tiny, tmp_path_factory) -> ServerProcess:
         "--kv-offloading-size",
         "0.01",
         "--kv-offloading-dir",
-        str(tmp_path_factory.mktemp("tier")),
-    )
+        str(tier_dir),
+    ]
+
+
+@pytest.fixture(scope="module")
+def tier_server(start_server, tiny, tmp_path_factory) -> ServerProcess:
+    return start_server(*tier_args(tiny, tmp_path_factory.mktemp("tier")))
 
 
 def ids(rng: random.Random, n: int) -> list[int]:
@@ -189,22 +196,7 @@ def test_a_decode_worker_killed_mid_copy_costs_only_its_own_units_requests(
     ids."""
     monkeypatch.setenv("PPD_INJECT_FAULT", f"kv-tier-copy:{tmp_path / 'fired'}")
     server = ServerProcess(
-        "--model",
-        str(tiny),
-        "--served-model-name",
-        "tiny",
-        "--units",
-        "2",
-        "--policy",
-        "dlocal",
-        "--num-kv-blocks",
-        str(POOL_BLOCKS),
-        "--max-model-len",
-        "256",
-        "--kv-offloading-size",
-        "0.01",
-        "--kv-offloading-dir",
-        str(tmp_path / "tier"),
+        *tier_args(tiny, tmp_path / "tier", "--units", "2", "--policy", "dlocal"),
         cache_dir=cache_dir,
         log_path=tmp_path / "serve.log",
     )
@@ -277,20 +269,7 @@ def test_under_tensor_parallelism_every_rank_stores_and_loads_its_own_shard(
     conversation brought back from the tier must give transformers' ids, which it would not if a
     rank's shard came back from another block."""
     server = ServerProcess(
-        "--model",
-        str(tiny),
-        "--served-model-name",
-        "tiny",
-        "--tensor-parallel-size",
-        "2",
-        "--num-kv-blocks",
-        str(POOL_BLOCKS),
-        "--max-model-len",
-        "256",
-        "--kv-offloading-size",
-        "0.01",
-        "--kv-offloading-dir",
-        str(tmp_path / "tier"),
+        *tier_args(tiny, tmp_path / "tier", "--tensor-parallel-size", "2"),
         cache_dir=cache_dir,
         log_path=tmp_path / "serve.log",
     )
