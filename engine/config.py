@@ -18,7 +18,24 @@ from engine.cpu_isa import NATIVE_BF16_FLAGS, has_native_bf16
 
 log = logging.getLogger("ppd.engine")
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
+# Mixture-of-experts variants that are not served, and what they have that ppd-serve lacks.
+UNSERVED_MOE = {
+    "qwen2_moe": "shared experts",
+    "deepseek_v2": "multi-head latent attention (MLA) and shared experts",
+    "deepseek_v3": "multi-head latent attention (MLA) and shared experts",
+    "kimi_k2": "multi-head latent attention (MLA) and shared experts",
+    "glm4_moe": "shared experts",
+    "qwen3_next": "linear attention and shared experts",
+    "llama4": "shared experts and chunked attention",
+    "gpt_oss": "attention sinks and biased experts",
+    "granitemoe": "scaled residuals and embeddings",
+    "phimoe": "sparsemixer routing",
+    "dbrx": "fused attention projections and clipped qkv",
+    "jamba": "Mamba layers",
+}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LLAMA3_ROPE_KEYS = (
@@ -52,7 +69,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
-    qk_norm: bool
+    qk_norm: str  # "": none; "head": per head (Qwen3); "full": over each projection (OLMoE)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     dtype: torch.dtype
@@ -62,6 +79,19 @@ class ModelConfig:
     # vocab_size stays the whole vocabulary.
     tp_size: int = 1
     kv_head_replicas: int = 1
+    # Mixture of experts (num_experts 0: a dense model): each layer in moe_layers sends a token to
+    # num_experts_per_tok of num_experts SwiGLU experts of width moe_intermediate_size (one rank's
+    # part under tensor parallelism), weighted by the router's softmax over the chosen
+    # (norm_topk_prob: renormalised to sum to 1); the other layers keep the dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def sharded(self, n: int) -> ModelConfig:
         """The model as each of n tensor-parallel ranks holds it (Megatron's split: heads, KV heads,
@@ -69,19 +99,27 @@ class ModelConfig:
         assert self.tp_size == 1, "already sharded"
         if n == 1:
             return self
+        if self.qk_norm == "full":
+            raise ModelError(
+                f"--tensor-parallel-size {n}: {self.architecture}'s q and k norms span every "
+                "attention head, which ppd-serve does not split over ranks: serve it with "
+                "--tensor-parallel-size 1"
+            )
         valid = tensor_parallel_sizes(self)
         if n not in valid:
+            experts = f", expert width {self.moe_intermediate_size}" if self.is_moe else ""
             raise ModelError(
                 f"--tensor-parallel-size {n} does not split this model ({self.num_heads} attention "
                 "heads, "
-                f"{self.num_kv_heads} KV heads, MLP width {self.intermediate_size}): use one of "
-                f"{', '.join(map(str, valid))}"
+                f"{self.num_kv_heads} KV heads, MLP width {self.intermediate_size}{experts}): use "
+                f"one of {', '.join(map(str, valid))}"
             )
         return replace(
             self,
             num_heads=self.num_heads // n,
             num_kv_heads=max(1, self.num_kv_heads // n),
             intermediate_size=self.intermediate_size // n,
+            moe_intermediate_size=self.moe_intermediate_size // n,
             tp_size=n,
             kv_head_replicas=max(1, n // self.num_kv_heads),
         )
@@ -100,6 +138,12 @@ class ModelConfig:
         raw = _read_json(folder / "config.json", required=True)
         gen = _read_json(folder / "generation_config.json", required=False)
         arch = raw.get("model_type")
+        if arch in UNSERVED_MOE:
+            raise ModelError(
+                f"model folder {folder} has model_type {arch!r}, a mixture-of-experts variant "
+                f"ppd-serve does not serve ({UNSERVED_MOE[arch]}); mixtures of experts served: "
+                f"{', '.join(MOE_ARCHS)}"
+            )
         if arch not in SUPPORTED_ARCHS:
             raise ModelError(
                 f"model folder {folder} has model_type {arch!r}; supported: "
@@ -120,20 +164,21 @@ class ModelConfig:
         rope_theta, rope_scaling = _rope(raw, folder)
         max_pos = need("max_position_embeddings")
         # Qwen configs carry a sliding_window that is only in effect with use_sliding_window.
-        windowed = arch == "mistral" or (
-            arch in ("qwen2", "qwen3") and raw.get("use_sliding_window", False)
+        windowed = arch in ("mistral", "mixtral") or (
+            arch in ("qwen2", "qwen3", "qwen3_moe") and raw.get("use_sliding_window", False)
         )
         sliding_window = raw.get("sliding_window") if windowed else None
         if sliding_window is not None:
             # Windowed attention is not implemented: capping the context at the window makes every
             # key fall inside it, so full attention gives exactly the windowed result.
             max_pos = min(max_pos, sliding_window)
+        num_layers = need("num_hidden_layers")
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=need("hidden_size"),
             intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or need("hidden_size") // num_heads,
@@ -143,14 +188,66 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=True if arch == "qwen2" else bool(raw.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm={"qwen3": "head", "qwen3_moe": "head", "olmoe": "full"}.get(arch, ""),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=raw["bos_token_id"]
             if raw.get("bos_token_id") is not None
             else gen.get("bos_token_id"),
             dtype=_checkpoint_dtype(raw, folder),
             sliding_window=sliding_window,
+            **_experts(arch, raw, num_layers, folder),
         )
+
+
+def _experts(arch: str, raw: dict[str, Any], num_layers: int, folder: Path) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture of experts (none for a dense architecture), from
+    config.json as transformers reads it for each: Qwen3-MoE's experts sit in every
+    decoder_sparse_step-th layer outside mlp_only_layers, Mixtral's and OLMoE's in every layer
+    (their intermediate_size is the experts' width); Mixtral always renormalises the chosen
+    experts' weights."""
+    if arch not in MOE_ARCHS:
+        return {}
+    shared = [
+        k
+        for k in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
+        if raw.get(k)
+    ]
+    if shared:
+        raise ModelError(
+            f"model folder {folder}: {arch} with shared experts ({shared[0]} "
+            f"{raw[shared[0]]}) is not served: ppd-serve's mixtures of experts have none"
+        )
+    if arch == "olmoe" and raw.get("clip_qkv") is not None:
+        raise ModelError(
+            f"model folder {folder}: OLMoE with clip_qkv {raw['clip_qkv']} is not served (only "
+            "clip_qkv null)"
+        )
+    # transformers 5 writes num_local_experts where hub configs have num_experts (an alias)
+    num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+    if arch == "qwen3_moe":
+        step = int(raw.get("decoder_sparse_step", 1))
+        dense = set(raw.get("mlp_only_layers") or ())
+        layers = tuple(
+            i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0
+        )
+        if num_experts == 0:
+            layers = ()
+        width = raw.get("moe_intermediate_size")
+    else:
+        layers, width = tuple(range(num_layers)), raw.get("intermediate_size")
+    top_k = int(raw.get("num_experts_per_tok") or 0)
+    if num_experts and not (0 < top_k <= num_experts and width):
+        raise ModelError(
+            f"config.json in {folder}: {arch} needs num_experts_per_tok between 1 and its "
+            f"{num_experts} experts and an expert width (got {top_k} and {width})"
+        )
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(width or 0),
+        "norm_topk_prob": True if arch == "mixtral" else bool(raw.get("norm_topk_prob", False)),
+        "moe_layers": layers,
+    }
 
 
 def resolve_dtype(
@@ -210,10 +307,11 @@ def tensor_parallel_sizes(cfg: ModelConfig, limit: int = 64) -> list[int]:
     and the MLP's width, and divide the KV heads or are a multiple of them (each KV head is then
     held by several ranks)."""
     h, kv, width = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    experts = cfg.moe_intermediate_size if cfg.is_moe else width
     return [
         n
         for n in range(1, limit + 1)
-        if h % n == 0 and width % n == 0 and (kv % n == 0 or n % kv == 0)
+        if h % n == 0 and width % n == 0 and experts % n == 0 and (kv % n == 0 or n % kv == 0)
     ]
 
 
@@ -233,10 +331,20 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             if cfg.attention_bias:
                 shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
         shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
-        if cfg.qk_norm:
+        if cfg.qk_norm == "full":
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.num_heads * d,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.num_kv_heads * d,)
+        elif cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if i in cfg.moe_layers:
+            router, experts = expert_names(cfg, i)
+            shapes[router] = (cfg.num_experts, h)
+            for gate, up, down in experts:
+                shapes[gate] = shapes[up] = (cfg.moe_intermediate_size, h)
+                shapes[down] = (h, cfg.moe_intermediate_size)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
@@ -244,6 +352,21 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab, h)
     return shapes
+
+
+def expert_names(cfg: ModelConfig, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+    """The checkpoint's names of a mixture-of-experts layer's tensors: its router's, and each
+    expert's (gate, up, down) projections (Mixtral's w1, w3, w2)."""
+    if cfg.architecture == "mixtral":
+        p = f"model.layers.{layer}.block_sparse_moe."
+        parts = ("w1", "w3", "w2")
+    else:
+        p = f"model.layers.{layer}.mlp."
+        parts = ("gate_proj", "up_proj", "down_proj")
+    experts = [
+        tuple(f"{p}experts.{e}.{part}.weight" for part in parts) for e in range(cfg.num_experts)
+    ]
+    return p + "gate.weight", experts  # type: ignore[return-value]
 
 
 def safetensors_index(folder: str | Path) -> dict[str, Path]:

@@ -17,8 +17,12 @@ folder, and the dequantized float32 weights load much faster than a re-dequantiz
 start. It costs disk: 4 bytes a parameter (540 MB for SmolLM2-135M) in `$PPD_CACHE_DIR/gguf`
 (default ~/.cache/ppd-serve/gguf).
 
-Supported: the architectures llama (Llama and Mistral GGUFs), qwen2 and qwen3; the tensor types in
-TYPES. Anything else is refused before a worker starts, naming what is supported.
+Supported: the architectures llama (Llama and Mistral GGUFs, and Mixtral's: a llama GGUF with
+experts), qwen2, qwen3 and qwen3moe; the tensor types in TYPES. A mixture of experts keeps each
+layer's experts stacked in one tensor per projection (`ffn_gate_exps`, `ffn_up_exps`,
+`ffn_down_exps`) and its router as `ffn_gate_inp`; the folder holds them per expert under Hugging
+Face's names, as a checkpoint of the model does. Anything else is refused before a worker starts,
+naming what is supported.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from profiles import cache_dir
 
 log = logging.getLogger("ppd.engine")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 # Dequantized by the gguf package (gguf.quants): plain floats, the legacy block quants, the
 # K-quants.
 TYPES = (
@@ -82,6 +86,13 @@ _IN_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# A mixture of experts' router and stacked experts [E, rows, cols], by the Hugging Face model's
+# names: (its block, the router, each expert's gate, up and down projections)
+_EXPERTS = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+_MOE_NAMES = {
+    False: ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),  # Qwen3-MoE
+    True: ("block_sparse_moe", "gate", "w1", "w3", "w2"),  # Mixtral
 }
 # Llama 3's RoPE divisors: config.json's rope scaling, not a weight (llama3_scaling)
 ROPE_FREQS = "rope_freqs.weight"
@@ -213,18 +224,31 @@ def _field(reader, key: str):
     return None if field is None else field.contents()
 
 
-def hf_name(name: str) -> str | None:
-    """A llama.cpp tensor name as Hugging Face names it (None: a tensor the checkpoint does not
-    keep)."""
+def hf_names(name: str, shape: list[int], mixtral: bool = False) -> list[tuple[str, list[int]]]:
+    """The Hugging Face tensors a llama.cpp tensor of this (numpy-order) shape holds: itself under
+    Hugging Face's name, one per expert for a mixture's stacked experts, none for a tensor the
+    checkpoint does not keep. mixtral: a llama GGUF with experts (Mixtral's names)."""
     if name in _TOP:
-        return _TOP[name]
+        return [(_TOP[name], shape)]
     if name == ROPE_FREQS:
-        return None
+        return []
     match = _LAYER.match(name)
-    if match is None or match.group(2) not in _IN_LAYER:
+    if match is None or match.group(2) not in (*_IN_LAYER, *_EXPERTS):
         raise GGUFError(f"tensor {name!r} has no place in a {', '.join(ARCHITECTURES)} model")
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_IN_LAYER[part]}.{kind}"
+    if part in _IN_LAYER:
+        return [(f"model.layers.{layer}.{_IN_LAYER[part]}.{kind}", shape)]
+    block, router, *projections = _MOE_NAMES[mixtral]
+    prefix = f"model.layers.{layer}.{block}."
+    if part == "ffn_gate_inp":
+        return [(f"{prefix}{router}.{kind}", shape)]
+    projection = projections[_EXPERTS.index(part) - 1]
+    return [(f"{prefix}experts.{e}.{projection}.{kind}", shape[1:]) for e in range(shape[0])]
+
+
+def is_mixtral(reader, arch: str) -> bool:
+    """A llama GGUF with experts is Mixtral's (llama.cpp's converter writes Mixtral as llama)."""
+    return arch == "llama" and bool(_field(reader, "llama.expert_count"))
 
 
 def unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -245,14 +269,21 @@ def dequantized(reader, arch: str):
 
     heads = int(_field(reader, f"{arch}.attention.head_count"))
     kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    mixtral = is_mixtral(reader, arch)
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
-        if name is None:
-            continue
         # The gguf package gives a tensor in numpy's order (its shape field is GGML's, innermost
         # first).
+        shape = [int(n) for n in reversed(tensor.shape)]
+        names = hf_names(tensor.name, shape, mixtral)
+        if not names:
+            continue
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        data = data.reshape([int(n) for n in reversed(tensor.shape)])
+        data = data.reshape(shape)
+        if len(names) > 1:  # stacked experts, one Hugging Face tensor each
+            for (name, _), expert in zip(names, data):
+                yield name, np.ascontiguousarray(expert, dtype="<f4")
+            continue
+        name = names[0][0]
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute(data, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -267,9 +298,9 @@ def save_float32(reader, arch: str, path: Path, metadata: dict[str, str]) -> Non
     holds them twice: the tensors and the file's bytes)."""
     header: dict = {"__metadata__": metadata}
     offset = 0
+    mixtral = is_mixtral(reader, arch)
     for tensor in reader.tensors:
-        if (name := hf_name(tensor.name)) is not None:
-            shape = [int(n) for n in reversed(tensor.shape)]
+        for name, shape in hf_names(tensor.name, [int(n) for n in reversed(tensor.shape)], mixtral):
             header[name] = {
                 "dtype": "F32",
                 "shape": shape,
@@ -381,12 +412,41 @@ def set_rope_scaling(config, scaling: dict) -> None:
         config.rope_scaling = dict(scaling)
 
 
+def with_experts(reader, arch: str, config):
+    """The transformers config of a mixture-of-experts GGUF, as its checkpoint's config.json says
+    what transformers' GGUF reader leaves out: a llama GGUF with experts is a MixtralConfig (the
+    reader makes it a Llama), Qwen3-MoE's experts' width is `expert_feed_forward_length` (the
+    reader leaves the default) and a layer without stacked experts is dense (mlp_only_layers).
+    Other configs are returned as they are."""
+    from transformers import MixtralConfig  # noqa: PLC0415
+
+    if is_mixtral(reader, arch):
+        fields = {
+            k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")
+        }
+        return MixtralConfig(
+            **fields,
+            num_local_experts=int(_field(reader, "llama.expert_count")),
+            num_experts_per_tok=int(_field(reader, "llama.expert_used_count")),
+        )
+    if arch == "qwen3moe":
+        stacked = {
+            int(m.group(1))
+            for t in reader.tensors
+            if (m := _LAYER.match(t.name)) and m.group(2) == "ffn_gate_exps"
+        }
+        config.moe_intermediate_size = int(_field(reader, "qwen3moe.expert_feed_forward_length"))
+        config.decoder_sparse_step = 1
+        config.mlp_only_layers = [i for i in range(config.num_hidden_layers) if i not in stacked]
+    return config
+
+
 def _write_folder(reader, gguf_path: Path, folder: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415
 
     arch = _field(reader, "general.architecture")
     source, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(source, gguf_file=name)
+    config = with_experts(reader, arch, AutoConfig.from_pretrained(source, gguf_file=name))
     config.dtype = serving_dtype(reader)
     if (head_dim := _field(reader, f"{arch}.attention.key_length")) is not None:
         config.head_dim = int(head_dim)  # transformers' reader leaves Qwen3's at its default

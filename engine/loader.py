@@ -21,6 +21,7 @@ from engine.config import (
     ModelConfig,
     ModelError,
     check_model_folder,
+    expert_names,
     missing_tensors_error,
     resolve_dtype,
     safetensors_index,
@@ -131,9 +132,10 @@ def rank_slice(cfg: ModelConfig, rank: int, name: str) -> tuple[int, int, int, i
         return 0, first * d, (first + cfg.num_kv_heads) * d, whole * d
     if kind == "o_proj":
         return 1, rank * cfg.num_heads * d, (rank + 1) * cfg.num_heads * d, n * cfg.num_heads * d
-    if kind in ("gate_proj", "up_proj", "down_proj"):
-        w = cfg.intermediate_size
-        return (1 if kind == "down_proj" else 0), rank * w, (rank + 1) * w, n * w
+    expert = ".experts." in name
+    if kind in ("gate_proj", "up_proj", "down_proj") or expert and kind in ("w1", "w2", "w3"):
+        w = cfg.moe_intermediate_size if expert else cfg.intermediate_size
+        return (1 if kind in ("down_proj", "w2") else 0), rank * w, (rank + 1) * w, n * w
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         rows = cfg.vocab_rows
         return (
@@ -143,6 +145,24 @@ def rank_slice(cfg: ModelConfig, rank: int, name: str) -> tuple[int, int, int, i
             cfg.vocab_size,
         )
     return None
+
+
+def checkpoint_targets(model: Model) -> dict[str, Tensor]:
+    """Each checkpoint tensor the model reads and the bound parameter, or part of one, it fills:
+    the parameter of the same name, but for a mixture of experts' per-expert projections, which
+    fill their expert's rows of the stacked w13 (gate, then up) or its w2, and Mixtral's router."""
+    params = dict(model.named_parameters())
+    cfg = model.cfg
+    targets = {name: p for name, p in params.items() if not name.endswith((".mlp.w13", ".mlp.w2"))}
+    width = cfg.moe_intermediate_size
+    for layer in cfg.moe_layers:
+        p = f"model.layers.{layer}.mlp."
+        router, experts = expert_names(cfg, layer)
+        targets[router] = targets.pop(p + "gate.weight")
+        w13, w2 = params[p + "w13"], params[p + "w2"]
+        for e, (gate, up, down) in enumerate(experts):
+            targets[gate], targets[up], targets[down] = w13[e, :width], w13[e, width:], w2[e]
+    return targets
 
 
 @torch.no_grad()
@@ -170,17 +190,18 @@ def load_weights(
             f"unknown load format {load_format!r}; use one of: auto, safetensors, dummy"
         )
     index = safetensors_index(folder)
-    missing = [name for name in params if name not in index]
+    targets = checkpoint_targets(model)
+    missing = [name for name in targets if name not in index]
     if missing:
         raise missing_tensors_error(folder, missing)
-    for file in sorted({index[name] for name in params}):
+    for file in sorted({index[name] for name in targets}):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if name not in params or index[name] != file:
+                if name not in targets or index[name] != file:
                     continue
                 part = rank_slice(cfg, rank, name)
                 source = f.get_slice(name)
-                expected = list(params[name].shape)
+                expected = list(targets[name].shape)
                 if part is not None:
                     expected[part[0]] = part[3]
                 if tuple(source.get_shape()) != tuple(expected):
@@ -194,7 +215,7 @@ def load_weights(
                 else:
                     dim, start, end, _ = part
                     tensor = source[start:end] if dim == 0 else source[:, start:end]
-                target = params[name]
+                target = targets[name]
                 if tensor.shape[0] < target.shape[0]:  # the last rank's rows of a padded vocabulary
                     target[tensor.shape[0] :].zero_()
                     target = target[: tensor.shape[0]]

@@ -1,15 +1,19 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch, with Hugging Face parameter
-names.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Qwen3-MoE,
+Mixtral and OLMoE) in plain PyTorch, with Hugging Face parameter names.
 
-One code path covers the four architectures; they differ only in q/k/v bias (Qwen2), per-head q/k
-RMSNorm (Qwen3), tied embeddings and the RoPE frequencies (Llama 3 scaling). Attention reads and
-writes a paged KV pool.
+One code path covers the architectures; they differ only in q/k/v bias (Qwen2), q/k RMSNorm (per
+head: Qwen3, Qwen3-MoE; over the whole projection: OLMoE), tied embeddings, the RoPE frequencies
+(Llama 3 scaling) and the feed-forward: a SwiGLU MLP, or a mixture of SwiGLU experts (MoE) whose
+experts are stacked into two tensors per layer (the loader gathers the checkpoint's per-expert
+ones; those are the only parameters not named as in the checkpoint). Attention reads and writes a
+paged KV pool.
 
 Under tensor parallelism (a config from ModelConfig.sharded, and Model.tp) each rank holds
 Megatron's shard: its heads of q/k/v and the matching columns of o_proj, its part of gate/up and the
-matching columns of down_proj, its part of the vocabulary's rows of the embedding and lm_head;
-o_proj's and down_proj's partial sums and the embedding are all-reduced, the logits all-gathered, so
-every rank ends a step with the same hidden states and logits.
+matching columns of down_proj (of each expert's too), its part of the vocabulary's rows of the
+embedding and lm_head; o_proj's, down_proj's and the experts' partial sums and the embedding are
+all-reduced, the logits all-gathered, so every rank ends a step with the same hidden states and
+logits.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import Tensor, nn
 
 from engine.attention.base import AttentionBackend, Ops
 from engine.config import ModelConfig
+from engine.ops import Experts
 from engine.parallel import SINGLE, TensorParallel
 
 
@@ -121,8 +126,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_dim, bias=cfg.attention_bias, dtype=dtype)
         self.v_proj = nn.Linear(h, kv_dim, bias=cfg.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(q_dim, h, bias=False, dtype=dtype)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # per head (Qwen3) or over the whole projection (OLMoE)
+        self.qk_norm = cfg.qk_norm
+        q_norm_dim, k_norm_dim = (q_dim, kv_dim) if cfg.qk_norm == "full" else (cfg.head_dim,) * 2
+        self.q_norm = RMSNorm(q_norm_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_norm_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.split = [q_dim, kv_dim, kv_dim]
         # One GEMM for q, k and v: views over the three checkpoint tensors, which the arena lays out
@@ -154,11 +162,13 @@ class Attention(nn.Module):
             q, k, v = (
                 ops.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
             )
+        if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # per head, over the last dimension
-            q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
+        if self.qk_norm == "head" and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]  # over the last dimension
         o = step.backend.rope_and_attend(
             q,
             k,
@@ -201,17 +211,45 @@ class MLP(nn.Module):
         return tp.all_reduce(ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight))
 
 
+class MoE(nn.Module):
+    """Mixture of SwiGLU experts: the router (`gate`) scores the experts, each token goes to its
+    num_experts_per_tok best by softmax, and their outputs are summed weighted by those softmax
+    values (renormalised over the chosen where the model says). The experts' gate and up
+    projections are stacked in w13 [E, 2I, H] (gate rows first), their down projections in w2
+    [E, H, I]; a rank of a tensor-parallel unit holds its part of I of every expert."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        e, h, width = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = nn.Linear(h, e, bias=False, dtype=dtype)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * width, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, width, dtype=dtype), requires_grad=False)
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self._experts: Experts | None = None
+
+    def experts(self) -> Experts:
+        """The stacked weights and their per-expert views, made again once the loader has bound new
+        parameters."""
+        if self._experts is None or self._experts.w13 is not self.w13:
+            self._experts = Experts.of(self.w13, self.w2)
+        return self._experts
+
+    def forward(self, x: Tensor, ops: Ops, tp: TensorParallel = SINGLE) -> Tensor:
+        weights, ids = ops.route(ops.linear(x, self.gate.weight), self.top_k, self.renormalize)
+        return tp.all_reduce(ops.moe(x, self.experts(), weights, ids))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block. The residual stream travels beside the hidden state, so that each
     residual add fuses with the RMSNorm that follows it: (h, residual) -> (next sublayer input, new
     residual)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MoE(cfg, dtype) if index in cfg.moe_layers else MLP(cfg, dtype)
 
     def forward(
         self, h: Tensor, residual: Tensor | None, step: StepContext
@@ -230,7 +268,7 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_rows, cfg.hidden_size, dtype=dtype
         )  # this rank's rows
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,15 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 from tests.server_process import ServerProcess  # noqa: E402
+
+
+@pytest.fixture
+def nan_filled_empty() -> Iterator[None]:
+    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element a
+    kernel never writes fails the test instead of passing on stale memory (the kernel tests)."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,18 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# Mixtures of experts: 8 experts of width 32, 2 a token; Qwen3-MoE's second layer dense
+# (mlp_only_layers), its chosen experts' weights renormalised as Qwen3-30B-A3B's are, OLMoE's not.
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 
 # Each architecture exercises its own features; all use GQA (fewer KV heads than query heads).
 _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
@@ -62,6 +68,44 @@ _CONFIGS: dict[str, tuple[type, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "mixtral": (
+        MixtralConfig,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": False,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+        },
+    ),
+    "olmoe": (
+        OlmoeConfig,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "tie_word_embeddings": False,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "norm_topk_prob": False,
+        },
+    ),
 }
 
 
@@ -82,8 +126,8 @@ def write_tiny_model(
         initializer_range=0.15,
         bos_token_id=1,
         eos_token_id=2,
-        **arch_kwargs,
     )
+    kwargs.update(arch_kwargs)
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -153,7 +197,14 @@ def assert_prompt_logprobs(
         assert alternatives == pytest.approx(row.topk(top).values.tolist(), abs=1e-4)
 
 
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+    "mixtral": "llama",  # llama.cpp writes Mixtral as llama with experts
+}
 _GGUF_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -166,7 +217,36 @@ _GGUF_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
 }
+# Each expert's projection, by the Hugging Face name's last part, as llama.cpp's stacked tensor
+_GGUF_EXPERTS = {
+    "gate_proj": "ffn_gate_exps",
+    "w1": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "w3": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w2": "ffn_down_exps",
+}
+
+
+def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """state with each layer's per-expert projections stacked into one [E, rows, cols] tensor under
+    llama.cpp's layer-relative name (`{layer}.ffn_gate_exps.weight`, ...), as its converter
+    writes a mixture of experts; the other tensors as they are."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        if ".experts." not in key:
+            out[key] = tensor
+            continue
+        layer = key.removeprefix("model.layers.").split(".", 1)[0]
+        expert, part = key.split(".experts.", 1)[1].split(".")[:2]
+        experts.setdefault(f"{layer}.{_GGUF_EXPERTS[part]}.weight", {})[int(expert)] = tensor
+    for name, per_expert in experts.items():
+        out[name] = torch.stack([per_expert[e] for e in sorted(per_expert)])
+    return out
 
 
 def llama_cpp_rope_divisors(cfg: dict[str, Any]) -> list[float] | None:
@@ -246,7 +326,7 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
     folder = write_tiny_model(
         path.parent / f"{path.stem}-hf",
         arch,
-        **({"head_dim": 128} if arch == "qwen3" else {}),
+        **({"head_dim": 128} if arch in ("qwen3", "qwen3_moe") else {}),
         **overrides,
     )
     cfg = __import__("json").loads((folder / "config.json").read_text())
@@ -276,6 +356,11 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
     writer.add_token_scores(
         [0.0] * len(tokens)
     )  # transformers reads merges from scores when there are none
+    if experts := cfg.get("num_experts") or cfg.get("num_local_experts"):
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
     writer.add_chat_template(CHAT_TEMPLATE)
@@ -283,9 +368,11 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
     qtype = gguf.GGMLQuantizationType[quants[0]]
     if name == "llama" and (divisors := llama_cpp_rope_divisors(cfg)) is not None:
         writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
-    for key, tensor in state.items():
+    for key, tensor in stacked_experts(state).items():
         data = tensor.float().numpy()
-        if key == "model.embed_tokens.weight":
+        if not key.startswith(("model.", "lm_head")):  # a layer's stacked experts
+            gname = f"blk.{key}"
+        elif key == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif key == "model.norm.weight":
             gname = "output_norm.weight"
@@ -313,7 +400,7 @@ def write_tiny_gguf(path: str | Path, arch: str, quant: str = "F32", **overrides
                 k_quant_blocks(*data.shape, kind, rng),
                 raw_dtype=gguf.GGMLQuantizationType[kind],
             )
-        elif data.ndim == 2 and quant != "F32":
+        elif data.ndim >= 2 and quant != "F32":  # stacked experts too
             writer.add_tensor(
                 gname,
                 quantize(data.astype("float16" if quant == "F16" else "float32"), qtype),

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.ops import Experts
+
 
 def pad_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
     """Block tables (lists, or the block manager's int32 arrays) as one [len(tables), longest] int32
@@ -112,6 +114,8 @@ class Ops(Protocol):
     ) -> tuple[Tensor, Tensor]: ...
     def silu_and_mul(self, x: Tensor) -> Tensor: ...
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor: ...
+    def route(self, logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]: ...
+    def moe(self, x: Tensor, experts: Experts, weights: Tensor, ids: Tensor) -> Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,10 @@ from engine.kernels import (
     store_kv,
     workspace_for,
 )
+from engine.kernels import moe as moe_kernels
 from engine.kernels.attention import AttentionLaunch, default_config, general_programs
 from engine.kernels.launch import Launches
+from engine.ops import Experts
 from engine.staging import Staging
 
 # How a step with decodes and other sequences runs attention's two grids: "fused", one launch whose
@@ -74,6 +76,14 @@ class TritonOps:
 
     def silu_and_mul(self, x: Tensor) -> Tensor:
         return silu_and_mul(x, launches=self.launches)
+
+    def route(self, logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+        return moe_kernels.route(logits, top_k, renormalize, launches=self.launches)
+
+    def moe(self, x: Tensor, experts: Experts, weights: Tensor, ids: Tensor) -> Tensor:
+        return moe_kernels.fused_moe(
+            x, experts.w13, experts.w2, weights, ids, launches=self.launches
+        )
 
     apply_rope = staticmethod(apply_rope)
     linear = staticmethod(torch.nn.functional.linear)  # cuBLAS

@@ -720,7 +720,7 @@ def default_config(max_query_len: int, group: int, max_seq_len: int = 0) -> Atte
 
 
 @lru_cache(maxsize=None)
-def _dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
+def dot_types(dtype: torch.dtype) -> tuple[tl.dtype, str]:
     """tl.dot operand type and precision: tensor cores in the input dtype on a GPU; float32 under
     the interpreter, whose bf16 dot is wrong; IEEE float32 (not TF32) for float32 inputs so they
     match a float32 reference."""
@@ -799,7 +799,7 @@ def _merge(
 
 
 def _shared_consts(group: int, d: int, block_size: int, dtype: torch.dtype) -> dict:
-    dot_dtype, dot_precision = _dot_types(dtype)
+    dot_dtype, dot_precision = dot_types(dtype)
     return dict(
         G=group,
         HEAD_DIM=d,

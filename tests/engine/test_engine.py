@@ -19,7 +19,7 @@ from engine.model_runner import PromptLogprobsAsk, StepInput
 from engine.sampler import Row
 from engine.sampling_params import GuidedSpec, SamplingParams
 from engine.shared_memory import release_name
-from tests.tiny_models import ARCHS, hf_greedy, hf_logits, write_tiny_model
+from tests.tiny_models import ARCHS, MOE_ARCHS, hf_greedy, hf_logits, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0)
 NEW_TOKENS = 10
@@ -312,7 +312,7 @@ def test_steps_launched_ahead_take_their_tokens_on_the_device_and_match_hf(tmp_p
 # ---- on a GPU: the Triton backend and CUDA graphs against transformers (float32) -----------------
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=ARCHS + MOE_ARCHS)
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 

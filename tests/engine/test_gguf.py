@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from engine.config import ModelConfig
@@ -74,6 +75,38 @@ def test_greedy_ids_equal_transformers_reading_the_same_gguf(arch: str, tmp_path
     assert ours.apply_chat_template(messages, tokenize=False) == theirs.apply_chat_template(
         messages, tokenize=False
     )
+
+
+@pytest.mark.parametrize(
+    ("arch", "quant"), [("qwen3_moe", "F32"), ("mixtral", "F32"), ("mixtral", "Q8_0")]
+)
+def test_a_mixture_of_experts_gguf_serves_its_checkpoint(
+    arch: str, quant: str, tmp_path: Path
+) -> None:
+    """llama.cpp's stacked experts (ffn_*_exps) and router (ffn_gate_inp) become the checkpoint's
+    per-expert tensors and config: an F32 GGUF gives the greedy ids transformers gives on the
+    checkpoint it was written from (transformers' own GGUF reader serves neither tiny model: it
+    leaves Qwen3-MoE's expert width at its default and reads Mixtral as Llama); a Q8_0 one loads
+    every expert dequantized, each within Q8_0's rounding of the checkpoint's."""
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, quant)
+    source = tmp_path / f"{arch}-hf"
+    folder = model_folder(path)
+    cfg, expected = ModelConfig.from_folder(folder), ModelConfig.from_folder(source)
+    assert cfg.architecture == arch
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_layers"):
+        assert getattr(cfg, field) == getattr(expected, field), field
+    assert cfg.norm_topk_prob == expected.norm_topk_prob
+    ours, theirs = load_file(folder / "model.safetensors"), load_file(source / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    if quant == "Q8_0":
+        for name, tensor in theirs.items():
+            # Q8_0: a block of 32 weights at 8 bits against its largest
+            assert (ours[name] - tensor).abs().max() <= tensor.abs().max() / 127 + 1e-6, name
+        return
+    rng, runner = random.Random(len(arch)), runner_for(folder)
+    for n in (5, 23):
+        prompt = [rng.randrange(3, 256) for _ in range(n)]
+        assert greedy(runner, prompt, 8) == hf_greedy(source, prompt, 8)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

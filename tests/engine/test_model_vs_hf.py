@@ -13,12 +13,20 @@ import torch
 from engine.loader import load_model
 from engine.model import Model, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
-from tests.tiny_models import ARCHS, hf_greedy, hf_logits, write_tiny_model
+from tests.tiny_models import ARCHS, MOE_ARCHS, hf_greedy, hf_logits, write_tiny_model
 
 NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# Mixtral's experts are Qwen3-MoE's but for their names: its greedy ids are checked through the
+# server in the default suite (tests/server/test_routes_vs_hf.py), here in the second.
+@pytest.fixture(
+    scope="module",
+    params=[
+        *ARCHS,
+        *(pytest.param(a, marks=pytest.mark.slow) if a == "mixtral" else a for a in MOE_ARCHS),
+    ],
+)
 def tiny(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[Path, Model]:

@@ -20,13 +20,20 @@ from engine.loader import load_model, rank_slice
 from engine.model import kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel import SINGLE, TensorParallel, init_tensor_parallel
-from tests.tiny_models import ARCHS, hf_greedy, write_tiny_model
+from tests.tiny_models import hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
 BLOCK = 8
 # (architecture, vocabulary): mistral's one KV head is below the 2 ranks; qwen2's 321 rows split 161
 # + 160.
-CASES = [("llama", 320), ("mistral", 320), ("qwen2", 321), ("qwen3", 320)]
+CASES = [
+    ("llama", 320),
+    ("mistral", 320),
+    ("qwen2", 321),
+    ("qwen3", 320),
+    ("qwen3_moe", 320),  # each expert's width split, one all-reduce after the experts
+    ("mixtral", 320),
+]
 
 
 def ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -131,7 +138,7 @@ def two_ranks(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [arch for arch, _ in CASES])
 def test_two_ranks_equal_one_rank_and_transformers(
     arch: str, backend: str, folders: dict[str, str], two_ranks: list[dict]
 ) -> None:

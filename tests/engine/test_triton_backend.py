@@ -17,9 +17,11 @@ from tests.engine.kernels.test_attention import (
     Batch,
     assert_close,
     make_batch,
-    nan_filled_empty,  # noqa: F401 - autouse: torch.empty gives NaN
     reference,
 )
+
+# unwritten outputs NaN (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 32, 16
 SHAPE = AttentionShape(

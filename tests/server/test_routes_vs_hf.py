@@ -16,12 +16,20 @@ import pytest
 
 from engine.demo import write_byte_tokenizer
 from tests.server_process import ServerProcess, greedy_completion
-from tests.tiny_models import ARCHS, assert_prompt_logprobs, hf_greedy, write_tiny_model
+from tests.tiny_models import ARCHS, MOE_ARCHS, assert_prompt_logprobs, hf_greedy, write_tiny_model
 
 NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# OLMoE differs from Qwen3-MoE in its q/k norm, which tests/engine/test_model_vs_hf.py checks in the
+# default suite: through the server it runs in the second.
+@pytest.fixture(
+    scope="module",
+    params=[
+        *ARCHS,
+        *(pytest.param(a, marks=pytest.mark.slow) if a == "olmoe" else a for a in MOE_ARCHS),
+    ],
+)
 def arch_server(request, start_server, tmp_path_factory) -> tuple[str, ServerProcess]:
     folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     write_byte_tokenizer(folder)

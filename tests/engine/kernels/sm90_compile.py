@@ -58,8 +58,10 @@ from engine.kernels.attention import (
     general_programs,
     paged_attention,
 )
+from engine.kernels.moe import moe_config
 from engine.kernels.rope import rope_store_kv
 from engine.kernels.store_kv import store_kv
+from engine.ops import Experts
 from partition.probe_kernels import BLOCK, SM_ID_BLOCK, _sm_ids_kernel, spin
 
 H100_SHARED_MEMORY = (
@@ -576,6 +578,53 @@ def elementwise_cases(dt: str) -> list[Case]:
     return cases
 
 
+QWEN3_MOE = ModelConfig.from_folder(
+    Path(__file__).resolve().parents[3] / "bench" / "models" / "qwen3-30b-a3b"
+)
+MIXTRAL = ModelConfig.from_folder(
+    Path(__file__).resolve().parents[3] / "bench" / "models" / "mixtral-8x7b"
+)
+
+
+def moe_layer(cfg: ModelConfig, dt: str, tokens: int) -> None:
+    """A mixture-of-experts layer as MoE.forward runs it on the Triton backend: the router's
+    choice, then the fused layer (align, the two grouped GEMMs, silu_and_mul, the top-k sum). The
+    stacked weights are one expert's memory expanded to E (an expert stride of 0, which Triton
+    specializes as it does the real one, a multiple of 16): a launch record keeps 1/E of the real
+    bytes alive."""
+    ops, dtype = model(dt).backend.ops, DTYPES[dt]
+    e, h, w = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    logits = torch.zeros(tokens, e, dtype=dtype)
+    weights, ids = ops.route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    experts = Experts.of(
+        torch.zeros(1, 2 * w, h, dtype=dtype).expand(e, -1, -1),
+        torch.zeros(1, h, w, dtype=dtype).expand(e, -1, -1),
+    )
+    ops.moe(torch.zeros(tokens, h, dtype=dtype), experts, weights, ids)
+
+
+def moe_cases(dt: str) -> list[Case]:
+    """Every tile of the grouped GEMM (MOE_CONFIGS), each through the smallest token count that
+    gets it, at Qwen3-30B-A3B's shapes (8 of 128 experts) and Mixtral-8x7B's (2 of 8)."""
+    cases = []
+    for cfg, name in ((QWEN3_MOE, "qwen3-30b-a3b"), (MIXTRAL, "mixtral-8x7b")):
+        k, seen = cfg.num_experts_per_tok, set()
+        for tokens in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+            config = moe_config(tokens * k, DTYPES[dt])
+            if config in seen:
+                continue
+            seen.add(config)
+            cases.append(
+                Case(
+                    f"moe {name} {dt} t={tokens} (tile {config.block_m}x{config.block_n}"
+                    f"x{config.block_k})",
+                    f"moe {dt}",
+                    lambda cfg=cfg, t=tokens: moe_layer(cfg, dt, t),
+                )
+            )
+    return cases
+
+
 def relaunch_check(dt: str) -> None:
     """engine/kernels/launch.py's Launches: a step's second launch of each kind (the compiled
     kernel's launcher called directly) gives the launcher what the first, through the JIT, gave
@@ -650,9 +699,11 @@ def cases(part: str) -> list[Case]:
         ]
     if part == "float32-splits":
         return split_cases("float32")
-    slow = attention_cases("float32") + graph_cases("bfloat16")
+    slow = attention_cases("float32") + graph_cases("bfloat16") + moe_cases("float32")
     fast = [
-        case for dt in ("bfloat16", "float16") for case in split_cases(dt) + attention_cases(dt)
+        case
+        for dt in ("bfloat16", "float16")
+        for case in split_cases(dt) + attention_cases(dt) + moe_cases(dt)
     ]
     fast += [case for dt in DTYPES for case in elementwise_cases(dt)]
     fast.append(Case("relaunch bfloat16", "relaunch", lambda: relaunch_check("bfloat16")))

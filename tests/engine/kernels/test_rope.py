@@ -3,8 +3,6 @@ rope_store_kv against apply_rope followed by store_kv."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -16,13 +14,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def nan_filled_empty() -> Iterator[None]:
-    """torch.empty returns NaN here (deterministic mode fills new memory), so an output element the
-    kernel never writes fails the test instead of passing on stale memory."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(False)
+# unwritten outputs NaN (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
 def reference(x: Tensor, positions: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
