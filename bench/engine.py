@@ -101,6 +101,12 @@ CPU_GRID = Grid(
     5,
 )
 QUICK_GRID = Grid((1, 4), (64,), (64,), ((16, 128),), ((4, 64, 16, 128),), 128, 2)
+# A mixture of experts on a GPU (issue 48's figures): decode from 1 to 128 sequences at 1K, whose
+# experts read grow with the batch, a 4K prefill, a 256-token append over 4K, and that append beside
+# 64 decodes.
+MOE_GPU_GRID = Grid(
+    (1, 8, 32, 64, 128), (1024,), (4096,), ((256, 4096),), ((64, 1024, 256, 4096),), 4096, 20
+)
 
 
 @dataclass
@@ -132,6 +138,8 @@ class Point:
         None  # tensor parallelism: the step's collectives, timed alone (median per step)
     )
     comm_floor_ms: float | None = None  # their bytes sent per rank / the link's bandwidth
+    # a mixture of experts: the experts the step's tokens routed to, per MoE layer (its floor's)
+    experts_per_layer: float | None = None
     skipped: str | None = None
     round_ratios: list[float] = field(
         default_factory=list
@@ -192,6 +200,7 @@ def merge_rounds(reports: list[Report]) -> Report:
                 tokens_per_s=median([q.tokens_per_s for q in same]),
                 comm_ms=median([q.comm_ms for q in same]),
                 comm_floor_ms=median([q.comm_floor_ms for q in same]),
+                experts_per_layer=median([q.experts_per_layer for q in same]),
                 round_ratios=[q.ratio for q in same],
             )
         )
@@ -240,18 +249,31 @@ class ModelCost:
     num_layers: int = 0
     layer_gemms: tuple[
         tuple[int, int], ...
-    ] = ()  # (out, in) of a layer's weights as the model fuses them
+    ] = ()  # (out, in) of a layer's weights as the model fuses them (a dense layer's)
+    itemsize: int = 2
+    # A mixture of experts: weight_bytes and matmul_params above leave the experts out; a step reads
+    # the experts its tokens route to (expert_bytes each, gate|up and down, in moe_layers layers)
+    # and multiplies each token by top_k of them.
+    moe_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_params: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> ModelCost:
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        per_layer = (
-            h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * inter
+        attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
+        moe_layers = len(cfg.moe_layers)
+        dense_layers = cfg.num_layers - moe_layers
+        expert = 3 * h * cfg.moe_intermediate_size
+        # every layer's attention, each dense layer's MLP, each MoE layer's router
+        always = (
+            cfg.num_layers * attention
+            + dense_layers * 3 * h * inter
+            + moe_layers * cfg.num_experts * h
         )
         lm_head = cfg.vocab_rows * h  # a tensor-parallel rank's part of the vocabulary
-        weight_bytes = (
-            cfg.num_layers * per_layer + lm_head
-        ) * dtype.itemsize  # the embedding is gathered, not read
+        weight_bytes = (always + lm_head) * dtype.itemsize  # the embedding is gathered, not read
         gemms = (
             ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
             (h, cfg.num_heads * d),
@@ -261,21 +283,48 @@ class ModelCost:
         return cls(
             weight_bytes=weight_bytes,
             kv_bytes_per_token=kv_block_nbytes(cfg, block_size, dtype) // block_size,
-            matmul_params=cfg.num_layers * per_layer,
+            matmul_params=always + moe_layers * cfg.num_experts_per_tok * expert,
             lm_head_params=lm_head,
             attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d,
             num_layers=cfg.num_layers,
             layer_gemms=gemms,
+            itemsize=dtype.itemsize,
+            moe_layers=moe_layers,
+            num_experts=cfg.num_experts,
+            top_k=cfg.num_experts_per_tok,
+            expert_params=expert,
         )
 
+    def expected_experts(self, tokens: int) -> float:
+        """Experts read in all MoE layers by `tokens` tokens under uniform routing: each of a
+        layer's experts escapes a token with probability 1 - top_k / E."""
+        if not self.moe_layers:
+            return 0.0
+        missed = (1 - self.top_k / self.num_experts) ** tokens
+        return self.moe_layers * self.num_experts * (1 - missed)
+
     def floor(
-        self, ceil: Ceilings, new_tokens: int, kv_read_tokens: int, attn_pairs: int, sampled: int
+        self,
+        ceil: Ceilings,
+        new_tokens: int,
+        kv_read_tokens: int,
+        attn_pairs: int,
+        sampled: int,
+        experts_read: float | None = None,
     ) -> tuple[float, str]:
         """(milliseconds, "memory"|"compute") for a step: weights and the KV it reads, against its
         FLOPs (the overlap floor: the attention's KV reads hidden under the GEMMs' compute, or the
-        reverse)."""
+        reverse). experts_read: of a mixture of experts, the experts the step's tokens routed to,
+        summed over the layers (measured: routed_experts; by default, uniform routing's
+        expectation)."""
+        if experts_read is None:
+            experts_read = self.expected_experts(new_tokens)
         mem_ms = (
-            (self.weight_bytes + kv_read_tokens * self.kv_bytes_per_token)
+            (
+                self.weight_bytes
+                + experts_read * self.expert_params * self.itemsize
+                + kv_read_tokens * self.kv_bytes_per_token
+            )
             / (ceil.copy_gbps * 1e9)
             * 1000
         )
@@ -288,19 +337,33 @@ class ModelCost:
         return (mem_ms, "memory") if mem_ms >= compute_ms else (compute_ms, "compute")
 
     def sequential_floor(
-        self, ceil: Ceilings, new_tokens: int, sampled: int, attention: list[tuple[int, int]]
+        self,
+        ceil: Ceilings,
+        new_tokens: int,
+        sampled: int,
+        attention: list[tuple[int, int]],
+        experts_read: float | None = None,
     ) -> float:
         """Milliseconds for a step run kernel after kernel, each at its own floor: every GEMM (each
-        layer's four weights at new_tokens rows, the LM head at sampled rows) its weight's bytes
-        against its FLOPs, then each attention launch of `attention` (its KV tokens read, its
-        query-key pairs) its KV against its FLOPs."""
+        layer's four weights at new_tokens rows, the LM head at sampled rows; a mixture's experts
+        as one grouped GEMM a layer over the experts read) its weight's bytes against its FLOPs,
+        then each attention launch of `attention` (its KV tokens read, its query-key pairs) its KV
+        against its FLOPs."""
         bw, rate = ceil.copy_gbps * 1e9, ceil.matmul_tflops * 1e12
-        itemsize = self.weight_bytes // (self.matmul_params + self.lm_head_params)
+        itemsize = self.itemsize
 
         def gemm(params: int, rows: int) -> float:
             return max(params * itemsize / bw, 2 * params * rows / rate)
 
-        gemms = self.num_layers * sum(gemm(n * k, new_tokens) for n, k in self.layer_gemms)
+        layers = self.num_layers - self.moe_layers
+        gemms = self.num_layers * sum(gemm(n * k, new_tokens) for n, k in self.layer_gemms[:2])
+        gemms += layers * sum(gemm(n * k, new_tokens) for n, k in self.layer_gemms[2:])
+        if self.moe_layers:
+            read = self.expected_experts(new_tokens) if experts_read is None else experts_read
+            per_layer = read / self.moe_layers * self.expert_params
+            gemms += self.moe_layers * max(
+                per_layer * itemsize / bw, 2 * self.top_k * self.expert_params * new_tokens / rate
+            )
         gemms += gemm(self.lm_head_params, sampled)
         attn = sum(
             max(kv * self.kv_bytes_per_token / bw, self.attn_flops_per_pair * pairs / rate)
@@ -354,6 +417,45 @@ def timed_step(
     return ms, host, {**extra, "comm_ms": statistics.median(per_step), "comm_floor_ms": floor}
 
 
+def routed_experts(engine: Engine, inputs: list[StepInput]) -> int | None:
+    """The experts a step's tokens route to, summed over the layers: the step run once more,
+    eagerly, with the router's choices counted (None for a dense model). Steps repeat on the same
+    tokens and KV, so the timed runs route the same way."""
+    if not engine.runner.model.cfg.is_moe:
+        return None
+    ops, counted = engine.runner.backend.ops, []
+    route = ops.route
+
+    def counting(logits: torch.Tensor, top_k: int, renormalize: bool):
+        weights, ids = route(logits, top_k, renormalize)
+        counted.append(int(ids.unique().numel()))
+        return weights, ids
+
+    saved, engine.runner.graphs = engine.runner.graphs, None
+    ops.route = counting
+    try:
+        greedy_step(engine, inputs)
+    finally:
+        del ops.route
+        engine.runner.graphs = saved
+    return sum(counted)
+
+
+def token_ids(engine: Engine, n: int, seed: int) -> list[int]:
+    """n token ids for a timed step: random for a mixture of experts, whose cost depends on where
+    its tokens route (one id repeated would send them all to the same experts), else all 1."""
+    cfg = engine.runner.model.cfg
+    if not cfg.is_moe:
+        return [1] * n
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist()
+
+
+def _experts(experts: int | None, cost: ModelCost) -> dict:
+    """A point's record of the experts its step read: per MoE layer, and uniform routing's."""
+    return {} if experts is None else {"experts_per_layer": experts / cost.moe_layers}
+
+
 def measure_link(tp: TensorParallel, device: torch.device, quick: bool) -> float:
     """The bytes each rank sends per second (GB/s) in an all-reduce of 16 MiB on the CPU, 256 MiB on
     a GPU (float32 elements): the link's bus bandwidth, as nccl-tests reports it."""
@@ -400,9 +502,13 @@ def time_decode(
         )
     if skipped := _no_graphs(engine, "decode", label):
         return skipped
-    inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(batch)]
+    inputs = [
+        StepInput(token_ids(engine, 1, i), context, blocks.table(context + 1)) for i in range(batch)
+    ]
+    experts = routed_experts(engine, inputs)
     ms, host, extra = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
-    floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch)
+    floor, bound = cost.floor(ceil, batch, batch * context, batch * (context + 1), batch, experts)
+    extra.update(_experts(experts, cost))
     return Point(
         "decode",
         label,
@@ -427,11 +533,13 @@ def time_prefill(
             label,
             skipped=f"{num} x {prompt} tokens do not fit the pool or max_model_len",
         )
-    inputs = [StepInput([1] * prompt, 0, blocks.table(prompt)) for _ in range(num)]
+    inputs = [StepInput(token_ids(engine, prompt, i), 0, blocks.table(prompt)) for i in range(num)]
+    experts = routed_experts(engine, inputs)
     ms, host, extra = timed_step(
         engine, ceil, inputs, repeat, warmup=2, pipelined=False
     )  # no host time to hide
-    floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num)
+    floor, bound = cost.floor(ceil, num * prompt, 0, num * prompt * (prompt + 1) // 2, num, experts)
+    extra.update(_experts(experts, cost))
     return Point(
         "prefill",
         label,
@@ -461,10 +569,12 @@ def time_append(
         )
     if skipped := _no_graphs(engine, "append", label):
         return skipped
-    inputs = [StepInput([1] * new, cached, blocks.table(new + cached))]
+    inputs = [StepInput(token_ids(engine, new, 0), cached, blocks.table(new + cached))]
+    experts = routed_experts(engine, inputs)
     ms, host, extra = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     pairs = new * cached + new * (new + 1) // 2
-    floor, bound = cost.floor(ceil, new, cached, pairs, 1)
+    floor, bound = cost.floor(ceil, new, cached, pairs, 1, experts)
+    extra.update(_experts(experts, cost))
     return Point(
         "append",
         label,
@@ -509,11 +619,17 @@ def time_mixed(
         )
     if skipped := _no_graphs(engine, "mixed", label):
         return skipped
-    inputs = [StepInput([1], context, blocks.table(context + 1)) for _ in range(decodes)]
-    inputs.append(StepInput([1] * new, cached, blocks.table(new + cached)))
+    inputs = [
+        StepInput(token_ids(engine, 1, i), context, blocks.table(context + 1))
+        for i in range(decodes)
+    ]
+    inputs.append(StepInput(token_ids(engine, new, decodes), cached, blocks.table(new + cached)))
+    experts = routed_experts(engine, inputs)
     ms, host, extra = timed_step(engine, ceil, inputs, repeat, graphs=graphs)
     pairs = decodes * (context + 1) + new * cached + new * (new + 1) // 2
-    floor, bound = cost.floor(ceil, decodes + new, decodes * context + cached, pairs, decodes + 1)
+    floor, bound = cost.floor(
+        ceil, decodes + new, decodes * context + cached, pairs, decodes + 1, experts
+    )
     extra["sequential_floor_ms"] = cost.sequential_floor(
         ceil,
         decodes + new,
@@ -522,7 +638,9 @@ def time_mixed(
             (decodes * context, decodes * (context + 1)),
             (cached, new * cached + new * (new + 1) // 2),
         ],
+        experts,
     )
+    extra.update(_experts(experts, cost))
     return Point(
         "mixed",
         label,
@@ -798,7 +916,14 @@ def markdown(report: Report) -> str:
             if report.rounds > 1
             else ""
         )
-        + (f" CPU: {report.meta['cpu_build']}." if report.meta.get("cpu_build") else ""),
+        + (f" CPU: {report.meta['cpu_build']}." if report.meta.get("cpu_build") else "")
+        + (
+            " A mixture of experts' floor reads the experts its step's tokens routed to (counted "
+            "from the router's choices in an eager run of the same step, random token ids; shown "
+            "per MoE layer in the shape) and multiplies each token by its top-k experts."
+            if any(p.experts_per_layer is not None for p in report.points)
+            else ""
+        ),
         "",
         "Host ms: until the step is queued on the device; device ms: the time it keeps the device "
         "busy, queued "
@@ -816,6 +941,8 @@ def markdown(report: Report) -> str:
     ]
     for p in report.points:
         shape = ", ".join(f"{k} {v}" for k, v in p.label.items())
+        if p.experts_per_layer is not None:
+            shape += f", experts {p.experts_per_layer:.1f}/layer"
         if p.skipped:
             lines.append(
                 f"| {p.kind} | {shape} | skipped: {p.skipped} | | | | | | |"
@@ -912,6 +1039,8 @@ def main(args: argparse.Namespace) -> None:
     device = chosen_device(args)
     model = chosen_model(args, device)
     grid = QUICK_GRID if args.quick else (GPU_GRID if device.type == "cuda" else CPU_GRID)
+    if grid is GPU_GRID and ModelConfig.from_folder(model_folder(model)).is_moe:
+        grid = MOE_GPU_GRID
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be at least 1 (got {args.rounds})")
     if args.tensor_parallel_size > 1:

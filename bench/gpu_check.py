@@ -66,10 +66,12 @@ KEEP_PER_END = 256 * 1024  # bytes kept at each end of a log cut to fit the arch
 LLAMA = "bench/models/llama-3.1-8b"
 LLAMA_70B = "bench/models/llama-3.1-70b"  # engine-tp: tensor parallelism over the host's GPUs
 STANDIN = "bench/models/llama-3.1-8b-standin"
+QWEN3_MOE = "bench/models/qwen3-30b-a3b"  # moe: Qwen3-30B-A3B's configuration, random weights
+QWEN3_MOE_STANDIN = "bench/models/qwen3-30b-a3b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
 STEP_NAMES = (
     "host probe tests tests-gpu[:FILES] tests-kernels engine engine-host engine-tp[:SIZES] "
-    "sampling compare agents "
+    "sampling compare agents moe "
     "kernels gemm-shares policy "
     "policy-eval:W policy-verdict partition partition-compare[:NAMES] interference[:NAMES] "
     "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)"
@@ -402,6 +404,20 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
             f"{out}/agents",
         )
         return [Step("agents", argv, 450, ("agents/summary.json",), 330)]
+    if name == "moe":
+        # A mixture of experts (issue 48) at Qwen3-30B-A3B's shapes, random weights made on the
+        # device: the engine's decode at batch 1-128, a 4K prefill and a 256-token append against
+        # floors that count the experts each step routed to, then the fused layer's tiles from 1 to
+        # 4096 tokens (bench.kernels --only moe). Not yet run on a GPU: estimated 150 s for the
+        # engine (61 GB of weights filled, graphs captured, the MoE kernels compiled) and 90 s for
+        # the kernels' sweep.
+        model = mode.pick(("--model", QWEN3_MOE), ("--model", QWEN3_MOE_STANDIN, "--device", "cpu"))
+        engine = (*ppd, "bench", "engine", "--out", f"{out}/moe", *quick, *model)
+        kernels = (python, "-m", "bench.kernels", "--only", "moe", "--out", f"{out}/moe-kernels")
+        return [
+            Step("moe", engine, 300, ("moe/engine-*.json",), 150),
+            Step("moe-kernels", kernels, 240, mode.pick(("moe-kernels/kernels-*.json",), ()), 90),
+        ]
     if (
         name == "kernels"
     ):  # without CUDA it says so and writes nothing: nothing to check in a rehearsal

@@ -15,6 +15,11 @@
 #              under torch.profiler, host time by kind of op (under a minute)           -> engine-host.{json,md}
 #   sampling   ppd bench sampling: each sampling feature's decode step against greedy   -> sampling/
 #   compare    ppd bench compare of pd, dlocal and aggregated, balanced workload, 2 conversations/s -> compare/
+#   agents     ppd bench compare of agent sessions (issue 47) on a pool cut so that they spill: no second KV tier,
+#              a tier of pinned host memory, and the tier with retention hints           -> agents/
+#   moe        ppd bench engine on Qwen3-30B-A3B's config with random weights (decode at batch 1-128, a 4K
+#              prefill, a 256-token append, floors counting the experts routed to), then bench.kernels --only
+#              moe (the fused layer from 1 to 4096 tokens over its tiles)                -> moe/, moe-kernels/
 #   kernels    python -m bench.kernels: each kernel's configs at real sizes             -> kernels/
 #   policy     ppd profile policy, 10 s runs (resumable: OUTDIR/policy.json)             -> policy.{json,md,png}
 #   policy-eval:W   ppd against pd, dlocal, aggregated on workload W (decode-heavy, balanced, prefill-heavy) at

@@ -3,7 +3,11 @@ GPU.
 
 Every kernel runs at Llama-3.1-8B sizes (H=32, Hkv=8, D=128, hidden 4096, intermediate 14336, bf16,
 KV block 16) over a small grid of launch configs, and once with the config the code picks today
-(`default`). Times are medians of triton.testing.do_bench (warm-up first, L2 flushed between runs).
+(`default`); the mixture-of-experts layer (engine/kernels/moe.py: align, the grouped GEMMs, the
+top-k sum) at Qwen3-30B-A3B's (128 experts of width 768 over hidden 2048, 8 a token) from 1 to 4096
+tokens, its bytes those of the experts the tokens routed to (random router logits), its FLOPs the
+chosen experts' alone. Times are medians of triton.testing.do_bench (warm-up first, L2 flushed
+between runs).
 Attention is planned once per config and relaunched as the engine does (engine/kernels/launch.py),
 so a small kernel's time is not its host time. Bandwidth counts the bytes a kernel must read and
 write once; attention also reports TFLOP/s (two matmuls of 2 x queries x keys x D per head, each
@@ -475,6 +479,57 @@ def elementwise_cases(quick: bool, device: str = "cuda") -> Iterator[Case]:
         )
 
 
+QWEN3_MOE = (128, 8, 2048, 768)  # experts, a token's, hidden, an expert's width (Qwen3-30B-A3B)
+MOE_TOKENS = (1, 8, 32, 64, 128, 512, 2048, 4096)
+
+
+def moe_configs(quick: bool) -> list[object]:
+    from engine.kernels.moe import MoeConfig
+
+    if quick:
+        return []
+    tiles = (
+        (16, 64, 128, 4, 4),
+        (16, 128, 64, 4, 3),
+        (32, 64, 64, 4, 4),
+        (32, 128, 64, 4, 3),
+        (64, 64, 64, 4, 4),
+        (64, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+    )
+    return [MoeConfig(0, *tile) for tile in tiles]
+
+
+def moe_cases(quick: bool, device: str = "cuda") -> Iterator[Case]:
+    """The fused mixture-of-experts layer at Qwen3-30B-A3B's shapes: its bytes the experts the
+    tokens routed to (counted) and the tokens in and out, its FLOPs each token's top-k experts'."""
+    from engine.kernels.moe import fused_moe, route
+
+    e, k, h, w = QWEN3_MOE
+    w13 = torch.randn(e, 2 * w, h, dtype=DT, device=device) / h**0.5
+    w2 = torch.randn(e, h, w, dtype=DT, device=device) / w**0.5
+    for t in MOE_TOKENS:
+        x = torch.randn(t, h, dtype=DT, device=device)
+        if device == "meta":  # listed, not run: no routing to count
+            weights = torch.empty(t, k, device=device)
+            ids = torch.empty(t, k, dtype=torch.int64, device=device)
+            read = min(e, t * k)
+        else:
+            weights, ids = route(torch.randn(t, e, device=device), k, True)
+            read = int(ids.unique().numel())
+        yield Case(
+            "moe",
+            f"t={t} ({read} experts read)",
+            lambda config, x=x, weights=weights, ids=ids: fused_moe(
+                x, w13, w2, weights, ids, config=config
+            ),
+            moe_configs(quick),
+            read * 3 * h * w * DT.itemsize + 2 * t * h * DT.itemsize,
+            2 * t * k * 3 * h * w,
+        )
+
+
 def all_cases(quick: bool, attention: bool = True, device: str = "cuda") -> Iterator[Case]:
     """Every case, attention's first (attention False: none of them, nor their KV cache). Tensors
     are made on device as each case comes (on "meta", none has memory: the cases can be listed
@@ -485,6 +540,7 @@ def all_cases(quick: bool, attention: bool = True, device: str = "cuda") -> Iter
         yield from prefill_cases(paged, quick, device)
         yield from mixed_cases(paged, quick, device)
     yield from elementwise_cases(quick, device)
+    yield from moe_cases(quick, device)
 
 
 # ---- baselines, report ---------------------------------------------------------------------------
@@ -539,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=None,
         help="kernels to run: attention, rms_norm, add_rms_norm, apply_rope, store_kv, "
-        "silu_and_mul",
+        "silu_and_mul, moe",
     )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -15,6 +15,7 @@ import torch
 from bench.engine import QUICK_GRID, ModelCost, markdown, run, write
 from engine.config import ModelConfig
 from engine.demo import demo_model_path
+from tests.tiny_models import write_tiny_model
 
 
 def test_quick_engine_benchmark_reports_every_point_against_its_floor(
@@ -145,6 +146,42 @@ def test_sequential_floor_adds_each_kernels_floor() -> None:
         ceil, 320, 65, [(64 * 1024, 64 * 1025), (4096, pairs - 64 * 1025)]
     )
     assert bound == "compute" and sequential > overlap + 0.9 * kv_ms
+
+
+def test_a_mixture_of_experts_floor_reads_the_experts_routed_to() -> None:
+    """Qwen3-30B-A3B on an H200's nominal 4.8 TB/s: a decode at batch 1 reads its 8 experts in
+    each of 48 layers beside the rest of the weights (about 1.3 ms), a batch of 64 nearly every
+    expert (about 12 ms) under uniform routing; a count measured from the router replaces it."""
+    from bench.engine import Ceilings
+
+    cost = ModelCost.of(
+        ModelConfig.from_folder(Path(__file__).parents[2] / "bench/models/qwen3-30b-a3b"),
+        torch.bfloat16,
+        16,
+    )
+    ceil = Ceilings(copy_gbps=4800, matmul_tflops=990)
+    assert cost.expected_experts(1) == pytest.approx(48 * 8)
+    assert cost.expected_experts(64) == pytest.approx(48 * 128 * (1 - (120 / 128) ** 64))
+    one, bound = cost.floor(ceil, 1, 0, 0, 1)
+    assert bound == "memory" and 1.2 < one < 1.35
+    assert 11.0 < cost.floor(ceil, 64, 0, 0, 64)[0] < 12.5
+    # 64 tokens that all went to the same 8 experts read what one token reads (their 64x FLOPs
+    # still under the reads)
+    same, bound = cost.floor(ceil, 64, 0, 0, 64, experts_read=48 * 8)
+    assert bound == "memory" and same == pytest.approx(one)
+
+
+def test_a_mixture_of_experts_engine_run_counts_the_routed_experts(tmp_path: Path) -> None:
+    """On the CPU with a tiny Qwen3-MoE: every step records how many of its 8 experts a layer read
+    (from 2, all tokens routed alike, to 8), and its floor counts them."""
+    folder = write_tiny_model(tmp_path, "qwen3_moe", max_position_embeddings=512)
+    report = run(str(folder), torch.device("cpu"), QUICK_GRID, quick=True)
+    for p in report.points:
+        assert p.skipped is None, p.skipped
+        assert 2 <= p.experts_per_layer <= 8, p
+    prefill = next(p for p in report.points if p.kind == "prefill")
+    assert prefill.experts_per_layer == 8  # 128 random tokens reach every expert
+    assert "experts 8.0/layer" in markdown(report)
 
 
 def test_rounds_report_medians_and_each_rounds_own_ratio() -> None:

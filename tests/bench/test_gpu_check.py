@@ -106,6 +106,18 @@ def test_gpu_plan_measures_the_issues_shapes(tmp_path: Path) -> None:
     assert plan("tests-kernels", tmp_path, Mode(False)) == both[1:]
 
 
+def test_the_moe_step_times_qwen3_30b_a3b_and_its_kernels(tmp_path: Path) -> None:
+    """On the GPU the engine at Qwen3-30B-A3B's configuration, then the fused layer's sweep; the
+    rehearsal runs the engine on the CPU's shrunk stand-in."""
+    engine, kernels = plan("moe", tmp_path, Mode(False))
+    assert "bench/models/qwen3-30b-a3b" in engine.argv and "--quick" not in engine.argv
+    assert kernels.argv[-4:-2] == ("--only", "moe")
+    assert engine.expected_s + kernels.expected_s <= 8 * 60, "about 8 minutes of GPU time"
+    rehearsed, _ = plan("moe", tmp_path, Mode(True))
+    text = " ".join(rehearsed.argv)
+    assert "qwen3-30b-a3b-standin" in text and "--device cpu" in text and "--quick" in text
+
+
 def test_gemm_shares_is_a_step_of_its_own_that_rehearses_as_a_start(tmp_path: Path, capsys) -> None:
     """On the GPU it must write its JSON; on the CPU it only reads the shapes and says there is no
     CUDA (as `kernels`), so the rehearsal checks that it starts and exits 0, and asks for no

@@ -57,6 +57,20 @@ def test_the_mixed_step_sweeps_both_launches_by_the_appends_splits(
     )
 
 
+def test_the_moe_layer_is_timed_from_one_token_to_4096_over_tiles(
+    cases: dict[str, kernels.Case],
+) -> None:
+    """Qwen3-30B-A3B's layer: at t tokens at most 8 t of the 128 experts are read (listed without a
+    GPU: no routing to count), and every token multiplies by 8 experts of 3 x 2048 x 768."""
+    moe = {name: c for name, c in cases.items() if name.startswith("moe ")}
+    assert len(moe) == len(kernels.MOE_TOKENS)
+    one = moe["moe t=1 (8 experts read)"]
+    assert one.nbytes == 8 * 3 * 2048 * 768 * 2 + 2 * 2048 * 2
+    assert one.flops == 2 * 8 * 3 * 2048 * 768
+    assert "moe t=4096 (128 experts read)" in moe
+    assert {c.block_m for c in one.configs} == {16, 32, 64, 128}
+
+
 def test_quick_lists_the_defaults_only_and_without_cuda_nothing_runs(
     capsys: pytest.CaptureFixture,
 ) -> None:
