@@ -151,15 +151,14 @@ def checkpoint_targets(model: Model) -> dict[str, Tensor]:
     """Each checkpoint tensor the model reads and the bound parameter, or part of one, it fills:
     the parameter of the same name, but for a mixture of experts' per-expert projections, which
     fill their expert's rows of the stacked w13 (gate, then up) or its w2, and Mixtral's router."""
-    params = dict(model.named_parameters())
     cfg = model.cfg
-    targets = {name: p for name, p in params.items() if not name.endswith((".mlp.w13", ".mlp.w2"))}
+    targets = dict(model.named_parameters())
     width = cfg.moe_intermediate_size
     for layer in cfg.moe_layers:
         p = f"model.layers.{layer}.mlp."
         router, experts = expert_names(cfg, layer)
         targets[router] = targets.pop(p + "gate.weight")
-        w13, w2 = params[p + "w13"], params[p + "w2"]
+        w13, w2 = targets.pop(p + "w13"), targets.pop(p + "w2")
         for e, (gate, up, down) in enumerate(experts):
             targets[gate], targets[up], targets[down] = w13[e, :width], w13[e, width:], w2[e]
     return targets

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import Consts, Launches, cdiv, next_power_of_2
+from engine.kernels.launch import Consts, Launches, cdiv, launch, next_power_of_2
 
 BLOCK_COLS = 1024  # output columns per program: 14336-wide rows (Llama-3.1-8B) take 14 programs
 
@@ -51,8 +51,5 @@ def silu_and_mul(
     if n == 0:
         return out
     programs, consts = _launch_shape(i, num_warps)
-    if launches is None:
-        _silu_and_mul_kernel[(n, programs)](x, out, x.stride(0), **consts.kwargs)
-    else:
-        launches(_silu_and_mul_kernel, (n, programs), (x, out), (x.stride(0),), consts)
+    launch(launches, _silu_and_mul_kernel, (n, programs), (x, out), (x.stride(0),), consts)
     return out

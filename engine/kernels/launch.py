@@ -97,6 +97,22 @@ class Launches:
             self.compiled[key] = launched
 
 
+def launch(
+    launches: Launches | None,
+    kernel: Any,
+    grid: tuple[int, ...],
+    tensors: tuple,
+    scalars: tuple,
+    consts: Consts,
+) -> None:
+    """Launch kernel through the step's Launches, or through the JIT where there is none (a kernel
+    called on its own: tests, benchmarks)."""
+    if launches is None:
+        kernel[grid](*tensors, *scalars, **consts.kwargs)
+    else:
+        launches(kernel, grid, tensors, scalars, consts)
+
+
 def _no_launch_hook() -> bool:
     """No profiler asks for launch metadata (Triton 3.6 keeps an empty HookChain where 3.9 keeps
     None)."""

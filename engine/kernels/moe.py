@@ -31,7 +31,7 @@ from torch import Tensor
 
 from engine.kernels.activation import silu_and_mul
 from engine.kernels.attention import dot_types
-from engine.kernels.launch import Consts, Launches, cdiv, next_power_of_2
+from engine.kernels.launch import Consts, Launches, cdiv, launch, next_power_of_2
 
 ALIGN_CHUNK = 128  # entries (or positions) the align program takes at a time
 SUM_BLOCK = 1024  # output columns per program of the top-k sum
@@ -220,20 +220,6 @@ def _topk_sum_kernel(c_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(
-    launches: Launches | None,
-    kernel,
-    grid: tuple[int, ...],
-    tensors: tuple,
-    scalars: tuple,
-    consts: Consts,
-) -> None:
-    if launches is None:
-        kernel[grid](*tensors, *scalars, **consts.kwargs)
-    else:
-        launches(kernel, grid, tensors, scalars, consts)
-
-
 @lru_cache(maxsize=None)
 def _route_consts(num_experts: int, top_k: int, renormalize: bool) -> Consts:
     e_pow2 = next_power_of_2(num_experts)
@@ -256,7 +242,7 @@ def route(
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
-        _launch(
+        launch(
             launches,
             _route_kernel,
             (t,),
@@ -303,7 +289,7 @@ def align(
         torch.empty(1, dtype=torch.int32, device=device),
         block_m,
     )
-    _launch(
+    launch(
         launches,
         _align_kernel,
         (1,),
@@ -347,7 +333,7 @@ def grouped_gemm(
     assert a.shape[1] == k and a.stride(1) == 1 and w.stride(2) == 1, "a [*, K], w [E, N, K]"
     c = torch.empty(num_entries, n, dtype=a.dtype, device=a.device)
     grid = (aligned.sorted.numel() // config.block_m, cdiv(n, config.block_n))
-    _launch(
+    launch(
         launches,
         _grouped_gemm_kernel,
         grid,
@@ -405,5 +391,5 @@ def fused_moe(
         launches=launches,
     )
     programs, consts = _sum_consts(hidden, top_k)
-    _launch(launches, _topk_sum_kernel, (t, programs), (down, out), (hidden,), consts)
+    launch(launches, _topk_sum_kernel, (t, programs), (down, out), (hidden,), consts)
     return out

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import Consts, Launches, cdiv, next_power_of_2
+from engine.kernels.launch import Consts, Launches, cdiv, launch, next_power_of_2
 
 ROW_BLOCK_ELEMENTS = (
     2048  # elements one program normalises: several short rows (per-head q/k norm) or one long one
@@ -106,10 +106,7 @@ def _launch(
         residual.stride(0) if residual is not None else 0,
         eps,
     )
-    if launches is None:
-        _rms_norm_kernel[(programs,)](*tensors, *scalars, **consts.kwargs)
-    else:
-        launches(_rms_norm_kernel, (programs,), tensors, scalars, consts)
+    launch(launches, _rms_norm_kernel, (programs,), tensors, scalars, consts)
 
 
 def rms_norm(

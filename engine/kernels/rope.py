@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.kernels.launch import Consts, Launches, next_power_of_2
+from engine.kernels.launch import Consts, Launches, launch, next_power_of_2
 
 
 @triton.jit
@@ -315,8 +315,5 @@ def rope_store_kv(
     tensors = (q, k, v, out, k_cache, v_cache, positions, slot_mapping, cos, sin)
     scalars = (qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], cs[0], cs[1], cos.stride(0), sin.stride(0))
     consts = _fused_consts(h, hkv, d, num_warps)
-    if launches is None:
-        _rope_store_kv_kernel[(t,)](*tensors, *scalars, **consts.kwargs)
-    else:
-        launches(_rope_store_kv_kernel, (t,), tensors, scalars, consts)
+    launch(launches, _rope_store_kv_kernel, (t,), tensors, scalars, consts)
     return out
