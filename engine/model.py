@@ -265,9 +265,13 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
+        # This rank's rows. Given its (meta) weight, nn.Embedding skips its random init, whose
+        # normal_ would import torch._dynamo: seconds of every worker's start for nothing.
         self.embed_tokens = nn.Embedding(
-            cfg.vocab_rows, cfg.hidden_size, dtype=dtype
-        )  # this rank's rows
+            cfg.vocab_rows,
+            cfg.hidden_size,
+            _weight=torch.empty(cfg.vocab_rows, cfg.hidden_size, dtype=dtype),
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -290,7 +294,13 @@ class Model(nn.Module):
         self.tp = SINGLE
         self.rope_cos: Tensor
         self.rope_sin: Tensor
-        self.init_rope(torch.get_default_device())
+        if (device := torch.get_default_device()).type == "meta":
+            # build_model: bind_arena computes them on the arena's device (arange on the meta
+            # device would import torch._dynamo, seconds of every worker's start).
+            self.register_buffer("rope_cos", None, persistent=False)
+            self.register_buffer("rope_sin", None, persistent=False)
+        else:
+            self.init_rope(device)
 
     def init_rope(self, device: torch.device) -> None:
         """(Re)compute the per-process float32 cos/sin tables [max_position_embeddings, head_dim/2]

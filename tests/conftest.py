@@ -20,6 +20,19 @@ torch.set_num_threads(1)
 from tests.server_process import ServerProcess  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by the marks
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A module's SLOW_CASES, dicts of parameter values (its fixtures' and parametrize's), mark the
+    tests whose parameters include one of them `slow`: combinations of a fixture's and a
+    parametrize's values that run in the second suite (the default one keeps under its 10 minutes
+    on 2 cores)."""
+    for item in items:
+        cases = getattr(item.module, "SLOW_CASES", ())
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(all(params.get(k, object()) == v for k, v in case.items()) for case in cases):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def nan_filled_empty() -> Iterator[None]:
     """torch.empty returns NaN here (deterministic mode fills new memory), so an output element a

@@ -42,6 +42,8 @@ def tokenizer(cache_dir: Path) -> str:
     return str(demo_model_path(cache_dir))
 
 
+# about 16 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_bench_writes_table_json_and_plots(stub, tokenizer: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     result = ppd(
@@ -198,6 +200,8 @@ def test_bench_refuses_traces_without_token_ids_or_a_trace_to_replay(
     assert "choose from synthetic" in capsys.readouterr().err
 
 
+# about 10 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_ctrl_c_reports_what_was_measured(stub, tmp_path: Path) -> None:
     out = tmp_path / "interrupted"
     httpx.post(f"{stub.url}/stub/reset", timeout=10)
@@ -337,6 +341,8 @@ def test_compare_interleaved_runs_each_server_once_per_round(stub, tmp_path: Pat
     assert ours[0] and not ours[0] & ours[1]
 
 
+# about 13 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_compare_refuses_chat_without_a_tokenizer_before_starting_a_server(
     weights_only: Path, tmp_path: Path
 ) -> None:

@@ -243,6 +243,8 @@ def test_cli_runs_quick_and_writes_results(cache_dir: Path, tmp_path: Path) -> N
     assert json.loads((tmp_path / "engine-demo-v2.json").read_text())["rounds"] == 2
 
 
+# about 14 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_two_ranks_report_each_steps_collectives_against_their_floor(
     cache_dir: Path, tmp_path: Path
 ) -> None:

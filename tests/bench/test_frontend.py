@@ -11,6 +11,8 @@ import pytest
 from bench.frontend import add_frontend_args, main
 
 
+# about 18 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_frontend_bench_streams_every_token_through_the_stub_engine(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     add_frontend_args(parser)

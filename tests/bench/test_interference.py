@@ -354,6 +354,8 @@ def test_one_configuration_on_the_demo_model(tmp_path: Path) -> None:
     assert "| thread |" in (tmp_path / "interference.md").read_text()
 
 
+# about 14 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_results_are_written_after_each_configuration_and_kept_for_a_later_run(
     tmp_path: Path,
 ) -> None:

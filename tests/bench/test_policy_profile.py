@@ -169,6 +169,8 @@ def test_runs_that_measured_nothing_fail_the_profile_and_are_measured_again(
     ]  # only the run that measured nothing
 
 
+# about 13 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_the_server_it_starts_logs_beside_the_table(tmp_path: Path) -> None:
     assert (
         cli.main(

@@ -97,11 +97,11 @@ class Seqs:
 
 # The four architectures, two with each mixed launch (MIXED_LAUNCH), and llama with 1,024 positions,
 # whose token buckets split their keys.
-# qwen2's and qwen3's run in the second suite (about 20 s each on 2 cores); llama and mistral take
-# one mixed launch each here.
+# mistral's runs here (its sliding window, the sequential launch); llama's, qwen2's, qwen3's and
+# llama-1024's (the fused launch, 20-80 s each on 2 cores) in the second suite.
 STATIC_CASES = {arch: (arch, 256, ("fused", "sequential")[i % 2]) for i, arch in enumerate(ARCHS)}
 STATIC_CASES["llama-1024"] = ("llama", 1024, "fused")
-SLOW_STATIC = {"qwen2", "qwen3"}
+SLOW_STATIC = {"llama", "qwen2", "qwen3", "llama-1024"}
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,9 @@ class Engine:
 # The Triton backend runs its kernels here in Triton's interpreter (tests/conftest.py), the GPU's
 # code path.
 BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
+# Through Triton in the default suite: llama, mistral (its sliding window) and qwen3_moe (per-head
+# q/k norm, the MoE layer); the other architectures' layers run the same kernels, in the second.
+SLOW_CASES = [{"tiny": a, "backend": "triton"} for a in ("qwen2", "qwen3", "olmoe")]
 
 
 @BACKENDS

@@ -211,6 +211,8 @@ def health_of(url: str, api_server: int, timeout: float = 30) -> dict:
     raise AssertionError(f"API server {api_server} answered no /health within {timeout}s")
 
 
+# about 45 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_a_dead_api_servers_requests_are_stopped_in_the_unit_and_the_routers_forget_their_load(
     start_server,
 ) -> None:
@@ -268,6 +270,8 @@ def test_a_dead_api_servers_requests_are_stopped_in_the_unit_and_the_routers_for
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
 
 
+# about 65 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_a_helper_api_server_started_again_learns_the_units_are_ready_and_serves(
     start_server,
 ) -> None:

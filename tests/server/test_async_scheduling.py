@@ -19,6 +19,10 @@ from engine.demo import write_byte_tokenizer
 from tests.server_process import ServerProcess, greedy_completion, wait_until
 from tests.tiny_models import hf_greedy, write_tiny_model
 
+# Two servers of their own, about a minute on 2 cores: in the second suite, under the default one's
+# budget.
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 12
 
 

@@ -97,6 +97,8 @@ def test_bad_memory_utilization_is_refused() -> None:
     assert result.returncode == 2 and "--gpu-memory-utilization" in result.stderr
 
 
+# about 13 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_the_cublas_sm_target_is_for_green_only_and_says_so() -> None:
     help_text = subprocess.run(
         [sys.executable, "-m", "cli", "serve", "--help"],

@@ -30,7 +30,7 @@ def pin(schema: dict) -> dict:
         props = component.get("properties", {})
         if "model" in props:
             props["model"] = {"type": "string", "enum": [MODEL]}
-        for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
             if field in props:
                 props[field] = {
                     "anyOf": [
@@ -38,9 +38,11 @@ def pin(schema: dict) -> dict:
                         {"type": "null"},
                     ]
                 }
-        if "max_tokens" in props:  # without it a chat answer may run to the end of the context
-            props["max_tokens"] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKENS}
-            component["required"] = sorted({*component.get("required", []), "max_tokens"})
+        # Without one an answer may run to the end of the context (seconds each).
+        for field in ("max_tokens", "max_output_tokens"):
+            if field in props:
+                props[field] = {"type": "integer", "minimum": 0, "maximum": MAX_TOKENS}
+                component["required"] = sorted({*component.get("required", []), field})
         if "n" in props:
             props["n"] = {"type": "integer", "minimum": 1, "maximum": 2}
     return schema

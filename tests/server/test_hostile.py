@@ -154,6 +154,8 @@ def test_a_foreign_host_header_is_refused(server: ServerProcess) -> None:
     )
 
 
+# a server of its own, about 20 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_chat_without_a_template_says_so(tmp_path, start_server) -> None:
     import json
 

@@ -187,6 +187,8 @@ def test_anthropic_cache_control_it_cannot_read_is_refused_by_place(tier_server)
     )
 
 
+# about 45 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_a_decode_worker_killed_mid_copy_costs_only_its_own_units_requests(
     cache_dir: Path, tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -89,8 +89,9 @@ def test_past_capacity_only_200s_and_429s_with_retry_after(start_server) -> None
     wait_until(lambda: idle(server), 60, "the server to drain")
 
 
-# aggregated's, about a minute on 2 cores, in the second suite.
-@pytest.mark.parametrize("policy", [pytest.param("aggregated", marks=pytest.mark.slow), "pd"])
+# 35-60 s on 2 cores each: the second suite keeps the default one under its 10 minutes.
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["aggregated", "pd"])
 def test_queue_time_bounds_waiting_to_start_not_the_prefill(start_server, policy: str) -> None:
     """--max-queue-time-s bounds the wait to be scheduled, in the decode worker's queue (aggregated:
     one sequence at a time) and in the prefill worker's (pd: first come, first served): a prefill
@@ -148,6 +149,8 @@ def test_queue_time_bounds_waiting_to_start_not_the_prefill(start_server, policy
     assert server.metrics()["vllm:num_requests_waiting"] == 0
 
 
+# a server of its own, about 24 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_streams_abandoned_before_their_first_token_leave_at_once(start_server) -> None:
     # Prompts long enough that prefills queue up: the clients leave while theirs wait.
     server = start_server("--max-num-batched-tokens", "256")

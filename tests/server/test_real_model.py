@@ -49,9 +49,11 @@ QUESTIONS = [
     "Tell me a fun fact about octopuses.",
 ]
 FOLLOW_UP = "Say that again in fewer words."
-# bfloat16: the largest log-probability gap at a first difference, 4 of bfloat16's steps at logits
-# of 16-32
-TIE = 0.5
+# bfloat16: the largest gap at a first difference between transformers' logit for its token and for
+# ours, in bfloat16's steps at its token's logit (1/8 at logits of 16-32, 1/4 at 32-64). Both sides
+# round each of 30 layers' residual stream to bfloat16 in their own order, so their logits differ by
+# a few steps; a difference of more than a few steps is a defect, not a rounding.
+TIE_STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -137,16 +139,16 @@ def test_later_turns_are_served_from_the_cache_for_every_earlier_token(server) -
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy ids past any end of turn (as ignore_eos), and each step's
-    log-softmax."""
+    """transformers' greedy ids past any end of turn (as ignore_eos), and each step's logits in its
+    own dtype."""
     out = model(torch.tensor([prompt]), use_cache=True)
-    ids, logprobs = [], []
+    ids, logits = [], []
     for _ in range(n):
-        step = out.logits[0, -1].float().log_softmax(-1)
+        step = out.logits[0, -1]
         ids.append(int(step.argmax()))
-        logprobs.append(step)
+        logits.append(step)
         out = model(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-    return ids, logprobs
+    return ids, logits
 
 
 def complete(server, prompt: list[int], route: str | None = None) -> tuple[list[int], str, int]:
@@ -160,14 +162,17 @@ def complete(server, prompt: list[int], route: str | None = None) -> tuple[list[
 
 
 def first_difference(
-    ours: list[int], theirs: list[int], logprobs: list[torch.Tensor]
+    ours: list[int], theirs: list[int], logits: list[torch.Tensor]
 ) -> tuple[int, float] | None:
-    """Where our greedy ids first part from transformers', and how far apart transformers'
-    log-probabilities put its token and ours there; None where all are equal."""
+    """Where our greedy ids first part from transformers', and how far apart transformers' logits
+    put its token and ours there, in bfloat16's steps at its token's logit (a bfloat16 in
+    [2^(e-1), 2^e) has 7 stored mantissa bits: steps of 2^(e-8)); None where all are equal."""
     assert len(ours) == len(theirs)
     for step, (a, b) in enumerate(zip(ours, theirs)):
         if a != b:
-            return step, float(logprobs[step][b] - logprobs[step][a])
+            top = logits[step][b].float()
+            spacing = 2.0 ** (int(torch.frexp(top).exponent) - 8)
+            return step, float(top - logits[step][a].float()) / spacing
     return None
 
 
@@ -178,10 +183,11 @@ def test_greedy_ids_equal_transformers_on_20_chat_prompts_through_both_routes(
     """Each prompt's first turn is a miss but for the template's system prompt (the policy picks its
     route); its second turn, the first answer and a follow-up question appended, runs once on each
     route over the cached first turn. float32: every id equal. bfloat16: texts may part only at a
-    near-tie, where transformers' own log-probabilities put our token within TIE of its own.
+    near-tie, where transformers' own logits put our token within TIE_STEPS of its own.
     transformers' bfloat16 logits of 16-32 are 1/8 apart, so exact ties are common there (it takes
     the lower id; our logits are float32 and break them): about two thirds of the generations part
-    somewhere in their 64 tokens, all at gaps of 0 to 3/8 here."""
+    somewhere in their 64 tokens, at logit gaps of 0 to 3/8 on a 2-core Cascade Lake, up to 1/2 on
+    CI's CPU."""
     server = start_server("--model", "smollm2", "--dtype", dtype, "--max-num-batched-tokens", "256")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = (
@@ -209,12 +215,12 @@ def test_greedy_ids_equal_transformers_on_20_chat_prompts_through_both_routes(
             route: list(pool.map(lambda p: complete(server, p, route), seconds))
             for route in ("decode", "prefill")
         }
-    parted = {}  # (prompt, turn or route) -> (step, log-probability gap)
+    parted = {}  # (prompt, turn or route) -> (step, gap in bfloat16 steps)
     for i, prompt in enumerate(firsts):
-        theirs, logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
-        if (diff := first_difference(turn1[i][0], theirs, logprobs)) is not None:
+        theirs, logits = hf_greedy(hf, prompt, NEW_TOKENS)
+        if (diff := first_difference(turn1[i][0], theirs, logits)) is not None:
             parted[i, "turn 1"] = diff
-        theirs, logprobs = hf_greedy(hf, seconds[i], NEW_TOKENS)
+        theirs, logits = hf_greedy(hf, seconds[i], NEW_TOKENS)
         for route, results in turn2.items():
             out, taken, cached = results[i]
             assert (taken, cached >= len(prompt) // BLOCK * BLOCK) == (route, True), (
@@ -222,17 +228,17 @@ def test_greedy_ids_equal_transformers_on_20_chat_prompts_through_both_routes(
                 taken,
                 cached,
             )
-            if (diff := first_difference(out, theirs, logprobs)) is not None:
+            if (diff := first_difference(out, theirs, logits)) is not None:
                 parted[i, route] = diff
     print(
         f"{dtype}: {3 * len(QUESTIONS) - len(parted)} of {3 * len(QUESTIONS)} generations equal "
         "for all "
-        f"{NEW_TOKENS} tokens; parted at (step, gap): {parted}"
+        f"{NEW_TOKENS} tokens; parted at (step, bfloat16 steps): {parted}"
     )
     if dtype == "float32":
         assert not parted
     else:
-        assert all(gap < TIE for _, gap in parted.values()), parted
+        assert all(gap <= TIE_STEPS for _, gap in parted.values()), parted
     assert tokenizer.decode(turn1[0][0]).startswith("The capital of France is Paris.")
 
 

@@ -192,6 +192,8 @@ def test_killing_any_rank_restarts_the_whole_unit(tp_server, victim: tuple[str, 
     assert complete(server, prompt)[0] == hf_greedy(folder, prompt, NEW_TOKENS)
 
 
+# about 75 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_a_step_failing_on_one_rank_restarts_the_unit(
     cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,8 @@ from tests.server_process import ServerProcess
 from tests.tiny_models import write_tiny_model
 
 
+# a server of its own, about 18 s on 2 cores: in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_skip_tokenizer_init_serves_token_ids(start_server, weights_only: Path) -> None:
     server: ServerProcess = start_server(
         "--model", str(weights_only), "--skip-tokenizer-init", "--served-model-name", "m"
@@ -48,6 +50,8 @@ def test_skip_tokenizer_init_serves_token_ids(start_server, weights_only: Path) 
     assert resp.status_code == 400 and "stop_token_ids" in resp.json()["error"]["message"]
 
 
+# a server of its own (about 30 s on 2 cores): in the second suite, under the default one's budget
+@pytest.mark.slow
 def test_tokenizer_from_another_folder(start_server, weights_only: Path, cache_dir: Path) -> None:
     server: ServerProcess = start_server(
         "--model",

@@ -169,6 +169,8 @@ def test_an_outside_routers_rank_header_picks_the_unit(server: ServerProcess) ->
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "x-data-parallel-rank"
 
 
+# about 25 s on 2 cores: in the second suite, which keeps the default one under 10 minutes
+@pytest.mark.slow
 def test_two_units_killed_at_once_both_end_their_streams_at_once_and_both_restart(
     server: ServerProcess,
 ) -> None:
