@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import triton_backend
-from engine.config import ModelConfig, ModelError, resolve_dtype
+from engine.config import ModelConfig, ModelError, expected_experts, resolve_dtype
 from engine.cpu_isa import has_native_bf16, isa
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import Engine, EngineConfig, device_info
@@ -298,10 +298,7 @@ class ModelCost:
     def expected_experts(self, tokens: int) -> float:
         """Experts read in all MoE layers by `tokens` tokens under uniform routing: each of a
         layer's experts escapes a token with probability 1 - top_k / E."""
-        if not self.moe_layers:
-            return 0.0
-        missed = (1 - self.top_k / self.num_experts) ** tokens
-        return self.moe_layers * self.num_experts * (1 - missed)
+        return expected_experts(tokens, self.moe_layers, self.num_experts, self.top_k)
 
     def floor(
         self,

@@ -50,6 +50,14 @@ class ModelError(ValueError):
     """A problem with the user's model folder; the message names the problem and the fix."""
 
 
+def expected_experts(tokens: float, layers: int, num_experts: int, top_k: int) -> float:
+    """Experts read, summed over `layers` MoE layers, by `tokens` tokens under uniform routing:
+    each of a layer's experts escapes a token with probability 1 - top_k / num_experts."""
+    if not layers or not num_experts:
+        return 0.0
+    return layers * num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the engine needs from a Hugging Face decoder checkpoint, normalised across config.json
@@ -92,6 +100,13 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def expected_experts(self, tokens: float) -> float:
+        """Experts `tokens` tokens read in all the MoE layers under uniform routing (0 for a dense
+        model): expected_experts over this model's layers and experts."""
+        return expected_experts(
+            tokens, len(self.moe_layers), self.num_experts, self.num_experts_per_tok
+        )
 
     def sharded(self, n: int) -> ModelConfig:
         """The model as each of n tensor-parallel ranks holds it (Megatron's split: heads, KV heads,

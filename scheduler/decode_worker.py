@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,13 @@ from scheduler.worker_setup import (
 )
 
 STATS_INTERVAL_S = 0.25
+# The inline cost fit of a mixture of experts: the weight of the newest prefill in its moving sums;
+# how far from proportional (1 - the squared correlation) tokens and added experts must be over the
+# recent prefills for the fit to split their costs; the inline speed reported when the experts carry
+# the whole cost.
+EXPERT_FIT_WEIGHT = 0.05
+MIN_FIT_INDEPENDENCE = 0.01
+INLINE_TOKENS_PER_S_CAP = 1e9
 # Debug builds (tests set it): the scheduler and block manager prove their books whenever the worker
 # goes idle.
 CHECK_INVARIANTS = os.environ.get("PPD_CHECK_INVARIANTS") == "1"
@@ -86,12 +94,20 @@ log = logging.getLogger("ppd.decode")
 
 
 class StepTimes:
-    """Recent step times, split into what a decode step costs and what an inline prefill token adds
-    to one."""
+    """Recent step times, split into what a decode step costs and what an inline prefill adds to
+    one: a cost per token and, of a mixture of experts, a cost per expert its tokens route to that
+    the step's decode tokens do not (docs/policy.md#mixtures-of-experts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, experts: Callable[[float], float] | None = None) -> None:
         self.decode_step_ms = 0.0
         self.inline_tokens_per_s = 0.0
+        # Of a mixture of experts: the experts n tokens read in all layers under uniform routing
+        # (ModelConfig.expected_experts), what reading one adds to a step, and the moving sums of
+        # the least-squares fit of an inline prefill's extra milliseconds y over its tokens n and
+        # the experts e it adds: n*n, n*e, e*e, n*y, e*y.
+        self.experts = experts
+        self.expert_ms = 0.0
+        self.sums = [0.0] * 5
         self.steps = 0
         self.step_seconds = 0.0  # in the engine's steps
         self.loop_seconds = 0.0  # in the worker's loop around them
@@ -118,9 +134,38 @@ class StepTimes:
         if prefill_tokens == 0:
             self.decode_step_ms = ema(self.decode_step_ms, ms)
         elif 0.0 < self.decode_step_ms < ms:
-            self.inline_tokens_per_s = ema(
-                self.inline_tokens_per_s, prefill_tokens / ((ms - self.decode_step_ms) / 1000)
-            )
+            extra = ms - self.decode_step_ms
+            if self.experts is None:
+                self.inline_tokens_per_s = ema(
+                    self.inline_tokens_per_s, prefill_tokens / extra * 1000
+                )
+            else:
+                added = self.experts(tokens) - self.experts(tokens - prefill_tokens)
+                self.fit_experts(prefill_tokens, added, extra)
+
+    def fit_experts(self, tokens: int, added: float, extra_ms: float) -> None:
+        """An inline prefill of `tokens` tokens that routed to `added` experts more than the step's
+        decode tokens added extra_ms to the step: refit extra = tokens * ms_per_token + added *
+        expert_ms over the recent ones (moving sums). Where the recent prefills cannot tell the two
+        apart (one size over one batch: tokens and experts in proportion), or the fit gives one a
+        negative cost, the other alone carries it."""
+        for i, x in enumerate(
+            (tokens * tokens, tokens * added, added * added, tokens * extra_ms, added * extra_ms)
+        ):
+            self.sums[i] += EXPERT_FIT_WEIGHT * (x - self.sums[i])
+        nn, ne, ee, ny, ey = self.sums
+        det = nn * ee - ne * ne
+        per_token = per_expert = 0.0
+        if det > MIN_FIT_INDEPENDENCE * nn * ee:
+            per_token, per_expert = (ee * ny - ne * ey) / det, (nn * ey - ne * ny) / det
+        if per_token <= 0.0 and per_expert > 0.0:
+            per_token, per_expert = 0.0, ey / ee
+        if per_expert <= 0.0:
+            per_token, per_expert = ny / nn, 0.0
+        self.expert_ms = per_expert
+        self.inline_tokens_per_s = (
+            1000.0 / per_token if per_token > 0.0 else INLINE_TOKENS_PER_S_CAP
+        )
 
 
 @dataclass
@@ -239,7 +284,7 @@ class DecodeWorker:
         )
         if self.partition_problem:
             log.error("partition %s: %s", cfg.partition.backend, self.partition_problem)
-        self.times = StepTimes()
+        self.times = StepTimes(mcfg.expected_experts if (mcfg := self.engine.mcfg).is_moe else None)
         # Async scheduling: the step on the device whose results are not taken yet, and the one
         # launched after it.
         self.async_scheduling = cfg.async_scheduling and not tp.enabled
@@ -496,9 +541,10 @@ class DecodeWorker:
             return
         self.last_stats = now
         stats = self.scheduler.stats()
-        stats.decode_step_ms, stats.inline_tokens_per_s = (
+        stats.decode_step_ms, stats.inline_tokens_per_s, stats.inline_expert_ms = (
             self.times.decode_step_ms,
             self.times.inline_tokens_per_s,
+            self.times.expert_ms,
         )
         stats.steps, stats.step_seconds, stats.loop_seconds = (
             self.times.steps,

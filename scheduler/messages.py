@@ -213,6 +213,9 @@ class WorkerStats(msgspec.Struct, gc=False):
     inline_tokens_per_s: float = (
         0.0  # moving average speed of inline prefill tokens (0 until measured)
     )
+    # of a mixture of experts: what each expert an inline prefill reads and the decode tokens do
+    # not adds to the step (0 until measured; 0 for a dense model)
+    inline_expert_ms: float = 0.0
     decode_share: int = 0  # cores the decode worker runs on now (0: not partitioned by cores)
     prefill_share: int = 0  # cores the prefill worker was last given
     share_switches: int = 0  # times the share manager changed the split

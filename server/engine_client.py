@@ -549,10 +549,12 @@ class EngineClient:
                 state.stats = msg.stats
                 live = self.router.live[msg.unit]
                 live.prefill_queue_tokens = msg.stats.prefill_queue_tokens
-                live.decode_step_ms, live.inline_tokens_per_s = (
+                live.decode_step_ms, live.inline_tokens_per_s, live.inline_expert_ms = (
                     msg.stats.decode_step_ms,
                     msg.stats.inline_tokens_per_s,
+                    msg.stats.inline_expert_ms,
                 )
+                live.decode_batch = msg.stats.num_running
                 if (tier := msg.stats.tier) is not None:
                     self.router.tier_capacity[msg.unit] = tier.capacity
                     live.tier_tokens_per_s = tier.tokens_per_s

@@ -201,10 +201,12 @@ def find_shipped_table(policy, device: str, model: str) -> None:
 
 def policy_for(args: argparse.Namespace, plan: ServePlan):
     """The routing policy of an API server, with its table where the device is known before the
-    units start."""
+    units start, and of a mixture of experts the expert count its cost model needs."""
     from profiles import cpu_device_name, unit_device_name
 
     policy = make_policy_for(args)
+    if plan.mcfg.is_moe:
+        policy.experts = plan.mcfg.expected_experts
     if plan.device == "cpu":
         find_shipped_table(
             policy,

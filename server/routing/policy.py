@@ -22,7 +22,9 @@ request:
      TPOT(decode)  = decode step + (new / inline rate) / output tokens
    i.e. an inline append delays one step of every running sequence, spread over this request's
    output length (the router's estimate of it, server/routing/answer_length.py: max_tokens is only
-   a cap).
+   a cap). Of a mixture of experts, new / inline rate also counts the experts the append's tokens
+   route to that the decode batch's do not (inline_ms): an append reads experts a small batch
+   leaves unread, so it costs a small batch more than its tokens alone.
 3. Route to decode when
      w_ttft * (TTFT(prefill) - TTFT(decode)) > w_tpot * (TPOT(decode) - TPOT(prefill)).
 4. SLO guards, when given: never inline an append whose step would exceed --itl-slo-ms while the
@@ -42,6 +44,7 @@ so one outlier cannot flip a cell.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler.config import has_prefill_worker
@@ -72,6 +75,11 @@ class UnitLive:
     prefill_tokens_per_s: float = 0.0  # the prefill worker's measured speed
     decode_step_ms: float = 0.0  # the decode worker's recent decode-only step time
     inline_tokens_per_s: float = 0.0  # the decode worker's speed on inline prefill tokens
+    # Of a mixture of experts: what each expert an inline prefill routes to and the decode batch
+    # does not read adds to the decode step, as the decode worker measures it (0: not measured, or
+    # a dense model); the sequences in the decode batch.
+    inline_expert_ms: float = 0.0
+    decode_batch: int = 0
     tier_tokens_per_s: float = 0.0  # the second KV tier's copy rate, as the decode worker measured
 
 
@@ -109,11 +117,25 @@ class Policy:
         self.uses_prefill_worker = has_prefill_worker(name)
         # The second tier's copy rate before a unit measured its own (`ppd profile tier`; 0: none).
         self.tier_tokens_per_s = 0.0
+        # Of a mixture of experts: the experts n tokens read in all layers under uniform routing
+        # (ModelConfig.expected_experts; None: a dense model).
+        self.experts: Callable[[float], float] | None = None
 
     def load_ms(self, loaded: int, live: UnitLive) -> float:
         """Milliseconds to load `loaded` tokens' blocks from the unit's second tier."""
         rate = live.tier_tokens_per_s or self.tier_tokens_per_s
         return 1000.0 * loaded / rate if loaded and rate > 0 else 0.0
+
+    def inline_ms(self, new: int, live: UnitLive, rate: float) -> float:
+        """Milliseconds an inline prefill of `new` tokens adds to the decode step: its tokens at the
+        inline speed (rate when not measured yet), and, of a mixture of experts, the experts its
+        tokens route to that the decode batch does not read (uniform routing's expectation, each at
+        the decode worker's measured cost)."""
+        ms = 1000.0 * new / rate if rate > 0 else 0.0
+        if self.experts is not None and live.inline_expert_ms > 0:
+            batch = live.decode_batch
+            ms += live.inline_expert_ms * (self.experts(batch + new) - self.experts(batch))
+        return ms
 
     def route(
         self, cached: int, new: int, output: int, load: int, live: UnitLive, loaded: int = 0
@@ -161,8 +183,7 @@ class PPDPolicy(Policy):
         load_ms = self.load_ms(loaded, live)
         rate = live.prefill_tokens_per_s
         queue_ms = 1000.0 * live.prefill_queue_tokens / rate if rate > 0 else 0.0
-        inline_rate = live.inline_tokens_per_s or rate
-        inline_ms = 1000.0 * new / inline_rate if inline_rate > 0 else 0.0
+        inline_ms = self.inline_ms(new, live, live.inline_tokens_per_s or rate)
         key = self.table.key(cached, new, output, load) if self.table is not None else None
         est = self.estimates.get(key) if key is not None else None
         correction = 0.0

@@ -4,10 +4,12 @@ the fallback, and the table file."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from engine.config import expected_experts
 from engine.prefix_hash import block_hashes
 from server.routing.policy import OBSERVATION_WEIGHT, Objective, Outcome, PPDPolicy, UnitLive
 from server.routing.policy_table import Cell, PolicyTable, RouteStats, TableError, table_path
@@ -135,6 +137,37 @@ def test_without_a_table_the_cost_model_weighs_queue_against_the_inline_slowdown
         inline_tokens_per_s=10_000,
     )
     assert policy.route(cached=200, new=4096, output=4, load=4, live=busy).route == "decode"
+
+
+def test_a_mixture_of_experts_charges_an_append_for_experts_the_decode_batch_does_not_read() -> (
+    None
+):
+    """48 layers of 128 experts, top 8 (Qwen3-30B-A3B): 64 appended tokens read nearly every expert;
+    a batch of 64 sequences reads 128 * (1 - (15/16)^64), 98% of them already, one sequence 8 of
+    128. At 0.01 ms an expert, the append adds 64 / 10,000 s = 6.4 ms and 0.1 ms of experts to the
+    large batch's step, 57 ms to the single sequence's, which tips its route to the prefill
+    worker."""
+    policy = ppd(None)
+    policy.experts = lambda n: expected_experts(n, 48, 128, 8)
+    queued = UnitLive(
+        prefill_queue_tokens=300,
+        prefill_tokens_per_s=10_000,
+        decode_step_ms=10,
+        inline_tokens_per_s=10_000,
+        inline_expert_ms=0.01,
+    )
+    large, single = replace(queued, decode_batch=64), replace(queued, decode_batch=1)
+    assert policy.inline_ms(64, large, 10_000) == pytest.approx(
+        6.4 + 0.01 * 48 * 128 * ((1 - 1 / 16) ** 64 - (1 - 1 / 16) ** 128)
+    )
+    assert policy.inline_ms(64, single, 10_000) == pytest.approx(
+        6.4 + 0.01 * 48 * 128 * ((1 - 1 / 16) ** 1 - (1 - 1 / 16) ** 65)
+    )
+    assert policy.route(cached=200, new=64, output=64, load=4, live=large).route == "decode"
+    assert policy.route(cached=200, new=64, output=64, load=4, live=single).route == "prefill"
+    # A dense model (no expert count) pays per token only: the same append stays inline.
+    policy.experts = None
+    assert policy.route(cached=200, new=64, output=64, load=4, live=single).route == "decode"
 
 
 def test_slo_guards() -> None:
