@@ -526,6 +526,21 @@ class Metrics:
             labels,
             registry=r,
         )
+        self.inline_speed = Gauge(
+            "ppd:inline_tokens_per_second",
+            "What an inline prefill token costs the decode worker's step, as a speed (0 until "
+            "measured).",
+            labels,
+            registry=r,
+        )
+        self.inline_expert = Gauge(
+            "ppd:inline_expert_seconds",
+            "Of a mixture of experts: what each expert an inline prefill reads that the decode "
+            "batch does not adds to the decode worker's step (0 until measured; 0 for a dense "
+            "model).",
+            labels,
+            registry=r,
+        )
         self.share = Gauge(
             "ppd:partition_share",
             "Each worker's share of its unit's device now (cores on the CPU).",
@@ -615,6 +630,8 @@ class Metrics:
         self.kv_usage.labels(*labels).set(new.kv_usage)
         self.prefill_queue.labels(*labels).set(new.prefill_queue_tokens)
         self.decode_step.labels(*labels).set(new.decode_step_ms / 1000)
+        self.inline_speed.labels(*labels).set(new.inline_tokens_per_s)
+        self.inline_expert.labels(*labels).set(new.inline_expert_ms / 1000)
         self._units[unit] = new
         self.iteration_tokens.grew(
             unit,

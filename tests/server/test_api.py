@@ -264,6 +264,8 @@ def test_metrics_use_vllm_names(server: ServerProcess, client: openai.OpenAI) ->
         "ppd:route_decisions_total",
         "ppd:prefill_queue_tokens",
         "ppd:decode_step_seconds",
+        "ppd:inline_tokens_per_second",
+        "ppd:inline_expert_seconds",
     ):
         assert name in m, name
     assert (
