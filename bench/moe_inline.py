@@ -7,9 +7,9 @@ none at a large batch. The decode worker fits the two costs over the appends it 
 (scheduler.decode_worker.StepTimes) and the policy predicts an append's cost from them
 (PPDPolicy.inline_ms). This measures, on one engine with dummy weights (uniform routing), decode
 steps at several batch sizes and the same steps with an append of several sizes; then predicts each
-(batch, append) point from the costs fitted on all the others (leave one out), against the per-token
-cost alone that a dense model's worker fits. Reports each point's measured and predicted extra
-milliseconds, and the median and largest errors of each model.
+(batch, append) point from the costs fitted on all the others (leave one out), against a cost per
+token alone fitted over the same points (what the policy counted before). Reports each point's
+measured and predicted extra milliseconds, and each prediction's errors.
 """
 
 from __future__ import annotations
@@ -101,29 +101,28 @@ def measure(model: str, device: str, repeat: int, rounds: int) -> list[dict]:
 
 def predict(points: list[dict], mcfg: ModelConfig) -> None:
     """Each point's extra milliseconds as predicted from the others, by the policy with the fitted
-    expert cost (`moe_ms`) and by the per-token cost alone (`per_token_ms`)."""
+    expert cost (`moe_ms`) and by a cost per token alone, fitted over the same points
+    (`per_token_ms`)."""
+    for p in points:
+        p["extra_ms"] = p["mixed_ms"] - p["decode_ms"]
+        p["expected_added_experts"] = mcfg.expected_experts(
+            p["batch"] + p["new"]
+        ) - mcfg.expected_experts(p["batch"])
+    policy = PPDPolicy(None, Objective())
+    policy.experts = mcfg.expected_experts
     for held in points:
         moe, dense = StepTimes(mcfg.expected_experts), StepTimes()
         for p in points:
-            if p is held:
-                continue
-            extra = p["mixed_ms"] - p["decode_ms"]
-            added = mcfg.expected_experts(p["batch"] + p["new"]) - mcfg.expected_experts(p["batch"])
-            moe.fit_experts(p["new"], added, extra)
-            dense.fit_experts(p["new"], 0.0, extra)
-        policy = PPDPolicy(None, Objective())
-        policy.experts = mcfg.expected_experts
+            if p is not held:
+                moe.fit_experts(p["new"], p["expected_added_experts"], p["extra_ms"])
+                dense.fit_experts(p["new"], 0.0, p["extra_ms"])
         live = UnitLive(
             decode_batch=held["batch"],
             inline_tokens_per_s=moe.inline_tokens_per_s,
             inline_expert_ms=moe.expert_ms,
         )
-        held["extra_ms"] = held["mixed_ms"] - held["decode_ms"]
         held["moe_ms"] = policy.inline_ms(held["new"], live, moe.inline_tokens_per_s)
         held["per_token_ms"] = 1000.0 * held["new"] / dense.inline_tokens_per_s
-        held["expected_added_experts"] = mcfg.expected_experts(
-            held["batch"] + held["new"]
-        ) - mcfg.expected_experts(held["batch"])
 
 
 def summary(points: list[dict]) -> dict:

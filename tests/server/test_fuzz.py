@@ -30,7 +30,7 @@ def pin(schema: dict) -> dict:
         props = component.get("properties", {})
         if "model" in props:
             props["model"] = {"type": "string", "enum": [MODEL]}
-        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
+        for field in ("max_completion_tokens", "min_tokens"):
             if field in props:
                 props[field] = {
                     "anyOf": [
