@@ -1,7 +1,9 @@
-"""Triton kernels of the GPU path: everything in a forward pass except the GEMMs, which go through
-torch (cuBLAS).
+"""Triton kernels of the GPU path: everything in a forward pass except the 16-bit GEMMs, which go
+through torch (cuBLAS).
 
-- store_kv: write the step's new K/V into the paged cache (store_kv.py)
+- fp8_linear: FP8 weights' GEMMs, torch._scaled_mm after our activation quantizer, or our GEMM
+  with each group's scales (fp8.py)
+- store_kv: write the step's new K/V into the paged cache (store_kv.py), quantizing into an FP8 one
 - paged_attention: causal attention for prefill, append-prefill and decode over the paged cache,
   with split-KV for small decode batches and appends over long cached prefixes (attention.py;
   choose_num_splits, choose_append_splits and workspace_for size the split)

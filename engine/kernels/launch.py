@@ -49,14 +49,14 @@ class Consts:
 class Launches:
     """A step's Triton launches: the first launch of each kind goes through the JIT, which binds and
     specializes the arguments, finds (or compiles) the kernel and launches it; a later launch of the
-    same kernel with the same grid, scalars and constants, whose tensors are 16-byte aligned as the
-    first's were, calls the compiled kernel's launcher directly, for a fraction of the JIT's host
-    time (docs/gpu.md#measurements-behind-the-code). A kernel's arguments must be its tensors, then
-    its scalars, then its constexprs, in that order. Made anew for every step (or captured graph):
-    within one, a kind's tensors keep their dtypes and strides (the layers' views of one layout), so
-    grid, scalars and constants identify the compiled kernel, and every launch goes to one stream.
-    Under Triton's interpreter, or with a launch hook set (a profiler), every launch goes through
-    the JIT."""
+    same kernel with the same grid, integer scalars and constants, whose tensors are 16-byte
+    aligned as the first's were, calls the compiled kernel's launcher directly, for a fraction of
+    the JIT's host time (docs/gpu.md#measurements-behind-the-code). A kernel's arguments must be
+    its tensors, then its scalars, then its constexprs, in that order. Made anew for every step (or
+    captured graph): within one, a kind's tensors keep their dtypes and strides (the layers' views
+    of one layout), so grid, integer scalars and constants identify the compiled kernel, and every
+    launch goes to one stream. Under Triton's interpreter, or with a launch hook set (a profiler),
+    every launch goes through the JIT."""
 
     __slots__ = ("compiled", "stream")
 
@@ -69,7 +69,10 @@ class Launches:
     def __call__(
         self, kernel: Any, grid: tuple[int, ...], tensors: tuple, scalars: tuple, consts: Consts
     ) -> None:
-        key = (id(kernel), grid, scalars, consts)  # by id: a JITFunction hashes its source
+        # by id: a JITFunction hashes its source. Triton specializes integers (1, multiples of 16)
+        # but never a float's value, so floats (an FP8 pool's per-layer scales) stay out of the key.
+        specialized = tuple(float if isinstance(v, float) else v for v in scalars)
+        key = (id(kernel), grid, specialized, consts)
         compiled = self.compiled.get(key)
         if compiled is not None and _aligned(tensors):
             if self.stream is None:
