@@ -155,10 +155,16 @@ class AttentionBackend(ABC):
         v_cache: Tensor,
         meta: Any,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
         """q [T, H, D], k/v [T, Hkv, D]; k_cache/v_cache [num_slots, Hkv, D], one layer's view of
         the pool. Stores k, v at the step's slots, then each new query at position p attends keys
-        0..p of its sequence. Returns [T, H, D]."""
+        0..p of its sequence. Returns [T, H, D].
+
+        The pool may be float8_e4m3fn under a model of another dtype: it stores a key as
+        clamp(k / k_scale, -448, 448) and reads it as stored * k_scale, values likewise with
+        v_scale (kv_scales, the layer's); a pool of the model's dtype has scales (1.0, 1.0)
+        (torch_backend.py is the reference)."""
 
     def rope_and_attend(
         self,
@@ -172,11 +178,12 @@ class AttentionBackend(ABC):
         positions: Tensor,
         cos: Tensor,
         sin: Tensor,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
         """forward() after rotating q and k by position (ops.apply_rope's contract): what a layer
         calls. A backend with a fused RoPE-and-store kernel overrides it."""
         q, k = self.ops.apply_rope(q, k, positions, cos, sin)
-        return self.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return self.forward(q, k, v, k_cache, v_cache, meta, scale, kv_scales=kv_scales)
 
     # ---- CUDA graphs (backends with supports_cuda_graphs) ----------------------------------------
 

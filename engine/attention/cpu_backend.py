@@ -12,6 +12,9 @@ bfloat16 prefill rows on a CPU with AMX go to PyTorch's SDPA as well, per sequen
 blocks: its flash attention multiplies tiles on AMX, where our kernel's AVX512-BF16 dot products are
 no faster than its float32 path, so SDPA is the faster there, gather and masks included
 (docs/cpu-engine.md#measurements-behind-the-code). float32, and CPUs without AMX, keep our kernel.
+
+An fp8 KV pool is refused at the first layer that stores into it (refuse_fp8); the torch backend
+reads one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ from torch import Tensor
 from engine.attention.base import StepBatch
 from engine.attention.cpu_kernel import DTYPES, load
 from engine.attention.cpu_linear import CpuOps, rope_takes
-from engine.attention.torch_backend import AttentionMetadata, TorchBackend, sdpa_attention, store_kv
+from engine.attention.torch_backend import (
+    FP8,
+    AttentionMetadata,
+    TorchBackend,
+    sdpa_attention,
+    store_kv,
+)
 from engine.cpu_isa import cpu_flags
 
 MAX_GROUP = (
@@ -95,6 +104,16 @@ def only(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
     )
 
 
+def refuse_fp8(k_cache: Tensor) -> None:
+    """Raise the user's error for an fp8 pool, which neither our kernels nor the SDPA path beside
+    them read."""
+    if k_cache.dtype == FP8:
+        raise ValueError(
+            "the cpu attention backend does not read an fp8 KV cache (--kv-cache-dtype fp8): use "
+            "--attention-backend torch (or triton on a GPU), or a KV cache of the model's dtype"
+        )
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
     ops = CpuOps()
@@ -127,6 +146,7 @@ class CpuBackend(TorchBackend):
         positions: Tensor,
         cos: Tensor,
         sin: Tensor,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
         """RoPE and the KV store in one kernel call (rope_store_kv), then attend; the unfused path
         where a tensor is not as the kernel reads it."""
@@ -136,7 +156,7 @@ class CpuBackend(TorchBackend):
             or not rope_takes(positions, cos, q, k, v)
         ):
             return super().rope_and_attend(
-                q, k, v, k_cache, v_cache, meta, scale, positions, cos, sin
+                q, k, v, k_cache, v_cache, meta, scale, positions, cos, sin, kv_scales=kv_scales
             )
         q = self.kernels.rope_store_kv(
             q, k, v, k_cache, v_cache, meta.full.slot_mapping, positions, cos, sin
@@ -152,7 +172,9 @@ class CpuBackend(TorchBackend):
         v_cache: Tensor,
         meta: CpuMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
+        refuse_fp8(k_cache)
         store_kv(k, v, k_cache, v_cache, meta.full.slot_mapping)
         return self.attend(q, k_cache, v_cache, meta, scale)
 

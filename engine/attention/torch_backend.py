@@ -1,5 +1,11 @@
 """Paged attention in plain PyTorch: the CPU path, and the reference every fused kernel is tested
-against."""
+against.
+
+An fp8 (e4m3) pool holds each key as x / k_scale, clamped to e4m3's finite range (a cast alone makes
+NaN past it), and is read as stored * k_scale (values likewise with v_scale). The quotient is the
+float32 product with the scale's float32 reciprocal: the same bits in every kernel and on every
+device (PyTorch divides by a scalar that way on CUDA, not on the CPU). A pool of any other dtype is
+cast to and from, its scales 1."""
 
 from __future__ import annotations
 
@@ -11,6 +17,9 @@ from torch import Tensor
 
 from engine.attention.base import AttentionBackend, StepBatch
 from engine.ops import TorchOps
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
 
 
 @dataclass
@@ -55,7 +64,7 @@ class _KVGather:
             used = -(-ctx // bs)
             assert len(table) >= used, "block table shorter than context"
             kv_start.append(len(blocks) * bs)
-            blocks += table[:used]
+            blocks.extend(table[:used])  # a list or an int32 array (the block manager's): not +=
             n = meta.query_start[i + 1] - meta.query_start[i]
             if n == 1 or n == ctx:
                 masks.append(None)
@@ -74,23 +83,54 @@ def reference_attention(
     v_cache: Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Tensor:
     """q [T,H,D], k/v [T,Hkv,D]; k_cache/v_cache [num_blocks*block_size, Hkv, D] (flat-slot views of
     one layer's pool). Writes k, v at meta.slot_mapping, then for each sequence attends its new
     queries over all its KV (gathered through its block table up to context_len) with a causal mask:
-    the query at absolute position p sees keys 0..p. GQA by head groups. Returns [T, H, D]."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    return sdpa_attention(q, k_cache, v_cache, meta, scale)
+    the query at absolute position p sees keys 0..p. GQA by head groups. kv_scales: an fp8 pool's
+    (k_scale, v_scale). Returns [T, H, D]."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+    return sdpa_attention(q, k_cache, v_cache, meta, scale, kv_scales)
 
 
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+def to_cache(x: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+    """x as a pool of dtype stores it: cast; into fp8, x / scale clamped to +-448."""
+    if dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_cache(x: Tensor, dtype: torch.dtype, scale: float) -> Tensor:
+    """Pool entries x as the model reads them, in dtype: cast; from fp8, x * scale."""
+    if x.dtype != FP8:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def store_kv(
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slot_mapping: Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+) -> None:
     """Write the step's new keys and values [T, Hkv, D] at their flat slots of one layer's pool."""
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
+        x = to_cache(x, cache.dtype, scale)
+        if cache.dtype == FP8:  # index_copy_ has no float8 kernel on the CPU: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.index_copy_(0, slot_mapping, x)
 
 
 def sdpa_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, scale: float
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Tensor:
     """reference_attention after the store: PyTorch's SDPA per sequence over its gathered blocks."""
     gather = meta.kv_gather(q.device)
@@ -98,17 +138,13 @@ def sdpa_attention(
     # per-sequence views.
     num_slots, hkv, d = k_cache.shape
     bs = meta.block_size
-    keys = (
-        k_cache.view(num_slots // bs, -1)
-        .index_select(0, gather.blocks)
-        .view(-1, hkv, d)
-        .to(q.dtype)
-    )
-    values = (
-        v_cache.view(num_slots // bs, -1)
-        .index_select(0, gather.blocks)
-        .view(-1, hkv, d)
-        .to(q.dtype)
+    keys, values = (
+        from_cache(
+            cache.view(num_slots // bs, -1).index_select(0, gather.blocks).view(-1, hkv, d),
+            q.dtype,
+            s,
+        )
+        for cache, s in ((k_cache, kv_scales[0]), (v_cache, kv_scales[1]))
     )
     out = []
     for i, mask in enumerate(gather.masks):
@@ -153,5 +189,6 @@ class TorchBackend(AttentionBackend):
         v_cache: Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
-        return reference_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return reference_attention(q, k, v, k_cache, v_cache, meta, scale, kv_scales)

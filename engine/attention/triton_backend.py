@@ -13,6 +13,10 @@ decode row beside a long append so costs what it costs in a decode step, not a t
 height. A step with both runs the two grids as one launch (MIXED_LAUNCH "fused") or two
 ("sequential").
 
+An fp8 KV pool (float8_e4m3fn under a model of another dtype) is written and read by the same
+kernels, compiled for its dtype, with each layer's scales (engine/kernels/store_kv.py,
+attention.py).
+
 For CUDA graphs the metadata lives in static buffers sized for the largest bucket: a captured graph
 reads them, and fill_graph_metadata rewrites them in place (through the same pinned staging) before
 each replay.
@@ -43,8 +47,10 @@ from engine.kernels import (
 )
 from engine.kernels import moe as moe_kernels
 from engine.kernels.attention import AttentionLaunch, default_config, general_programs
+from engine.kernels.fp8 import fp8_linear
 from engine.kernels.launch import Launches
 from engine.ops import Experts
+from engine.quant import Fp8Weight
 from engine.staging import Staging
 
 # How a step with decodes and other sequences runs attention's two grids: "fused", one launch whose
@@ -86,7 +92,12 @@ class TritonOps:
         )
 
     apply_rope = staticmethod(apply_rope)
-    linear = staticmethod(torch.nn.functional.linear)  # cuBLAS
+
+    def linear(self, x: Tensor, weight: Tensor | Fp8Weight, bias: Tensor | None = None) -> Tensor:
+        """cuBLAS; an FP8 weight through torch._scaled_mm or our FP8 GEMM (kernels/fp8.py)."""
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias, launches=self.launches)
+        return torch.nn.functional.linear(x, weight, bias)
 
 
 @dataclass
@@ -211,11 +222,12 @@ class TritonBackend(AttentionBackend):
         v_cache: Tensor,
         meta: TritonMetadata,
         scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
         if meta.attention is None:
             self._plan(meta, q, k_cache, v_cache, scale)
-        return self._attend(meta, q, k_cache, v_cache)
+        return self._attend(meta, q, k_cache, v_cache, kv_scales)
 
     def rope_and_attend(
         self,
@@ -229,6 +241,7 @@ class TritonBackend(AttentionBackend):
         positions: Tensor,
         cos: Tensor,
         sin: Tensor,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> Tensor:
         if meta.attention is None:  # the step's first layer
             t, h, d = q.shape
@@ -250,10 +263,18 @@ class TritonBackend(AttentionBackend):
             meta.slot_mapping,
             out=meta.q_rot,
             launches=self.ops.launches,
+            kv_scales=kv_scales,
         )
-        return self._attend(meta, meta.q_rot, k_cache, v_cache)
+        return self._attend(meta, meta.q_rot, k_cache, v_cache, kv_scales)
 
-    def _attend(self, meta: TritonMetadata, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
+    def _attend(
+        self,
+        meta: TritonMetadata,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        kv_scales: tuple[float, float],
+    ) -> Tensor:
         for launch, query_start, seq_lens, tables in meta.attention:
             launch_attention(
                 launch,
@@ -265,6 +286,7 @@ class TritonBackend(AttentionBackend):
                 query_start,
                 seq_lens,
                 self.ops.launches,
+                kv_scales,
             )
         return meta.out
 

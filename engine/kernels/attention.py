@@ -25,6 +25,12 @@ a captured CUDA graph stays valid:
   each with its own tile. A split takes an equal share of its tile's key tiles (counted on the
   device from seq_lens; past a short sequence's keys a split is empty) and writes a float32 partial
   output and log-sum-exp; a second kernel merges them.
+
+An fp8 (e4m3) cache (its pointers' element type, known when the kernel compiles) holds keys and
+values divided by the layer's k_scale and v_scale (store_kv.py): a tile loads them in the dot's
+dtype (exact), k_scale folds into the scores' scale (qk_scale) and v_scale multiplies each output
+row, or split partial, once. Both are runtime arguments, the kernel's first scalars
+(AttentionLaunch.scaled_args), so that layers of different scales share one compiled kernel.
 """
 
 from __future__ import annotations
@@ -182,6 +188,7 @@ def _attend_tile(
     split_kv,
     num_seqs,
     qk_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -319,6 +326,8 @@ def _attend_tile(
     # lse = -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
+    if v_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        o = o * v_scale
     mask = row_ok[:, None] & d_ok[None, :]
     if split_kv:
         part = (
@@ -363,9 +372,10 @@ def _attention_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    qk_scale,
+    v_scale,
     num_seqs,
     num_splits,
-    qk_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -409,6 +419,7 @@ def _attention_kernel(
         SPLIT_KV,
         num_seqs,
         qk_scale,
+        v_scale,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -458,11 +469,12 @@ def _mixed_attention_kernel(
     decode_lse_ptr,
     part_out_ptr,
     part_lse_ptr,
+    qk_scale,
+    v_scale,
     num_decodes,
     decode_splits,
     num_seqs,
     num_splits,
-    qk_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -515,6 +527,7 @@ def _mixed_attention_kernel(
             decode_splits > 1,
             num_decodes,
             qk_scale,
+            v_scale,
             stride_qt,
             stride_qh,
             stride_ot,
@@ -557,6 +570,7 @@ def _mixed_attention_kernel(
             num_splits > 1,
             num_seqs,
             qk_scale,
+            v_scale,
             stride_qt,
             stride_qh,
             stride_ot,
@@ -744,16 +758,20 @@ class Merge:
 class AttentionLaunch:
     """What one step's attention launch shares across layers: its kernel, grid, scalar arguments,
     tile constants, split-KV partials and their merges. Layers differ only in their q, out and
-    cache tensors, of the strides planned here."""
+    cache tensors, of the strides planned here, and an fp8 cache's scales (scaled_args)."""
 
     kernel: triton.JITFunction
     grid: tuple[int, ...]
     part: tuple[
         Tensor, ...
     ]  # the kernel's partial outputs and log-sum-exps, a pair per grid (placeholders: no split)
-    args: tuple  # the kernel's arguments after its tensors
+    args: tuple  # the kernel's arguments after its tensors: qk_scale, v_scale (1.0), then the rest
     consts: Consts
     merges: tuple[Merge, ...] = ()
+
+    def scaled_args(self, kv_scales: tuple[float, float]) -> tuple:
+        """args for a layer whose fp8 cache has these (k_scale, v_scale)."""
+        return (self.args[0] * kv_scales[0], kv_scales[1], *self.args[2:])
 
 
 def _partials(
@@ -864,9 +882,10 @@ def plan_attention(
         (b if decode else t // block_q + b, hkv, num_splits),
         part,
         (
+            scale * LOG2E,
+            1.0,
             b,
             num_splits,
-            scale * LOG2E,
             *q_strides,
             *out_strides,
             *cache_strides,
@@ -954,11 +973,12 @@ def plan_mixed_attention(
         (n * decode_splits + (t // block_q + b - n) * num_splits, hkv),
         (*decode_part, *part),
         (
+            scale * LOG2E,
+            1.0,
             n,
             decode_splits,
             b - n,
             num_splits,
-            scale * LOG2E,
             *q_strides,
             *out_strides,
             *cache_strides,
@@ -981,15 +1001,17 @@ def launch_attention(
     query_start: Tensor,
     seq_lens: Tensor,
     launches: Launches | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Tensor:
     """Run a planned attention: its tensors must have the shapes and strides it was planned with.
-    launches: the step's (engine/kernels/launch.py)."""
+    launches: the step's (engine/kernels/launch.py); kv_scales: the layer's fp8 cache's (k_scale,
+    v_scale)."""
     launches = launches or Launches()
     launches(
         launch.kernel,
         launch.grid,
         (out, q, k_cache, v_cache, block_tables, query_start, seq_lens, *launch.part),
-        launch.args,
+        launch.args if kv_scales == (1.0, 1.0) else launch.scaled_args(kv_scales),
         launch.consts,
     )
     for merge in launch.merges:
@@ -1019,6 +1041,7 @@ def paged_attention(
     num_splits: int = 1,
     workspace: tuple[Tensor, Tensor] | None = None,
     config: AttentionConfig | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Tensor:
     """Causal attention of q [T, H, D] over each sequence's paged KV (see the module docstring);
     returns out [T, H, D].
@@ -1027,9 +1050,9 @@ def paged_attention(
     general grid. num_splits > 1 splits the keys of each sequence (decode) or query tile (general)
     across programs (workspace: preallocated partials from workspace_for, else allocated here).
     max_seq_len, the longest sequence's keys (0: not known), picks the append tile (default_config).
-    config overrides the tile table (benchmarks). The engine plans a step's launch once
-    (plan_attention) and runs it per layer (launch_attention); this checks the arguments, then does
-    both.
+    config overrides the tile table (benchmarks). kv_scales: an fp8 cache's (k_scale, v_scale). The
+    engine plans a step's launch once (plan_attention) and runs it per layer (launch_attention);
+    this checks the arguments, then does both.
     """
     t, h, d = q.shape
     b, hkv = seq_lens.shape[0], k_cache.shape[1]
@@ -1061,4 +1084,6 @@ def paged_attention(
         config=config,
         device=q.device,
     )
-    return launch_attention(launch, out, q, k_cache, v_cache, block_tables, query_start, seq_lens)
+    return launch_attention(
+        launch, out, q, k_cache, v_cache, block_tables, query_start, seq_lens, kv_scales=kv_scales
+    )

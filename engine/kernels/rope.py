@@ -9,7 +9,8 @@ projection); q's output is a contiguous tensor.
 rope_store_kv is apply_rope followed by store_kv (store_kv.py) in one launch: the rotated keys go
 straight to their cache slots, and the values beside them; a token whose slot is negative (a padding
 row of a CUDA graph) writes no KV. It saves a launch, the rotated keys' round trip through memory
-and an allocation per layer.
+and an allocation per layer. Into an fp8 cache it stores what store_kv would store of apply_rope's
+keys: each rotated key rounded to the model's dtype, then quantized with the layer's scale.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from engine.kernels.launch import Consts, Launches, launch, next_power_of_2
+from engine.kernels.store_kv import to_cache
 
 
 @triton.jit
@@ -34,20 +36,24 @@ def _rotate(
     sin,
     offs_i,
     i_ok,
+    inv_scale,
     NUM_HEADS: tl.constexpr,
     H_PAD: tl.constexpr,
     HALF: tl.constexpr,
 ):
+    """Rotate x's heads into out: the model's dtype, or a KV cache's (inv_scale: an fp8 cache's
+    reciprocal scale, store_kv.to_cache)."""
     heads = tl.arange(0, H_PAD)
     mask = (heads < NUM_HEADS)[:, None] & i_ok[None, :]
     src = x_ptr + heads[:, None] * stride_h + offs_i[None, :]
     dst = out_ptr + heads[:, None] * stride_out_h + offs_i[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(
-        dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    model_ty = x_ptr.dtype.element_ty
+    lo = x1 * cos[None, :] - x2 * sin[None, :]
+    hi = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(dst, to_cache(lo, model_ty, out_ptr, inv_scale), mask=mask)
+    tl.store(dst + HALF, to_cache(hi, model_ty, out_ptr, inv_scale), mask=mask)
 
 
 @triton.jit
@@ -99,6 +105,7 @@ def _rope_kernel(
         sin,
         offs_i,
         i_ok,
+        1.0,
         H,
         H_PAD,
         HALF,
@@ -112,6 +119,7 @@ def _rope_kernel(
         sin,
         offs_i,
         i_ok,
+        1.0,
         HKV,
         HKV_PAD,
         HALF,
@@ -140,6 +148,8 @@ def _rope_store_kv_kernel(
     stride_head,
     stride_cos,
     stride_sin,
+    k_inv_scale,
+    v_inv_scale,
     H: tl.constexpr,
     HKV: tl.constexpr,
     H_PAD: tl.constexpr,
@@ -161,6 +171,7 @@ def _rope_store_kv_kernel(
         sin,
         offs_i,
         i_ok,
+        1.0,
         H,
         H_PAD,
         HALF,
@@ -176,6 +187,7 @@ def _rope_store_kv_kernel(
             sin,
             offs_i,
             i_ok,
+            k_inv_scale,
             HKV,
             HKV_PAD,
             HALF,
@@ -186,7 +198,7 @@ def _rope_store_kv_kernel(
         v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
         tl.store(
             v_cache_ptr + slot * stride_slot + heads[:, None] * stride_head + dims[None, :],
-            v.to(v_cache_ptr.dtype.element_ty),
+            to_cache(v, v_ptr.dtype.element_ty, v_cache_ptr, v_inv_scale),
             mask=mask,
         )
 
@@ -279,10 +291,12 @@ def rope_store_kv(
     out: Tensor | None = None,
     num_warps: int | None = None,
     launches: Launches | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> Tensor:
     """Rotate q [T, H, D] and k [T, Hkv, D] by positions [T] (cos/sin [max_positions, D/2]); store
     the rotated k and v [T, Hkv, D] into k_cache, v_cache [num_slots, Hkv, D] at slot_mapping [T]
-    (< 0 skips); return the rotated q (into out, a contiguous [T, H, D] tensor, when given).
+    (< 0 skips; kv_scales: an fp8 cache's (k_scale, v_scale)); return the rotated q (into out, a
+    contiguous [T, H, D] tensor, when given).
 
     The checks of apply_rope and store_kv hold for the arguments; they run here only when out is
     None, so that the engine's per-layer call (which passes out, with arguments checked once for the
@@ -313,7 +327,8 @@ def rope_store_kv(
         return out
     qs, ks, vs, cs = q.stride(), k.stride(), v.stride(), k_cache.stride()
     tensors = (q, k, v, out, k_cache, v_cache, positions, slot_mapping, cos, sin)
-    scalars = (qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], cs[0], cs[1], cos.stride(0), sin.stride(0))
+    strides = (qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], cs[0], cs[1], cos.stride(0), sin.stride(0))
+    scalars = (*strides, 1.0 / kv_scales[0], 1.0 / kv_scales[1])
     consts = _fused_consts(h, hkv, d, num_warps)
     launch(launches, _rope_store_kv_kernel, (t,), tensors, scalars, consts)
     return out

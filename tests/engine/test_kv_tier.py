@@ -139,9 +139,13 @@ def test_tier_capacity_counts_whole_blocks() -> None:
 # ---- bytes: TierStore with a real pool ----------------------------------------------------------
 
 
-def pool_tensor(num_blocks: int) -> torch.Tensor:
+def pool_tensor(num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     # (num_layers, 2, num_blocks, block_size, kv_heads, head_dim)
-    return torch.zeros(2, 2, num_blocks, BS, 2, 3, dtype=torch.bfloat16)
+    return torch.zeros(2, 2, num_blocks, BS, 2, 3, dtype=dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def fill(pool: torch.Tensor, block_id: int, value: float) -> None:
@@ -179,11 +183,12 @@ def test_a_reused_pool_block_is_never_read_back_stale(tmp_path) -> None:
         assert torch.equal(pool[:, :, got], want)
 
 
-def test_the_tier_survives_many_rounds_of_overwrite_and_reload(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])  # fp8: --kv-cache-dtype
+def test_the_tier_survives_many_rounds_of_overwrite_and_reload(tmp_path, dtype) -> None:
     """Random traffic over a pool smaller than its working set: whatever a prompt is served from
     the pool or the tier is exactly the KV computed for its own prefix."""
     rng = random.Random(1)
-    pool = pool_tensor(6)
+    pool = pool_tensor(6, dtype)
     store = TierStore(pool, capacity=10, folder=tmp_path)
     bm = BlockManager(6, BS, tier=TierIndex(store.capacity))
     convs = [[rng.randrange(1, 40) for _ in range(8)] for _ in range(5)]
@@ -197,7 +202,7 @@ def test_the_tier_survives_many_rounds_of_overwrite_and_reload(tmp_path) -> None
         bm.copies_done(copies)
         table = bm.block_table(f"s{step}")
         for i in range(cached // BS):  # served: the KV of this prompt's own prefix
-            assert torch.equal(pool[:, :, table[i]], value_of(tokens[: (i + 1) * BS], pool))
+            assert same_bytes(pool[:, :, table[i]], value_of(tokens[: (i + 1) * BS], pool))
         for i in range(cached // BS, len(table)):  # the step writes the rest
             pool[:, :, table[i]] = value_of(tokens[: (i + 1) * BS], pool)
         bm.cache_blocks(f"s{step}", tokens, len(tokens))

@@ -5,10 +5,11 @@ launch through a public launcher compiles its kernel to a cubin, Triton checks t
 memory against the H100's per-block limit as it does when it loads a kernel on the GPU, and the
 launch itself is only recorded. This catches what Triton's interpreter (which runs the kernel tests)
 never sees: code or dot types the compiler rejects, and tiles too big for shared memory. Shapes are
-Llama-3.1-8B's, in bfloat16, float16 and float32; the attention configurations are every one the
-engine can choose, found by asking the engine (choose_num_splits, default_config,
-choose_append_splits, the CUDA-graph buckets) rather than listed here, in either mixed launch
-(MIXED_LAUNCH). Compiled kernels land in Triton's cache, so a second run is quick.
+Llama-3.1-8B's, in bfloat16, float16 and float32 (and a bfloat16 model over an fp8 KV pool, for the
+kernels that read or write it); the attention configurations are every one the engine can choose,
+found by asking the engine (choose_num_splits, default_config, choose_append_splits, the CUDA-graph
+buckets) rather than listed here, in either mixed launch (MIXED_LAUNCH). Compiled kernels land in
+Triton's cache, so a second run is quick.
 
 Run with TRITON_INTERPRET unset, in a process of its own (the stand-in driver stays active until
 exit):
@@ -205,11 +206,17 @@ def run_case(stand_in: StopAfterPtxas, case: Case) -> Result:
 
 
 class Model:
-    """Llama-3.1-8B's shapes, a TritonBackend, and a small KV cache: block tables point at block 0
-    (nothing runs)."""
+    """Llama-3.1-8B's shapes, a TritonBackend, and a small KV cache (of kv_dtype, read through
+    kv_scales): block tables point at block 0 (nothing runs)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
+    ) -> None:
         self.dtype = dtype
+        self.kv_scales = kv_scales
         self.h, self.hkv, self.d = LLAMA.num_heads, LLAMA.num_kv_heads, LLAMA.head_dim
         self.block_size = EngineConfig.block_size
         shape = AttentionShape(
@@ -220,7 +227,7 @@ class Model:
             max_blocks_per_seq=math.ceil(LLAMA.max_position_embeddings / self.block_size),
         )
         self.backend = TritonBackend(shape, torch.device("cpu"))
-        self.k_cache = torch.zeros(4 * self.block_size, self.hkv, self.d, dtype=dtype)
+        self.k_cache = torch.zeros(4 * self.block_size, self.hkv, self.d, dtype=kv_dtype or dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
         self.cos = torch.zeros(
             LLAMA.max_position_embeddings, self.d // 2
@@ -271,7 +278,17 @@ class Model:
         rope_and_attend (RoPE fused with the KV store, then the attention planned for the step)."""
         q, k, v = self.qkv(t)
         self.backend.rope_and_attend(
-            q, k, v, self.k_cache, self.v_cache, meta, self.d**-0.5, positions, self.cos, self.sin
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.d**-0.5,
+            positions,
+            self.cos,
+            self.sin,
+            kv_scales=self.kv_scales,
         )
 
     def decode(self, batch: int, context: int, splits: int) -> None:
@@ -328,6 +345,12 @@ class Model:
 @functools.cache
 def model(dtype: str) -> Model:
     return Model(DTYPES[dtype])
+
+
+@functools.cache
+def fp8_model() -> Model:
+    """A bfloat16 model over an fp8 (e4m3) KV pool, its layer's scales not 1."""
+    return Model(torch.bfloat16, torch.float8_e4m3fn, (0.05, 3.0))
 
 
 # ---- the cases -----------------------------------------------------------------------------------
@@ -509,6 +532,56 @@ def graph_cases(dt: str) -> list[Case]:
     ]
 
 
+def fp8_cases() -> list[Case]:
+    """An fp8 KV pool under a bfloat16 model: the store, and each layer's RoPE fused with the store
+    before attention's decode grid unsplit and split, the general grid over a prompt and split over
+    an append, and the two in one launch, both split (each split with its merge). The tiles are
+    bfloat16's, the pool's dtype only their loads."""
+    group, chunk = LLAMA.num_heads // LLAMA.num_kv_heads, EngineConfig.max_num_batched_tokens
+    family = "fp8 bfloat16"
+
+    def kv_store() -> None:
+        m = fp8_model()
+        _, k, v = m.qkv(TOKENS[-1])
+        slots = torch.zeros(TOKENS[-1], dtype=torch.int64)
+        store_kv(k, v, m.k_cache, m.v_cache, slots, m.kv_scales)
+
+    decodes = first_batch_per_split()
+    appends = first_append_per_split()
+    split = max(s for c, s in appends if c == APPEND_CONFIG)
+    new, cached = appends[APPEND_CONFIG, split]
+    prompt = default_config(chunk, group, chunk)
+    cases = [Case("store_kv bfloat16 into fp8", family, kv_store)]
+    for splits in (min(decodes), max(decodes)):
+        batch, context = decodes[splits]
+        cases.append(
+            Case(
+                f"attention decode bfloat16 fp8 splits={splits} (batch {batch}, context {context})",
+                family,
+                lambda b=batch, c=context, s=splits: fp8_model().decode(b, c, s),
+            )
+        )
+    return cases + [
+        Case(
+            f"attention prefill bfloat16 fp8 {chunk}-token prompt",
+            family,
+            lambda: fp8_model().prefill([(0, chunk)], prompt),
+        ),
+        Case(
+            f"attention append bfloat16 fp8 {tile(APPEND_CONFIG)} splits={split} ({new} new "
+            f"over {cached})",
+            family,
+            lambda: fp8_model().prefill([(cached, new)], APPEND_CONFIG, split),
+        ),
+        Case(
+            f"attention mixed bfloat16 fp8 {tile(APPEND_CONFIG)} splits={split} beside a split "
+            "decode, fused",
+            family,
+            lambda: fp8_model().prefill([(4095, 1), (cached, new)], APPEND_CONFIG, split, "fused"),
+        ),
+    ]
+
+
 def elementwise_cases(dt: str) -> list[Case]:
     """The fused elementwise kernels through the backend's ops, on the tensors the model passes
     them."""
@@ -680,9 +753,11 @@ PARTS = {
     "default": "every case but float32-splits' (fast and slow together)",
     "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: "
     "minutes of FMA dots each to compile (the second test suite)",
-    "fast": "default's but float32 attention and CUDA-graph steps (the default test suite)",
+    "fast": "default's but float32 attention, CUDA-graph steps and the fp8 KV pool's (the default "
+    "test suite)",
     "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as "
-    "the rest together, and bfloat16 steps replayed from CUDA graphs (the second test suite)",
+    "the rest together, bfloat16 steps replayed from CUDA graphs, and a bfloat16 model over an "
+    "fp8 KV pool (the second test suite)",
     "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
 }
 
@@ -699,7 +774,7 @@ def cases(part: str) -> list[Case]:
         ]
     if part == "float32-splits":
         return split_cases("float32")
-    slow = attention_cases("float32") + graph_cases("bfloat16") + moe_cases("float32")
+    slow = attention_cases("float32") + graph_cases("bfloat16") + moe_cases("float32") + fp8_cases()
     fast = [
         case
         for dt in ("bfloat16", "float16")

@@ -50,7 +50,9 @@ def test_kernels_compile_for_sm90() -> None:
 @pytest.mark.slow
 def test_float32_attention_and_graph_steps_compile_for_sm90() -> None:
     """float32 attention unsplit, whose FMA dots take several times as long to compile as the rest,
-    and bfloat16 steps through CUDA graphs' static buffers."""
+    bfloat16 steps through CUDA graphs' static buffers, and a bfloat16 model over an fp8 KV pool
+    (its store, RoPE fused with the store, decode split or not, prefill, split append, the mixed
+    launch: about 50 s)."""
     rc, not_ok, output = compile_for_sm90("slow")
     assert rc == 0, "\n".join(not_ok) or output
 
