@@ -251,6 +251,9 @@ class ModelCost:
         tuple[int, int], ...
     ] = ()  # (out, in) of a layer's weights as the model fuses them (a dense layer's)
     itemsize: int = 2
+    weight_itemsize: int = (
+        2  # the projections' bytes a value: 1 in FP8 (their scales in weight_bytes)
+    )
     # A mixture of experts: weight_bytes and matmul_params above leave the experts out; a step reads
     # the experts its tokens route to (expert_bytes each, gate|up and down, in moe_layers layers)
     # and multiplies each token by top_k of them.
@@ -260,7 +263,15 @@ class ModelCost:
     expert_params: int = 0
 
     @classmethod
-    def of(cls, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> ModelCost:
+    def of(
+        cls,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        block_size: int,
+        kv_dtype: torch.dtype | None = None,
+    ) -> ModelCost:
+        """The model's costs in dtype; its projections in FP8 where cfg.quantization says (a byte a
+        value and a float32 scale a row and group), its KV in kv_dtype (default: dtype)."""
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         attention = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h
         moe_layers = len(cfg.moe_layers)
@@ -273,22 +284,32 @@ class ModelCost:
             + moe_layers * cfg.num_experts * h
         )
         lm_head = cfg.vocab_rows * h  # a tensor-parallel rank's part of the vocabulary
-        weight_bytes = (always + lm_head) * dtype.itemsize  # the embedding is gathered, not read
         gemms = (
             ((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
             (h, cfg.num_heads * d),
             (2 * inter, h),
             (h, inter),
         )
+        weight_itemsize = dtype.itemsize
+        scales = 0
+        if cfg.quantization is not None:
+            weight_itemsize = 1
+            scales = 4 * sum(
+                -(-k // cfg.quantization.group(k)) * n * count
+                for (n, k), count in zip(gemms, (cfg.num_layers,) * 2 + (dense_layers,) * 2)
+            )
+        # the embedding is gathered, not read
+        weight_bytes = always * weight_itemsize + scales + lm_head * dtype.itemsize
         return cls(
             weight_bytes=weight_bytes,
-            kv_bytes_per_token=kv_block_nbytes(cfg, block_size, dtype) // block_size,
+            kv_bytes_per_token=kv_block_nbytes(cfg, block_size, kv_dtype or dtype) // block_size,
             matmul_params=always + moe_layers * cfg.num_experts_per_tok * expert,
             lm_head_params=lm_head,
             attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * d,
             num_layers=cfg.num_layers,
             layer_gemms=gemms,
             itemsize=dtype.itemsize,
+            weight_itemsize=weight_itemsize,
             moe_layers=moe_layers,
             num_experts=cfg.num_experts,
             top_k=cfg.num_experts_per_tok,
@@ -349,8 +370,8 @@ class ModelCost:
         bw, rate = ceil.copy_gbps * 1e9, ceil.matmul_tflops * 1e12
         itemsize = self.itemsize
 
-        def gemm(params: int, rows: int) -> float:
-            return max(params * itemsize / bw, 2 * params * rows / rate)
+        def gemm(params: int, rows: int, size: int = self.weight_itemsize) -> float:
+            return max(params * size / bw, 2 * params * rows / rate)
 
         layers = self.num_layers - self.moe_layers
         gemms = self.num_layers * sum(gemm(n * k, new_tokens) for n, k in self.layer_gemms[:2])
@@ -361,7 +382,7 @@ class ModelCost:
             gemms += self.moe_layers * max(
                 per_layer * itemsize / bw, 2 * self.top_k * self.expert_params * new_tokens / rate
             )
-        gemms += gemm(self.lm_head_params, sampled)
+        gemms += gemm(self.lm_head_params, sampled, itemsize)
         attn = sum(
             max(kv * self.kv_bytes_per_token / bw, self.attn_flops_per_pair * pairs / rate)
             for kv, pairs in attention
@@ -679,6 +700,7 @@ def engine_config(
     eager: bool = False,
     exact_pool: bool | None = None,
     tensor_parallel_size: int = 1,
+    fp8: Fp8Options | None = None,
 ) -> EngineConfig:
     """The engine that can run every step of grid, with dummy weights. exact_pool: a KV pool of just
     the blocks the grid needs (by default on the CPU; a GPU's is planned from its free memory)."""
@@ -724,6 +746,7 @@ def engine_config(
         enforce_eager=eager,
         shares_device=False,
         tensor_parallel_size=tensor_parallel_size,
+        **(asdict(fp8) if fp8 else {}),
     )
 
 
@@ -738,6 +761,27 @@ def start_engine(cfg: EngineConfig, tp: TensorParallel = SINGLE) -> Engine:
     return engine
 
 
+@dataclass(frozen=True)
+class Fp8Options:
+    """FP8 weights and KV cache as serve takes them (EngineConfig's fields of the same names)."""
+
+    quantization: str | None = None
+    fp8_activations: str = "dynamic"
+    kv_cache_dtype: str = "auto"
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Fp8Options | None:
+        """The options the command line gives; None where it asks for none (the plain model)."""
+        got = cls(args.quantization, args.fp8_activations, args.kv_cache_dtype)
+        return None if got.quantization is None and got.kv_cache_dtype == "auto" else got
+
+    @property
+    def suffix(self) -> str:
+        """What the report's model name gets, so FP8 runs do not overwrite the plain one's."""
+        weights = "" if self.quantization is None else f"-fp8-{self.fp8_activations}"
+        return weights + ("-kv-fp8" if self.kv_cache_dtype != "auto" else "")
+
+
 def model_folder(model: str) -> str:
     return str(demo_model_path()) if model == DEMO_MODEL else model
 
@@ -750,15 +794,16 @@ def run(
     quick: bool = False,
     attention_backend: str = "auto",
     tp: TensorParallel = SINGLE,
+    fp8: Fp8Options | None = None,
 ) -> Report:
     """The grid on this device; under tensor parallelism every rank runs it in step with the others
-    (its shard)."""
+    (its shard); fp8: FP8 weights or KV (--quantization, --kv-cache-dtype)."""
     folder = model_folder(model)
-    mcfg = ModelConfig.from_folder(folder).sharded(tp.size)
-    torch_dtype = resolve_dtype(dtype, mcfg, device.type)
     cfg = engine_config(
-        folder, device, grid, dtype, attention_backend, tensor_parallel_size=tp.size
+        folder, device, grid, dtype, attention_backend, tensor_parallel_size=tp.size, fp8=fp8
     )
+    mcfg = cfg.model_config(tp.size)
+    torch_dtype = resolve_dtype(dtype, mcfg, device.type)
     ceil = measure_ceilings(device, torch_dtype, quick)
     if tp.enabled:
         ceil.link_gbps = measure_link(tp, device, quick)
@@ -770,10 +815,10 @@ def run(
     )
     engine = start_engine(cfg, tp)
     try:
-        cost = ModelCost.of(mcfg, torch_dtype, cfg.block_size)
+        cost = ModelCost.of(mcfg, torch_dtype, cfg.block_size, cfg.kv_dtype(torch_dtype))
         report = Report(
             device_info(device).name,
-            os.path.basename(folder.rstrip("/")),
+            os.path.basename(folder.rstrip("/")) + (fp8.suffix if fp8 else ""),
             str(torch_dtype).split(".")[-1],
             ceil,
             meta={**run_meta(engine, cfg), "tensor_parallel_size": tp.size},
@@ -1030,6 +1075,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "cores), "
         "stepping together; reports each step's collectives against their floor",
     )
+    p.add_argument(
+        "--quantization", "-q", default=None, choices=["fp8"], help="fp8: FP8 weights (as serve's)"
+    )
+    p.add_argument("--fp8-activations", default="dynamic", choices=["dynamic", "none"])
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: an FP8 KV cache"
+    )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -1045,7 +1097,15 @@ def main(args: argparse.Namespace) -> None:
     else:
         report = merge_rounds(
             [
-                run(model, device, grid, args.dtype, args.quick, args.attention_backend)
+                run(
+                    model,
+                    device,
+                    grid,
+                    args.dtype,
+                    args.quick,
+                    args.attention_backend,
+                    fp8=Fp8Options.of(args),
+                )
                 for _ in range(args.rounds)
             ]
         )
@@ -1124,6 +1184,7 @@ def _rank_main(
                     args.quick,
                     args.attention_backend,
                     tp,
+                    Fp8Options.of(args),
                 )
                 for _ in range(args.rounds)
             ]

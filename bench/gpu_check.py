@@ -71,7 +71,7 @@ QWEN3_MOE_STANDIN = "bench/models/qwen3-30b-a3b-standin"
 DEFAULT_STEPS = ("host", "probe", "tests")
 STEP_NAMES = (
     "host probe tests tests-gpu[:FILES] tests-kernels engine engine-host engine-tp[:SIZES] "
-    "sampling compare agents moe "
+    "sampling compare agents moe fp8 "
     "kernels gemm-shares policy "
     "policy-eval:W policy-verdict partition partition-compare[:NAMES] interference[:NAMES] "
     "frontend[:COUNTS] (frontend needs no GPU: run it on the CPU)"
@@ -85,6 +85,7 @@ GPU_TEST_S = {
     "tests/engine/kernels/test_rope.py": 5,
     "tests/engine/kernels/test_store_kv.py": 2,
     "tests/engine/test_engine.py": 81,
+    "tests/engine/test_fp8.py": 40,  # estimated (never run on a GPU): the FP8 kernels JIT-compiled
     "tests/engine/test_guided.py": 8,
     "tests/engine/test_memory_plan.py": 4,
     "tests/engine/test_model_vs_hf.py": 9,
@@ -404,6 +405,38 @@ def plan(name: str, out: Path, mode: Mode, python: str = "python3") -> list[Step
             f"{out}/agents",
         )
         return [Step("agents", argv, 450, ("agents/summary.json",), 330)]
+    if name == "fp8":
+        # FP8 (issue 49) on Llama-3.1-8B's shapes, random weights: the GEMMs at M = 1-512 in
+        # bfloat16 against FP8 (a scale per row through _scaled_mm, 128x128 blocks through our
+        # GEMM, weight-only) on the whole GPU and on a 96-SM green share, then `ppd bench engine`
+        # with FP8 weights and with FP8 weights and KV (the bfloat16 run is `engine`'s). Not yet
+        # run on a GPU: estimates.
+        gemm = (python, "-m", "bench.fp8_gemm", *(("--rehearse",) if mode.rehearse else ()))
+        fp8_engine = (*ppd, "bench", "engine", *quick, *mode.engine_model, "-q", "fp8")
+        return [
+            Step("fp8-gemm", (*gemm, "--out", f"{out}/fp8-gemm"), 150, ("fp8-gemm/*.json",), 60),
+            Step(
+                "fp8-gemm-96",
+                (*gemm, "--sms", mode.pick("96", "0"), "--out", f"{out}/fp8-gemm-96"),
+                150,
+                ("fp8-gemm-96/*.json",),
+                60,
+            ),
+            Step(
+                "fp8-engine",
+                (*fp8_engine, "--out", f"{out}/fp8-engine"),
+                180,
+                ("fp8-engine/engine-*.json",),
+                80,
+            ),
+            Step(
+                "fp8-engine-kv",
+                (*fp8_engine, "--kv-cache-dtype", "fp8", "--out", f"{out}/fp8-engine-kv"),
+                180,
+                ("fp8-engine-kv/engine-*.json",),
+                80,
+            ),
+        ]
     if name == "moe":
         # A mixture of experts (issue 48) at Qwen3-30B-A3B's shapes, random weights made on the
         # device: the engine's decode at batch 1-128, a 4K prefill and a 256-token append against

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from engine.cpu_isa import NATIVE_BF16_FLAGS, has_native_bf16
+from engine.quant import ACTIVATIONS, QUANTIZATIONS, Fp8Scheme, QuantError, scheme_from_config
 
 log = logging.getLogger("ppd.engine")
 
@@ -96,6 +97,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # FP8 linear weights (engine/quant.py): the checkpoint's, or --quantization fp8's (quantized)
+    quantization: Fp8Scheme | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -107,6 +110,32 @@ class ModelConfig:
         return expected_experts(
             tokens, len(self.moe_layers), self.num_experts, self.num_experts_per_tok
         )
+
+    def quantized(self, method: str | None, activations: str = "dynamic") -> ModelConfig:
+        """The model with its linear weights in FP8 as method asks (None: as the checkpoint holds
+        them), their activations as asked (ACTIVATIONS): 'fp8' quantizes a higher-precision
+        checkpoint at load, and takes an FP8 one as it is; ModelError naming what is served for
+        anything else."""
+        if method is None and self.quantization is None:
+            return self
+        if method is not None and method not in QUANTIZATIONS:
+            raise ModelError(
+                f"--quantization {method}: ppd serves {', '.join(QUANTIZATIONS)} (FP8 weights, "
+                "quantized at load or an FP8 checkpoint's); leave it out to serve the "
+                "checkpoint's dtype"
+            )
+        if activations not in ACTIVATIONS:
+            raise ModelError(
+                f"FP8 activations {activations!r}: use one of {', '.join(ACTIVATIONS)}"
+            )
+        if self.is_moe:  # a checkpoint's FP8 experts were refused by from_folder
+            raise ModelError(
+                f"--quantization {method}: ppd holds a mixture of experts' weights in "
+                f"{_name(self.dtype)} only (its experts' FP8 kernels are not built); leave "
+                "--quantization out"
+            )
+        scheme = self.quantization or Fp8Scheme("online")
+        return replace(self, quantization=replace(scheme, activations=activations))
 
     def sharded(self, n: int) -> ModelConfig:
         """The model as each of n tensor-parallel ranks holds it (Megatron's split: heads, KV heads,
@@ -210,6 +239,7 @@ class ModelConfig:
             else gen.get("bos_token_id"),
             dtype=_checkpoint_dtype(raw, folder),
             sliding_window=sliding_window,
+            quantization=_quantization(raw, folder, arch),
             **_experts(arch, raw, num_layers, folder),
         )
 
@@ -487,6 +517,20 @@ def _eos_ids(*values: int | list[int] | None) -> tuple[int, ...]:
             if i not in ids:
                 ids.append(i)
     return tuple(ids)
+
+
+def _quantization(raw: dict[str, Any], folder: Path, arch: str) -> Fp8Scheme | None:
+    """The checkpoint's FP8 scheme (quantization_config), or ModelError naming what is served."""
+    try:
+        scheme = scheme_from_config(raw, folder)
+    except QuantError as e:
+        raise ModelError(str(e)) from e
+    if scheme is not None and arch in MOE_ARCHS:
+        raise ModelError(
+            f"model folder {folder} holds a mixture of experts in FP8; ppd serves FP8 weights of "
+            "dense models (its experts' FP8 kernels are not built): serve the bfloat16 checkpoint"
+        )
+    return scheme
 
 
 def _checkpoint_dtype(raw: dict[str, Any], folder: Path) -> torch.dtype:

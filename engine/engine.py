@@ -30,7 +30,7 @@ from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS, graph_buc
 from engine.faults import inject_fault
 from engine.guided import GuidedDecoding
 from engine.kv_tier import KVCopy, TierStore, block_nbytes, tier_capacity
-from engine.loader import arena_nbytes, bind_arena, build_model, load_weights
+from engine.loader import arena_nbytes, bind_arena, build_model, kv_scales, load_weights
 from engine.memory_plan import (
     GiB,
     KVPlan,
@@ -44,6 +44,7 @@ from engine.model import Model, kv_block_nbytes, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel import SINGLE, FollowerLink, TensorParallel, receive
 from engine.prompt_logprobs import prompt_logprobs
+from engine.quant import FP8, QuantError, kv_cache_dtype
 from engine.sampler import Drawn, Row, Sampled, Sampler, SampleRow
 from engine.sampling_params import MAX_LOGPROBS, RequestFailure, SamplingParams, TokenLogprobs
 from engine.shared_memory import SharedHandle, create_shared, open_shared
@@ -101,6 +102,21 @@ class EngineConfig:
     cublas_sm_target: bool = (
         False  # capture each graph set with cuBLAS(Lt) told its split's SMs (--cublas-sm-target)
     )
+    quantization: str | None = None  # "fp8": linear weights in FP8 (engine/quant.py)
+    fp8_activations: str = "dynamic"  # FP8 weights' activations: "dynamic" (W8A8) or "none"
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
+
+    def model_config(self, tp_size: int = 1) -> ModelConfig:
+        """The model as this engine holds it: quantized as asked, tp_size's shard."""
+        cfg = ModelConfig.from_folder(self.model)
+        return cfg.quantized(self.quantization, self.fp8_activations).sharded(tp_size)
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's dtype (--kv-cache-dtype)."""
+        try:
+            return kv_cache_dtype(self.kv_cache_dtype, model_dtype)
+        except QuantError as e:
+            raise StartupError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -158,8 +174,10 @@ class Engine:
             )
         started = time.monotonic()
         device = torch.device(cfg.device)
-        mcfg = ModelConfig.from_folder(cfg.model).sharded(tp.size)
+        mcfg = cfg.model_config(tp.size)
         dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
+        kv_dtype = cfg.kv_dtype(dtype)
+        _check_fp8_device(device, mcfg, kv_dtype)
         others = 0
         if device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None:
             # this process's cached blocks are free for the share, not held by others
@@ -173,18 +191,20 @@ class Engine:
         bind_arena(model, arena)
         load_weights(model, cfg.model, cfg.load_format)
         log.info(
-            "weights: %.2f GiB on %s in %.1fs",
+            "weights: %.2f GiB on %s in %.1fs%s",
             arena.numel() / GiB,
             device_info(device).name,
             time.monotonic() - started,
+            f" ({mcfg.quantization.describe()})" if mcfg.quantization else "",
         )
+        _set_kv_scales(model, cfg, kv_dtype, log_them=tp.rank == 0)
 
-        block_bytes = kv_block_nbytes(mcfg, cfg.block_size, dtype)
+        block_bytes = kv_block_nbytes(mcfg, cfg.block_size, kv_dtype)
         max_len = cfg.max_model_len or mcfg.max_position_embeddings
         if device.type == "cuda":
             # Measure and warm up on a private scratch pool, then free it before the real pool is
             # made.
-            scratch = _scratch_pool(mcfg, cfg, dtype, device)
+            scratch = _scratch_pool(mcfg, cfg, kv_dtype, device)
             runner = ModelRunner(
                 model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_len
             )
@@ -242,7 +262,7 @@ class Engine:
         log.info("%s; max_model_len %d", plan.summary, plan.max_model_len)
 
         kv_pool, kv_handle = create_shared(
-            names[1], kv_pool_shape(mcfg, plan.num_blocks, cfg.block_size), dtype, device
+            names[1], kv_pool_shape(mcfg, plan.num_blocks, cfg.block_size), kv_dtype, device
         )
         if device.type == "cuda":
             runner.max_model_len = plan.max_model_len
@@ -256,7 +276,7 @@ class Engine:
                     sm_target=cfg.cublas_sm_target,
                 )
         else:
-            runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
+            runner = _warmed_cpu_runner(model, mcfg, cfg, kv_dtype, plan.max_model_len)
             runner.bind_kv_cache(kv_pool)
         log.info("engine ready in %.1fs", time.monotonic() - started)
         return cls(cfg, mcfg, runner, plan, (weights_handle, kv_handle))
@@ -275,9 +295,10 @@ class Engine:
         blocks, sized for max_model_len); warm up on a private scratch pool. tp: this rank's
         communicator (the owner is the decode rank of the same device)."""
         device = torch.device(cfg.device)
-        mcfg = ModelConfig.from_folder(cfg.model).sharded(tp.size)
+        mcfg = cfg.model_config(tp.size)
         dtype = resolve_dtype(cfg.dtype, mcfg, cfg.device)
-        block_bytes = kv_block_nbytes(mcfg, cfg.block_size, dtype)
+        kv_dtype = cfg.kv_dtype(dtype)
+        block_bytes = kv_block_nbytes(mcfg, cfg.block_size, kv_dtype)
         plan = KVPlan(
             num_kv_blocks,
             block_bytes,
@@ -288,10 +309,11 @@ class Engine:
         model = build_model(mcfg, dtype)
         model.tp = tp
         bind_arena(model, open_shared(weights))
+        _set_kv_scales(model, cfg, kv_dtype)
         if device.type == "cuda":
             runner = ModelRunner(
                 model,
-                _scratch_pool(mcfg, cfg, dtype, device),
+                _scratch_pool(mcfg, cfg, kv_dtype, device),
                 cfg.block_size,
                 cfg.attention_backend,
                 max_model_len=plan.max_model_len,
@@ -313,7 +335,7 @@ class Engine:
                     sm_target=cfg.cublas_sm_target,
                 )
         else:
-            runner = _warmed_cpu_runner(model, mcfg, cfg, dtype, plan.max_model_len)
+            runner = _warmed_cpu_runner(model, mcfg, cfg, kv_dtype, plan.max_model_len)
             runner.bind_kv_cache(open_shared(kv))
         # every rank has mapped its pool before rank 0 says the worker is ready (its names may then
         # go)
@@ -342,9 +364,11 @@ class Engine:
             arena.set_(
                 next(model.parameters()).untyped_storage()
             )  # every parameter is a view of the one arena
+            scales = [layer.self_attn.kv_scales for layer in model.model.layers]
             model = build_model(owner.mcfg, model.dtype)
             model.tp = tp
             bind_arena(model, arena)
+            model.set_kv_scales(scales)
         runner = ModelRunner(
             model,
             owner.runner.kv_pool,
@@ -401,6 +425,7 @@ class Engine:
                 len(inputs),
                 type(exc).__name__,
                 exc,
+                exc_info=log.isEnabledFor(logging.DEBUG),  # the trace at --log-level debug
             )
             batch_error = exc
             self._wait_for_device()
@@ -604,19 +629,54 @@ def _dummy_inputs(num_tokens: int, num_seqs: int, block_size: int) -> list[StepI
     return inputs
 
 
+def _check_fp8_device(device: torch.device, mcfg: ModelConfig, kv_dtype: torch.dtype) -> None:
+    """FP8 on a GPU needs e4m3 in hardware (compute capability 8.9: Ada, Hopper and later): a
+    StartupError naming the GPU otherwise."""
+    if device.type != "cuda" or (mcfg.quantization is None and kv_dtype != FP8):
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise StartupError(
+            f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later (Ada, Hopper); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}: leave out --quantization "
+            "and --kv-cache-dtype (or serve an unquantized checkpoint)"
+        )
+
+
+def _set_kv_scales(
+    model: Model, cfg: EngineConfig, kv_dtype: torch.dtype, log_them: bool = False
+) -> None:
+    """An FP8 pool's per-layer scales (loader.kv_scales), the same in every process that maps the
+    weights."""
+    if kv_dtype != FP8:
+        return
+    scales = kv_scales(model, cfg.model, cfg.load_format)
+    model.set_kv_scales(scales)
+    if log_them:
+        log.info(
+            "KV cache in FP8 e4m3: key scales %.3g-%.3g, value scales %.3g-%.3g over %d layers",
+            min(k for k, _ in scales),
+            max(k for k, _ in scales),
+            min(v for _, v in scales),
+            max(v for _, v in scales),
+            len(scales),
+        )
+
+
 def _scratch_pool(
-    mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device
+    mcfg: ModelConfig, cfg: EngineConfig, kv_dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A private pool big enough for the dummy steps of start-up (the largest step, as sequences of
     one block or more)."""
     num_blocks = -(-cfg.max_num_batched_tokens // cfg.block_size) + min(
         cfg.max_num_seqs, cfg.max_num_batched_tokens
     )
-    return torch.zeros(kv_pool_shape(mcfg, num_blocks, cfg.block_size), dtype=dtype, device=device)
+    shape = kv_pool_shape(mcfg, num_blocks, cfg.block_size)
+    return torch.zeros(shape, dtype=kv_dtype, device=device)
 
 
 def _warmed_cpu_runner(
-    model: Model, mcfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, max_model_len: int
+    model: Model, mcfg: ModelConfig, cfg: EngineConfig, kv_dtype: torch.dtype, max_model_len: int
 ) -> ModelRunner:
     """A CPU runner that has run a prefill step and a decode step on a private pool of a few blocks:
     the CPU ops pack each weight for the path that first needs it (oneDNN's layout for steps of
@@ -625,7 +685,7 @@ def _warmed_cpu_runner(
     pool after."""
     tokens = max(1, min(256, cfg.max_num_batched_tokens, max_model_len - 1))
     blocks = -(-(tokens + 1) // cfg.block_size)
-    scratch = torch.zeros(kv_pool_shape(mcfg, blocks, cfg.block_size), dtype=dtype)
+    scratch = torch.zeros(kv_pool_shape(mcfg, blocks, cfg.block_size), dtype=kv_dtype)
     runner = ModelRunner(
         model, scratch, cfg.block_size, cfg.attention_backend, max_model_len=max_model_len
     )

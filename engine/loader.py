@@ -11,6 +11,7 @@ each tensor is whose.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,8 +27,9 @@ from engine.config import (
     resolve_dtype,
     safetensors_index,
 )
-from engine.model import Model
+from engine.model import Model, kv_bounds
 from engine.parallel import SINGLE, TensorParallel
+from engine.quant import FP8, FP8_MAX, Fp8Linear, Fp8Scheme, QuantError, checkpoint_scale, quantize
 
 ALIGN = 64  # bytes; covers every dtype's alignment and a cache line
 
@@ -153,6 +155,8 @@ def checkpoint_targets(model: Model) -> dict[str, Tensor]:
     fill their expert's rows of the stacked w13 (gate, then up) or its w2, and Mixtral's router."""
     cfg = model.cfg
     targets = dict(model.named_parameters())
+    for name in [n for n in targets if n.endswith(".weight_scale")]:
+        del targets[name]  # an FP8 layer's scales: filled with its weight (_load_fp8)
     width = cfg.moe_intermediate_size
     for layer in cfg.moe_layers:
         p = f"model.layers.{layer}.mlp."
@@ -181,7 +185,10 @@ def load_weights(
         for name, p in params.items():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
+            elif p.dtype == FP8:  # drawn in float32, then quantized as --quantization fp8 does
+                w = torch.empty(p.shape, device=p.device).normal_(0.0, 0.02, generator=gen)
+                _store_fp8(model, name, *quantize(w, _fp8_module(model, name).group))
+            elif not name.endswith(".weight_scale"):
                 p.normal_(0.0, 0.02, generator=gen)
         return
     if load_format not in ("auto", "safetensors"):
@@ -215,10 +222,100 @@ def load_weights(
                     dim, start, end, _ = part
                     tensor = source[start:end] if dim == 0 else source[:, start:end]
                 target = targets[name]
+                if target.dtype == FP8:
+                    _load_fp8(model, name, tensor, part, lambda key: _read(folder, index, key))
+                    continue
                 if tensor.shape[0] < target.shape[0]:  # the last rank's rows of a padded vocabulary
                     target[tensor.shape[0] :].zero_()
                     target = target[: tensor.shape[0]]
                 target.copy_(tensor)
+
+
+def _read(folder: str | Path, index: dict[str, Path], name: str) -> Tensor:
+    """One whole tensor of the checkpoint, from whichever file holds it."""
+    if name not in index:
+        raise missing_tensors_error(folder, [name])
+    with safe_open(index[name], framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _fp8_module(model: Model, name: str) -> Fp8Linear:
+    module = model.get_submodule(name.removesuffix(".weight"))
+    assert isinstance(module, Fp8Linear), f"{name} is not an FP8 layer's weight"
+    return module
+
+
+def _store_fp8(model: Model, name: str, data: Tensor, scale: Tensor) -> None:
+    module = _fp8_module(model, name)
+    module.weight.copy_(data)
+    module.weight_scale.copy_(scale)
+
+
+def _load_fp8(
+    model: Model,
+    name: str,
+    tensor: Tensor,
+    part: tuple[int, int, int, int] | None,
+    read: Callable[[str], Tensor],
+) -> None:
+    """Fill the FP8 layer whose checkpoint weight is `name` (tensor: this rank's part of it): a
+    higher-precision weight quantized per output row (--quantization fp8), an FP8 one copied with
+    its scales (the checkpoint's, as one per row and group: engine/quant.py), each the rank's
+    part."""
+    module = _fp8_module(model, name)
+    scheme = model.cfg.quantization
+    assert isinstance(scheme, Fp8Scheme)
+    if scheme.source == "online":
+        if tensor.dtype == FP8:
+            raise ModelError(
+                f"{name} is stored in FP8 but config.json has no quantization_config saying how "
+                "it is scaled (is the file complete?)"
+            )
+        _store_fp8(model, name, *quantize(tensor, module.group))
+        return
+    if tensor.dtype != FP8:
+        raise ModelError(
+            f"{name} is stored in {tensor.dtype}, not FP8 as config.json's quantization_config "
+            "says (config.json does not match the weights)"
+        )
+    dim, start, end, whole = part if part is not None else (0, 0, tensor.shape[0], tensor.shape[0])
+    rows = whole if dim == 0 else tensor.shape[0]
+    columns = whole if dim == 1 else tensor.shape[1]
+    try:
+        scale = checkpoint_scale(scheme, name, read, rows, columns)
+    except QuantError as e:
+        raise ModelError(
+            f"{e} (config.json's quantization_config does not match the weights)"
+        ) from e
+    if dim == 0:
+        scale = scale[start:end]
+    elif scale.shape[1] > 1:  # block scales: the rank's columns are whole blocks
+        if start % module.group:
+            raise ModelError(
+                f"{name}: tensor parallelism splits its {columns} columns at {start}, inside a "
+                f"{module.group}-column scale block; serve it with fewer ranks"
+            )
+        scale = scale[:, start // module.group : -(-end // module.group)]
+    _store_fp8(model, name, tensor, scale)
+
+
+def kv_scales(model: Model, folder: str | Path, load_format: str) -> list[tuple[float, float]]:
+    """Each layer's (key, value) scales for an FP8 KV pool: the checkpoint's (vLLM's names,
+    `self_attn.k_scale` and `self_attn.v_scale`) where it has them, else computed from the weights
+    so that no key or value the layer can produce exceeds e4m3's range (model.kv_bounds: a bound,
+    not a calibration, so the scales are larger than a calibration's)."""
+    index = {} if load_format == "dummy" else safetensors_index(folder)
+    scales = []
+    for i, layer in enumerate(model.model.layers):
+        p = f"model.layers.{i}.self_attn."
+        if p + "k_scale" in index and p + "v_scale" in index:
+            pair = tuple(
+                float(_read(folder, index, p + n).float().max()) for n in ("k_scale", "v_scale")
+            )
+        else:
+            pair = tuple(max(bound, 1e-6) / FP8_MAX for bound in kv_bounds(layer))
+        scales.append(pair)
+    return scales
 
 
 def load_model(
@@ -228,10 +325,13 @@ def load_model(
     device: str | torch.device = "cpu",
     arena: Tensor | None = None,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
+    fp8_activations: str = "dynamic",
 ) -> tuple[Model, ModelConfig]:
-    """Convenience for single-process use and tests: config (tp's shard of it), build, allocate the
-    arena (or use the given one), bind, load."""
-    cfg = check_model_folder(folder, load_format).sharded(tp.size)
+    """Convenience for single-process use and tests: config (quantized as asked, tp's shard of
+    it), build, allocate the arena (or use the given one), bind, load."""
+    cfg = check_model_folder(folder, load_format)
+    cfg = cfg.quantized(quantization, fp8_activations).sharded(tp.size)
     model = build_model(cfg, resolve_dtype(dtype_name, cfg))
     model.tp = tp
     if arena is None:

@@ -28,6 +28,7 @@ from engine.attention.base import AttentionBackend, Ops
 from engine.config import ModelConfig
 from engine.ops import Experts
 from engine.parallel import SINGLE, TensorParallel
+from engine.quant import Fp8Linear, dequantize, make_linear, weight_of
 
 
 def kv_pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -108,9 +109,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache bound by Model.bind_kv_cache."""
+    """Grouped-query self-attention over the paged KV cache bound by Model.bind_kv_cache. Its
+    projections are FP8 where the config's quantization says (engine/quant.py); an FP8 KV pool is
+    read and written through kv_scales (Model.bind_kv_cache)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, prefix: str = "") -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -122,10 +125,12 @@ class Attention(nn.Module):
             cfg.num_heads * cfg.head_dim,
             cfg.num_kv_heads * cfg.head_dim,
         )
-        self.q_proj = nn.Linear(h, q_dim, bias=cfg.attention_bias, dtype=dtype)
-        self.k_proj = nn.Linear(h, kv_dim, bias=cfg.attention_bias, dtype=dtype)
-        self.v_proj = nn.Linear(h, kv_dim, bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_dim, h, bias=False, dtype=dtype)
+        q = cfg.quantization
+        bias = cfg.attention_bias
+        self.q_proj = make_linear(prefix + "q_proj", h, q_dim, bias, dtype, q)
+        self.k_proj = make_linear(prefix + "k_proj", h, kv_dim, bias, dtype, q)
+        self.v_proj = make_linear(prefix + "v_proj", h, kv_dim, bias, dtype, q)
+        self.o_proj = make_linear(prefix + "o_proj", q_dim, h, False, dtype, q)
         # per head (Qwen3) or over the whole projection (OLMoE)
         self.qk_norm = cfg.qk_norm
         q_norm_dim, k_norm_dim = (q_dim, kv_dim) if cfg.qk_norm == "full" else (cfg.head_dim,) * 2
@@ -137,6 +142,9 @@ class Attention(nn.Module):
         # adjacent.
         self.qkv_weight: Tensor | None = None
         self.qkv_bias: Tensor | None = None
+        self.qkv_weight_scale: Tensor | None = None  # FP8: the three layers' scales, one view
+        # An FP8 pool's per-tensor scales (keys, values): what a stored element is multiplied by.
+        self.kv_scales = (1.0, 1.0)
         self.k_cache: Tensor | None = (
             None  # [num_blocks * block_size, Hkv, D], a view of the shared pool
         )
@@ -146,6 +154,8 @@ class Attention(nn.Module):
         """Attributes that bind_arena sets to one view over several adjacent parameters (names
         relative to self)."""
         groups = {"qkv_weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"]}
+        if isinstance(self.q_proj, Fp8Linear):
+            groups["qkv_weight_scale"] = [f"{n}_proj.weight_scale" for n in "qkv"]
         if self.q_proj.bias is not None:
             groups["qkv_bias"] = ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
         return groups
@@ -156,11 +166,11 @@ class Attention(nn.Module):
         )
         ops = step.backend.ops
         t = x.shape[0]
-        if self.qkv_weight is not None:
-            q, k, v = ops.linear(x, self.qkv_weight, self.qkv_bias).split(self.split, dim=-1)
+        if (qkv := self.fused_qkv()) is not None:
+            q, k, v = ops.linear(x, qkv, self.qkv_bias).split(self.split, dim=-1)
         else:
             q, k, v = (
-                ops.linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
+                ops.linear(x, weight_of(p), p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
             )
         if self.qk_norm == "full" and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops)[0], self.k_norm(k, ops)[0]
@@ -180,35 +190,58 @@ class Attention(nn.Module):
             step.positions,
             step.cos,
             step.sin,
+            kv_scales=self.kv_scales,
         )
         return step.tp.all_reduce(
-            ops.linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
+            ops.linear(o.reshape(t, self.num_heads * self.head_dim), weight_of(self.o_proj))
         )
+
+    def fused_qkv(self) -> Tensor | Any | None:
+        """The one weight of q, k and v (an Fp8Weight when quantized), or None where the arena
+        could not lay them out adjacent."""
+        if self.qkv_weight is None:
+            return None
+        if isinstance(self.q_proj, Fp8Linear):
+            if self.qkv_weight_scale is None:
+                return None
+            return self.q_proj.fp8(self.qkv_weight, self.qkv_weight_scale)
+        return self.qkv_weight
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), its projections FP8 where the config's
+    quantization says."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, prefix: str = "") -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype)
+        h, width, q = cfg.hidden_size, cfg.intermediate_size, cfg.quantization
+        self.gate_proj = make_linear(prefix + "gate_proj", h, width, False, dtype, q)
+        self.up_proj = make_linear(prefix + "up_proj", h, width, False, dtype, q)
+        self.down_proj = make_linear(prefix + "down_proj", width, h, False, dtype, q)
         self.gate_up_weight: Tensor | None = (
             None  # one GEMM for gate and up, as for Attention.qkv_weight
         )
+        self.gate_up_weight_scale: Tensor | None = None
 
     def fused_groups(self) -> dict[str, list[str]]:
-        return {"gate_up_weight": ["gate_proj.weight", "up_proj.weight"]}
+        groups = {"gate_up_weight": ["gate_proj.weight", "up_proj.weight"]}
+        if isinstance(self.gate_proj, Fp8Linear):
+            groups["gate_up_weight_scale"] = ["gate_proj.weight_scale", "up_proj.weight_scale"]
+        return groups
 
     def forward(self, x: Tensor, ops: Ops, tp: TensorParallel = SINGLE) -> Tensor:
-        if self.gate_up_weight is not None:
-            gate_up = ops.linear(x, self.gate_up_weight)
+        fused: Any = self.gate_up_weight
+        if fused is not None and isinstance(self.gate_proj, Fp8Linear):
+            scale = self.gate_up_weight_scale
+            fused = None if scale is None else self.gate_proj.fp8(fused, scale)
+        if fused is not None:
+            gate_up = ops.linear(x, fused)
         else:
             gate_up = torch.cat(
-                (ops.linear(x, self.gate_proj.weight), ops.linear(x, self.up_proj.weight)), dim=-1
+                (ops.linear(x, weight_of(self.gate_proj)), ops.linear(x, weight_of(self.up_proj))),
+                dim=-1,
             )
-        return tp.all_reduce(ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight))
+        return tp.all_reduce(ops.linear(ops.silu_and_mul(gate_up), weight_of(self.down_proj)))
 
 
 class MoE(nn.Module):
@@ -247,9 +280,10 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        p = f"model.layers.{index}."
+        self.self_attn = Attention(cfg, dtype, p + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoE(cfg, dtype) if index in cfg.moe_layers else MLP(cfg, dtype)
+        self.mlp = MoE(cfg, dtype) if index in cfg.moe_layers else MLP(cfg, dtype, p + "mlp.")
 
     def forward(
         self, h: Tensor, residual: Tensor | None, step: StepContext
@@ -258,6 +292,32 @@ class DecoderLayer(nn.Module):
         x, residual = self.input_layernorm(h, ops, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, step), ops, residual)
         return self.mlp(x, ops, step.tp), residual
+
+
+def kv_bounds(layer: DecoderLayer) -> tuple[float, float]:
+    """Bounds on the absolute value of any key (after RoPE) and value the layer can store, from its
+    weights alone: its input is RMS-normalised (each element at most sqrt(hidden) times the norm's
+    weight), so a projected element is at most the norm of its weight row times the norm's weights
+    times sqrt(hidden), plus its bias; a per-head (Qwen3) or whole (OLMoE) k norm bounds keys by
+    its weight times the square root of its width; RoPE rotates pairs of elements (i, i + D/2), so
+    a key's element is at most the pair's bound's length."""
+    attn = layer.self_attn
+    gamma = layer.input_layernorm.weight.float()
+    root = gamma.numel() ** 0.5
+
+    def projected(linear: nn.Module) -> Tensor:
+        w = weight_of(linear)
+        dense = w.float() if isinstance(w, Tensor) else dequantize(w.data, w.scale, w.group)
+        bound = (dense * gamma).norm(dim=1) * root
+        return bound if linear.bias is None else bound + linear.bias.float().abs()
+
+    keys, values = projected(attn.k_proj), projected(attn.v_proj)
+    if attn.qk_norm == "head" and attn.k_norm is not None:
+        keys = (attn.k_norm.weight.float().abs() * attn.head_dim**0.5).repeat(attn.num_kv_heads)
+    elif attn.qk_norm == "full" and attn.k_norm is not None:
+        keys = attn.k_norm.weight.float().abs() * attn.k_norm.weight.numel() ** 0.5
+    pairs = keys.view(attn.num_kv_heads, 2, attn.head_dim // 2)
+    return float(pairs.norm(dim=1).max()), float(values.max())
 
 
 class Decoder(nn.Module):
@@ -324,6 +384,14 @@ class Model(nn.Module):
         for i, attn in enumerate(attentions):
             attn.k_cache = kv_pool[i, 0].flatten(0, 1)
             attn.v_cache = kv_pool[i, 1].flatten(0, 1)
+
+    def set_kv_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Each layer's (key, value) scales of an FP8 pool, in layer order: what a stored element is
+        multiplied by."""
+        attentions = [m for m in self.modules() if isinstance(m, Attention)]
+        assert len(scales) == len(attentions), "one pair of scales per layer"
+        for attn, pair in zip(attentions, scales):
+            attn.kv_scales = pair
 
     def unbind_kv_cache(self) -> None:
         """Drop the references to the bound pool, so that its memory can be freed."""

@@ -16,6 +16,7 @@ from engine.attention import AttentionBackend, AttentionShape, StepBatch, create
 from engine.attention.base import pad_tables
 from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, StepGraphs, cublas_sm_target
 from engine.model import Model
+from engine.quant import FP8
 from engine.staging import Staging, take_previous
 
 
@@ -81,6 +82,9 @@ class ModelRunner:
         assert kv_pool.shape[3] == block_size, "kv_pool was built for another block size"
         self.model, self.block_size, self.device = model, block_size, kv_pool.device
         self.max_model_len = max_model_len or model.cfg.max_position_embeddings
+        fp8 = model.cfg.quantization is not None or kv_pool.dtype == FP8
+        if backend == "auto" and fp8 and self.device.type == "cpu":
+            backend = "torch"  # the CPU's C kernels do not read FP8
         if isinstance(backend, str):
             cfg = model.cfg
             shape = AttentionShape(
@@ -91,6 +95,12 @@ class ModelRunner:
                 -(-self.max_model_len // block_size),
             )
             backend = create_backend(backend, shape, self.device)
+        if backend.name == "cpu" and fp8:
+            raise ValueError(
+                "the cpu attention backend's C kernels read bfloat16, float16 or float32 weights "
+                "and KV; FP8 weights or an FP8 KV cache run on the CPU through --attention-backend "
+                "torch"
+            )
         self.backend = backend
         self.graphs: StepGraphs | None = None  # the set steps replay now
         self.graph_sets: dict[Any, StepGraphs] = {}

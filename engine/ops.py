@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.quant import Fp8Weight, fp8_linear
+
 
 @dataclass
 class Experts:
@@ -81,8 +83,11 @@ class TorchOps:
         return rotate(q), rotate(k)
 
     @staticmethod
-    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        """x @ weight.T + bias, as torch.nn.functional.linear."""
+    def linear(x: Tensor, weight: Tensor | Fp8Weight, bias: Tensor | None = None) -> Tensor:
+        """x @ weight.T + bias, as torch.nn.functional.linear; an FP8 weight through
+        quant.fp8_linear."""
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     route = staticmethod(route)

@@ -568,9 +568,23 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         "-q",
         default=None,
-        help="refused: ppd serves bfloat16, float16 or float32 weights (a GGUF's quants are "
-        "dequantized "
-        "at load)",
+        help="fp8: the attention and MLP projections in FP8 e4m3, quantized at load with a scale "
+        "per output row (an FP8 checkpoint is read as it is, without this flag); a GGUF's quants "
+        "are dequantized at load",
+    )
+    g.add_argument(
+        "--fp8-activations",
+        default="dynamic",
+        choices=["dynamic", "none"],
+        help="FP8 weights' inputs: dynamic (quantized per token, W8A8, as vLLM) or none (left in "
+        "--dtype, W8A16: the weights dequantized as they are read)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (--dtype) or fp8 / fp8_e4m3: the KV cache in FP8 e4m3 with a scale per layer "
+        "for keys and for values (the checkpoint's k_scale/v_scale, else bounds from the "
+        "weights): half of bfloat16's bytes a token",
     )
     g.add_argument(
         "--seed",

@@ -591,7 +591,7 @@ class EngineClient:
             self.metrics.cache_config(
                 unit,
                 engine.block_size,
-                engine.dtype,
+                engine.dtype if engine.kv_cache_dtype == "auto" else engine.kv_cache_dtype,
                 ready.num_kv_blocks,
                 engine.gpu_memory_utilization if engine.device != "cpu" else None,
             )

@@ -30,6 +30,7 @@ from engine.gguf import model_folder as gguf_folder
 from engine.kv_events import BlockHasher, KVEventsConfig, KVEventsError, describe
 from engine.memory_plan import StartupError, plan_from_request
 from engine.model import kv_block_nbytes
+from engine.quant import QuantError, kv_cache_dtype
 from engine.sampling_params import MAX_LOGPROBS
 from engine.shared_memory import SHM_DIR
 from partition.backends import BACKENDS, PartitionError, UnitPartition, plan_partitions
@@ -197,11 +198,14 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     path = model_path(args.model)
     tp = args.tensor_parallel_size
     try:
-        mcfg = check_model_folder(path, args.load_format)
+        mcfg = check_model_folder(path, args.load_format).quantized(
+            args.quantization, args.fp8_activations
+        )
         shard = mcfg.sharded(
             tp
         )  # a size that does not split the model: refused, naming the ones that do
-    except ModelError as exc:
+        kv_cache_dtype(args.kv_cache_dtype, mcfg.dtype)  # a dtype not served: refused by name
+    except (ModelError, QuantError) as exc:
         raise UsageError(str(exc)) from exc
     if args.max_model_len is not None and args.max_model_len > mcfg.max_position_embeddings:
         raise UsageError(
@@ -231,6 +235,16 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
             "--attention-backend triton runs on CUDA; on the CPU use --attention-backend cpu, "
             "torch or auto"
         )
+    fp8 = mcfg.quantization is not None or args.kv_cache_dtype != "auto"
+    if fp8 and device == "cpu" and args.attention_backend in ("auto", "cpu"):
+        if args.attention_backend == "cpu":
+            raise UsageError(
+                "--attention-backend cpu: its C kernels read bfloat16, float16 or float32 weights "
+                "and KV; FP8 (--quantization fp8, an FP8 checkpoint or --kv-cache-dtype fp8) runs "
+                "on the CPU through --attention-backend torch (slow but exact)"
+            )
+        log.info("FP8 on the CPU: the torch attention backend (the C kernels do not read FP8)")
+        args.attention_backend = "torch"
     if args.attention_backend == "cpu" and device != "cpu":
         raise UsageError(
             "--attention-backend cpu runs on the CPU; on a GPU use --attention-backend triton or "
@@ -255,7 +269,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
             kv = plan_from_request(
                 args.num_kv_blocks,
                 args.kv_cache_memory,
-                kv_block_nbytes(shard, args.block_size, dtype),
+                kv_block_nbytes(shard, args.block_size, kv_cache_dtype(args.kv_cache_dtype, dtype)),
                 args.block_size,
                 mcfg.max_position_embeddings,
                 args.max_model_len,
@@ -324,6 +338,9 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         tokenizer=tokenizer,
         tensor_parallel_size=tp,
         cublas_sm_target=args.cublas_sm_target,
+        quantization=args.quantization,
+        fp8_activations=args.fp8_activations,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     units = [
         UnitConfig(
@@ -415,11 +432,6 @@ def vllm_flags(args: argparse.Namespace) -> None:
                 "setting (ppd's units are vLLM's data-parallel ranks); give one"
             )
         args.units = args.data_parallel_size
-    if args.quantization is not None:
-        raise UsageError(
-            f"--quantization {args.quantization}: ppd serves bfloat16, float16 or float32 weights "
-            "(--dtype); a GGUF's quantized weights are dequantized when it is loaded"
-        )
     if args.seed is not None:
         raise UsageError(
             f"--seed {args.seed}: ppd has no server-wide seed; a request's `seed` field makes its "

@@ -434,3 +434,103 @@ def hf_gguf_model(path: str | Path) -> PreTrainedModel:
             )
         _HF_MODELS[key] = model.eval()
     return _HF_MODELS[key]
+
+
+FP8_LAYOUTS = ("tensor", "block", "channel")
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_fp8_checkpoint(
+    source: str | Path, folder: str | Path, layout: str, block: int = 32
+) -> tuple[Path, Path]:
+    """source's model with its attention and MLP projections in FP8 e4m3, written as a checkpoint
+    of `layout`: "tensor" (quant_method fp8, a `weight_scale` per tensor), "block" (quant_method
+    fp8, `weight_scale_inv` per block x block tile, as DeepSeek's and Qwen's FP8 checkpoints) or
+    "channel" (compressed-tensors, a `weight_scale` per output row); and beside it the weights it
+    stands for (each e4m3 value times its scale, float32) as a plain checkpoint transformers reads.
+    Returns (the FP8 folder, the dequantized folder). Written here with plain torch, independent of
+    engine/quant.py."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    source, folder = Path(source), Path(folder)
+    plain = folder.with_name(folder.name + "-dequantized")
+    for out in (folder, plain):
+        out.mkdir(parents=True, exist_ok=True)
+        for f in source.iterdir():
+            if f.suffix != ".safetensors":
+                (out / f.name).write_bytes(f.read_bytes())
+    state = load_file(source / "model.safetensors")
+    fp8, dequantized = {}, {}
+    for name, w in state.items():
+        if name.rsplit(".", 2)[-2] not in _LINEAR or not name.endswith(".weight"):
+            fp8[name] = dequantized[name] = w
+            continue
+        w = w.float()
+        n, k = w.shape
+        if layout == "block":
+            padded = torch.nn.functional.pad(w, (0, -k % block, 0, -n % block))
+            tiles = padded.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [R, b, C, b]
+            scale = tiles.abs().amax(dim=(1, 3)) / 448.0  # [R, C]
+            full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+            fp8[name.replace(".weight", ".weight_scale_inv")] = scale
+        elif layout == "channel":
+            scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # [N, 1]
+            full = scale.expand(n, k)
+            fp8[name.replace(".weight", ".weight_scale")] = scale
+        else:
+            scale = w.abs().amax() / 448.0
+            full = scale.expand(n, k)
+            fp8[name.replace(".weight", ".weight_scale")] = scale.reshape(())
+        data = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        fp8[name] = data
+        dequantized[name] = data.double().mul(full.double()).float()
+    save_file(fp8, folder / "model.safetensors")
+    save_file(dequantized, plain / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    if layout == "channel":
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": "token",
+                        "dynamic": True,
+                    },
+                }
+            },
+            "ignore": ["lm_head"],
+        }
+    else:
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+        if layout == "block":
+            config["quantization_config"]["weight_block_size"] = [block, block]
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder, plain
+
+
+def write_dequantized_model(source: str | Path, folder: str | Path) -> Path:
+    """source's model with each attention and MLP projection replaced by what FP8 with a scale per
+    output row (--quantization fp8) stands for: e4m3(w / s) x s, s = the row's absolute maximum /
+    448, float32; what transformers runs to check the engine's weight-only FP8."""
+    from safetensors.torch import load_file, save_file
+
+    source, folder = Path(source), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    state = load_file(source / "model.safetensors")
+    for name, w in state.items():
+        if name.rsplit(".", 2)[-2] in _LINEAR and name.endswith(".weight"):
+            scale = (w.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+            data = (w.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            state[name] = data.double().mul(scale.double()).float()
+    save_file(state, folder / "model.safetensors")
+    return folder

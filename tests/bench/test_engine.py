@@ -148,6 +148,23 @@ def test_sequential_floor_adds_each_kernels_floor() -> None:
     assert bound == "compute" and sequential > overlap + 0.9 * kv_ms
 
 
+def test_an_fp8_floor_reads_a_byte_a_weight_and_a_byte_a_kv_value() -> None:
+    """Llama-3.1-8B with FP8 projections (a float32 scale a row) and an FP8 KV cache: a decode's
+    bytes are the projections' 6.98 G values at a byte, their scales, the bfloat16 LM head, and
+    half of bfloat16's KV per token."""
+    folder = Path(__file__).parents[2] / "bench/models/llama-3.1-8b"
+    cfg = ModelConfig.from_folder(folder)
+    plain = ModelCost.of(cfg, torch.bfloat16, 16)
+    fp8 = ModelCost.of(cfg.quantized("fp8"), torch.bfloat16, 16, torch.float8_e4m3fn)
+    lm_head = cfg.vocab_size * cfg.hidden_size
+    projections = plain.matmul_params  # a dense model's: every layer's four GEMMs
+    rows = cfg.num_layers * (6144 + 4096 + 2 * 14336 + 4096)  # qkv, o, gate|up, down
+    assert plain.weight_bytes == 2 * (projections + lm_head)
+    assert fp8.weight_bytes == projections + 4 * rows + 2 * lm_head
+    assert fp8.kv_bytes_per_token * 2 == plain.kv_bytes_per_token
+    assert fp8.weight_itemsize == 1 and fp8.itemsize == 2
+
+
 def test_a_mixture_of_experts_floor_reads_the_experts_routed_to() -> None:
     """Qwen3-30B-A3B on an H200's nominal 4.8 TB/s: a decode at batch 1 reads its 8 experts in
     each of 48 layers beside the rest of the weights (about 1.3 ms), a batch of 64 nearly every

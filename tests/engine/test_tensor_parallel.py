@@ -20,7 +20,7 @@ from engine.loader import load_model, rank_slice
 from engine.model import kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.parallel import SINGLE, TensorParallel, init_tensor_parallel
-from tests.tiny_models import hf_greedy, write_tiny_model
+from tests.tiny_models import hf_greedy, write_fp8_checkpoint, write_tiny_model
 
 NEW_TOKENS = 8
 BLOCK = 8
@@ -34,6 +34,7 @@ CASES = [
     ("qwen3_moe", 320),  # each expert's width split, one all-reduce after the experts
     ("mixtral", 320),
 ]
+FP8_CASE = "llama-fp8"  # tiny llama as an FP8 checkpoint with block scales, served weight-only
 
 
 def ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -44,7 +45,8 @@ def ids(n: int, seed: int, vocab: int) -> list[int]:
 def scenario(folder: str, backend: str, tp: Any = SINGLE) -> dict[str, Any]:
     """Turn 1 (a prompt in two chunks, then decode), turn 2 (an append over the cached turn), and a
     mixed step (a decode beside a fresh prompt), greedy: every sampled id and every logits row."""
-    model, cfg = load_model(folder, tp=tp)
+    # weight-only where the checkpoint is FP8: a rank's own activations scale alone would differ
+    model, cfg = load_model(folder, tp=tp, fp8_activations="none")
     vocab = cfg.vocab_size
     pool = torch.full(kv_pool_shape(model.cfg, 64, BLOCK), float("nan"), dtype=model.dtype)
     runner = ModelRunner(model, pool, BLOCK, backend)
@@ -125,20 +127,31 @@ def run_ranks(size: int, cases: list[tuple[str, str]], tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return {
+    made = {
         arch: str(write_tiny_model(tmp_path_factory.mktemp(f"tp-{arch}"), arch, vocab_size=vocab))
         for arch, vocab in CASES
     }
+    # an FP8 checkpoint of 32 x 32 blocks: each rank slices its rows' and columns' block scales
+    fp8, _ = write_fp8_checkpoint(made["llama"], tmp_path_factory.mktemp("tp") / "fp8", "block")
+    made[FP8_CASE] = str(fp8)
+    return made
 
 
 @pytest.fixture(scope="module")
 def two_ranks(folders: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    cases = [(folder, backend) for folder in folders.values() for backend in ("torch", "cpu")]
+    cases = [
+        (folder, backend)
+        for arch, folder in folders.items()
+        for backend in ("torch", "cpu")
+        if arch != FP8_CASE or backend == "torch"
+    ]
     return run_ranks(2, cases, tmp_path_factory.mktemp("tp-store"))
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("arch", [arch for arch, _ in CASES])
+@pytest.mark.parametrize(
+    ("arch", "backend"),
+    [(arch, backend) for arch, _ in CASES for backend in ("torch", "cpu")] + [(FP8_CASE, "torch")],
+)
 def test_two_ranks_equal_one_rank_and_transformers(
     arch: str, backend: str, folders: dict[str, str], two_ranks: list[dict]
 ) -> None:
@@ -153,6 +166,8 @@ def test_two_ranks_equal_one_rank_and_transformers(
         for a, b in zip(mine["logits"], one["logits"]):
             torch.testing.assert_close(torch.from_numpy(a), b, atol=1e-4, rtol=1e-4)
     history = one["history"]
+    if arch == FP8_CASE:  # transformers runs the weights the FP8 checkpoint stands for
+        folder = folder + "-dequantized"
     assert one["turn1"] == hf_greedy(folder, history[:21], NEW_TOKENS)
     mark = 21 + NEW_TOKENS + 11
     assert one["turn2"] == hf_greedy(folder, history[:mark], NEW_TOKENS)

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 import server.plan
+from engine.config import ModelConfig, resolve_dtype
 from engine.demo import demo_model_path
 from server.api import VERSION, build_app
 from server.args import add_serve_args
@@ -74,8 +75,9 @@ def test_a_hub_id_is_refused_with_how_to_get_the_folder(
         (["--no-enable-prefix-caching"], "always caches prefixes"),
         (["-tp", "3"], "does not split this model .* use one of 1, 2, 4, 8"),
         (["-pp", "2"], "tensor parallelism only"),
-        (["--quantization", "awq"], "dequantized"),
-        (["-q", "fp8"], "dequantized"),
+        (["--quantization", "awq"], "--quantization awq: ppd serves fp8"),
+        (["--kv-cache-dtype", "fp8_e5m2"], "e4m3 .fp8, fp8_e4m3.; e5m2 is not served"),
+        (["-q", "fp8", "--attention-backend", "cpu"], "through --attention-backend torch"),
         (["--seed", "7"], "request's `seed`"),
         (["--max-logprobs", "50"], "0 to 20 logprobs"),
         (["--data-parallel-size", "2", "--units", "1"], "the same setting"),
@@ -110,6 +112,18 @@ def test_vllm_flags_ppd_takes_start_the_same_server() -> None:
         and accepted.model_name == "a"
     )
     assert plan("-tp", "2").units[0].tensor_parallel_size == 2
+
+
+def test_fp8_flags_reach_the_engine_and_the_pool_counts_a_byte_a_value() -> None:
+    """--quantization fp8 and --kv-cache-dtype fp8 as vLLM takes them: the workers get both, the
+    CPU serves them through the torch backend, and the same KV memory holds as many more blocks as
+    the model's dtype has bytes a value."""
+    plain = plan("--kv-cache-memory", "0.01").units[0].engine
+    fp8 = plan("-q", "fp8", "--kv-cache-dtype", "fp8", "--kv-cache-memory", "0.01").units[0].engine
+    assert (fp8.quantization, fp8.kv_cache_dtype, fp8.attention_backend) == ("fp8", "fp8", "torch")
+    itemsize = resolve_dtype(plain.dtype, ModelConfig.from_folder(plain.model), "cpu").itemsize
+    assert plain.num_kv_blocks is not None and fp8.num_kv_blocks is not None
+    assert abs(fp8.num_kv_blocks - itemsize * plain.num_kv_blocks) <= itemsize
 
 
 def test_generation_config_gives_the_defaults_of_requests_that_leave_them_unset(
