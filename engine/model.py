@@ -153,6 +153,8 @@ class Attention(nn.Module):
     def fused_groups(self) -> dict[str, list[str]]:
         """Attributes that bind_arena sets to one view over several adjacent parameters (names
         relative to self)."""
+        if len({type(p) for p in (self.q_proj, self.k_proj, self.v_proj)}) > 1:
+            return {}  # an FP8 checkpoint that keeps some of them in 16 bits: three GEMMs
         groups = {"qkv_weight": ["q_proj.weight", "k_proj.weight", "v_proj.weight"]}
         if isinstance(self.q_proj, Fp8Linear):
             groups["qkv_weight_scale"] = [f"{n}_proj.weight_scale" for n in "qkv"]
@@ -224,6 +226,8 @@ class MLP(nn.Module):
         self.gate_up_weight_scale: Tensor | None = None
 
     def fused_groups(self) -> dict[str, list[str]]:
+        if type(self.gate_proj) is not type(self.up_proj):
+            return {}  # one of them kept in 16 bits by an FP8 checkpoint: two GEMMs
         groups = {"gate_up_weight": ["gate_proj.weight", "up_proj.weight"]}
         if isinstance(self.gate_proj, Fp8Linear):
             groups["gate_up_weight_scale"] = ["gate_proj.weight_scale", "up_proj.weight_scale"]

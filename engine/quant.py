@@ -22,6 +22,7 @@ head stay in the model's dtype, as every FP8 checkpoint keeps them.
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,10 +70,7 @@ class Fp8Scheme:
     def quantizes(self, module: str) -> bool:
         """Whether the linear layer called module (e.g. 'model.layers.0.self_attn.q_proj') is held
         in FP8."""
-        return not any(
-            module == name or module.endswith("." + name) or name.endswith("." + module)
-            for name in self.ignored
-        )
+        return not any(_names(module, name) for name in self.ignored)
 
     def describe(self) -> str:
         """One phrase for the start-up log: the source, the scales and the activations."""
@@ -92,6 +90,14 @@ class Fp8Scheme:
             else "activations in the model's dtype (W8A16)"
         )
         return f"FP8 weights, {source}, {scales}, {acts}"
+
+
+def _names(module: str, name: str) -> bool:
+    """Whether a checkpoint's ignored-layer entry names module: the module's name or its tail, or
+    a regular expression (compressed-tensors' `re:` entries) matching the whole name."""
+    if name.startswith("re:"):
+        return re.fullmatch(name[3:], module) is not None
+    return module == name or module.endswith("." + name)
 
 
 @dataclass(frozen=True)

@@ -5,14 +5,16 @@ in each layout read as written."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig, ModelError
-from engine.loader import arena_nbytes, build_model, kv_scales, load_model
+from engine.loader import arena_nbytes, bind_arena, build_model, kv_scales, load_model, load_weights
 from engine.model import Model
 from engine.model_runner import ModelRunner
 from engine.quant import FP8, Fp8Weight, dense_copies, dequantize, fp8_linear, quantize
@@ -331,3 +333,35 @@ def test_weight_only_fp8_on_cuda_equals_transformers(tmp_path: Path) -> None:
     prompt = random_ids(23, seed=12)
     engine, seq = Engine(model, device="cuda", backend="triton"), Seq(list(prompt))
     assert engine.generate(seq, NEW_TOKENS) == hf_greedy(plain, prompt, NEW_TOKENS)
+
+
+def test_layers_a_checkpoint_keeps_unquantized_stay_in_the_model_dtype(tmp_path: Path) -> None:
+    """A checkpoint's ignored layers (here one layer's k_proj and gate_proj, by name and by
+    compressed-tensors' `re:` pattern) stay in float32 beside FP8 neighbours: q/k/v and gate/up
+    then run as separate GEMMs, and weight-only FP8 still equals transformers."""
+    folder = write_tiny_model(tmp_path / "llama", "llama")
+    plain = write_dequantized_model(folder, tmp_path / "dequantized")
+    ignored = ("model.layers.0.self_attn.k_proj", "re:model\\.layers\\.1\\.mlp\\.gate_proj")
+    cfg = ModelConfig.from_folder(folder).quantized("fp8", "none")
+    assert cfg.quantization is not None
+    cfg = replace(cfg, quantization=replace(cfg.quantization, ignored=ignored))
+    model = build_model(cfg, torch.float32)
+    bind_arena(model, torch.empty(arena_nbytes(model), dtype=torch.uint8))
+    load_weights(model, folder)
+    first, second = model.model.layers
+    assert first.self_attn.k_proj.weight.dtype == torch.float32
+    assert first.self_attn.q_proj.weight.dtype == FP8 and first.self_attn.fused_qkv() is None
+    assert second.mlp.gate_proj.weight.dtype == torch.float32 and second.mlp.gate_up_weight is None
+    # transformers' model with the ignored layers' original weights and the rest dequantized
+    mixed = write_tiny_model(tmp_path / "mixed", "llama")
+    original, quantized = (
+        load_file(folder / "model.safetensors"),
+        load_file(plain / "model.safetensors"),
+    )
+    names = ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.gate_proj.weight")
+    save_file(
+        {n: original[n] if n in names else t for n, t in quantized.items()},
+        mixed / "model.safetensors",
+    )
+    prompt = random_ids(21, seed=13)
+    assert greedy_and_logits(model, prompt)[0] == hf_greedy(mixed, prompt, NEW_TOKENS)
