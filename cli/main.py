@@ -13,13 +13,53 @@ from server.args import add_serve_args, show_defaults
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve_args(sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
+    # `ppd serve` builds its own parser only: the others import the benchmarks and the profiler,
+    # seconds of every server's start.
+    serving = argv[:1] == ["serve"]
+    profile_parsers = {} if serving else add_other_commands(sub)
+    show_defaults(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(args, "log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
+    from server.plan import UsageError
+
+    try:
+        return run(args, profile_parsers)
+    except UsageError as exc:
+        print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: everything was stopped on the way out; no traceback
+        print(f"ppd {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if serving:
+            raise
+        from bench.common import BenchError, Unmeasured
+        from partition.profiler import ProfilerError
+
+        if isinstance(exc, Unmeasured):
+            # the run went, and what it measured is written: it fails for what it could not
+            print(f"ppd {args.command}: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, (BenchError, ProfilerError)):
+            print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def add_other_commands(sub: argparse._SubParsersAction) -> dict[str, argparse.ArgumentParser]:
+    """`ppd bench`, `ppd probe` and `ppd profile`'s parsers; returns the profile subcommands'
+    (`ppd profile` alone runs each, in order)."""
     from bench.cli import add_bench_args
-    from bench.common import BenchError, Unmeasured
 
     add_bench_args(
         sub.add_parser(
@@ -53,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     from bench.policy_profile import (
         add_policy_args,
     )  # in bench/: it loads a server with the load generator
-    from partition.profiler import ProfilerError
     from partition.profiler_cli import add_partition_args
 
     partition_parser = profiles.add_parser(
@@ -76,58 +115,37 @@ def main(argv: list[str] | None = None) -> int:
         "tier-cached prefix's load at ($PPD_CACHE_DIR/profiles/<device>__<model>__tier.json)",
     )
     add_tier_args(tier_parser)
-    profile_parsers = {
-        "partition": partition_parser,
-        "policy": policy_parser,
-        "tier": tier_parser,
-    }  # `ppd profile` runs each, in order
-    show_defaults(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(args, "log_level", "info").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
-    from server.plan import UsageError
+    return {"partition": partition_parser, "policy": policy_parser, "tier": tier_parser}
 
-    try:
-        if args.command == "serve":
-            from server.serve import serve
 
-            serve(args)
-        elif args.command == "bench":
-            from bench.cli import main as bench_main
+def run(args: argparse.Namespace, profile_parsers: dict[str, argparse.ArgumentParser]) -> int:
+    """The command the arguments name."""
+    if args.command == "serve":
+        from server.serve import serve
 
-            bench_main(args)
-        elif args.command == "probe":
-            from partition.probe import run_probe
+        serve(args)
+    elif args.command == "bench":
+        from bench.cli import main as bench_main
 
-            return run_probe(args)
-        elif args.command == "profile":
-            from bench import policy_profile, tier_profile
-            from partition import profiler_cli
+        bench_main(args)
+    elif args.command == "probe":
+        from partition.probe import run_probe
 
-            mains = {
-                "partition": profiler_cli.main,
-                "policy": policy_profile.main,
-                "tier": tier_profile.main,
-            }
-            if args.profile_command:
-                mains[args.profile_command](args)
-            else:
-                for name, run_profile in mains.items():
-                    run_profile(
-                        profile_parsers[name].parse_args(["--quick"] if args.profile_quick else [])
-                    )
-    except (
-        Unmeasured
-    ) as exc:  # the run went, and what it measured is written: it fails for what it could not
-        print(f"ppd {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except (UsageError, BenchError, ProfilerError) as exc:
-        print(f"ppd {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: everything was stopped on the way out; no traceback
-        print(f"ppd {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return run_probe(args)
+    elif args.command == "profile":
+        from bench import policy_profile, tier_profile
+        from partition import profiler_cli
+
+        mains = {
+            "partition": profiler_cli.main,
+            "policy": policy_profile.main,
+            "tier": tier_profile.main,
+        }
+        if args.profile_command:
+            mains[args.profile_command](args)
+        else:
+            for name, run_profile in mains.items():
+                run_profile(
+                    profile_parsers[name].parse_args(["--quick"] if args.profile_quick else [])
+                )
     return 0
