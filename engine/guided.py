@@ -229,10 +229,11 @@ class GuidedDecoding:
 
     def _load(self) -> xgr.GrammarCompiler:
         import xgrammar as xgr
-        from transformers import AutoTokenizer
+
+        from engine.tokenizer import auto_tokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            tokenizer = auto_tokenizer(self.tokenizer_path)
         except Exception as e:
             raise GuidedError(
                 f"structured outputs cannot start: the tokenizer {self.tokenizer_path} does not "

@@ -25,14 +25,14 @@ def load_tokenizer(path: str | None, chat_template: str | None = None):
     ids), with chat_template (--chat-template's text) in place of its own."""
     if path is None:
         return None
-    from transformers import AutoTokenizer
+    from engine.tokenizer import auto_tokenizer
 
     fix = (
         "pass --tokenizer FOLDER with the model's tokenizer files,"
         " or --skip-tokenizer-init to serve token ids only"
     )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = auto_tokenizer(path)
     except (
         Exception
     ) as exc:  # transformers raises many kinds for a folder without a usable tokenizer

@@ -117,3 +117,24 @@ def test_a_folder_of_config_and_weights_alone_is_refused_in_one_line(
         len(lines) == 1 and "has no tokenizer files (tokenizer.json, tokenizer.model" in lines[0]
     ), result.stderr
     assert "--tokenizer FOLDER" in lines[0] and "--skip-tokenizer-init" in lines[0]
+
+
+def test_a_generic_fast_tokenizer_loads_as_autotokenizer_makes_it(cache_dir) -> None:
+    """A folder whose tokenizer_config.json names transformers' generic fast tokenizer is loaded as
+    that class directly (no AutoConfig, seconds of every start): the same class, ids, special tokens
+    and chat template as AutoTokenizer's; a folder naming another class is left to AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import generic_tokenizer
+    from server.serve import load_tokenizer
+
+    folder = str(demo_model_path(cache_dir))
+    ours, theirs = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    text = "Hello é 中 <|im_end|>"
+    chat = [{"role": "user", "content": text}]
+    assert type(ours) is type(theirs) and ours.encode(text) == theirs.encode(text)
+    assert ours.all_special_tokens == theirs.all_special_tokens and len(ours) == len(theirs)
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert generic_tokenizer(str(Path(__file__).parent)) is None  # no tokenizer_config.json
