@@ -49,13 +49,16 @@ QUESTIONS = [  # tests/server/test_real_model.py's
     "What is the opposite of cold?",
     "Tell me a fun fact about octopuses.",
 ]
-# name -> (--quantization, --fp8-activations, --kv-cache-dtype)
+# name -> (--quantization, --fp8-activations, --kv-cache-dtype), in bfloat16 but float32's row:
+# the same weights in float32, the measure's noise floor (bfloat16's own rounding parts greedy
+# texts at near-ties, tests/server/test_real_model.py)
 VARIANTS = {
     "bf16": (None, "dynamic", "auto"),
     "fp8 W8A8": ("fp8", "dynamic", "auto"),
     "fp8 KV": (None, "dynamic", "fp8"),
     "fp8 W8A8 + fp8 KV": ("fp8", "dynamic", "fp8"),
     "fp8 W8A16": ("fp8", "none", "auto"),
+    "float32": (None, "dynamic", "auto"),
 }
 BLOCK = 16
 
@@ -110,9 +113,8 @@ def main() -> None:
         done = args.out / f"ids-{slug(name)}.json" if args.out else None
         if done is not None and done.exists():
             continue
-        model, _ = load_model(
-            folder, "bfloat16", quantization=quantization, fp8_activations=activations
-        )
+        dtype = "float32" if name == "float32" else "bfloat16"
+        model, _ = load_model(folder, dtype, quantization=quantization, fp8_activations=activations)
         kv_dtype = model.dtype if kv == "auto" else FP8
         if kv_dtype == FP8:
             model.set_kv_scales(kv_scales(model, folder, "auto"))
@@ -146,14 +148,15 @@ def main() -> None:
             }
         )
     table = [
-        f"| variant | prompts with all {args.tokens} ids equal to bf16 | median ids before the "
-        "first difference |",
-        "| --- | --- | --- |",
+        f"| variant | prompts with all {args.tokens} ids equal to bf16 | first id equal | median "
+        "ids before the first difference |",
+        "| --- | --- | --- | --- |",
     ]
     for r in rows:
+        first = sum(a > 0 for a in r["tokens_before_difference"])
         table.append(
-            f"| {r['variant']} | {r['prompts_equal']} of {r['prompts']} | "
-            f"{r['median_tokens_before_difference']:g} |"
+            f"| {r['variant']} | {r['prompts_equal']} of {r['prompts']} | {first} of "
+            f"{r['prompts']} | {r['median_tokens_before_difference']:g} |"
         )
     print("\n".join(table))
     if args.out:

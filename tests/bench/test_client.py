@@ -250,7 +250,9 @@ def test_record_timing_usage_route_and_cache(stub):
         statistics.median(r.ttft - first_token for r, first_token in zip(records, stub_first_token))
         < 0.002
     )
-    assert statistics.median(r.ttft for r in records) == pytest.approx(TTFT_MS / 1000, abs=0.003)
+    # The stub's own sleep overshoots on a busy machine (23.5 ms for 20 in a loaded default suite):
+    # its time is checked from below, the client's part above.
+    assert TTFT_MS / 1000 <= statistics.median(r.ttft for r in records) <= TTFT_MS / 1000 + 0.01
     assert statistics.median(r.tpot for r in records) == pytest.approx(ITL_MS / 1000, abs=0.0005)
 
 
