@@ -101,9 +101,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="clients must send 'Authorization: Bearer KEY' (default: $PPD_API_KEY if set, else no "
-        "key); "
-        "/health and /metrics stay open",
+        help="clients must send 'Authorization: Bearer KEY' (default: $PPD_API_KEY, else vLLM's "
+        "$VLLM_API_KEY, else no key); /health and /metrics stay open",
     )
     p.add_argument(
         "--allowed-hosts",

@@ -262,7 +262,7 @@ class ChatAnswer:
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,
-            "model": self.body.model,
+            "model": self.model_name,
             "choices": choice_bodies,
             **extra,
         }

@@ -87,7 +87,7 @@ class GuardMiddleware:
                     401,
                     f"{what}: send the server's key as 'Authorization: Bearer KEY' "
                     "or 'x-api-key: KEY' (the key the server was started with, "
-                    "--api-key or PPD_API_KEY)",
+                    "--api-key, PPD_API_KEY or VLLM_API_KEY)",
                     extra_headers=[(b"www-authenticate", b"Bearer")],
                 )
         limit = self.guard.max_request_bytes

@@ -40,7 +40,7 @@ _json = msgspec.json.Encoder()
 class MessagesRequest(RequestBody):
     """Body of POST /v1/messages (and, without max_tokens, of /v1/messages/count_tokens)."""
 
-    model: str
+    model: str | None = None  # the one served model when left out
     messages: list[dict[str, Any]]
     max_tokens: int = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None

@@ -219,7 +219,7 @@ class SamplingRequest(RequestBody):
     """The fields /v1/chat/completions and /v1/completions share, and their mapping to
     SamplingParams."""
 
-    model: str
+    model: str | None = None  # the one served model when left out, as vLLM takes it
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # vLLM: -1 or 0 turn it off

@@ -65,6 +65,8 @@ class ServedModel:
     )
     created: int = field(default_factory=lambda: int(time.time()))
     aliases: tuple[str, ...] = ()  # every --served-model-name a request may use (name: the first)
+    # what else names the model: its path, and --model as given, where --served-model-name is not
+    paths: tuple[str, ...] | None = None  # None: the path (ServedModel made without a plan)
     sampling_defaults: dict = field(
         default_factory=dict
     )  # for requests that leave them unset (--generation-config)
@@ -75,7 +77,11 @@ class ServedModel:
         return self.aliases or (self.name,)
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in (*self.names, self.path):
+        """404 naming what is served unless name is one of the served names, or None (the one
+        model), or one of `paths` (the model's path and --model as given, where no
+        --served-model-name was: vLLM's rules)."""
+        paths = (self.path,) if self.paths is None else self.paths
+        if name is not None and name not in (*self.names, *paths):
             raise RequestError(
                 f"The model `{name}` does not exist; this server serves "
                 f"`{'`, `'.join(self.names)}`",

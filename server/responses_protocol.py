@@ -42,7 +42,7 @@ class TextConfig(BaseModel):
 class ResponsesRequest(RequestBody):
     """Body of POST /v1/responses."""
 
-    model: str
+    model: str | None = None  # the one served model when left out
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     previous_response_id: str | None = None

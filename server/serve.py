@@ -121,13 +121,15 @@ def bound_socket(family: int, host: str, port: int, reuse_port: bool) -> socket.
 
 
 def request_guard(args: argparse.Namespace):
-    """The API's checks of every request: body size, API key (--api-key or PPD_API_KEY), Host
-    header."""
+    """The API's checks of every request: body size, API key (--api-key, else PPD_API_KEY, else
+    vLLM's VLLM_API_KEY), Host header."""
     from server.guard import LOOPBACK_HOSTS, Guard
 
     if args.max_request_bytes < 1024:
         raise UsageError(f"--max-request-bytes {args.max_request_bytes}: at least 1024")
-    key = args.api_key if args.api_key is not None else os.environ.get("PPD_API_KEY") or None
+    key = args.api_key
+    if key is None:
+        key = os.environ.get("PPD_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     if args.allowed_hosts:
         hosts = (
             None
@@ -276,6 +278,8 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
         plan.mcfg.eos_token_ids,
         args.tool_call_parser,
         aliases=plan.model_names,
+        # vLLM takes the --model argument as a name unless --served-model-name names others
+        paths=() if args.served_model_name else (plan.model_path, args.model),
         sampling_defaults=plan.sampling_defaults,
         max_logprobs=args.max_logprobs,
     )

@@ -206,7 +206,7 @@ def test_min_tokens_above_the_resolved_budget_is_refused() -> None:
         ({"seed": 2**64}, "seed"),
         ({"stream": "sometimes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"model": None}, "model"),
+        ({"model": 5}, "model"),  # a name or nothing (vLLM: the one model)
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
         ({"messages": [{"role": "user"}]}, "messages.0.content"),

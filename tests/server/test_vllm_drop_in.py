@@ -387,3 +387,50 @@ def test_unknown_field_names_a_client_invents_are_named_only_up_to_a_bound(
     ]
     assert len(named) == len(server.protocol.IGNORED_FIELDS) == server.protocol.MAX_IGNORED_NAMED
     assert named[-1].endswith("no more are named)")
+
+
+def test_model_may_be_left_out_and_served_names_are_the_only_names() -> None:
+    """As vLLM: `model` may be left out (the one model serves it, answers carry its name); with
+    --served-model-name only the served names are names (paths=()), without it the model's path is
+    one too."""
+
+    async def run(**served) -> dict:
+        http, _ = api(**served)
+        async with http:
+            bodies = {
+                "none": {"messages": [{"role": "user", "content": "hi"}]},
+                "path": chat(model=str(demo_model_path())),
+            }
+            got = {k: await http.post("/v1/chat/completions", json=b) for k, b in bodies.items()}
+            got["stream"] = await http.post(
+                "/v1/chat/completions", json={**bodies["none"], "stream": True}
+            )
+            got["completion"] = await http.post("/v1/completions", json={"prompt": "hi"})
+            return got
+
+    plain = asyncio.run(run())
+    assert plain["none"].status_code == 200 and plain["none"].json()["model"] == "a"
+    assert plain["completion"].status_code == 200 and plain["completion"].json()["model"] == "a"
+    chunks = [
+        json.loads(line.removeprefix("data: "))
+        for line in plain["stream"].text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert chunks and all(c["model"] == "a" for c in chunks)
+    assert plain["path"].status_code == 200  # no --served-model-name: the path names it too
+    named = asyncio.run(run(aliases=("a", "b"), paths=()))
+    assert named["none"].status_code == 200
+    assert named["path"].status_code == 404 and "`a`, `b`" in named["path"].text
+
+
+def test_vllms_api_key_variable_sets_the_key_unless_another_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from server.serve import request_guard
+
+    monkeypatch.delenv("PPD_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert request_guard(serve_args()).api_key == "from-vllm"
+    monkeypatch.setenv("PPD_API_KEY", "from-ppd")
+    assert request_guard(serve_args()).api_key == "from-ppd"
+    assert request_guard(serve_args("--api-key", "flag")).api_key == "flag"
