@@ -175,16 +175,20 @@ class ServedModel:
     def resolve_max_tokens(self, body: SamplingRequest, num_prompt: int) -> int:
         room = self.max_model_len - num_prompt
         requested = body.requested_max_tokens
-        if room < 1 or (requested is not None and requested > room):
-            asked = (
-                f"{num_prompt + requested} tokens ({num_prompt} in the prompt, {requested} in the "
-                "completion)"
-                if requested is not None
-                else f"{num_prompt} tokens in the prompt, leaving no room for the completion"
+        if room < 1:  # the prompt alone: max_tokens is not to blame
+            prompt = "messages" if hasattr(body, "messages") else "prompt"
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt is {num_prompt} tokens, leaving no room for the completion. Shorten "
+                f"the {prompt} to fewer than {self.max_model_len} tokens.",
+                param=prompt,
             )
+        if requested is not None and requested > room:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {asked}. Shorten the prompt or lower max_tokens.",
+                f"requested {num_prompt + requested} tokens ({num_prompt} in the prompt, "
+                f"{requested} in the completion). Shorten the prompt or lower max_tokens to "
+                f"{room} or fewer.",
                 param="max_tokens",
             )
         if requested is None and (default := self.sampling_defaults.get("max_tokens")) is not None:

@@ -434,3 +434,29 @@ def test_vllms_api_key_variable_sets_the_key_unless_another_does(
     monkeypatch.setenv("PPD_API_KEY", "from-ppd")
     assert request_guard(serve_args()).api_key == "from-ppd"
     assert request_guard(serve_args("--api-key", "flag")).api_key == "flag"
+
+
+def test_a_prompt_too_long_alone_is_blamed_not_max_tokens() -> None:
+    """A prompt that alone fills the 4,096-token context names the prompt (`messages` or `prompt`);
+    one that fits but leaves less room than max_tokens asks names max_tokens and the room left."""
+
+    async def run() -> dict:
+        http, _ = api()
+        long = "word " * 5000
+        async with http:
+            return {
+                "chat": await http.post(
+                    "/v1/chat/completions", json=chat(messages=[{"role": "user", "content": long}])
+                ),
+                "completion": await http.post("/v1/completions", json={"prompt": long}),
+                "max_tokens": await http.post("/v1/chat/completions", json=chat(max_tokens=5000)),
+            }
+
+    got = asyncio.run(run())
+    for name, param in (("chat", "messages"), ("completion", "prompt")):
+        error = got[name].json()["error"]
+        assert got[name].status_code == 400 and error["param"] == param, error
+        assert "your prompt is" in error["message"] and "max_tokens" not in error["message"]
+    error = got["max_tokens"].json()["error"]
+    assert got["max_tokens"].status_code == 400 and error["param"] == "max_tokens"
+    assert "lower max_tokens to" in error["message"]
