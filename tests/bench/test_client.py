@@ -28,7 +28,7 @@ from bench.client import (
 from bench.report import summarize
 from bench.stub_server import start_stub
 
-TTFT_MS, ITL_MS = 20.0, 2.0
+TTFT_MS, ITL_MS = 20.0, 8.0
 FAST = {"stub": {"ttft_ms": 2, "itl_ms": 1}}  # for tests about content, not timing
 
 
@@ -245,15 +245,19 @@ def test_record_timing_usage_route_and_cache(stub):
         assert TTFT_MS / 1000 <= first_token <= r.ttft
         assert r.latency >= r.ttft + sum(r.itl) - 1e-9  # [DONE] comes after the last token
     # A single request on a shared 2-core VM may see a scheduling hiccup of a few ms; medians do
-    # not.
+    # not: the client stamps the first token, not the second (ITL_MS later). 2.01 ms was seen in a
+    # loaded suite, so the bound is half an ITL.
     assert (
         statistics.median(r.ttft - first_token for r, first_token in zip(records, stub_first_token))
-        < 0.002
+        < ITL_MS / 2 / 1000
     )
     # The stub's own sleep overshoots on a busy machine (23.5 ms for 20 in a loaded default suite):
     # its time is checked from below, the client's part above.
     assert TTFT_MS / 1000 <= statistics.median(r.ttft for r in records) <= TTFT_MS / 1000 + 0.01
-    assert statistics.median(r.tpot for r in records) == pytest.approx(ITL_MS / 1000, abs=0.0005)
+    # the stub's sleeps between tokens overshoot under load as its first one does
+    assert (
+        0.9 * ITL_MS / 1000 <= statistics.median(r.tpot for r in records) <= ITL_MS / 1000 + 0.003
+    )
 
 
 def test_timeout_fails_the_request_and_stops_its_conversation(stub):
