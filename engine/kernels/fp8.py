@@ -62,8 +62,8 @@ class Fp8Config:
 # keep the reads in flight; decode's 16-row tiles take mma.sync, from 17 rows wgmma's 64 (a warp
 # group). From 129, square tiles reuse each weight tile over 128 rows. K tiles of 128 are a block
 # checkpoint's group. Chosen from the shape of the work, not yet timed on a GPU (bench/fp8_gemm.py
-# times them); python -m tests.engine.kernels.sm90_compile_fp8 proves they fit sm_90's shared
-# memory.
+# times them); `python -m tests.engine.kernels.sm90_compile --part fp8-gemm` proves they fit
+# sm_90's shared memory.
 FP8_CONFIGS = (
     Fp8Config(16, 16, 32, 128, 4, 6),
     Fp8Config(128, 64, 32, 128, 4, 4),

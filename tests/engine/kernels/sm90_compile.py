@@ -31,7 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +96,8 @@ class StopAfterPtxas(DriverBase):
     """Triton's view of an H100 that compiles kernels to cubins but loads and runs none: each launch
     is recorded."""
 
-    def __init__(self, keep_args: bool = True) -> None:
+    def __init__(self) -> None:
         self.launches: list[Launch] = []
-        self.keep_args = (
-            keep_args  # whether a launch's record keeps its arguments (and so its tensors alive)
-        )
         # Triton asks its driver's C helpers (utils) for device properties and module loading
         self.utils = self
 
@@ -149,9 +146,7 @@ class StopAfterPtxas(DriverBase):
     def launcher_cls(self, src: Any, metadata: Any) -> Callable[..., None]:
         """The launcher Triton builds for a loaded kernel (Triton's name for it): this one records
         the launch."""
-        return lambda *args: self.launches.append(
-            Launch(metadata.name, metadata.shared, args if self.keep_args else ())
-        )
+        return lambda *args: self.launches.append(Launch(metadata.name, metadata.shared, args))
 
 
 @dataclass(frozen=True)
@@ -196,6 +191,8 @@ def run_case(stand_in: StopAfterPtxas, case: Case) -> Result:
     except Exception as exc:  # noqa: BLE001 - a compile error of any kind is a result to report
         status, error = "FAIL", " | ".join(f"{type(exc).__name__}: {exc}".splitlines())[-800:]
     new = stand_in.launches[before:]
+    # a finished case's launches keep no arguments: its tensors are freed before the next case's
+    stand_in.launches[before:] = [replace(launch, args=()) for launch in new]
     shared = max([shared] + [launch.shared for launch in new])
     if status == "OK" and not new:
         status, error = "FAIL", "no kernel was launched"
@@ -750,7 +747,7 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 
 PARTS = {
-    "default": "every case but float32-splits' (fast and slow together)",
+    "default": "every case but float32-splits' (fast, slow and the FP8 GEMMs' together)",
     "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: "
     "minutes of FMA dots each to compile (the second test suite)",
     "fast": "default's but float32 attention, CUDA-graph steps and the fp8 KV pool's (the default "
@@ -759,6 +756,8 @@ PARTS = {
     "the rest together, bfloat16 steps replayed from CUDA graphs, and a bfloat16 model over an "
     "fp8 KV pool (the second test suite)",
     "oversized": "only an attention tile too big for shared memory, which must come out SMEM",
+    "fp8-gemm": "the FP8 linear layers' kernels (sm90_compile_fp8.py) in bfloat16 (second suite)",
+    "fp8-gemm-float16": "the FP8 linear layers' kernels in float16 (the second suite)",
 }
 
 
@@ -774,6 +773,10 @@ def cases(part: str) -> list[Case]:
         ]
     if part == "float32-splits":
         return split_cases("float32")
+    from tests.engine.kernels.sm90_compile_fp8 import fp8_gemm_cases  # which imports this module
+
+    if part in ("fp8-gemm", "fp8-gemm-float16"):
+        return fp8_gemm_cases("float16" if part == "fp8-gemm-float16" else "bfloat16")
     slow = attention_cases("float32") + graph_cases("bfloat16") + moe_cases("float32") + fp8_cases()
     fast = [
         case
@@ -784,7 +787,8 @@ def cases(part: str) -> list[Case]:
     fast.append(Case("relaunch bfloat16", "relaunch", lambda: relaunch_check("bfloat16")))
     fast.append(Case("probe spin float32", "probe", lambda: spin(torch.zeros(2 * BLOCK), 1000)))
     fast.append(Case("probe sm_ids", "probe", sm_ids_launch))
-    return {"slow": slow, "fast": fast}.get(part, slow + fast)
+    everything = slow + fast + fp8_gemm_cases("bfloat16") + fp8_gemm_cases("float16")
+    return {"slow": slow, "fast": fast}.get(part, everything)
 
 
 # ---- running them --------------------------------------------------------------------------------

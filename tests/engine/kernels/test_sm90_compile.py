@@ -70,3 +70,14 @@ def test_float32_split_and_mixed_attention_compile_for_sm90() -> None:
 def test_a_tile_over_shared_memory_fails_the_check() -> None:
     rc, not_ok, output = compile_for_sm90("oversized")
     assert rc == 1 and len(not_ok) == 1 and not_ok[0].startswith("SMEM"), output
+
+
+# 25-50 s on 2 cores with an empty Triton cache (15 kernels), as CI's always is: in the second
+# suite, under the default one's budget
+@pytest.mark.slow
+@pytest.mark.parametrize("part", ["fp8-gemm", "fp8-gemm-float16"])
+def test_fp8_linear_kernels_compile_for_sm90(part: str) -> None:
+    """The FP8 activation quantizer and GEMM (engine/kernels/fp8.py) in every tile, W8A8 and W8A16,
+    per-channel and block scales."""
+    rc, not_ok, output = compile_for_sm90(part)
+    assert rc == 0, "\n".join(not_ok) or output
