@@ -27,7 +27,7 @@ from engine.model import Model, kv_pool_shape
 from engine.model_runner import ModelRunner, StepInput
 from engine.quant import FP8, dense_copies
 
-QUESTIONS = [  # tests/server/test_real_model.py's
+QUESTIONS = [  # tests/server/test_real_model.py's too
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that adds two numbers.",
     "Name three colours of the rainbow.",

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from bench.fp8_agreement import QUESTIONS  # 20 chat prompts, shared with FP8's agreement
 from engine.gguf import GGUFError, smollm2_gguf
 from tests.server_process import greedy_completion
 from tests.tiny_models import hf_gguf_model
@@ -26,28 +27,6 @@ from tests.tiny_models import hf_gguf_model
 pytestmark = pytest.mark.slow
 BLOCK = 16
 NEW_TOKENS = 64
-QUESTIONS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a Python function that adds two numbers.",
-    "Name three colours of the rainbow.",
-    "Why is the sky blue?",
-    "How many legs does a spider have?",
-    "Give me a synonym for happy.",
-    "What is 12 times 12?",
-    "Translate 'good morning' into Spanish.",
-    "Who wrote Romeo and Juliet?",
-    "What is photosynthesis?",
-    "Suggest a name for a pet cat.",
-    "What is the boiling point of water in Celsius?",
-    "Write a haiku about the sea.",
-    "What does a CPU do in a computer?",
-    "List two benefits of regular exercise.",
-    "What is the largest planet?",
-    "Explain what a noun is.",
-    "How do you make a cup of tea?",
-    "What is the opposite of cold?",
-    "Tell me a fun fact about octopuses.",
-]
 FOLLOW_UP = "Say that again in fewer words."
 # bfloat16: the largest gap at a first difference between transformers' logit for its token and for
 # ours, in bfloat16's steps at its token's logit (1/8 at logits of 16-32, 1/4 at 32-64). Both sides
