@@ -17,9 +17,7 @@ from torch import Tensor
 
 from engine.attention.base import AttentionBackend, StepBatch
 from engine.ops import TorchOps
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
+from engine.quant import FP8, FP8_MAX
 
 
 @dataclass
