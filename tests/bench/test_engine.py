@@ -271,12 +271,12 @@ def test_two_ranks_report_each_steps_collectives_against_their_floor(
     the bytes and FLOPs."""
     import argparse
 
-    from bench.engine import run_ranks
+    from bench.engine import add_engine_args, run_ranks
 
     folder = str(demo_model_path(cache_dir))
-    args = argparse.Namespace(
-        tensor_parallel_size=2, dtype="auto", quick=True, attention_backend="auto", rounds=1
-    )
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", folder, "--quick", "--tensor-parallel-size", "2"])
     report = run_ranks(args, folder, torch.device("cpu"), QUICK_GRID)
     one = run(folder, torch.device("cpu"), QUICK_GRID, quick=True)
     assert report.meta["tensor_parallel_size"] == 2 and report.ceilings.link_gbps > 0
