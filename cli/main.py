@@ -8,13 +8,23 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import NoReturn
 
 from server.args import add_serve_args, show_defaults
+from server.vllm_cli import VLLM_VERSION, VllmCliError, vllm_argv
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A parser whose errors are one line naming the problem, not argparse's usage screen (a `vllm
+    serve` flag ppd does not know must not bury its name under two hundred others)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ppd", description="ppd-serve: multi-turn LLM serving with PPD routing"
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -24,7 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     serving = argv[:1] == ["serve"]
     profile_parsers = {} if serving else add_other_commands(sub)
     show_defaults(parser)
-    args = parser.parse_args(argv)
+    if serving:
+        try:
+            argv = argv[:1] + vllm_argv(argv[1:])
+        except VllmCliError as exc:
+            print(f"ppd serve: error: {exc}", file=sys.stderr)
+            return 2
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = f"ppd {args.command}"
+        also = f" nor a `vllm serve` {VLLM_VERSION} flag" if serving else ""
+        print(
+            f"{command}: error: unrecognized arguments: {' '.join(unknown)} (not a flag of "
+            f"{command}{also}); see `{command} --help`",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(
         level=getattr(args, "log_level", "info").upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -105,6 +105,7 @@ class EngineConfig:
     quantization: str | None = None  # "fp8": linear weights in FP8 (engine/quant.py)
     fp8_activations: str = "dynamic"  # FP8 weights' activations: "dynamic" (W8A8) or "none"
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3 with per-layer scales
+    seed: int | None = None  # the sampling of requests without a seed (--seed); None: random
 
     def model_config(self, tp_size: int = 1) -> ModelConfig:
         """The model as this engine holds it: quantized as asked, tp_size's shard."""
@@ -143,7 +144,7 @@ class Engine:
         guided = GuidedDecoding(
             cfg.tokenizer, mcfg.vocab_size, mcfg.eos_token_ids, pin=self.device.type == "cuda"
         )
-        self.sampler = Sampler(mcfg.eos_token_ids, guided)
+        self.sampler = Sampler(mcfg.eos_token_ids, guided, seed=cfg.seed)
         self._failed_steps = 0
         self.followers: FollowerLink | None = (
             None  # tensor-parallel rank 0: where each step's inputs go first (lead)

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 
 from engine.sampling_params import GuidedSpec, RequestFailure
@@ -160,6 +161,7 @@ class GuidedDecoding:
         self._stop_row = torch.tensor(
             [w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32
         )
+        self._free_row = torch.full((self.width,), -1, dtype=torch.int32)  # every token allowed
 
     @property
     def available(self) -> bool:
@@ -262,6 +264,7 @@ class GuidedDecoding:
                 "without "
                 "structured outputs (response_format, structured_outputs, guided_*)"
             )
+        spec = msgspec.structs.replace(spec, after=())  # one grammar, wherever it starts
         with self._lock:
             if (future := self._compiled.get(spec)) is not None:
                 self._compiled.move_to_end(spec)
@@ -300,7 +303,11 @@ class GuidedDecoding:
         live: list[xgr.GrammarMatcher] = []
         at: list[int] = []
         for k, (request_id, spec, tokens) in enumerate(rows):
-            matcher = self._catch_up(request_id, spec, tokens)
+            held = grammar_tokens(spec, tokens)
+            if held is None:  # still before the grammar's start (thinking)
+                out[k] = self._free_row
+                continue
+            matcher = self._catch_up(request_id, spec, held)
             if matcher.is_terminated():  # xgrammar refuses to fill after a stop token
                 out[k] = self._stop_row
             else:
@@ -332,3 +339,15 @@ class GuidedDecoding:
                 )
             state.accepted += 1
         return state.matcher
+
+
+def grammar_tokens(spec: GuidedSpec, tokens: Sequence[int]) -> Sequence[int] | None:
+    """The output tokens spec's grammar holds for: all of them, or those after the first
+    occurrence of spec.after (None: it has not occurred yet)."""
+    n = len(spec.after)
+    if not n:
+        return tokens
+    for i in range(len(tokens) - n + 1):
+        if tokens[i] == spec.after[0] and tuple(tokens[i : i + n]) == spec.after:
+            return tokens[i + n :]
+    return None

@@ -160,9 +160,17 @@ class Sampler:
     """Greedy, temperature, min-p, top-k and top-p sampling with per-request seeds, penalties,
     logit_bias, min_tokens, grammar masks (guided: the engine's GuidedDecoding) and logprobs."""
 
-    def __init__(self, eos_token_ids: Sequence[int], guided: GuidedDecoding | None = None) -> None:
+    def __init__(
+        self,
+        eos_token_ids: Sequence[int],
+        guided: GuidedDecoding | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """seed: where requests without a seed of their own draw from (None: a random start, so
+        that no two processes draw alike)."""
         self.eos_token_ids = tuple(eos_token_ids)
         self.guided = guided
+        self.seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}  # for requests without a seed
         self._seeded: dict[torch.device, torch.Generator] = {}  # reseeded per row
         self._counts: dict[torch.device, TokenCounts] = {}
@@ -352,10 +360,11 @@ class Sampler:
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if len(seeded) < len(params):
             if device not in self._shared:
-                self._shared[device] = torch.Generator(device)
-                self._shared[
-                    device
-                ].seed()  # the default seed is a constant: every process would draw alike
+                gen = self._shared[device] = torch.Generator(device)
+                if self.seed is None:
+                    gen.seed()  # the default seed is a constant: every process would draw alike
+                else:
+                    gen.manual_seed(self.seed)
             noise.exponential_(generator=self._shared[device])
         if seeded:
             if device not in self._seeded:

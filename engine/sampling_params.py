@@ -27,6 +27,9 @@ class GuidedSpec(msgspec.Struct, frozen=True):
 
     kind: GuidedKind
     value: str = ""
+    # token ids ending a free prefix (a reasoning model's </think>): the grammar holds for the
+    # output after their first occurrence, and nothing is masked before it; () : from the start
+    after: tuple[int, ...] = ()
 
 
 # Temperatures below this are greedy, as in vLLM: logits divided by one were infinite (fuzzing sent

@@ -12,10 +12,13 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,6 +40,35 @@ except importlib.metadata.PackageNotFoundError:  # run from a checkout that was 
     VERSION = "0+unknown"
 
 
+@dataclass(frozen=True)
+class HttpOptions:
+    """What the app serves besides the API (vLLM's flags): /docs, CORS, X-Request-Id headers."""
+
+    docs: bool = True
+    cors: dict | None = None  # CORSMiddleware's arguments; None: no CORS headers
+    request_id_headers: bool = False
+
+
+class RequestIdHeader:
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own or a
+    new one."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(
     model: ServedModel,
     client: EngineClient,
@@ -44,11 +76,17 @@ def build_app(
     lifespan=None,
     guard: Guard = Guard(),
     store: ResponseStore | None = None,
+    http: HttpOptions = HttpOptions(),
 ) -> FastAPI:
     """The FastAPI app. health() returns the units' worker states for GET /health; store keeps the
     Responses API's stored responses (default: a fresh in-memory one)."""
-    app = FastAPI(title="ppd-serve", lifespan=lifespan)
+    docs = {} if http.docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ppd-serve", lifespan=lifespan, **docs)
     app.add_middleware(GuardMiddleware, guard=guard, refuse=client.refusal)
+    if http.request_id_headers:
+        app.add_middleware(RequestIdHeader)
+    if http.cors is not None:  # outermost: a browser's preflight needs no API key
+        app.add_middleware(CORSMiddleware, **http.cors)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

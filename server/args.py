@@ -17,9 +17,11 @@ from partition.backends import (
 )
 from scheduler.config import POLICIES
 from server.guard import DEFAULT_MAX_REQUEST_BYTES
+from server.reasoning import REASONING_PARSERS
 from server.response_store import DEFAULT_MAX_BYTES as DEFAULT_STORE_BYTES
 from server.routing.policy import DEFAULT_W_TPOT, DEFAULT_W_TTFT
 from server.routing.router import DEFAULT_SESSION_TTL_S
+from server.vllm_cli import add_vllm_only_args, dtype_name, human_int, human_int_or_auto, log_level
 
 DEFAULT_MAX_QUEUE_TIME_S = 10.0
 
@@ -82,7 +84,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--skip-tokenizer-init",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="load no tokenizer: prompts are token ids (/v1/completions) and answers carry token "
         "ids, no text",
     )
@@ -100,9 +103,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="clients must send 'Authorization: Bearer KEY' (default: $PPD_API_KEY, else vLLM's "
-        "$VLLM_API_KEY, else no key); /health and /metrics stay open",
+        metavar="KEY",
+        help="clients must send 'Authorization: Bearer KEY' (one of the keys given; default: "
+        "$PPD_API_KEY, else vLLM's $VLLM_API_KEY, else no key); /health and /metrics stay open",
     )
     p.add_argument(
         "--allowed-hosts",
@@ -173,8 +178,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         default="auto",
+        type=dtype_name,
         choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and KV dtype; auto = the checkpoint's",
+        help="weights and KV dtype; auto = the checkpoint's (vLLM's half and float are float16 "
+        "and float32)",
     )
     p.add_argument(
         "--load-format",
@@ -185,11 +192,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", *BACKENDS],
-        help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU",
+        metavar="{auto," + ",".join(BACKENDS) + "}",
+        help="auto (default): triton on CUDA, cpu (our decode kernel beside SDPA) on the CPU; "
+        "vLLM's backend names (FLASH_ATTN, ...) are taken as auto",
     )
     p.add_argument(
-        "--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly"
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no CUDA graphs: every step runs eagerly",
     )
     p.add_argument(
         "--async-scheduling",
@@ -392,6 +403,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--gpu-memory-utilization",
+        "--device-memory-utilization",
         type=float,
         default=0.9,
         help="this instance's share of each GPU's memory, as vLLM's flag (what other processes "
@@ -447,10 +459,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=human_int_or_auto,
         default=None,
-        help="context length (prompt + output); default: the model's, capped by what the KV pool "
-        "holds",
+        help="context length (prompt + output), as vLLM spells it (32768, 32k, 32K); default (or "
+        "auto): the model's, capped by what the KV pool holds",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -459,7 +471,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="most sequences a decode worker batches (CUDA graphs are captured up to this batch)",
     )
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="token budget of one forward pass"
+        "--max-num-batched-tokens",
+        type=human_int,
+        default=2048,
+        help="token budget of one forward pass",
     )
     p.add_argument(
         "--prefill-batch-tokens",
@@ -474,6 +489,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--log-level",
         default="info",
+        type=log_level,
         choices=["debug", "info", "warning", "error"],
         help="what to log",
     )
@@ -529,7 +545,8 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted: tool_choice auto is always on (the chat template's tool format, else "
         "Hermes's; "
         "--tool-call-parser to name one)",
@@ -541,7 +558,8 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--trust-remote-code",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted: ppd runs its own model code (Llama, Mistral, Qwen2, Qwen3), never a "
         "folder's",
     )
@@ -589,9 +607,140 @@ def add_vllm_args(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=None,
-        help="refused: a request's `seed` makes its sampling repeatable; there is no server-wide "
-        "seed",
+        help="seeds the sampling of requests that bring no seed of their own, so that a restarted "
+        "server given the same requests in the same order samples alike (default: a random seed)",
     )
+    g.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="chat template arguments for requests that do not set them in chat_template_kwargs, "
+        "e.g. '{\"enable_thinking\": false}'",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split a reasoning model's thinking (<think>...</think>) off its answer: "
+        "reasoning_content in chat completions, reasoning items in the Responses API, thinking "
+        "blocks in /v1/messages; tool calls and structured outputs apply to the answer after it",
+    )
+    g.add_argument(
+        "--enable-reasoning",
+        action="store_true",
+        help="older vLLM's switch for --reasoning-parser, which alone is enough",
+    )
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat completions' answers",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="every response carries usage, streams too without stream_options.include_usage",
+    )
+    g.add_argument(
+        "--enable-request-id-headers",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="answer each request with an X-Request-Id header (the client's, else a new one)",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve no /docs, /redoc or /openapi.json",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="no line per HTTP request in the log",
+    )
+    g.add_argument(
+        "--disable-access-log-for-endpoints",
+        default=None,
+        metavar="PATHS",
+        help="comma-separated paths whose requests get no access log line, e.g. /health,/metrics",
+    )
+    g.add_argument(
+        "--root-path",
+        default=None,
+        help="the path prefix a proxy serves the API under (ASGI's root_path)",
+    )
+    g.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="JSON",
+        help="CORS: origins a browser may call from, e.g. '[\"https://app.example\"]' (with any "
+        "CORS flag the server answers CORS, else not at all)",
+    )
+    g.add_argument("--allowed-methods", default=None, metavar="JSON", help='CORS: methods (["*"])')
+    g.add_argument("--allowed-headers", default=None, metavar="JSON", help='CORS: headers (["*"])')
+    g.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="CORS: allow credentials",
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
+    g.add_argument("--ssl-ca-certs", default=None, help="HTTPS: CA certificates to check clients'")
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="HTTPS: whether clients need a certificate (Python's ssl.CERT_*: 0 none, 2 required)",
+    )
+    g.add_argument("--ssl-ciphers", default=None, help="HTTPS: the ciphers to allow")
+    g.add_argument(
+        "--device-ids",
+        default=None,
+        help="the GPUs to serve on, e.g. 0,1 (the same as --gpus)",
+    )
+    g.add_argument(
+        "--data-parallel-size-local",
+        "-dpl",
+        type=int,
+        default=None,
+        help="the number of units on this node (as --data-parallel-size: ppd runs on one)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=human_int,
+        default=None,
+        help="bytes of KV cache per unit (as --kv-cache-memory, which counts GiB)",
+    )
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV blocks per unit (the same as --num-kv-blocks)",
+    )
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=int,
+        default=None,
+        help="requests waiting to start beyond which a new one is refused (as "
+        "--max-waiting-requests)",
+    )
+    g.add_argument(
+        "--cudagraph-capture-sizes",
+        nargs="+",
+        type=int,
+        default=None,
+        help="step sizes to capture: the largest sets --max-graph-tokens (ppd captures its own "
+        "buckets up to it)",
+    )
+    g.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=None,
+        help="the largest step captured in a CUDA graph (as --max-graph-tokens)",
+    )
+    add_vllm_only_args(p)
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

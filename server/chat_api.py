@@ -47,5 +47,15 @@ def add_chat_routes(app: FastAPI, path: RequestPath) -> None:
         )  # without a tokenizer, gen.body has return_token_ids set
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         return await path.respond(
-            gen, request, ChatAnswer(response_id, gen, chat, model.name, token_text)
+            gen,
+            request,
+            ChatAnswer(
+                response_id,
+                gen,
+                chat,
+                model.name,
+                token_text,
+                model.response_role,
+                model.force_usage,
+            ),
         )

@@ -17,6 +17,7 @@ import msgspec
 from engine.sampling_params import TokenLogprobs
 from server.errors import error_body, error_type
 from server.protocol import SamplingRequest
+from server.reasoning import whole
 from server.request_path import Generation
 from server.request_types import Choice, Event, Prompt
 
@@ -185,17 +186,32 @@ def prompt_logprobs_body(
     )
 
 
+def reasoning_fields(thinking: str | None) -> dict[str, str | None]:
+    """The thinking of a reasoning model's answer, under both names clients read it by:
+    reasoning_content (DeepSeek's API, vLLM before 0.30) and reasoning (vLLM's now)."""
+    return {"reasoning_content": thinking, "reasoning": thinking}
+
+
 def choice_body(
-    c: Choice, chat: bool, body: SamplingRequest, text: TokenText, prompt: Prompt
+    c: Choice,
+    chat: bool,
+    body: SamplingRequest,
+    text: TokenText,
+    prompt: Prompt,
+    role: str = "assistant",
 ) -> dict:
     """A finished choice of a non-streamed response (chat's prompt_logprobs go on the response, not
     the choice)."""
     out: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": c.finish_reason}
     asked = body.logprobs_asked is not None
     if chat:
-        message: dict[str, Any] = {"role": "assistant", "content": c.detok.text}
+        answer = c.detok.text
+        message: dict[str, Any] = {"role": role, "content": answer}
+        if c.reasoning is not None:
+            thinking, answer = whole(answer, c.reasoning.thinking)
+            message.update(reasoning_fields(thinking), content=answer)
         if c.tools is not None:
-            content, calls = c.tools.result(c.detok.text)
+            content, calls = c.tools.result(answer)
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
@@ -224,7 +240,14 @@ class ChatAnswer:
     first chunk carries its echoed prompt and prompt logprobs (chat: the response's first chunk)."""
 
     def __init__(
-        self, response_id: str, gen: Generation, chat: bool, model_name: str, text: TokenText
+        self,
+        response_id: str,
+        gen: Generation,
+        chat: bool,
+        model_name: str,
+        text: TokenText,
+        role: str = "assistant",
+        force_usage: bool = False,
     ) -> None:
         self.id, self.body, self.chat, self.model_name, self.text = (
             response_id,
@@ -233,6 +256,8 @@ class ChatAnswer:
             model_name,
             text,
         )
+        self.role = role  # --response-role
+        self.force_usage = force_usage  # --enable-force-include-usage
         self.choices, self.prompt = gen.choices, gen.prompt
         self.retention = gen.retention
         self.created = 0  # a stream's: set as it opens
@@ -248,7 +273,7 @@ class ChatAnswer:
             "object": "chat.completion" if self.chat else "text_completion",
             "created": int(time.time()),
             "model": self.model_name,
-            "choices": [choice_body(c, self.chat, body, text, prompt) for c in choices],
+            "choices": [choice_body(c, self.chat, body, text, prompt, self.role) for c in choices],
             "usage": usage(prompt.token_ids, choices, self.retention),
         }
         if self.chat and body.prompt_logprobs is not None:
@@ -277,7 +302,7 @@ class ChatAnswer:
                 [
                     {
                         "index": c.index,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": self.role, "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -294,11 +319,17 @@ class ChatAnswer:
         self.started.add(c.index)
         delta: dict[str, Any] = {}
         finish = event.finish_reason
+        answer, thinking = event.text, ""
+        if chat and c.reasoning is not None:
+            split = c.reasoning.feed(event.text, final=finish is not None)
+            answer, thinking = split.content, split.reasoning
         if chat and c.tools is not None:
-            delta = c.tools.delta(event.text, final=finish is not None)
+            delta = c.tools.delta(answer, final=finish is not None)
             finish = c.tools.finish_reason(finish)
-        elif chat and event.text:
-            delta = {"content": event.text}
+        elif chat and answer:
+            delta = {"content": answer}
+        if thinking:
+            delta = {**reasoning_fields(thinking), **delta}
         has_logprobs = asked and bool(event.token_ids)
         shows_prompt = first and (prompt.echo is not None or body.prompt_logprobs is not None)
         if not (
@@ -337,7 +368,7 @@ class ChatAnswer:
         return [self.chunk([part], **extra)]
 
     async def closing(self) -> AsyncIterator[bytes]:
-        if self.body.include_usage:
+        if self.body.include_usage or self.force_usage:
             yield self.chunk([], usage=usage(self.prompt.token_ids, self.choices, self.retention))
         yield DONE
 

@@ -30,7 +30,7 @@ class Guard:
     """What the server checks of every request before a route sees it."""
 
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES  # None: no limit
-    api_key: str | None = None  # None: no authentication
+    api_keys: tuple[str, ...] = ()  # any one of them authenticates (none: no authentication)
     allowed_hosts: tuple[str, ...] | None = (
         None  # Host header names accepted (None: any), against DNS rebinding
     )
@@ -72,14 +72,16 @@ class GuardMiddleware:
                 f"connect to {', '.join(sorted(self.allowed))} or start the "
                 "server with --allowed-hosts",
             )
-        if self.guard.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if self.guard.api_keys and scope["path"] not in OPEN_PATHS:
             given = headers.get("authorization", "")
             token = (
                 given[7:].strip()
                 if given[:7].lower() == "bearer "
                 else headers.get("x-api-key", "").strip()
             )
-            if not hmac.compare_digest(token.encode(), self.guard.api_key.encode()):
+            # every key compared, so the time taken does not say which one came close
+            matches = [hmac.compare_digest(token.encode(), k.encode()) for k in self.guard.api_keys]
+            if not any(matches):
                 what = "a wrong API key was given" if token else "no API key was given"
                 return await _send_error(
                     send,

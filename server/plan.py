@@ -15,6 +15,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.attention import BACKENDS as ATTENTION_BACKENDS
 from engine.config import (
     ModelConfig,
     ModelError,
@@ -22,7 +23,7 @@ from engine.config import (
     resolve_dtype,
     tensor_parallel_sizes,
 )
-from engine.cuda_graphs import MAX_GRAPH_TOKENS
+from engine.cuda_graphs import DEFAULT_GRAPH_TOKENS, MAX_GRAPH_TOKENS
 from engine.demo import DEMO_MODEL, demo_model_path
 from engine.engine import EngineConfig
 from engine.gguf import SMOLLM2, GGUFError, gguf_in
@@ -38,8 +39,12 @@ from partition.cpu import available_cores
 from partition.mps import MpsDaemon, MpsDaemonPlan
 from partition.processes import process_alive
 from scheduler.config import UnitConfig, has_prefill_worker
+from server.vllm_cli import check_vllm_only_args
 
 log = logging.getLogger("ppd")
+
+# ppd's defaults of the settings vLLM names otherwise (vllm_flags): a vLLM flag replaces them
+PPD_DEFAULTS = {"max_graph_tokens": DEFAULT_GRAPH_TOKENS}
 
 
 class UsageError(Exception):
@@ -341,6 +346,7 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
         quantization=args.quantization,
         fp8_activations=args.fp8_activations,
         kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
     )
     units = [
         UnitConfig(
@@ -432,11 +438,73 @@ def vllm_flags(args: argparse.Namespace) -> None:
                 "setting (ppd's units are vLLM's data-parallel ranks); give one"
             )
         args.units = args.data_parallel_size
-    if args.seed is not None:
-        raise UsageError(
-            f"--seed {args.seed}: ppd has no server-wide seed; a request's `seed` field makes its "
-            "sampling repeatable"
+    for vllm_name, value, ppd_name, dest, ppd_value in (
+        ("--device-ids", args.device_ids, "--gpus", "gpus", args.device_ids),
+        ("-dpl", args.data_parallel_size_local, "--units", "units", args.data_parallel_size_local),
+        (
+            "--kv-cache-memory-bytes",
+            args.kv_cache_memory_bytes,
+            "--kv-cache-memory",
+            "kv_cache_memory",
+            None if args.kv_cache_memory_bytes is None else args.kv_cache_memory_bytes / 2**30,
+        ),
+        (
+            "--num-gpu-blocks-override",
+            args.num_gpu_blocks_override,
+            "--num-kv-blocks",
+            "num_kv_blocks",
+            args.num_gpu_blocks_override,
+        ),
+        (
+            "--max-num-queued-reqs",
+            args.max_num_queued_reqs,
+            "--max-waiting-requests",
+            "max_waiting_requests",
+            args.max_num_queued_reqs,
+        ),
+        (
+            "--max-cudagraph-capture-size",
+            args.max_cudagraph_capture_size
+            or (max(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None),
+            "--max-graph-tokens",
+            "max_graph_tokens",
+            args.max_cudagraph_capture_size
+            or (max(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None),
+        ),
+    ):
+        if value is None:
+            continue
+        if getattr(args, dest) not in (None, ppd_value, PPD_DEFAULTS.get(dest)):
+            raise UsageError(
+                f"{vllm_name} {value} and {ppd_name} {getattr(args, dest)}: the same setting "
+                "(vLLM's name and ppd's); give one"
+            )
+        setattr(args, dest, ppd_value)
+    if args.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+        if not args.attention_backend.isupper():
+            raise UsageError(
+                f"--attention-backend {args.attention_backend}: ppd's are auto, "
+                f"{', '.join(ATTENTION_BACKENDS)} (vLLM's names, such as FLASH_ATTN, are taken "
+                "as auto)"
+            )
+        log.info(
+            "--attention-backend %s (vLLM's): ppd runs its own attention kernels (auto)",
+            args.attention_backend,
         )
+        args.attention_backend = "auto"
+    if args.enable_reasoning and args.reasoning_parser is None:
+        raise UsageError(
+            "--enable-reasoning: name the parser with --reasoning-parser (qwen3 or deepseek_r1), "
+            "which alone is enough"
+        )
+    if args.allow_credentials and args.allowed_origins is None:
+        # vLLM answers CORS for any origin by default; credentials need the origins named.
+        raise UsageError(
+            "--allow-credentials: name the origins too (--allowed-origins '[\"https://...\"]')"
+        )
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    check_vllm_only_args(args)
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise UsageError(
             f"--max-logprobs {args.max_logprobs}: ppd returns 0 to {MAX_LOGPROBS} logprobs per "

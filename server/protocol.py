@@ -97,6 +97,10 @@ class ChatMessage(BaseModel):
     name: str | None = None  # accepted and ignored, as by most chat templates
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # an earlier answer's thinking, as it came back (vLLM's name, and DeepSeek's older one): the
+    # template sees it as reasoning_content
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("tool_calls")
     @classmethod
@@ -146,6 +150,8 @@ class ChatMessage(BaseModel):
         out = self.model_dump(
             include={"role", "content", "tool_calls", "tool_call_id"}, exclude_none=True
         )
+        if (thinking := self.reasoning_content or self.reasoning) and self.role == "assistant":
+            out["reasoning_content"] = thinking
         if self.name is not None and self.role == "tool":
             out["name"] = self.name
         return out
@@ -496,7 +502,8 @@ class ChatCompletionRequest(ChatTemplateInput, SamplingRequest):
     add_generation_prompt: Annotated[Any, unsupported(True)] = None
     continue_final_message: Annotated[Any, unsupported(False)] = None
     chat_template: Annotated[Any, unsupported()] = None
-    chat_template_kwargs: Annotated[Any, unsupported({})] = None
+    # the chat template's further arguments (enable_thinking), over --default-chat-template-kwargs
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -33,6 +34,7 @@ from server.detokenizer import make_detokenizer
 from server.engine_client import EngineClient
 from server.errors import RequestError, error_body_for
 from server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from server.reasoning import THINK_END, ReasoningSplitter, thinks
 from server.request_types import Choice, Event, Prompt
 from server.tool_output import ToolOutput, tool_output_for
 from server.tools import renders_tools, with_tool_prompt
@@ -45,6 +47,20 @@ API_SERVER_HEADER = (
     "x-ppd-api-server"  # on a response: which API-server process served it (--api-server-count)
 )
 SESSION_HEADER = "x-session-id"  # keeps a conversation on one unit
+# apply_chat_template's arguments the server sets from the request itself
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "continue_final_message",
+        "chat_template",
+        "return_dict",
+    }
+)
 RANK_HEADER = (
     "x-data-parallel-rank"  # vLLM's: the unit (data-parallel rank) an outside router chose
 )
@@ -71,6 +87,29 @@ class ServedModel:
         default_factory=dict
     )  # for requests that leave them unset (--generation-config)
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs
+    response_role: str = "assistant"  # --response-role: chat completions' answers' role
+    force_usage: bool = False  # --enable-force-include-usage: usage on every response
+    # --default-chat-template-kwargs: the template's arguments where a request sets none
+    template_kwargs: dict = field(default_factory=dict)
+    reasoning_parser: str | None = None  # --reasoning-parser: thinking split off the answer
+
+    def chat_template_kwargs(self, asked: dict | None) -> dict:
+        """A request's chat_template_kwargs over the server's defaults, checked: the arguments the
+        server sets itself (messages, tools, ...) cannot be given."""
+        kwargs = {**self.template_kwargs, **(asked or {})}
+        if reserved := sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS):
+            raise RequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets them "
+                "from the request's own fields",
+                param="chat_template_kwargs",
+            )
+        return kwargs
+
+    def thinks(self, body: SamplingRequest) -> bool:
+        """Whether body's output opens with thinking that --reasoning-parser splits off."""
+        if not isinstance(body, ChatCompletionRequest):
+            return False
+        return thinks(self.reasoning_parser, self.chat_template_kwargs(body.chat_template_kwargs))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -135,10 +174,11 @@ class ServedModel:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """The token ids the chat template makes of messages (what /v1/chat/completions runs); tools
         a template does not write are described in the system message (server/tools.py
-        with_tool_prompt)."""
+        with_tool_prompt); template_kwargs: the template's further arguments (enable_thinking)."""
         if tools and not renders_tools(getattr(self.tokenizer, "chat_template", None)):
             messages = with_tool_prompt(messages, tools)
         try:
@@ -148,6 +188,7 @@ class ServedModel:
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tokenize=False,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # a template may raise on any input it dislikes (role order, ...)
             raise RequestError(
@@ -242,8 +283,11 @@ class RequestPath:
         """The prompt ids /v1/chat/completions runs for body."""
         self.model.check_model(body.model)
         self.model.need_chat_template()
+        kwargs = self.model.chat_template_kwargs(body.chat_template_kwargs)
         return await self.off_loop(
-            self.model.chat_prompt_ids, body.template_messages(), body.template_tools()
+            partial(self.model.chat_prompt_ids, template_kwargs=kwargs),
+            body.template_messages(),
+            body.template_tools(),
         )
 
     async def completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -294,6 +338,9 @@ class RequestPath:
             )
         if (problem := spec_problem(spec)) is not None:
             raise RequestError(f"{field}: {problem}", param=field)
+        if model.thinks(body):  # the grammar holds for the answer, after the thinking
+            end = model.tokenizer.encode(THINK_END, add_special_tokens=False)
+            spec = msgspec.structs.replace(spec, after=tuple(end))
         return spec, tools
 
     async def start(
@@ -330,11 +377,13 @@ class RequestPath:
         # Tool-call markers may be special tokens ([TOOL_CALLS], <|python_tag|>): the parser reads
         # them in the text.
         keep = () if tools is None or tools.mode != "auto" else sampling.stop_token_ids
+        thinking = model.thinks(body)
         choices = [
             Choice(
                 i,
                 make_detokenizer(model.tokenizer, body.stop_strings, keep_special_except=keep),
                 tools and tools.fresh(),
+                reasoning=None if model.reasoning_parser is None else ReasoningSplitter(thinking),
             )
             for i in range(body.n)
         ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import TokenLogprobs
 from server.detokenizer import Detokenizer
+from server.reasoning import ReasoningSplitter
 from server.tool_output import ToolOutput
 
 
@@ -28,6 +29,7 @@ class Choice:
     finish_reason: str | None = None
     route: str | None = None
     num_cached: int = 0
+    reasoning: ReasoningSplitter | None = None  # --reasoning-parser: the thinking split off
 
 
 @dataclass

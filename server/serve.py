@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import os
 import shutil
@@ -127,9 +128,10 @@ def request_guard(args: argparse.Namespace):
 
     if args.max_request_bytes < 1024:
         raise UsageError(f"--max-request-bytes {args.max_request_bytes}: at least 1024")
-    key = args.api_key
-    if key is None:
-        key = os.environ.get("PPD_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    keys = args.api_key
+    if keys is None:
+        env = os.environ.get("PPD_API_KEY") or os.environ.get("VLLM_API_KEY")
+        keys = [env] if env else []
     if args.allowed_hosts:
         hosts = (
             None
@@ -141,7 +143,96 @@ def request_guard(args: argparse.Namespace):
         # through a DNS name rebound to 127.0.0.1. Bound to another address, the operator decides
         # (--allowed-hosts).
         hosts = (*LOOPBACK_HOSTS, args.host) if args.host in LOOPBACK_HOSTS else None
-    return Guard(args.max_request_bytes, key, hosts)
+    return Guard(args.max_request_bytes, tuple(keys), hosts)
+
+
+def default_template_kwargs(args: argparse.Namespace) -> dict:
+    """--default-chat-template-kwargs: a JSON object."""
+    text = args.default_chat_template_kwargs
+    try:
+        kwargs = {} if text is None else json.loads(text)
+    except ValueError:
+        kwargs = None
+    if not isinstance(kwargs, dict):
+        raise UsageError(
+            f"--default-chat-template-kwargs {text}: give a JSON object, e.g. "
+            "'{\"enable_thinking\": false}'"
+        )
+    return kwargs
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict:
+    """uvicorn's settings as vLLM's flags set them: log level, access log, root path, HTTPS."""
+    options: dict = dict(
+        log_level=args.uvicorn_log_level or args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
+        access_log=not args.disable_uvicorn_access_log,
+        root_path=args.root_path or "",
+    )
+    if args.disable_access_log_for_endpoints:
+        quiet = {p.strip() for p in args.disable_access_log_for_endpoints.split(",") if p.strip()}
+        logging.getLogger("uvicorn.access").addFilter(QuietPaths(frozenset(quiet)))
+    if args.ssl_keyfile:
+        for flag, path in (
+            ("--ssl-keyfile", args.ssl_keyfile),
+            ("--ssl-certfile", args.ssl_certfile),
+            ("--ssl-ca-certs", args.ssl_ca_certs),
+        ):
+            if path is not None and not os.path.isfile(path):
+                raise UsageError(f"{flag} {path}: no such file")
+        options.update(
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+        )
+        if args.ssl_ciphers:
+            options["ssl_ciphers"] = args.ssl_ciphers
+    return options
+
+
+class QuietPaths(logging.Filter):
+    """--disable-access-log-for-endpoints: no access log line for these paths (any query)."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        path = args[2] if isinstance(args, tuple) and len(args) >= 3 else None
+        return not (isinstance(path, str) and path.split("?", 1)[0] in self.paths)
+
+
+def http_options(args: argparse.Namespace):
+    """What the app serves besides the API, as vLLM's flags set it: docs, CORS, X-Request-Id."""
+    from server.api import HttpOptions
+
+    cors = None
+    given = (args.allowed_origins, args.allowed_methods, args.allowed_headers)
+    if any(v is not None for v in given) or args.allow_credentials is not None:
+        lists = {}
+        for flag, text in zip(
+            ("--allowed-origins", "--allowed-methods", "--allowed-headers"), given
+        ):
+            try:
+                value = ["*"] if text is None else json.loads(text)
+            except ValueError:
+                value = None
+            if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                raise UsageError(f"{flag} {text}: give a JSON list of strings, e.g. '[\"*\"]'")
+            lists[flag] = value
+        cors = dict(
+            allow_origins=lists["--allowed-origins"],
+            allow_methods=lists["--allowed-methods"],
+            allow_headers=lists["--allowed-headers"],
+            allow_credentials=bool(args.allow_credentials),
+        )
+    return HttpOptions(
+        docs=not args.disable_fastapi_docs,
+        cors=cors,
+        request_id_headers=args.enable_request_id_headers,
+    )
 
 
 def make_policy_for(args: argparse.Namespace):
@@ -282,6 +373,10 @@ def served_model(args: argparse.Namespace, plan: ServePlan, tokenizer, client, p
         paths=() if args.served_model_name else (plan.model_path, args.model),
         sampling_defaults=plan.sampling_defaults,
         max_logprobs=args.max_logprobs,
+        response_role=args.response_role,
+        force_usage=args.enable_force_include_usage,
+        template_kwargs=default_template_kwargs(args),
+        reasoning_parser=args.reasoning_parser,
     )
 
     def on_ready() -> None:
@@ -317,6 +412,9 @@ def serve(args: argparse.Namespace) -> None:
     sock = None
     try:
         guard = request_guard(args)
+        http = http_options(args)
+        uvicorn_options(args)  # its files checked now
+        default_template_kwargs(args)
         policy = policy_for(args, plan)
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
         tokenizer = load_tokenizer(plan.tokenizer_path, plan.chat_template)
@@ -400,16 +498,10 @@ def serve(args: argparse.Namespace) -> None:
         helpers.signal(sig)
 
     app = build_app(
-        model, client, lambda: health(plan, client, launcher.pids), lifespan, guard, store
+        model, client, lambda: health(plan, client, launcher.pids), lifespan, guard, store, http
     )
     server = DrainingServer(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level or args.log_level,
-            timeout_graceful_shutdown=args.shutdown_timeout + 5,
-        ),
+        uvicorn.Config(app, host=args.host, port=args.port, **uvicorn_options(args)),
         client,
         args.shutdown_timeout,
         on_signal,
@@ -466,12 +558,9 @@ def run_api_server(args: argparse.Namespace, plan, index: int) -> None:
         lifespan,
         request_guard(args),
         response_store(args, plan),
+        http_options(args),
     )
-    config = uvicorn.Config(
-        app,
-        log_level=args.uvicorn_log_level or args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + 5,
-    )
+    config = uvicorn.Config(app, **uvicorn_options(args))
     server = HelperServer(config, client, args.shutdown_timeout)
     # Bound now and listening once uvicorn starts serving, after the lifespan saw the units ready.
     family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]

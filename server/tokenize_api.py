@@ -57,7 +57,7 @@ class TokenizeChatRequest(ChatTemplateInput, BaseModel):
     # As on /v1/chat/completions: a template other than the model's would tokenize what the node
     # never runs.
     chat_template: Annotated[Any, unsupported()] = None
-    chat_template_kwargs: Annotated[Any, unsupported({})] = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as on /v1/chat/completions
 
     @model_validator(mode="after")
     def _one_ending(self) -> TokenizeChatRequest:
@@ -90,6 +90,7 @@ def add_token_routes(app: FastAPI, path: RequestPath) -> None:
                 body.add_generation_prompt,
                 body.continue_final_message,
                 body.add_special_tokens,
+                model.chat_template_kwargs(body.chat_template_kwargs),
             )
         else:
             model.need_tokenizer("prompt")

@@ -195,3 +195,17 @@ def test_large_batch_stays_within_each_rows_top_k() -> None:
     for params in (same, mixed):
         tokens = torch.tensor(draw(Sampler(EOS), logits, params, [0] * 256))
         assert (top50 == tokens[:, None]).any(dim=-1).all()
+
+
+def test_a_server_seed_repeats_unseeded_requests_draws() -> None:
+    """--seed: two samplers started with the same seed draw alike for requests without a seed of
+    their own (a restarted server given the same traffic); unseeded samplers do not."""
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(5)) * 0.1
+    params = [SamplingParams(temperature=1.0)] * 8
+
+    def draws(sampler: Sampler) -> list[int]:
+        return [t for _ in range(4) for t in draw(sampler, logits, params, [0] * 8)]
+
+    assert draws(Sampler(EOS, seed=42)) == draws(Sampler(EOS, seed=42))
+    assert draws(Sampler(EOS, seed=42)) != draws(Sampler(EOS, seed=43))
+    assert draws(Sampler(EOS)) != draws(Sampler(EOS))

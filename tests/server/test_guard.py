@@ -68,7 +68,7 @@ def test_a_503_refusal_has_no_retry_after() -> None:
 
 
 def test_only_the_exact_open_paths_are_answered_without_the_api_key() -> None:
-    app = GuardMiddleware(Recorder(), Guard(api_key="sekret"), refuse=lambda: None)
+    app = GuardMiddleware(Recorder(), Guard(api_keys=("sekret",)), refuse=lambda: None)
     for path in ("/health", "/metrics", "/ping", "/version"):
         assert post(app, path).status_code == 200, path
     for path in (

@@ -20,9 +20,10 @@ import pytest
 import server.plan
 from engine.config import ModelConfig, resolve_dtype
 from engine.demo import demo_model_path
-from server.api import VERSION, build_app
+from server.api import VERSION, HttpOptions, build_app
 from server.args import add_serve_args
 from server.engine_client import Delta
+from server.guard import Guard
 from server.plan import UsageError
 from server.protocol import IGNORED_FIELDS
 from server.request_path import ServedModel
@@ -78,7 +79,6 @@ def test_a_hub_id_is_refused_with_how_to_get_the_folder(
         (["--quantization", "awq"], "--quantization awq: ppd serves fp8"),
         (["--kv-cache-dtype", "fp8_e5m2"], "e4m3 .fp8, fp8_e4m3.; e5m2 is not served"),
         (["-q", "fp8", "--attention-backend", "cpu"], "through --attention-backend torch"),
-        (["--seed", "7"], "request's `seed`"),
         (["--max-logprobs", "50"], "0 to 20 logprobs"),
         (["--data-parallel-size", "2", "--units", "1"], "the same setting"),
     ],
@@ -430,10 +430,11 @@ def test_vllms_api_key_variable_sets_the_key_unless_another_does(
 
     monkeypatch.delenv("PPD_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
-    assert request_guard(serve_args()).api_key == "from-vllm"
+    assert request_guard(serve_args()).api_keys == ("from-vllm",)
     monkeypatch.setenv("PPD_API_KEY", "from-ppd")
-    assert request_guard(serve_args()).api_key == "from-ppd"
-    assert request_guard(serve_args("--api-key", "flag")).api_key == "flag"
+    assert request_guard(serve_args()).api_keys == ("from-ppd",)
+    assert request_guard(serve_args("--api-key", "flag")).api_keys == ("flag",)
+    assert request_guard(serve_args("--api-key", "one", "two")).api_keys == ("one", "two")
 
 
 def test_a_prompt_too_long_alone_is_blamed_not_max_tokens() -> None:
@@ -460,3 +461,104 @@ def test_a_prompt_too_long_alone_is_blamed_not_max_tokens() -> None:
     error = got["max_tokens"].json()["error"]
     assert got["max_tokens"].status_code == 400 and error["param"] == "max_tokens"
     assert "lower max_tokens to" in error["message"]
+
+
+def test_vllms_http_flags_docs_cors_request_ids_role_and_forced_usage() -> None:
+    """--disable-fastapi-docs, the CORS flags, --enable-request-id-headers, --response-role and
+    --enable-force-include-usage, as build_app and the chat answers take them."""
+    folder = demo_model_path()
+    model = ServedModel(
+        "a",
+        str(folder),
+        load_tokenizer(str(folder)),
+        4096,
+        320,
+        (257,),
+        response_role="bot",
+        force_usage=True,
+    )
+    cors = dict(
+        allow_origins=["https://app.example"],
+        allow_methods=["*"],
+        allow_headers=["*"],
+        allow_credentials=False,
+    )
+    app = build_app(
+        model,
+        RecordingClient(),
+        lambda: [{"ready": True}],
+        guard=Guard(api_keys=("k",)),
+        http=HttpOptions(docs=False, cors=cors, request_id_headers=True),
+    )
+
+    async def run() -> dict:
+        auth = {"authorization": "Bearer k"}
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://ppd"
+        ) as http:
+            return {
+                "docs": await http.get("/docs", headers=auth),
+                "preflight": await http.options(
+                    "/v1/chat/completions",
+                    headers={
+                        "origin": "https://app.example",
+                        "access-control-request-method": "POST",
+                    },
+                ),
+                "whole": await http.post(
+                    "/v1/chat/completions", json=chat(), headers={**auth, "x-request-id": "r-1"}
+                ),
+                "stream": await http.post(
+                    "/v1/chat/completions", json=chat(stream=True), headers=auth
+                ),
+            }
+
+    got = asyncio.run(run())
+    assert got["docs"].status_code == 404
+    assert got["preflight"].status_code == 200, "a browser's preflight needs no API key"
+    assert got["preflight"].headers["access-control-allow-origin"] == "https://app.example"
+    assert got["whole"].headers["x-request-id"] == "r-1"
+    assert len(got["stream"].headers["x-request-id"]) == 32
+    assert got["whole"].json()["choices"][0]["message"]["role"] == "bot"
+    chunks = [
+        json.loads(line.removeprefix("data: "))
+        for line in got["stream"].text.splitlines()
+        if line.startswith("data: {")
+    ]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_chat_template_kwargs_over_the_servers_defaults_reach_the_template() -> None:
+    """chat_template_kwargs (and /tokenize's) over --default-chat-template-kwargs, passed to the
+    template as its variables; the arguments the server sets itself cannot be given."""
+    template = (
+        "{{ 'T' if enable_thinking is not defined or enable_thinking else 'N' }}"
+        "{{ messages[0]['content'] }}"
+    )
+
+    async def run() -> dict:
+        http, client = api(template=template, template_kwargs={"enable_thinking": False})
+        async with http:
+            replies = {
+                "default": await http.post("/v1/chat/completions", json=chat()),
+                "asked": await http.post(
+                    "/v1/chat/completions",
+                    json=chat(chat_template_kwargs={"enable_thinking": True}),
+                ),
+                "reserved": await http.post(
+                    "/v1/chat/completions", json=chat(chat_template_kwargs={"tools": []})
+                ),
+                "tokenize": await http.post(
+                    "/tokenize",
+                    json={**chat(), "chat_template_kwargs": {"enable_thinking": True}},
+                ),
+            }
+        return {"replies": replies, "prompts": client.prompts}
+
+    got = asyncio.run(run())
+    tokenizer = load_tokenizer(str(demo_model_path()))
+    assert [tokenizer.decode(p) for p in got["prompts"]] == ["Nhi", "Thi"]
+    reserved = got["replies"]["reserved"]
+    assert reserved.status_code == 400 and "may not set tools" in reserved.text
+    assert tokenizer.decode(got["replies"]["tokenize"].json()["tokens"]) == "Thi"
