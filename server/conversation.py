@@ -36,9 +36,14 @@ def render(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     generation: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     return tokenizer.apply_chat_template(
-        template_messages(messages), tools=tools, add_generation_prompt=generation, tokenize=False
+        template_messages(messages),
+        tools=tools,
+        add_generation_prompt=generation,
+        tokenize=False,
+        **(template_kwargs or {}),
     )
 
 
@@ -47,11 +52,12 @@ def first_prompt(
     instructions: str | None,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """A conversation's first prompt ids: rendered by the same code as the T1 that later turns check
     against."""
     return tokenizer.encode(
-        render(tokenizer, system_messages(instructions) + messages, tools, True),
+        render(tokenizer, system_messages(instructions) + messages, tools, True, template_kwargs),
         add_special_tokens=False,
     )
 
@@ -62,20 +68,22 @@ def continued_prompt(
     instructions: str | None,
     new: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], bool]:
     """The prompt ids of the turn after prev with the new messages, and whether prev's ids were kept
     (False: the full render's tokens). Raises what the template raises on messages it refuses."""
     before = system_messages(prev.instructions) + prev.history
     answered = before + [prev.assistant]
     after = system_messages(instructions) + prev.history + [prev.assistant] + new
-    full = render(tokenizer, after, tools, True)
+    full = render(tokenizer, after, tools, True, template_kwargs)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     if instructions != prev.instructions or tools != prev.tools:
         return encode(full), False
-    t1, t2 = render(tokenizer, before, tools, True), render(tokenizer, answered, tools, False)
+    t1 = render(tokenizer, before, tools, True, template_kwargs)
+    t2 = render(tokenizer, answered, tools, False, template_kwargs)
     if not (t2.startswith(t1) and full.startswith(t2)):
         return encode(full), False
     tail = t2[len(t1) :]

@@ -52,9 +52,9 @@ class MessagesRequest(RequestBody):
     top_k: int | None = Field(None, ge=0, le=INT64_MAX)
     stream: bool = False
     metadata: dict[str, Any] | None = None  # user_id: accepted and ignored
-    thinking: Annotated[Any, unsupported()] = (
-        None  # extended thinking: the models served here do not reason
-    )
+    # extended thinking: {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}, the
+    # template's enable_thinking (the budget is not enforced: max_tokens bounds the whole answer)
+    thinking: dict[str, Any] | None = None
     container: Annotated[Any, unsupported()] = None
     mcp_servers: Annotated[Any, unsupported([])] = None
     output_config: Annotated[Any, unsupported({})] = (
@@ -89,12 +89,16 @@ class MessagesRequest(RequestBody):
                     f"{where}.content must be a string or a list of content blocks",
                     param=f"{where}.content",
                 )
-            texts, calls = [], []
+            texts, calls, thoughts = [], [], []
             for j, block in enumerate(content):
                 at = f"{where}.content[{j}]"
                 kind = block.get("type") if isinstance(block, dict) else None
                 if kind == "text" and isinstance(block.get("text"), str):
                     texts.append(block["text"])
+                elif kind == "thinking" and role == "assistant":  # an answer's thinking, sent back
+                    thoughts.append(str(block.get("thinking", "")))
+                elif kind == "redacted_thinking" and role == "assistant":
+                    continue  # another server's encrypted thinking: nothing to show the template
                 elif kind == "tool_use" and role == "assistant":
                     if not isinstance(block.get("id"), str) or not isinstance(
                         block.get("name"), str
@@ -129,8 +133,8 @@ class MessagesRequest(RequestBody):
                 else:
                     raise RequestError(
                         f"{at}: content blocks of type {json.dumps(kind)} are not supported in a "
-                        f"{role} "
-                        "message; send text, tool_use (assistant) and tool_result (user) blocks",
+                        f"{role} message; send text, thinking and tool_use (assistant) and "
+                        "tool_result (user) blocks",
                         param=f"{at}.type",
                     )
             if texts or calls:
@@ -138,6 +142,8 @@ class MessagesRequest(RequestBody):
                 message_out: dict[str, Any] = {"role": role, "content": joined}
                 if calls:
                     message_out["tool_calls"] = calls
+                if thoughts:
+                    message_out["reasoning_content"] = "\n".join(thoughts)
                 out.append(message_out)
         return out
 
@@ -174,6 +180,17 @@ class MessagesRequest(RequestBody):
             )
         return out
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """thinking as the chat template's enable_thinking (None: the server's default)."""
+        if self.thinking is None:
+            return None
+        kind = self.thinking.get("type")
+        if kind not in ("enabled", "disabled"):
+            raise RequestError(
+                f"thinking.type {json.dumps(kind)} is not enabled or disabled", param="thinking"
+            )
+        return {"enable_thinking": kind == "enabled"}
+
     def chat_tool_choice(self) -> tuple[Any, bool | None]:
         """tool_choice as chat's, and parallel_tool_calls (None: the default)."""
         choice = self.tool_choice
@@ -206,6 +223,7 @@ class MessagesRequest(RequestBody):
             "tool_choice": choice,
             "parallel_tool_calls": parallel,
             "stream": self.stream,
+            "chat_template_kwargs": self.template_kwargs(),
         }
         return chat_request_as(
             fields, {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
@@ -292,6 +310,8 @@ class MessageRun:
         return self.message(blocks_of(self.choice))
 
     def block(self, b: Block, done: bool = True) -> dict[str, Any]:
+        if b.kind == "reasoning":  # ppd signs no thinking: the signature is empty
+            return {"type": "thinking", "thinking": b.text if done else "", "signature": ""}
         if b.kind == "text":
             return {"type": "text", "text": b.text if done else ""}
         return {
@@ -355,11 +375,11 @@ class MessageRun:
             )
         if e.what == "stop":
             return sse("content_block_stop", index=b.index)
-        delta = (
-            {"type": "text_delta", "text": e.delta}
-            if b.kind == "text"
-            else {"type": "input_json_delta", "partial_json": e.delta}
-        )
+        delta = {
+            "text": {"type": "text_delta", "text": e.delta},
+            "reasoning": {"type": "thinking_delta", "thinking": e.delta},
+            "tool_call": {"type": "input_json_delta", "partial_json": e.delta},
+        }[b.kind]
         return sse("content_block_delta", index=b.index, delta=delta)
 
     def opening(self) -> list[bytes]:

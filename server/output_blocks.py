@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from server.reasoning import whole
 from server.request_types import Choice
 
 
@@ -22,7 +23,7 @@ class Block:
     """One block of an answer. A text block's text, or a tool call's arguments (JSON text) as far as
     they came."""
 
-    kind: Literal["text", "tool_call"]
+    kind: Literal["reasoning", "text", "tool_call"]
     index: int  # its place among the answer's blocks
     text: str = ""
     call_id: str | None = None  # tool_call
@@ -51,11 +52,18 @@ class OutputBlocks:
         self.calls: dict[int, Block] = {}  # a tool-call delta's index -> its block
 
     def feed(self, text: str, final: bool) -> list[BlockEvent]:
+        out: list[BlockEvent] = []
+        if (reasoning := self.choice.reasoning) is not None:
+            split = reasoning.feed(text, final)
+            if split.reasoning:
+                if self.open is None or self.open.kind != "reasoning":
+                    out += self._start(Block("reasoning", len(self.blocks)))
+                out += self._grow(self.open, split.reasoning)
+            text = split.content
         tools = self.choice.tools
         delta = (
             tools.delta(text, final) if tools is not None else ({"content": text} if text else {})
         )
-        out: list[BlockEvent] = []
         if content := delta.get("content"):
             if self.open is None or self.open.kind != "text":
                 out += self._start(Block("text", len(self.blocks)))
@@ -91,12 +99,19 @@ class OutputBlocks:
 
 
 def blocks_of(choice: Choice) -> list[Block]:
-    """A finished choice's blocks: its content (if any) and then its tool calls."""
+    """A finished choice's blocks: its thinking (if any), its content (if any) and then its tool
+    calls."""
     text = choice.detok.text
+    blocks: list[Block] = []
+    if choice.reasoning is not None:
+        thinking, text = whole(text, choice.reasoning.thinking)
+        if thinking:
+            blocks.append(Block("reasoning", 0, thinking))
     if choice.tools is None:
-        return [Block("text", 0, text)] if text else []
+        return blocks + ([Block("text", len(blocks), text)] if text else [])
     content, calls = choice.tools.result(text)
-    blocks = [Block("text", 0, content)] if content else []
+    if content:
+        blocks.append(Block("text", len(blocks), content))
     for call in calls:
         blocks.append(
             Block(

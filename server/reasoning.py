@@ -53,8 +53,8 @@ class ReasoningSplitter:
         self.held = ""
         if not self.started:
             stripped = text.lstrip()
-            if THINK_START.startswith(stripped) and stripped and not final:
-                self.held = text  # maybe the start of <think>
+            if THINK_START.startswith(stripped) and not final:
+                self.held = text  # nothing yet, or maybe the start of <think>
                 return out
             if stripped.startswith(THINK_START):
                 text = stripped[len(THINK_START) :]

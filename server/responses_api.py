@@ -94,15 +94,16 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
             },
         )
         tools = chat.template_tools()
+        kwargs = model.chat_template_kwargs(None)  # --default-chat-template-kwargs
         headers = {}
         try:
             if prev is None:
                 prompt_ids = await path.off_loop(
-                    first_prompt, model.tokenizer, body.instructions, new, tools
+                    first_prompt, model.tokenizer, body.instructions, new, tools, kwargs
                 )
             else:
                 prompt_ids, kept = await path.off_loop(
-                    continued_prompt, model.tokenizer, prev, body.instructions, new, tools
+                    continued_prompt, model.tokenizer, prev, body.instructions, new, tools, kwargs
                 )
                 headers[HISTORY_HEADER] = "token-ids" if kept else "rendered"
         except (
@@ -145,10 +146,19 @@ class ResponseRun:
 
     def item_id(self, block: Block) -> str:
         if block.index not in self.item_ids:
-            self.item_ids[block.index] = new_id("msg" if block.kind == "text" else "fc")
+            prefix = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}[block.kind]
+            self.item_ids[block.index] = new_id(prefix)
         return self.item_ids[block.index]
 
     def item(self, block: Block, status: str = "completed") -> dict[str, Any]:
+        if block.kind == "reasoning":  # a reasoning model's thinking (--reasoning-parser)
+            return {
+                "type": "reasoning",
+                "id": self.item_id(block),
+                "summary": [],
+                "content": [] if status == "in_progress" else [reasoning_text(block.text)],
+                "status": status,
+            }
         if block.kind == "text":
             content = [] if status == "in_progress" else [output_text(block.text)]
             return {
@@ -274,6 +284,17 @@ class ResponseRun:
     def block_events(self, e: BlockEvent) -> list[bytes]:
         b = e.block
         where = {"item_id": self.item_id(b), "output_index": b.index}
+        if b.kind == "reasoning":
+            part = {"content_index": 0}
+            if e.what == "start":
+                added = self.item(b, "in_progress")
+                return [self.event("response.output_item.added", output_index=b.index, item=added)]
+            if e.what == "delta":
+                return [self.event("response.reasoning_text.delta", **where, **part, delta=e.delta)]
+            return [
+                self.event("response.reasoning_text.done", **where, **part, text=b.text),
+                self.event("response.output_item.done", output_index=b.index, item=self.item(b)),
+            ]
         if b.kind == "text":
             part = {"content_index": 0}
             if e.what == "start":
@@ -339,6 +360,10 @@ class ResponseRun:
 
     def error(self, status: int, message: str) -> list[bytes]:
         return [self.event("error", code=str(status), message=escaped(message), param=None)]
+
+
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def output_text(text: str) -> dict[str, Any]:

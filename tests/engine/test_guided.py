@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -357,3 +358,22 @@ def test_cuda_apply_matches_cpu(tmp_path: Path) -> None:
     guided.apply(on_gpu, bitmask, [0, 2])
     assert torch.equal(on_gpu.cpu(), logits)
     guided.close()
+
+
+def test_a_grammar_after_thinking_holds_from_the_end_of_the_thinking(byte_setup: Setup) -> None:
+    """A reasoning model's structured output (GuidedSpec.after = </think>'s ids): nothing is
+    masked while it thinks, and from the end of its thinking on the mask is the grammar's over
+    the tokens that follow, as if they were the whole output."""
+    guided = byte_setup.guided
+    spec = msgspec.structs.replace(SPECS["choice"], after=tuple(b"</think>"))
+    thinking = guided.fill([("think", spec, list(b"hm, </think"))])[0]
+    assert allowed(thinking, BYTE_VOCAB).all(), "nothing masked before the thinking ends"
+    answer = list(CHOICES[0].encode())[:2]
+    for done in ([], answer):
+        after = guided.fill([("think", spec, [*b"hm</think>", *done])])[0].clone()
+        plain = guided.fill([(f"plain-{len(done)}", SPECS["choice"], done)])[0]
+        assert torch.equal(after, plain)
+    with pytest.raises(GuidedError, match="request off"):
+        guided.fill([("off", spec, [*b"hm</think>", *b"~~"])])
+    for request in ("think", "plain-0", f"plain-{len(answer)}"):
+        guided.release(request)

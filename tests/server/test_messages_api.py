@@ -139,7 +139,7 @@ def test_errors_have_anthropics_shape_and_x_api_key_is_the_key(server: ServerPro
     for bad, words in (
         ({"max_tokens": None}, "max_tokens"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, '"image"'),
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
         ({"tool_choice": {"type": "any"}}, "needs tools"),
     ):
         resp = httpx.post(url, json={**body, **bad}, headers={"x-api-key": KEY}, timeout=60)
