@@ -2,8 +2,10 @@
 messages.
 
 Function tools, text and JSON-schema output, stored conversations (previous_response_id) and
-streaming are served; what is not (built-in tools such as web search, reasoning, background runs,
-images and files in the input) is refused with a 400 naming the field, never ignored. vLLM's
+streaming are served, and reasoning items sent back (a reasoning model's thinking, given to the
+template with the answer after it); what is not (built-in tools such as web search, the reasoning
+field, background runs, images and files in the input) is refused with a 400 naming the field,
+never ignored. vLLM's
 sampling extensions (top_k, min_p, seed, repetition_penalty, ignore_eos) are taken as on chat
 completions.
 """
@@ -195,6 +197,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name, for the tool messages that answer them
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -211,6 +214,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append(
                 {"role": role, "content": _text(item.get("content"), f"{where}.content")}
             )
+            if role == "assistant" and thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call":
             call_id, name, arguments = (item.get(k) for k in ("call_id", "name", "arguments"))
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -240,6 +245,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thought is not None:
+                messages[-1]["reasoning_content"], thought = thought, None
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
@@ -255,12 +262,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if call_id in names:
                 message["name"] = names[call_id]
             messages.append(message)
-        elif kind == "reasoning":
-            raise RequestError(
-                f"{where}: reasoning items are not supported (this server's models do not reason); "
-                "leave them out of the input",
-                param=f"{where}.type",
-            )
+        elif kind == "reasoning":  # an earlier answer's thinking (--reasoning-parser), sent back
+            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+            texts = [p.get("text") for p in parts if isinstance(p, dict)]
+            thought = "".join(t for t in texts if isinstance(t, str))
         else:
             raise RequestError(
                 f"{where}: input items of type {json.dumps(kind)} are not supported; send message, "

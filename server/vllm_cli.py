@@ -802,7 +802,7 @@ VLLM_FLAGS: list[VllmFlag] = [
 
 
 def add_vllm_only_args(p: argparse.ArgumentParser) -> None:
-    """VLLM_FLAGS, hidden from --help (they are listed in docs/vllm-flags.md), each storing what
+    """VLLM_FLAGS, hidden from --help (docs/vllm-flags.md lists them), each storing what
     was given under its dest for check_vllm_only_args."""
     for flag in VLLM_FLAGS:
         if flag.arity == "flag":
@@ -855,3 +855,27 @@ def shown_flag(flag: VllmFlag, value: object) -> str:
     if isinstance(value, list):
         return f"{flag.names[0]} {' '.join(map(str, value))}"
     return f"{flag.names[0]} {value}".rstrip()
+
+
+def flags_markdown() -> str:
+    """docs/vllm-flags.md's table of VLLM_FLAGS (tests/server/test_vllm_flags.py keeps the file
+    equal to it)."""
+    rows = [
+        f"| `{' '.join(f.names)}` | "
+        + ("refused" if f.action == REFUSE else "no effect, logged")
+        + (f" (taken as given: {', '.join(f'`{v}`' for v in f.fine if v)})" if f.fine else "")
+        + f" | {f.why} |"
+        for f in VLLM_FLAGS
+    ]
+    return (
+        f"# vLLM's flags ppd has none of its own for\n\n"
+        f"`ppd serve` takes every flag of `vllm serve` {VLLM_VERSION}. The flags ppd implements "
+        "with vLLM's meaning are in [serving.md](serving.md#vllms-flags); these are the rest: a "
+        "no-op said in the log where it tunes something ppd does not have or need, refused in "
+        "one line where ignoring it would serve something other than what was asked. Generated "
+        "from `server/vllm_cli.py` (`python -c 'from server.vllm_cli import flags_markdown; "
+        'print(flags_markdown(), end="")\' > docs/vllm-flags.md`).\n\n'
+        "| flag | ppd | why, and what ppd does instead |\n| --- | --- | --- |\n"
+        + "\n".join(rows)
+        + "\n"
+    )

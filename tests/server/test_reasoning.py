@@ -262,3 +262,27 @@ def test_without_a_parser_the_thinking_stays_in_the_content(qwen3_folder: Path) 
 
     message = asyncio.run(run())["choices"][0]["message"]
     assert message["content"] == output and "reasoning_content" not in message
+
+
+def test_reasoning_items_sent_back_reach_the_template_with_the_answer() -> None:
+    from server.responses_protocol import input_messages
+
+    items = [
+        {"type": "message", "role": "user", "content": "hi"},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "greet back"}],
+        },
+        {"type": "message", "role": "assistant", "content": "Hello."},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "look"}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+    ]
+    messages = input_messages(items)
+    assert messages[1] == {
+        "role": "assistant",
+        "content": "Hello.",
+        "reasoning_content": "greet back",
+    }
+    assert messages[2]["tool_calls"][0]["id"] == "c1" and messages[2]["reasoning_content"] == "look"

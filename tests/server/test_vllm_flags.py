@@ -177,3 +177,12 @@ def test_vllm_names_of_ppd_settings_set_them() -> None:
     with pytest.raises(UsageError, match="--cpu-offload-gb 4"):
         checked("--cpu-offload-gb", "4")
     assert checked("--cpu-offload-gb", "0").vllm_cpu_offload_gb == "0"
+
+
+def test_the_docs_list_every_flag_as_the_code_takes_it() -> None:
+    from server.vllm_cli import flags_markdown
+
+    docs = Path(__file__).parents[2] / "docs" / "vllm-flags.md"
+    assert docs.read_text() == flags_markdown(), (
+        "regenerate docs/vllm-flags.md (its header says how)"
+    )
