@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import importlib
 import os
@@ -12,7 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -314,6 +315,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="runs per point (distinct conversations); the report gives each figure's median",
+    )
+    compare.add_argument(
+        "--busy-cores",
+        type=int,
+        default=0,
+        metavar="N",
+        help="while each load runs, N busy loops take N of the machine's cores (the last ones, "
+        "a process pinned to each): how a server degrades when its cores are shared",
     )
     compare.add_argument(
         "--interleave",
@@ -650,9 +659,10 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
                             tokenizers[name],
                             target.max_tokens_from,
                         )
-                        summary, recs = _measure(
-                            args, base, model, conversations, qps, concurrency, goodput, label
-                        )
+                        with busy_loops(args.busy_cores):
+                            summary, recs = _measure(
+                                args, base, model, conversations, qps, concurrency, goodput, label
+                            )
                         runs[(name, i)].append(summary)
                         _print_failures(summary, f"{name} at {qps or concurrency}: ")
                         records[f"{name}-{qps or concurrency}-run{run}"] = recs
@@ -688,6 +698,33 @@ def compare(args: argparse.Namespace, goodput: dict[str, float]) -> None:
                 why = _why_nothing(median_of_runs(done)) if done else unstarted.get(name, "not run")
                 missing[f"{name} at {qps or concurrency:g}"] = why
     fail_unless_measured(missing, len(targets) * len(points), "points (server at load)")
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """n processes spinning, each pinned to one of the last n cores this process may use."""
+    if n <= 0:
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if n > len(cores):
+        raise BenchError(f"--busy-cores {n}: this machine gives {len(cores)} cores")
+    loops = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass",
+            ]
+        )
+        for core in cores[-n:]
+    ]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
 
 
 def schedule(

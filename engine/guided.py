@@ -53,6 +53,16 @@ _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?"
 # filling its masks four times slower.
 _BOUNDED_CHAR = r"[^\"\\\r\n]"
 _JSON_CHAR = r"[^\"\\\0-\x1f]"
+# xgrammar 0.2.8's numbers have as many digits as a model writes: one that never stops writing
+# digits runs to max_tokens. JSON numbers past 16 significant digits are not exact in a float64
+# (nor in JavaScript) anyway, so a number's whole part is capped at 16 digits, its fraction at 16
+# and its exponent at 3 (1e308 is float64's largest). A schema's minimum/maximum bound an integer
+# further (xgrammar writes its range). vLLM's xgrammar backend applies no such cap.
+_DIGIT_CAPS = (
+    ("[1-9] [0-9]*", "[1-9] [0-9]{0, 15}"),
+    ('"." basic_number_digits{1, -1}', '"." basic_number_digits{1, 16}'),
+    ("basic_number_4 basic_number_digits{1, -1}", "basic_number_4 basic_number_digits{1, 3}"),
+)
 
 
 class GuidedError(RequestFailure, ValueError):
@@ -83,6 +93,8 @@ def _grammar(spec: GuidedSpec) -> xgr.Grammar:
             # Fixed separators and strict mode: a model cannot pad with whitespace or invent
             # properties forever.
             text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+            for unbounded, capped in _DIGIT_CAPS:
+                text = text.replace(unbounded, capped)
             return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHAR, _JSON_CHAR))
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.value)

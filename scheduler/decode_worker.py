@@ -42,6 +42,7 @@ from engine.parallel import (
 from engine.shared_memory import release_name
 from partition.backends import backend_of, check_in_worker
 from partition.cpu import repin
+from partition.cpu_contention import CoreWatch, warn_if_busy
 from partition.green import WHOLE, StreamSplits, graph_targets, on_stream
 from partition.manager import ShareManager, Split
 from partition.profile import PartitionProfile, ProfileError, shipped_profile
@@ -251,6 +252,15 @@ class DecodeWorker:
         self.shares = (
             None if cfg.prefill_worker == "none" else share_manager(cfg, self.streams, self.engine)
         )
+        # On the CPU, torch's pool follows the cores other processes leave to this worker (a
+        # prefill thread shares the process's pool, so only a worker of its own watches).
+        self.core_watch = (
+            CoreWatch(tuple(sorted(os.sched_getaffinity(0))), f"unit {cfg.unit} decode worker")
+            if self.engine.device.type == "cpu" and cfg.prefill_worker != "thread"
+            else None
+        )
+        if self.core_watch is not None and tp.rank == 0:
+            warn_if_busy(self.core_watch.cores, f"unit {cfg.unit} decode worker")
         if self.streams is not None and self.shares is not None:
             self.use_split(self.shares.current)
         elif (
@@ -327,6 +337,8 @@ class DecodeWorker:
                 self.out.send(WorkerOutput(self.cfg.unit, started=step.started))
             if self.shares is not None:
                 self.rebalance()
+            if self.core_watch is not None:
+                self.core_watch.check()
             engine_s = 0.0
             if step.inputs:
                 engine_s = self.launch(step)
@@ -503,6 +515,8 @@ class DecodeWorker:
             )
         else:
             repin(split.decode)
+            if self.core_watch is not None:
+                self.core_watch.retarget(split.decode)
             self.jobs.send(self.encode(SetShare(list(split.prefill))))
             log.debug(
                 "shares: decode cores %s, prefill cores %s (%s; batch %d, context %.0f)",

@@ -87,6 +87,11 @@ class RequestError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
+# The tags of the request unions the routes take (tokenize_api.TokenizeRequest): pydantic puts the
+# member in an error's location, which is no field of the body.
+UNION_TAGS: set[str] = set()
+
+
 def validation_error_message(
     exc: ValidationError | RequestValidationError,
 ) -> tuple[str, str | None]:
@@ -99,6 +104,8 @@ def validation_error_message(
     for error in exc.errors():
         loc = [str(part) for part in error.get("loc", ())]
         if loc[:1] == ["body"]:  # FastAPI prefixes where the value came from
+            loc = loc[1:]
+        if loc[:1] and (loc[0] in UNION_TAGS or "[" in loc[0]):  # which member of a union
             loc = loc[1:]
         if error.get("type") == "json_invalid":
             detail = error.get("ctx", {}).get("error", error.get("msg", ""))

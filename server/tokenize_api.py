@@ -17,8 +17,9 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from server.errors import UNION_TAGS
 from server.protocol import (
     INT64_MAX,
     ChatCompletionRequest,
@@ -66,6 +67,20 @@ class TokenizeChatRequest(ChatTemplateInput, BaseModel):
         return self
 
 
+def _tokenize_kind(body: Any) -> str:
+    """Which request a /tokenize body is: a chat one when it has messages, else a prompt's (whose
+    error then names the missing prompt, not both shapes' fields)."""
+    return "chat" if isinstance(body, dict) and "messages" in body else "prompt"
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("chat")]
+    | Annotated[TokenizeCompletionRequest, Tag("prompt")],
+    Discriminator(_tokenize_kind),
+]
+UNION_TAGS.update({"chat", "prompt"})
+
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -79,7 +94,7 @@ def add_token_routes(app: FastAPI, path: RequestPath) -> None:
     model, off_loop = path.model, path.off_loop
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> dict:
         model.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
             model.need_chat_template()

@@ -377,3 +377,28 @@ def test_a_grammar_after_thinking_holds_from_the_end_of_the_thinking(byte_setup:
         guided.fill([("off", spec, [*b"hm</think>", *b"~~"])])
     for request in ("think", "plain-0", f"plain-{len(answer)}"):
         guided.release(request)
+
+
+def test_json_numbers_stop_at_a_digit_cap(byte_setup: Setup) -> None:
+    """A strict json_schema number cannot grow until max_tokens: its whole part takes 16 digits at
+    most, its fraction 16, its exponent 3."""
+    guided = byte_setup.guided
+    spec = GuidedSpec("json_schema", json.dumps({"type": "number"}))
+    digits = [ord(c) for c in "0123456789"]
+
+    def next_allowed(text: str) -> torch.Tensor:
+        request = f"digits-{len(text)}-{text[-3:]}"
+        row = allowed(guided.fill([(request, spec, list(text.encode()))])[0], BYTE_VOCAB)
+        guided.release(request)
+        return row
+
+    for text, more in (
+        ("9" * 15, True),
+        ("9" * 16, False),
+        ("1." + "5" * 15, True),
+        ("1." + "5" * 16, False),
+        ("1e30", True),
+        ("1e308", False),
+    ):
+        assert bool(next_allowed(text)[digits].any()) == more, text
+    assert next_allowed("9" * 16)[BYTE_EOS], "a number of 16 digits is complete"

@@ -562,3 +562,21 @@ def test_chat_template_kwargs_over_the_servers_defaults_reach_the_template() -> 
     reserved = got["replies"]["reserved"]
     assert reserved.status_code == 400 and "may not set tools" in reserved.text
     assert tokenizer.decode(got["replies"]["tokenize"].json()["tokens"]) == "Thi"
+
+
+def test_a_bad_tokenize_body_names_its_field_not_pydantics_union() -> None:
+    async def run() -> list:
+        http, _ = api()
+        async with http:
+            return [
+                (await http.post("/tokenize", json=body)).json()["error"]
+                for body in ({}, {"messages": "x"}, {"prompt": {"a": 1}})
+            ]
+
+    missing, messages, prompt = asyncio.run(run())
+    assert missing["message"] == "prompt: Field required" and missing["param"] == "prompt"
+    assert messages["param"] == "messages" and messages["message"].startswith("messages: ")
+    assert prompt["param"] == "prompt"
+    assert not any(
+        "[" in e["message"] or "Request" in e["message"] for e in (missing, messages, prompt)
+    )
