@@ -501,13 +501,17 @@ def write_report(
     written = [out_dir / "summary.json"]
     written[0].write_text(json.dumps(list(summaries), indent=2, default=str) + "\n")
     plots = []
+    # A plot draws each server's figures over the loads: with one load a server, a table says it.
+    servers = Counter(str(s.get("label", {}).get("server")) for s in summaries)
+    swept = max(servers.values(), default=0) > 1
     try:
         for name, plot in (
             ("latency_vs_qps.png", plot_latency_vs_qps),
             ("ttft_pareto.png", plot_ttft_pareto),
         ):
-            plot(summaries, out_dir / name)
-            plots.append(out_dir / name)
+            if swept:
+                plot(summaries, out_dir / name)
+                plots.append(out_dir / name)
     except ImportError:
         log.warning("no plots: matplotlib is not installed (pip install matplotlib)")
     report = out_dir / "report.md"

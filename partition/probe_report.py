@@ -386,6 +386,8 @@ def _mps_rows(mps: dict[str, Any]) -> Rows:
 
 def _verdict_rows(verdict: dict[str, Any]) -> Rows:
     rows = [("verdict", f"preferred: {verdict.get('preferred')}")]
+    if verdict.get("preferred") == "cpu":  # no GPU: its partition modes are in the JSON, not here
+        return rows
     for mode, found in verdict.get("modes", {}).items():
         rows.append(
             (f"  {mode}", f"{'yes' if found.get('usable') else 'no '}  {found.get('reason')}")

@@ -290,14 +290,21 @@ def plan_serve(args: argparse.Namespace) -> ServePlan:
     cores = available_cores()
     workers = num_units * (2 if with_prefill else 1) * tp
     if device == "cpu" and workers > len(cores):
+        per_unit = workers // num_units
+        if per_unit > len(cores):  # one unit is too many already: fewer units cannot help
+            roles = 2 if with_prefill else 1
+            fix = f"-tp {max(1, len(cores) // roles)} or less" + (
+                ", or --policy aggregated (one worker a unit)" if with_prefill else ""
+            )
+        else:
+            fix = f"--units {len(cores) // per_unit} or fewer"
         log.warning(
             "%d unit(s) are %d worker processes on %d core(s): they will share cores and each run "
-            "slower; "
-            "use --units %d or fewer on this machine",
+            "slower; use %s on this machine",
             num_units,
             workers,
             len(cores),
-            max(1, len(cores) // (2 if with_prefill else 1)),
+            fix,
         )
     remove_dead_leftovers()
     ipc_dir = tempfile.mkdtemp(prefix=f"ppd-{os.getpid()}-")

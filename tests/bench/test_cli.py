@@ -70,8 +70,8 @@ def test_bench_writes_table_json_and_plots(stub, tokenizer: str, tmp_path: Path)
     (summary,) = json.loads((out / "summary.json").read_text())
     assert summary["requests"] > 0 and summary["success_rate"] == 1.0
     assert summary["ttft_turn2plus_ms_p50"] is not None and summary["goodput_fraction"] == 1.0
-    for png in ("latency_vs_qps.png", "ttft_pareto.png"):
-        assert (out / png).read_bytes().startswith(PNG)
+    # one load: the table says it all, and no plot of a single point is drawn
+    assert not list(out.glob("*.png"))
     assert (out / "report.md").read_text().count("\n| ") >= 2
 
 

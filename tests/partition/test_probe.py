@@ -95,6 +95,9 @@ def test_without_out_the_report_goes_to_the_results_folder_and_no_driver_fails_n
     )
     assert report["verdict"]["preferred"] == "cpu" and report["cpu"]["ok"]
     assert "AMX-BF16" in printed.out and "--dtype auto: the demo in float32" in printed.out
+    # a CPU host's table says the verdict once; the GPU modes' verdicts stay in the JSON
+    assert "verdict                preferred: cpu" in printed.out
+    assert "green_in_mps" not in printed.out and "green_in_mps" in report["verdict"]["modes"]
 
 
 def test_the_cpu_section_says_what_ppd_serve_chooses_on_this_cpu() -> None:

@@ -580,3 +580,17 @@ def test_a_bad_tokenize_body_names_its_field_not_pydantics_union() -> None:
     assert not any(
         "[" in e["message"] or "Request" in e["message"] for e in (missing, messages, prompt)
     )
+
+
+def test_too_many_workers_for_the_cores_advise_what_helps(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """More worker processes than cores: fewer units where one unit fits, else a smaller -tp."""
+    monkeypatch.setattr(server.plan, "available_cores", lambda: [0, 1])
+    with caplog.at_level("WARNING", logger="ppd"):
+        plan("-tp", "4")
+    assert "use -tp 2 or less on this machine" in caplog.text and "--units" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ppd"):
+        plan("-tp", "2", "--units", "2")
+    assert "use --units 1 or fewer" in caplog.text
