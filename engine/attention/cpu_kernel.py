@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -88,19 +89,37 @@ def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Pa
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    # Said before it starts: the first start on a machine is otherwise silent for the compile.
+    log.info(
+        "compiling the CPU kernels for this CPU (%s; once: they are cached in %s)", build_isa, cache
+    )
+    began = time.perf_counter()
     with tempfile.TemporaryDirectory(
         dir=cache
     ) as tmp:  # built aside, then renamed: workers may build at once
         built = Path(tmp) / target.name
         objects = [str(Path(tmp) / f"{s.stem}.o") for s in SOURCES]
-        steps = [([cc, *flags, "-c", str(s), "-o", o], s.name) for s, o in zip(SOURCES, objects)]
-        for cmd, name in [*steps, ([cc, *objects, *LINK_FLAGS, "-o", str(built)], "the library")]:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+        # The sources compile side by side, one process each, then link.
+        compiles = [
+            (subprocess.Popen([cc, *flags, "-c", str(s), "-o", o], **PIPES), s.name)
+            for s, o in zip(SOURCES, objects)
+        ]
+        link = ([cc, *objects, *LINK_FLAGS, "-o", str(built)], "the library")
+        for proc, name in compiles:
+            _, err = proc.communicate()
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed to build {name}: {proc.stderr.strip()[-1500:]}")
+                raise RuntimeError(f"{cc} failed to build {name}: {err.strip()[-1500:]}")
+        proc = subprocess.run(link[0], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {link[1]}: {proc.stderr.strip()[-1500:]}")
         os.replace(built, target)
-    log.info("built the CPU kernels (%s): %s", build_isa, target)
+    log.info(
+        "built the CPU kernels (%s) in %.0f s: %s", build_isa, time.perf_counter() - began, target
+    )
     return target
+
+
+PIPES = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 class CpuKernels:
