@@ -6,16 +6,15 @@ meaning reaching what they set."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import server.plan
-from cli.main import OneLineParser
+from cli.main import OneLineParser, main
 from server.args import add_serve_args
 from server.plan import UsageError
 from server.vllm_cli import VLLM_FLAGS, VLLM_VERSION, VllmCliError, human_int, vllm_argv
@@ -35,10 +34,15 @@ def vllm_flags() -> list[tuple[list[str], str, str]]:
     return out
 
 
-def parse(*argv: str) -> argparse.Namespace:
+@functools.cache
+def serve_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ppd serve")
     add_serve_args(parser)
-    return parser.parse_args(vllm_argv(list(argv)))
+    return parser
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return serve_parser().parse_args(vllm_argv(list(argv)))
 
 
 def test_the_list_is_vllms_whole_serve_command_line() -> None:
@@ -71,18 +75,21 @@ def test_every_vllm_flag_is_taken_or_refused_in_one_line(
         assert logged and "no effect in ppd" in logged[0], logged
 
 
-def test_an_unknown_flag_and_a_refused_one_are_one_line_on_the_command_line() -> None:
+def test_an_unknown_flag_and_a_refused_one_are_one_line_on_the_command_line(
+    capsys: pytest.CaptureFixture,
+) -> None:
     for argv, says in (
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (not a flag of ppd serve nor"),
         (["--enable-lora"], "--enable-lora: ppd serves one set of weights"),
         (["--speculative-config", '{"method": "ngram"}'], "no speculative decoding"),
         (["--dtype", "int3"], "argument --dtype: invalid choice"),
     ):
-        run = subprocess.run(
-            [sys.executable, "-m", "cli", "serve", *argv], capture_output=True, text=True
-        )
-        lines = run.stderr.strip().splitlines()
-        assert run.returncode == 2 and len(lines) == 1, run.stderr
+        try:
+            code = main(["serve", *argv])
+        except SystemExit as exc:  # argparse's own errors exit from the parser
+            code = exc.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, lines
         assert lines[0].startswith("ppd serve: error: ") and says in lines[0], lines[0]
 
 
