@@ -90,7 +90,7 @@ class CoreWatch:
         self.last = read_times(cores)
 
     def check(self) -> None:
-        if self.last is None or len(self.cores) < 2:
+        if self.last is None or len(self.cores) < 2 or os.environ.get("PPD_CORE_WATCH") == "0":
             return
         if time.monotonic() - self.last.at < PERIOD_S:
             return

@@ -155,10 +155,15 @@ def first_difference(
     return None
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_ids_equal_transformers_on_20_chat_prompts_through_both_routes(
-    dtype, gguf, start_server
+    gguf, start_server
 ) -> None:
+    """float32: every id equal (bfloat16's case is test_real_model_bfloat16.py, so that the second
+    suite's two processes run the two, its longest tests, side by side)."""
+    check_greedy_ids("float32", gguf, start_server)
+
+
+def check_greedy_ids(dtype: str, gguf, start_server) -> None:
     """Each prompt's first turn is a miss but for the template's system prompt (the policy picks its
     route); its second turn, the first answer and a follow-up question appended, runs once on each
     route over the cached first turn. float32: every id equal. bfloat16: texts may part only at a
