@@ -594,3 +594,32 @@ def test_too_many_workers_for_the_cores_advise_what_helps(
     with caplog.at_level("WARNING", logger="ppd"):
         plan("-tp", "2", "--units", "2")
     assert "use --units 1 or fewer" in caplog.text
+
+
+def test_the_chat_flags_reach_the_served_model() -> None:
+    """--reasoning-parser, --response-role, --enable-force-include-usage and
+    --default-chat-template-kwargs as `ppd serve` hands them to the API."""
+    from server.serve import served_model
+
+    argv = (
+        "--reasoning-parser",
+        "qwen3",
+        "--response-role",
+        "bot",
+        "--enable-force-include-usage",
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+    )
+    args = serve_args(*argv)
+    found = server.plan.plan_serve(args)
+    shutil.rmtree(found.ipc_dir)
+    client = type("Client", (), {"on_ready": None})()
+    model = served_model(args, found, load_tokenizer(found.tokenizer_path), client, None)
+    assert (model.reasoning_parser, model.response_role, model.force_usage) == (
+        "qwen3",
+        "bot",
+        True,
+    )
+    assert model.template_kwargs == {"enable_thinking": False}
+    with pytest.raises(UsageError, match="give a JSON object"):
+        served_model(serve_args("--default-chat-template-kwargs", "[1]"), found, None, client, None)
