@@ -504,11 +504,6 @@ def vllm_flags(args: argparse.Namespace) -> None:
             "--enable-reasoning: name the parser with --reasoning-parser (qwen3 or deepseek_r1), "
             "which alone is enough"
         )
-    if args.allow_credentials and args.allowed_origins is None:
-        # vLLM answers CORS for any origin by default; credentials need the origins named.
-        raise UsageError(
-            "--allow-credentials: name the origins too (--allowed-origins '[\"https://...\"]')"
-        )
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
     check_vllm_only_args(args)

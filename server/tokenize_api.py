@@ -70,15 +70,15 @@ class TokenizeChatRequest(ChatTemplateInput, BaseModel):
 def _tokenize_kind(body: Any) -> str:
     """Which request a /tokenize body is: a chat one when it has messages, else a prompt's (whose
     error then names the missing prompt, not both shapes' fields)."""
-    return "chat" if isinstance(body, dict) and "messages" in body else "prompt"
+    return "tokenize-chat" if isinstance(body, dict) and "messages" in body else "tokenize-prompt"
 
 
 TokenizeRequest = Annotated[
-    Annotated[TokenizeChatRequest, Tag("chat")]
-    | Annotated[TokenizeCompletionRequest, Tag("prompt")],
+    Annotated[TokenizeChatRequest, Tag("tokenize-chat")]
+    | Annotated[TokenizeCompletionRequest, Tag("tokenize-prompt")],
     Discriminator(_tokenize_kind),
 ]
-UNION_TAGS.update({"chat", "prompt"})
+UNION_TAGS.update({"tokenize-chat", "tokenize-prompt"})  # no field is named with a dash
 
 
 class DetokenizeRequest(BaseModel):
