@@ -235,6 +235,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-server-count",
+        "-asc",
         type=int,
         default=1,
         metavar="N",

@@ -48,6 +48,8 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_the_list_is_vllms_whole_serve_command_line() -> None:
     flags = vllm_flags()
     assert len(flags) > 300
+    known = set(serve_parser()._option_string_actions)
+    assert [n for names, _, _ in flags for n in names if n not in known] == [], "every alias too"
     assert all(arity in ("flag", "value", "list", "optional") for _, arity, _ in flags)
     named = {name for names, _, _ in flags for name in names}
     for common in ("--enable-chunked-prefill", "--kv-cache-dtype", "--enable-lora", "-tp"):
