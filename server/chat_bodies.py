@@ -188,7 +188,7 @@ def prompt_logprobs_body(
 
 def reasoning_fields(thinking: str | None) -> dict[str, str | None]:
     """The thinking of a reasoning model's answer, under both names clients read it by:
-    reasoning_content (DeepSeek's API, vLLM before 0.30) and reasoning (vLLM's now)."""
+    reasoning_content (DeepSeek's API, older vLLM's) and reasoning (vLLM 0.32's)."""
     return {"reasoning_content": thinking, "reasoning": thinking}
 
 
