@@ -445,42 +445,20 @@ def vllm_flags(args: argparse.Namespace) -> None:
                 "setting (ppd's units are vLLM's data-parallel ranks); give one"
             )
         args.units = args.data_parallel_size
-    for vllm_name, value, ppd_name, dest, ppd_value in (
-        ("--device-ids", args.device_ids, "--gpus", "gpus", args.device_ids),
-        ("-dpl", args.data_parallel_size_local, "--units", "units", args.data_parallel_size_local),
-        (
-            "--kv-cache-memory-bytes",
-            args.kv_cache_memory_bytes,
-            "--kv-cache-memory",
-            "kv_cache_memory",
-            None if args.kv_cache_memory_bytes is None else args.kv_cache_memory_bytes / 2**30,
-        ),
-        (
-            "--num-gpu-blocks-override",
-            args.num_gpu_blocks_override,
-            "--num-kv-blocks",
-            "num_kv_blocks",
-            args.num_gpu_blocks_override,
-        ),
-        (
-            "--max-num-queued-reqs",
-            args.max_num_queued_reqs,
-            "--max-waiting-requests",
-            "max_waiting_requests",
-            args.max_num_queued_reqs,
-        ),
-        (
-            "--max-cudagraph-capture-size",
-            args.max_cudagraph_capture_size
-            or (max(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None),
-            "--max-graph-tokens",
-            "max_graph_tokens",
-            args.max_cudagraph_capture_size
-            or (max(args.cudagraph_capture_sizes) if args.cudagraph_capture_sizes else None),
-        ),
+    graph_size = args.max_cudagraph_capture_size or max(args.cudagraph_capture_sizes or [0]) or None
+    # vLLM's name of one of ppd's settings, its value, and ppd's flag
+    for vllm_name, value, ppd_name in (
+        ("--device-ids", args.device_ids, "--gpus"),
+        ("-dpl", args.data_parallel_size_local, "--units"),
+        ("--kv-cache-memory-bytes", args.kv_cache_memory_bytes, "--kv-cache-memory"),
+        ("--num-gpu-blocks-override", args.num_gpu_blocks_override, "--num-kv-blocks"),
+        ("--max-num-queued-reqs", args.max_num_queued_reqs, "--max-waiting-requests"),
+        ("--max-cudagraph-capture-size", graph_size, "--max-graph-tokens"),
     ):
         if value is None:
             continue
+        dest = ppd_name[2:].replace("-", "_")
+        ppd_value = value / 2**30 if dest == "kv_cache_memory" else value  # bytes to GiB
         if getattr(args, dest) not in (None, ppd_value, PPD_DEFAULTS.get(dest)):
             raise UsageError(
                 f"{vllm_name} {value} and {ppd_name} {getattr(args, dest)}: the same setting "

@@ -299,9 +299,12 @@ class RequestPath:
         self.model.check_token_ids(body.prompt, "prompt")
         return body.prompt
 
-    def output_rules(self, body: SamplingRequest) -> tuple[GuidedSpec | None, ToolOutput | None]:
-        """The constraint on the output (structured outputs, or a tool choice that forces calls) and
-        how tool calls are read from the text, checked: a spec the grammar library cannot build is
+    def output_rules(
+        self, body: SamplingRequest, thinking: bool = False
+    ) -> tuple[GuidedSpec | None, ToolOutput | None]:
+        """The constraint on the output (structured outputs, or a tool choice that forces calls),
+        held after the thinking where the output opens with some, and how tool calls are read from
+        the text, checked: a spec the grammar library cannot build is
         the client's error (400)."""
         model = self.model
         tools = (
@@ -338,7 +341,7 @@ class RequestPath:
             )
         if (problem := spec_problem(spec)) is not None:
             raise RequestError(f"{field}: {problem}", param=field)
-        if model.thinks(body):  # the grammar holds for the answer, after the thinking
+        if thinking:  # the grammar holds for the answer, after the thinking
             end = model.tokenizer.encode(THINK_END, add_special_tokens=False)
             spec = msgspec.structs.replace(spec, after=tuple(end))
         return spec, tools
@@ -358,8 +361,9 @@ class RequestPath:
         body = model.with_defaults(body)
         model.check_logprobs(body)
         model.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        thinking = model.thinks(body)
         guided, tools = await self.off_loop(
-            self.output_rules, body
+            self.output_rules, body, thinking
         )  # the grammar library's first use imports it
         score_only = isinstance(body, CompletionRequest) and body.score_only
         # Scoring a prompt (max_tokens 0) still samples one token, which run_choice drops.
@@ -377,7 +381,6 @@ class RequestPath:
         # Tool-call markers may be special tokens ([TOOL_CALLS], <|python_tag|>): the parser reads
         # them in the text.
         keep = () if tools is None or tools.mode != "auto" else sampling.stop_token_ids
-        thinking = model.thinks(body)
         choices = [
             Choice(
                 i,

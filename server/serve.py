@@ -413,7 +413,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         guard = request_guard(args)
         http = http_options(args)
-        uvicorn_options(args)  # its files checked now
+        server_options = uvicorn_options(args)  # its files checked now
         default_template_kwargs(args)
         policy = policy_for(args, plan)
         sock = listen_socket(args.host, args.port, reuse_port=args.api_server_count > 1)
@@ -501,7 +501,7 @@ def serve(args: argparse.Namespace) -> None:
         model, client, lambda: health(plan, client, launcher.pids), lifespan, guard, store, http
     )
     server = DrainingServer(
-        uvicorn.Config(app, host=args.host, port=args.port, **uvicorn_options(args)),
+        uvicorn.Config(app, host=args.host, port=args.port, **server_options),
         client,
         args.shutdown_timeout,
         on_signal,

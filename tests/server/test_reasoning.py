@@ -25,6 +25,7 @@ from server.engine_client import Delta
 from server.reasoning import ReasoningSplitter, whole
 from server.request_path import ServedModel
 from server.serve import load_tokenizer
+from tests.server.test_vllm_drop_in import RecordingClient
 from tests.tiny_models import write_tiny_model
 
 # Qwen3's generation prompt and its handling of thinking (the tail of Qwen3-8B's template): the
@@ -41,29 +42,21 @@ THOUGHT = "\nThe user greets me; answer briefly.\n"
 ANSWER = "Hello there."
 
 
-class ScriptedClient:
-    """The engine client's face to the API: each request's output is `output`, a token (a byte of
-    the byte-level tokenizer) a step; the prompts are kept."""
+class ScriptedClient(RecordingClient):
+    """test_vllm_drop_in's stand-in client (it keeps the prompts), its answer streamed a token (a
+    byte of the byte-level tokenizer) a step, with the router's block size /v1/messages reads."""
 
-    api_server = 0
-    units = [0]
-    problems: dict[str, str] = {}
-    retention_on = False
     router = type("Router", (), {"block_size": 16})()
 
     def __init__(self, output: str) -> None:
-        self.output, self.prompts = output.encode(), []
-        self.metrics = type("M", (), {"render": staticmethod(lambda: b"")})()
-
-    def refusal(self):
-        return None
+        super().__init__(output.encode())
 
     async def generate(
         self, prompt_ids, sampling, session=None, route_hint=None, unit=None, retain_s=0.0
     ):
         self.prompts.append(prompt_ids)
-        for i, byte in enumerate(self.output):
-            last = i == len(self.output) - 1
+        for i, byte in enumerate(self.answer):
+            last = i == len(self.answer) - 1
             yield Delta([byte], "stop" if last else None, route="decode", num_cached_tokens=0)
 
 
