@@ -70,8 +70,16 @@ def nan_filled_empty() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One demo-model cache for the whole session, so the demo folder is built once."""
-    return tmp_path_factory.mktemp("ppd-cache")
+    """One demo-model cache for the whole session, so the demo folder is built once. Its CPU kernels
+    are the test processes' own (profiles.cache_dir()'s, where the kernel tests build them): the
+    servers of both test processes load the one build instead of compiling their own."""
+    from profiles import cache_dir as test_process_cache
+
+    cache = tmp_path_factory.mktemp("ppd-cache")
+    kernels = test_process_cache() / "cpu-kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "cpu-kernels").symlink_to(kernels, target_is_directory=True)
+    return cache
 
 
 @pytest.fixture(scope="session")

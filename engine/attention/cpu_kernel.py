@@ -12,6 +12,7 @@ returns None with the reason in the log, and attention falls back to PyTorch's k
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -89,6 +90,21 @@ def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Pa
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    # One process compiles; the others (a unit's workers, tensor-parallel ranks, servers sharing the
+    # cache) wait for its library instead of compiling the same one beside it.
+    with open(cache / f".{target.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process compiling the CPU kernels into %s", cache)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _compile(cc, flags, build_isa, cache, target)
+    return target
+
+
+def _compile(cc: str, flags: list[str], build_isa: str, cache: Path, target: Path) -> None:
+    """Compiles the sources into target, aside in cache and then renamed."""
     # Said before it starts: the first start on a machine is otherwise silent for the compile.
     log.info(
         "compiling the CPU kernels for this CPU (%s; once: they are cached in %s)", build_isa, cache
@@ -96,7 +112,7 @@ def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Pa
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(
         dir=cache
-    ) as tmp:  # built aside, then renamed: workers may build at once
+    ) as tmp:  # built aside, then renamed: a build cut short leaves no library
         built = Path(tmp) / target.name
         objects = [str(Path(tmp) / f"{s.stem}.o") for s in SOURCES]
         # The sources compile side by side, one process each, then link.
@@ -116,7 +132,6 @@ def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Pa
     log.info(
         "built the CPU kernels (%s) in %.0f s: %s", build_isa, time.perf_counter() - began, target
     )
-    return target
 
 
 PIPES = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -5,7 +5,10 @@ backend's mixed steps against the torch backend's."""
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -287,6 +290,38 @@ def test_a_failed_build_says_what_failed(tmp_path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(RuntimeError, match="no C compiler"):
         cpu_kernel.build()
+
+
+def test_builds_started_at_once_compile_once(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A unit's workers (or servers sharing a cache) that start together: one compiles, the others
+    wait for its library. A stand-in compiler records its calls and takes half a second each."""
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"
+    cc.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = --version ] && { echo "stand-in cc 1"; exit 0; }\n'
+        f'echo "$*" >> {calls}\n'
+        "sleep 0.5\n"
+        'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    start = threading.Barrier(3)
+
+    def build() -> Path:
+        start.wait()
+        return cpu_kernel.build()
+
+    with caplog.at_level(logging.INFO, logger="ppd.engine"), ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: build(), range(3)))
+    assert len(set(paths)) == 1 and paths[0].exists()
+    # the five sources and the link, once
+    assert len(calls.read_text().splitlines()) == len(cpu_kernel.SOURCES) + 1
+    assert caplog.text.count("compiling the CPU kernels for this CPU") == 1
+    assert caplog.text.count("waiting for another process compiling") == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -747,11 +747,13 @@ def sm_ids_launch(programs: int = 4) -> None:
 
 
 PARTS = {
-    "default": "every case but float32-splits' (fast, slow and the FP8 GEMMs' together)",
+    "default": "every case but float32-splits' (fast, float16, slow and the FP8 GEMMs' together)",
     "float32-splits": "float32 attention split over its keys, or beside decodes in one launch: "
     "minutes of FMA dots each to compile (the second test suite)",
-    "fast": "default's but float32 attention, CUDA-graph steps and the fp8 KV pool's (the default "
-    "test suite)",
+    "fast": "bfloat16 attention and mixtures of experts, and every elementwise kernel in every "
+    "dtype (the default test suite)",
+    "float16": "float16 attention and mixtures of experts, the same kernels as bfloat16's with "
+    "another dot type: over a minute of CPU time with an empty Triton cache (the second suite)",
     "slow": "float32 attention unsplit, whose FMA dots take several times as long to compile as "
     "the rest together, bfloat16 steps replayed from CUDA graphs, and a bfloat16 model over an "
     "fp8 KV pool (the second test suite)",
@@ -778,17 +780,14 @@ def cases(part: str) -> list[Case]:
     if part in ("fp8-gemm", "fp8-gemm-float16"):
         return fp8_gemm_cases("float16" if part == "fp8-gemm-float16" else "bfloat16")
     slow = attention_cases("float32") + graph_cases("bfloat16") + moe_cases("float32") + fp8_cases()
-    fast = [
-        case
-        for dt in ("bfloat16", "float16")
-        for case in split_cases(dt) + attention_cases(dt) + moe_cases(dt)
-    ]
+    float16 = split_cases("float16") + attention_cases("float16") + moe_cases("float16")
+    fast = split_cases("bfloat16") + attention_cases("bfloat16") + moe_cases("bfloat16")
     fast += [case for dt in DTYPES for case in elementwise_cases(dt)]
     fast.append(Case("relaunch bfloat16", "relaunch", lambda: relaunch_check("bfloat16")))
     fast.append(Case("probe spin float32", "probe", lambda: spin(torch.zeros(2 * BLOCK), 1000)))
     fast.append(Case("probe sm_ids", "probe", sm_ids_launch))
-    everything = slow + fast + fp8_gemm_cases("bfloat16") + fp8_gemm_cases("float16")
-    return {"slow": slow, "fast": fast}.get(part, everything)
+    everything = slow + float16 + fast + fp8_gemm_cases("bfloat16") + fp8_gemm_cases("float16")
+    return {"slow": slow, "float16": float16, "fast": fast}.get(part, everything)
 
 
 # ---- running them --------------------------------------------------------------------------------
