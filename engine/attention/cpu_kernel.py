@@ -61,7 +61,9 @@ def _compiler() -> str | None:
 def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Path:
     """The shared library for this machine, compiled now unless the cache has it; RuntimeError if it
     cannot be. build_isa: 'native' or 'avx2' (default: $PPD_CPU_ISA's); extra_flags go after the
-    others (the tests build without the CPU's bfloat16 instructions, for the other path)."""
+    others (the tests build without the CPU's bfloat16 instructions, for the other path). Where
+    the CPU lacks what a build turns off (avx2's AVX-512 on an AVX2-only CPU), it is the native
+    build, compiled once."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError(
@@ -71,7 +73,10 @@ def build(extra_flags: tuple[str, ...] = (), build_isa: str | None = None) -> Pa
         :1
     ]
     build_isa = build_isa or isa()
-    flags = [*FLAGS, *ISA_FLAGS[build_isa], *extra_flags]
+    # A flag that turns off what this CPU lacks changes nothing: the build is the native one's.
+    flags = [*FLAGS, *(f for f in (*ISA_FLAGS[build_isa], *extra_flags) if not _moot(f))]
+    if flags == FLAGS:
+        build_isa = "native"
     cpu = " ".join(sorted(proc_flags())) or platform.processor()
     key = hashlib.sha256(
         "\n".join(
@@ -135,6 +140,15 @@ def _compile(cc: str, flags: list[str], build_isa: str, cache: Path, target: Pat
 
 
 PIPES = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+# gcc's -mno-X flags and the /proc/cpuinfo flag of the extension each turns off
+TURNS_OFF = {"-mno-avx512f": "avx512f", "-mno-avx512bf16": "avx512_bf16"}
+
+
+def _moot(flag: str) -> bool:
+    """Whether flag turns off an extension this CPU does not have (under -march=native, gcc
+    would not use it anyway). Only a CPU whose flags are known is judged."""
+    return flag in TURNS_OFF and bool(proc_flags()) and TURNS_OFF[flag] not in proc_flags()
 
 
 class CpuKernels:

@@ -3,6 +3,8 @@ standing in for a CPU without AVX-512."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine import cpu_isa
@@ -36,10 +38,8 @@ def test_ppd_cpu_isa_avx2_hides_avx512_and_amx(monkeypatch: pytest.MonkeyPatch) 
         cpu_isa.isa()
 
 
-def test_the_two_builds_are_two_files(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The AVX2 build lies beside this CPU's in the cache, under its own name, built with
-    -mno-avx512f, so that both can be loaded; PPD_CPU_ISA picks it. (A stand-in compiler records
-    its flags and writes empty files.)"""
+def stand_in_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A compiler that records its arguments (in the file returned) and writes empty files."""
     cc, calls = tmp_path / "cc", tmp_path / "calls"
     cc.write_text(
         f'#!/bin/sh\necho "$@" >> {calls}\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; '
@@ -49,6 +49,14 @@ def test_the_two_builds_are_two_files(tmp_path, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("PPD_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+    return calls
+
+
+def test_the_two_builds_are_two_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AVX-512 CPU the AVX2 build lies beside this CPU's in the cache, under its own name,
+    built with -mno-avx512f, so that both can be loaded; PPD_CPU_ISA picks it."""
+    calls = stand_in_compiler(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_kernel, "proc_flags", lambda: frozenset({"avx2", "avx512f"}))
     native, avx2 = cpu_kernel.build(), cpu_kernel.build(build_isa="avx2")
     assert native != avx2 and native.exists() and avx2.exists()
     assert avx2.name.startswith("cpu_attention-avx2-") and not native.name.startswith(
@@ -62,3 +70,21 @@ def test_the_two_builds_are_two_files(tmp_path, monkeypatch: pytest.MonkeyPatch)
     )
     monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
     assert cpu_kernel.build() == avx2
+
+
+def test_on_an_avx2_cpu_the_avx2_build_is_the_native_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Turning off extensions the CPU lacks changes nothing: one library, compiled once (so also
+    without AVX512-BF16 on an AVX-512 CPU that has none)."""
+    calls = stand_in_compiler(tmp_path, monkeypatch)
+    monkeypatch.setattr(cpu_kernel, "proc_flags", lambda: frozenset({"avx2", "fma"}))
+    native = cpu_kernel.build()
+    assert cpu_kernel.build(build_isa="avx2") == native
+    assert cpu_kernel.build(("-mno-avx512bf16",)) == native
+    assert not native.name.startswith("cpu_attention-avx2-")
+    compiled = [line for line in calls.read_text().splitlines() if " -c " in line]
+    assert len(compiled) == len(cpu_kernel.SOURCES) and not any("-mno-" in c for c in compiled)
+    monkeypatch.setattr(cpu_kernel, "proc_flags", lambda: frozenset({"avx2", "avx512f"}))
+    no_bf16 = cpu_kernel.build(("-mno-avx512bf16",))
+    assert no_bf16 == cpu_kernel.build() != native  # another CPU: its own key

@@ -21,11 +21,11 @@ from tests.tiny_models import ARCHS, MOE_ARCHS, assert_prompt_logprobs, hf_greed
 NEW_TOKENS = 8
 
 
-# Served in the default suite: llama, qwen3_moe and mixtral (whose checkpoint names only the
-# server's tests load in that suite); in the second (15-30 s each on 2 cores), mistral (llama's
-# layers), qwen2, qwen3 and olmoe, whose layers differ from those by biases and q/k norms that
-# tests/engine/test_model_vs_hf.py checks in the default suite.
-SLOW_ARCHS = ("mistral", "qwen2", "qwen3", "olmoe")
+# Served in the default suite: llama and mixtral (whose checkpoint names only the server's tests
+# load in that suite); in the second (15-30 s each on 2 cores), mistral (llama's layers), qwen2,
+# qwen3, qwen3_moe (mixtral's experts with q/k norms) and olmoe, whose layers differ from those by
+# biases and q/k norms that tests/engine/test_model_vs_hf.py checks in the default suite.
+SLOW_ARCHS = ("mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe")
 
 
 @pytest.fixture(
