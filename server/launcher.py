@@ -37,13 +37,24 @@ class StartupFailed(RuntimeError):
     """A unit cannot start for a reason the operator must fix; the message says which and how."""
 
 
+def worker_context(units: list[UnitConfig]) -> mp.context.BaseContext:
+    """How the workers are started. On GPUs, spawned: each a fresh interpreter (a fork would copy
+    this process's threads and event loop). On the CPU, forked by a fork server that imported the
+    workers' code once (scheduler/fork_server.py): a worker then starts, and a unit restarts,
+    without importing torch again. The fork server is not used on GPUs, where it has not been
+    tried yet."""
+    if any(unit.gpu is not None for unit in units):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["scheduler.fork_server"])
+    return ctx
+
+
 class Launcher:
     def __init__(self, units: list[UnitConfig], client: EngineClient) -> None:
         self.units = units
         self.client = client
-        self.ctx = mp.get_context(
-            "spawn"
-        )  # fork would copy the server's threads and event loop into the workers
+        self.ctx = worker_context(units)
         self.procs: list[dict[str, BaseProcess]] = [{} for _ in units]
         self.restarts = [0] * len(units)
         self.watcher: asyncio.Task | None = None

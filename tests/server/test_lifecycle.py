@@ -3,6 +3,7 @@ memory, prompt failure and recovery when a worker dies, nothing left behind afte
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -14,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess, wait_until
+from tests.server_process import ServerProcess, process_title, wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -176,13 +177,45 @@ def test_killed_worker_fails_requests_fast_and_unit_restarts(
     )  # a whole answer
 
 
-def test_sigterm_stops_everything(server: ServerProcess) -> None:
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_sigterm_to_every_process_drains_then_stops_everything(server: ServerProcess) -> None:
+    """A stop sent to every process of the server at once, as systemd sends SIGTERM to a service's
+    whole control group (and a terminal's Ctrl-C to its process group): the launcher drains the
+    stream in flight while the workers and their parent, the CPU path's fork server, keep running
+    for it; then nothing is left."""
     pids = list(server.worker_pids().values())
+    parents = {parent_pid(pid) for pid in pids} - {server.proc.pid}  # the fork server, on the CPU
+    assert all("fork-server" in process_title(p) for p in parents)
+
+    def stream() -> str | None:
+        with httpx.stream(
+            "POST", server.url + CHAT, json=body("drain me", 64, stream=True), timeout=60
+        ) as resp:
+            finish = None
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # the unit went down under the stream
+                        return f"error: {chunk['error']}"
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+            return finish
+
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(stream)
+        wait_until(
+            lambda: server.metrics().get("vllm:num_requests_running", 0) > 0, 30, "the stream"
+        )
+        for pid in [server.proc.pid, *parents, *pids]:
+            os.kill(pid, signal.SIGTERM)
+        assert answer.result(timeout=60) == "length"  # all 64 tokens, not cut short
     # uvicorn shuts down gracefully, then re-raises the signal it caught, so the exit status is
     # SIGTERM's.
     assert server.stop() in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in server.log_path.read_text()
-    for pid in pids:
+    for pid in [*pids, *parents]:
         wait_until(
             lambda: (
                 not Path(f"/proc/{pid}").exists()
@@ -192,3 +225,24 @@ def test_sigterm_stops_everything(server: ServerProcess) -> None:
             f"worker {pid} to exit",
         )
     assert not list(Path("/dev/shm").glob(f"ppd-{server.proc.pid}-*"))
+
+
+@pytest.mark.slow  # a server of its own (over 10 s on 2 cores): the second suite
+def test_a_killed_launcher_takes_every_worker_with_it(start_server) -> None:
+    """SIGKILL to the launcher, which can stop nothing itself: its workers (and on the CPU the fork
+    server they were forked from) die with it, so no orphan keeps the cores, a GPU or the port."""
+    server = start_server("--policy", "pd")
+    pids = list(server.worker_pids().values())
+    others = [*pids, *({parent_pid(pid) for pid in pids} - {server.proc.pid})]
+    assert len(others) == 3
+    server.proc.kill()
+    server.proc.wait()
+
+    def gone(pid: int) -> bool:
+        return (
+            not Path(f"/proc/{pid}").exists()
+            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )
+
+    for pid in others:
+        wait_until(lambda: gone(pid), 10, f"process {pid} to exit after its launcher")
