@@ -57,6 +57,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(all(params.get(k, object()) == v for k, v in case.items()) for case in cases):
             item.add_marker(pytest.mark.slow)
+    # Modules that set RUN_FIRST (minutes of one subprocess's work) run first: pytest-xdist hands
+    # out whole files in the order they are collected, and one started last would run alone at the
+    # end while the other test process idles.
+    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "RUN_FIRST", False))
 
 
 @pytest.fixture

@@ -108,6 +108,9 @@ class Engine:
         return seq.tokens[start:]
 
 
+# Over a minute of CPU on 2 cores, in many tests: started first (tests/conftest.py).
+RUN_FIRST = True
+
 # The Triton backend runs its kernels here in Triton's interpreter (tests/conftest.py), the GPU's
 # code path.
 BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])

@@ -29,6 +29,7 @@ def test_a_unit_stops_its_prefill_worker_before_the_decode_worker_whose_memory_i
     unit = SimpleNamespace(
         shm_name=lambda kind, rank=0: f"ppd-test-{os.getpid()}-launcher-{kind}-{rank}",
         tensor_parallel_size=1,
+        gpu=None,
     )
     launcher = Launcher([unit], client=None)
     launcher.procs[0] = {
@@ -98,6 +99,7 @@ def test_a_unit_that_dies_while_another_restarts_is_failed_at_once_and_restarted
         SimpleNamespace(
             shm_name=lambda kind, rank=0, u=u: f"ppd-test-{os.getpid()}-watch{u}-{kind}-{rank}",
             tensor_parallel_size=1,
+            gpu=None,
         )
         for u in range(2)
     ]

@@ -37,6 +37,8 @@ SMALL = AttentionConfig(
     block_m=16, tile_n=16, num_warps=4, num_stages=2
 )  # many tiles even at test sizes
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Over a minute of Triton's interpreter on 2 cores: started first (tests/conftest.py).
+RUN_FIRST = True
 
 
 # unwritten outputs NaN (tests/conftest.py)

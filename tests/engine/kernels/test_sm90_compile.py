@@ -20,6 +20,9 @@ pytest.importorskip(
 )
 
 ROOT = Path(__file__).resolve().parents[3]
+# About 120 CPU-seconds with CI's empty Triton cache: started first, beside the other tests
+# (tests/conftest.py).
+RUN_FIRST = True
 
 
 def compile_for_sm90(part: str) -> tuple[int, list[str], str]:
