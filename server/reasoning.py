@@ -10,7 +10,9 @@ directly: all of its output is answer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK_START, THINK_END = "<think>", "</think>"
@@ -92,6 +94,27 @@ def whole(text: str, thinking: bool) -> tuple[str | None, str]:
         return None, text
     split = ReasoningSplitter(True).feed(text, final=True)
     return split.reasoning, split.content
+
+
+def reasoning_token_count(tokenizer: Any, token_ids: Sequence[int]) -> int:
+    """How many of an output's tokens are its thinking, `</think>` included (all of them where the
+    thinking never closed): the reasoning_tokens of the Responses API's usage. The tag is one token
+    in Qwen3's and DeepSeek-R1's vocabularies; elsewhere the shortest prefix of the output that
+    decodes to text holding the tag is found by bisection."""
+    end = tokenizer.convert_tokens_to_ids(THINK_END)
+    if isinstance(end, int) and end != tokenizer.unk_token_id and end in token_ids:
+        return list(token_ids).index(end) + 1
+
+    def closed(n: int) -> bool:
+        return THINK_END in tokenizer.decode(token_ids[:n], skip_special_tokens=False)
+
+    if not closed(len(token_ids)):
+        return len(token_ids)
+    low, high = 0, len(token_ids)  # closed(high) holds, closed(low) does not
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if closed(mid) else (mid, high)
+    return high
 
 
 def _partial_tail(text: str, tag: str) -> int:

@@ -26,6 +26,7 @@ from server.conversation import continued_prompt, first_prompt, system_messages
 from server.errors import RequestError, escaped
 from server.output_blocks import Block, BlockEvent, OutputBlocks, blocks_of
 from server.protocol import chat_request_as
+from server.reasoning import reasoning_token_count
 from server.request_path import Generation, RequestPath
 from server.request_types import Choice, Event, Prompt
 from server.response_store import ResponseStore, StoredResponse
@@ -113,7 +114,7 @@ def add_responses_routes(app: FastAPI, path: RequestPath, store: ResponseStore) 
                 f"the chat template rejected the conversation: {exc}", param="input"
             ) from exc
         gen = await path.start(chat, Prompt(prompt_ids), request)
-        run = ResponseRun(new_id("resp"), body, model.name, gen)
+        run = ResponseRun(new_id("resp"), body, model.name, gen, model.tokenizer)
         if body.store:
             run.save = lambda final: in_store(store.put, run.stored(history, tools, final))
         return await path.respond(gen, request, run, headers)
@@ -126,9 +127,15 @@ class ResponseRun:
     may continue from it as soon as it has it."""
 
     def __init__(
-        self, response_id: str, body: ResponsesRequest, model_name: str, gen: Generation
+        self,
+        response_id: str,
+        body: ResponsesRequest,
+        model_name: str,
+        gen: Generation,
+        tokenizer: Any = None,
     ) -> None:
         self.id, self.body, self.model_name, self.gen = response_id, body, model_name, gen
+        self.tokenizer = tokenizer  # counts a reasoning model's thinking tokens
         self.choice: Choice = gen.choices[0]
         self.created = int(time.time())
         self.blocks: list[Block] = []
@@ -177,6 +184,12 @@ class ResponseRun:
             "status": status,
         }
 
+    def reasoning_tokens(self, blocks: list[Block]) -> int:
+        """The output's thinking tokens, where it had any (--reasoning-parser)."""
+        if self.tokenizer is None or not any(b.kind == "reasoning" for b in blocks):
+            return 0
+        return reasoning_token_count(self.tokenizer, self.choice.token_ids)
+
     @property
     def incomplete(self) -> bool:
         return self.choice.finish_reason == "length"
@@ -206,7 +219,7 @@ class ResponseRun:
                 "input_tokens": num_prompt,
                 "input_tokens_details": {"cached_tokens": c.num_cached},
                 "output_tokens": num_output,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(blocks)},
                 "total_tokens": num_prompt + num_output,
             }
             if self.gen.retention is not None:

@@ -20,7 +20,7 @@ import pytest
 from engine.demo import write_byte_tokenizer
 from server.api import build_app
 from server.engine_client import Delta
-from server.reasoning import ReasoningSplitter, whole
+from server.reasoning import ReasoningSplitter, reasoning_token_count, whole
 from server.request_path import ServedModel
 from server.serve import load_tokenizer
 from tests.server.test_vllm_drop_in import RecordingClient
@@ -198,6 +198,30 @@ def test_responses_api_gives_a_reasoning_item(qwen3_folder: Path) -> None:
     final = next(e for e in events if e.type == "response.completed").response
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text == ANSWER
+    # the byte-level tokenizer: a token a byte, the closing tag's eight included
+    thinking = len(f"{THOUGHT}</think>".encode())
+    assert whole_.usage.output_tokens_details.reasoning_tokens == thinking
+    assert final.usage.output_tokens_details.reasoning_tokens == thinking
+
+
+def test_reasoning_tokens_where_the_closing_tag_is_one_token_or_never_comes(
+    qwen3_folder: Path,
+) -> None:
+    """Qwen3's and DeepSeek-R1's vocabularies have `</think>` as one token: the thinking runs to it.
+    An output that never closes its thinking is all thinking."""
+
+    class OneTokenTag:
+        unk_token_id = 0
+
+        def convert_tokens_to_ids(self, token: str) -> int:
+            return 99 if token == "</think>" else 0
+
+    assert reasoning_token_count(OneTokenTag(), [5, 6, 7, 99, 10, 11]) == 4
+    tokenizer = load_tokenizer(str(qwen3_folder))
+    ids = tokenizer.encode(f"{THOUGHT} and on", add_special_tokens=False)
+    assert reasoning_token_count(tokenizer, ids) == len(ids)
+    ids = tokenizer.encode(f"x</think>{ANSWER}", add_special_tokens=False)
+    assert reasoning_token_count(tokenizer, ids) == len(b"x</think>")
 
 
 def test_messages_api_gives_a_thinking_block(qwen3_folder: Path) -> None:
