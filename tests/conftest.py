@@ -57,10 +57,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         params = getattr(getattr(item, "callspec", None), "params", {})
         if any(all(params.get(k, object()) == v for k, v in case.items()) for case in cases):
             item.add_marker(pytest.mark.slow)
-    # Modules that set RUN_FIRST (minutes of one subprocess's work) run first: pytest-xdist hands
-    # out whole files in the order they are collected, and one started last would run alone at the
-    # end while the other test process idles.
-    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "RUN_FIRST", False))
+    # The heaviest files first, the quick ones last, so that the two test processes end together:
+    # pytest-xdist hands out whole files in this order (with --no-loadscope-reorder, which the
+    # README's command gives; it would otherwise order them by their number of tests), and a file of
+    # a minute started last runs alone at the end. First the modules that set RUN_FIRST (a minute
+    # or more of one subprocess's work, or of Triton's interpreter), then those that start servers.
+    items.sort(key=lambda item: RUN_ORDER.index(cost_class(item)))
+
+
+RUN_ORDER = ("heavy", "servers", "quick")
+
+
+def cost_class(item: pytest.Item) -> str:
+    if getattr(getattr(item, "module", None), "RUN_FIRST", False):
+        return "heavy"
+    return "servers" if "start_server" in getattr(item, "fixturenames", ()) else "quick"
 
 
 @pytest.fixture
