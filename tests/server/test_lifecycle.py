@@ -192,7 +192,7 @@ def test_sigterm_to_every_process_drains_then_stops_everything(server: ServerPro
 
     def stream() -> str | None:
         with httpx.stream(
-            "POST", server.url + CHAT, json=body("drain me", 64, stream=True), timeout=60
+            "POST", server.url + CHAT, json=body("drain me", 200, stream=True), timeout=60
         ) as resp:
             finish = None
             for line in resp.iter_lines():
@@ -210,7 +210,7 @@ def test_sigterm_to_every_process_drains_then_stops_everything(server: ServerPro
         )
         for pid in [server.proc.pid, *parents, *pids]:
             os.kill(pid, signal.SIGTERM)
-        assert answer.result(timeout=60) == "length"  # all 64 tokens, not cut short
+        assert answer.result(timeout=60) == "length"  # all 200 tokens, not cut short
     # uvicorn shuts down gracefully, then re-raises the signal it caught, so the exit status is
     # SIGTERM's.
     assert server.stop() in (0, -signal.SIGTERM)
