@@ -38,12 +38,13 @@ def test_ppd_cpu_isa_avx2_hides_avx512_and_amx(monkeypatch: pytest.MonkeyPatch) 
         cpu_isa.isa()
 
 
-def stand_in_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A compiler that records its arguments (in the file returned) and writes empty files."""
+def stand_in_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seconds: float = 0) -> Path:
+    """A compiler that records its arguments (in the file returned), takes `seconds` a call and
+    writes empty files."""
     cc, calls = tmp_path / "cc", tmp_path / "calls"
     cc.write_text(
-        f'#!/bin/sh\necho "$@" >> {calls}\nwhile [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; '
-        "shift; done\n"
+        f'#!/bin/sh\necho "$@" >> {calls}\nsleep {seconds}\n'
+        'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n'
     )
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))

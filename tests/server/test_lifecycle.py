@@ -177,8 +177,18 @@ def test_killed_worker_fails_requests_fast_and_unit_restarts(
     )  # a whole answer
 
 
+def proc_stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name: state, parent pid, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def parent_pid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return int(proc_stat(pid)[1])
+
+
+def exited(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet."""
+    return not Path(f"/proc/{pid}").exists() or proc_stat(pid)[0] == "Z"
 
 
 def test_sigterm_to_every_process_drains_then_stops_everything(server: ServerProcess) -> None:
@@ -216,14 +226,7 @@ def test_sigterm_to_every_process_drains_then_stops_everything(server: ServerPro
     assert server.stop() in (0, -signal.SIGTERM)
     assert "Application shutdown complete" in server.log_path.read_text()
     for pid in [*pids, *parents]:
-        wait_until(
-            lambda: (
-                not Path(f"/proc/{pid}").exists()
-                or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-            ),
-            10,
-            f"worker {pid} to exit",
-        )
+        wait_until(lambda: exited(pid), 10, f"worker {pid} to exit")
     assert not list(Path("/dev/shm").glob(f"ppd-{server.proc.pid}-*"))
 
 
@@ -237,12 +240,5 @@ def test_a_killed_launcher_takes_every_worker_with_it(start_server) -> None:
     assert len(others) == 3
     server.proc.kill()
     server.proc.wait()
-
-    def gone(pid: int) -> bool:
-        return (
-            not Path(f"/proc/{pid}").exists()
-            or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-        )
-
     for pid in others:
-        wait_until(lambda: gone(pid), 10, f"process {pid} to exit after its launcher")
+        wait_until(lambda: exited(pid), 10, f"process {pid} to exit after its launcher")
